@@ -1,0 +1,3 @@
+from specdraft.cli import main
+
+raise SystemExit(main())

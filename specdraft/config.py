@@ -1,0 +1,207 @@
+"""The run configuration: a typed schema, YAML files plus dotted `key=value` overrides.
+
+Training keys are top level (as in LongSpec's flat config); draft-specific ones sit under `draft.`.
+Everything is validated here, once, so the rest of the code can trust the values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from specdraft.errors import SpecdraftError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DRAFT_TYPES = ("glide",)
+
+
+@dataclass
+class DraftConfig:
+    type: str = "glide"  # which draft architecture to train
+    sliding_window: int = 512  # draft self-attention sees at most this many past positions
+    max_lag: int = 4  # per batch a lag p in [1, max_lag]: query t sees target K/V at <= t - p
+    final_norm: bool = False  # LongSpec feeds the draft output straight into lm_head
+    anchor_offset: bool = False  # Anchor-Offset position ids (long-context from short samples)
+    max_sink_tokens: int = 4  # anchor positions kept at 0..s-1, s in [0, max_sink_tokens]
+    max_position_offset: int = 30000  # the rest shifted by a random offset up to this
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None  # None: W&B off
+    mode: str = "offline"  # offline needs no network; "online" syncs
+    run_name: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    target: str = "???"  # local HF directory of the frozen target (weights + tokenizer)
+    data_files: Any = "???"  # jsonl / parquet: a path, a glob or a list of them
+    eval_prompts: Optional[str] = None  # jsonl of prompts for tau every eval_steps
+    data_cache_dir: Optional[str] = None  # tokenised + packed data; default $SPECDRAFT_HOME/data
+    max_seq_length: int = 512  # tokens per packed training sequence
+    per_device_batch_size: int = 2  # sequences per rank per micro step
+    gradient_accumulation_steps: int = 1  # micro steps per optimizer step
+    learning_rate: float = 5e-4
+    weight_decay: float = 0.1  # applied to matrices only, never to norms
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-6
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    num_train_epochs: int = 1  # used when max_steps < 0
+    max_steps: int = -1  # optimizer steps; overrides num_train_epochs when > 0
+    warmup_proportion: float = 0.1  # linear warmup over this share of the steps ...
+    warmup_steps: int = -1  # ... unless given in steps here
+    min_lr_ratio: float = 0.0  # cosine decays to learning_rate * min_lr_ratio
+    logging_steps: int = 10  # metrics.jsonl / TensorBoard / progress bar every N steps
+    save_steps: int = 200  # checkpoint + draft export every N steps (and at the end)
+    eval_steps: int = -1  # tau on eval_prompts every N steps; <= 0 disables
+    keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
+    resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
+    seed: int = 42
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
+    loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (bounds the logits memory)
+    output_dir: str = "runs/default"
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
+    """Schema defaults <- YAML file <- `key=value` overrides, validated; raises SpecdraftError."""
+    schema = OmegaConf.structured(TrainConfig)
+    layers = [schema]
+    if path is not None:
+        layers.append(_read_yaml(path))
+    layers.append(_parse_overrides(overrides))
+    source = path or "command line"
+    try:
+        cfg = OmegaConf.merge(*layers)
+    except ConfigKeyError as err:
+        raise SpecdraftError(f"{source}: {_unknown_key_message(err)}") from None
+    except ValidationError as err:
+        raise SpecdraftError(f"{source}: {_validation_message(err)}") from None
+    except OmegaConfBaseException as err:
+        raise SpecdraftError(f"{source}: {str(err).splitlines()[0]}") from None
+    _validate(cfg, source)
+    return cfg
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise SpecdraftError(f"{path}: config file not found")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # yaml's parser errors have many types; all mean "not valid YAML"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SpecdraftError(f"{path}: not valid YAML: {first}") from None
+    if not isinstance(loaded, DictConfig):
+        raise SpecdraftError(f"{path}: expected a mapping of config keys at the top level")
+    return loaded
+
+
+def _parse_overrides(overrides: List[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise SpecdraftError(f"override '{item}': expected key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise SpecdraftError(f"overrides: {str(err).splitlines()[0]}") from None
+
+
+def _all_keys(node: DictConfig, prefix: str = "") -> List[str]:
+    keys = []
+    for key in node.keys():
+        dotted = f"{prefix}{key}"
+        keys.append(dotted)
+        child = OmegaConf.select(node, str(key), throw_on_missing=False)
+        if isinstance(child, DictConfig):
+            keys.extend(_all_keys(child, dotted + "."))
+    return keys
+
+
+def _unknown_key_message(err: ConfigKeyError) -> str:
+    key = err.full_key or str(getattr(err, "key", ""))
+    known = _all_keys(OmegaConf.structured(TrainConfig))
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown key '{key}'{hint}"
+
+
+def _validation_message(err: ValidationError) -> str:
+    expected = err.ref_type.__name__ if isinstance(err.ref_type, type) else str(err.ref_type)
+    return f"key '{err.full_key}': value {err.value!r} is not of type {expected}"
+
+
+def _validate(cfg: DictConfig, source: str) -> None:
+    def fail(key: str, why: str) -> None:
+        raise SpecdraftError(f"{source}: key '{key}': {why}")
+
+    for key in ("target", "data_files"):
+        if OmegaConf.is_missing(cfg, key):
+            fail(key, "is required")
+    if cfg.precision not in PRECISIONS:
+        fail("precision", f"{cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        fail("zero_stage", f"{cfg.zero_stage} is not one of 0, 1, 2, 3")
+    if cfg.draft.type not in DRAFT_TYPES:
+        fail("draft.type", f"{cfg.draft.type!r} is not one of {', '.join(DRAFT_TYPES)}")
+    for key in ("max_seq_length", "per_device_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "save_steps", "keep_last", "loss_chunk_size",
+                "draft.sliding_window", "draft.max_lag"):
+        if OmegaConf.select(cfg, key) < 1:
+            fail(key, f"must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.max_steps <= 0 and cfg.num_train_epochs < 1:
+        fail("num_train_epochs", "must be >= 1 when max_steps is not set")
+    if not 0.0 <= cfg.warmup_proportion < 1.0:
+        fail("warmup_proportion", f"must be in [0, 1), got {cfg.warmup_proportion}")
+    if cfg.learning_rate <= 0:
+        fail("learning_rate", f"must be > 0, got {cfg.learning_rate}")
+    if cfg.draft.max_lag >= cfg.max_seq_length:
+        fail("draft.max_lag", f"must be < max_seq_length ({cfg.max_seq_length})")
+    if not os.path.isdir(cfg.target):
+        fail("target", f"directory not found: {cfg.target}")
+    resolve_data_files(cfg.data_files, source)
+    if cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
+        fail("eval_prompts", f"file not found: {cfg.eval_prompts}")
+
+
+def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
+    """A path, a glob or a list of them -> sorted unique existing files; a miss is an error."""
+    items = list(spec) if OmegaConf.is_list(spec) or isinstance(spec, (list, tuple)) else [spec]
+    files: List[str] = []
+    for item in items:
+        item = str(item)
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise SpecdraftError(f"{source}: key 'data_files': no file matches {item}")
+        files.extend(matches)
+    return list(dict.fromkeys(files))
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """Identity of what a checkpoint depends on: target, draft architecture and data layout."""
+    identity = {
+        "target": os.path.abspath(cfg.target),
+        "draft": OmegaConf.to_container(cfg.draft),
+        "max_seq_length": cfg.max_seq_length,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_config(cfg: DictConfig, path: Path) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    OmegaConf.save(cfg, tmp, resolve=True)
+    os.replace(tmp, path)

@@ -1,0 +1,119 @@
+"""Tokenise conversations once into a packed, memory-mapped cache shared by every rank.
+
+One builder (rank 0) streams the files, tokenises with the target's chat template and appends
+token ids and loss masks to flat binary files; sequences are the stream cut into max_seq_length
+windows (the tail shorter than one window is dropped). Every rank then memory-maps the result, so
+no rank ever holds a data file in RAM. The cache directory name is a hash of the inputs; it is
+built in a temp directory and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List
+
+import numpy as np
+import torch
+
+from specdraft.data.chat import tokenize_conversation
+from specdraft.data.sources import iter_conversations
+from specdraft.errors import SpecdraftError
+
+CACHE_FORMAT = 1
+TOKEN_DTYPE = np.uint32
+FLUSH_TOKENS = 1 << 20  # write to disk every ~1M tokens: bounded builder memory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class PackedData:
+    tokens: np.ndarray  # (N, L) uint32 memmap
+    loss_mask: np.ndarray  # (N, L) uint8 memmap: 1 = assistant token (a label)
+    meta: dict
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def batch(self, indices) -> dict:
+        rows = np.asarray(indices)
+        ids = torch.from_numpy(self.tokens[rows].astype(np.int64))
+        mask = torch.from_numpy(self.loss_mask[rows].astype(np.int64))
+        return {"input_ids": ids, "loss_mask": mask}
+
+
+def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int) -> str:
+    digest = hashlib.sha256(f"format={CACHE_FORMAT};L={max_seq_length}".encode())
+    for path in files:
+        stat = os.stat(path)
+        digest.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    for name in TOKENIZER_FILES:
+        candidate = Path(tokenizer_dir) / name
+        if candidate.is_file():
+            digest.update(candidate.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir: Path,
+                       log: Callable[[str], None] = print) -> None:
+    """Stream every conversation into out_dir (created atomically); no-op if it already exists."""
+    out_dir = Path(out_dir)
+    if (out_dir / "meta.json").is_file():
+        return
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        stats = _stream_tokens(files, tokenizer, tmp)
+        sequences = stats["tokens"] // max_seq_length
+        if sequences == 0:
+            raise SpecdraftError(f"data_files: only {stats['tokens']} tokens in total, fewer than "
+                                 f"max_seq_length={max_seq_length}")
+        if stats["assistant_tokens"] == 0:
+            raise SpecdraftError("data_files: no assistant tokens found (nothing to learn from)")
+        meta = dict(stats, sequences=sequences, max_seq_length=max_seq_length, files=files,
+                    format=CACHE_FORMAT)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, out_dir)
+        log(f"data: {stats['conversations']} conversations, {stats['tokens']} tokens "
+            f"({stats['assistant_tokens']} assistant) -> {sequences} sequences of {max_seq_length}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stream_tokens(files, tokenizer, out: Path) -> dict:
+    stats = {"conversations": 0, "tokens": 0, "assistant_tokens": 0}
+    ids_buf: List[int] = []
+    mask_buf: List[int] = []
+    with open(out / "tokens.bin", "wb") as ids_file, open(out / "loss_mask.bin", "wb") as mask_file:
+        def flush():
+            np.asarray(ids_buf, dtype=TOKEN_DTYPE).tofile(ids_file)
+            np.asarray(mask_buf, dtype=np.uint8).tofile(mask_file)
+            ids_buf.clear()
+            mask_buf.clear()
+
+        for where, messages in iter_conversations(files):
+            ids, mask = tokenize_conversation(tokenizer, messages, where)
+            ids_buf.extend(ids)
+            mask_buf.extend(mask)
+            stats["conversations"] += 1
+            stats["tokens"] += len(ids)
+            stats["assistant_tokens"] += sum(mask)
+            if len(ids_buf) >= FLUSH_TOKENS:
+                flush()
+        flush()
+    return stats
+
+
+def open_packed_cache(cache_dir: Path) -> PackedData:
+    cache_dir = Path(cache_dir)
+    meta = json.loads((cache_dir / "meta.json").read_text())
+    shape = (meta["sequences"], meta["max_seq_length"])
+    count = shape[0] * shape[1]  # the files may hold a partial tail window: map only whole ones
+    tokens = np.memmap(cache_dir / "tokens.bin", dtype=TOKEN_DTYPE, mode="r", shape=(count,)).reshape(shape)
+    mask = np.memmap(cache_dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(count,)).reshape(shape)
+    return PackedData(tokens=tokens, loss_mask=mask, meta=meta)

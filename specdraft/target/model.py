@@ -1,0 +1,49 @@
+"""The frozen target: loaded once with transformers, never trained, run under no_grad."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from specdraft.drafts.base import TargetFeatures
+from specdraft.errors import SpecdraftError
+
+# Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
+# drafts read. Others may work but are not tested.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_target_config(target_dir: str):
+    if not os.path.isfile(os.path.join(target_dir, "config.json")):
+        raise SpecdraftError(f"{target_dir}: no config.json (not a Hugging Face model directory)")
+    config = AutoConfig.from_pretrained(target_dir)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise SpecdraftError(f"{target_dir}/config.json: model_type '{config.model_type}' is not "
+                             f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return config
+
+
+def load_frozen_target(target_dir: str, precision: str = "fp32") -> nn.Module:
+    """AutoModelForCausalLM from a local directory, every parameter requires_grad=False."""
+    load_target_config(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[precision])
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def target_features(base_model: nn.Module, input_ids: torch.Tensor,
+                    position_ids: torch.Tensor) -> TargetFeatures:
+    """One target pass over (B, T) tokens -> what drafts read (embeddings, RoPE, last-layer K/V)."""
+    embeds = base_model.embed_tokens(input_ids)
+    cache = DynamicCache(config=base_model.config)
+    base_model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    cos, sin = base_model.rotary_emb(embeds, position_ids)
+    last = cache.layers[-1]
+    return TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, last_keys=last.keys, last_values=last.values)

@@ -1,0 +1,105 @@
+"""Process group start-up, and the DeepSpeed config + engine built from our config."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Tuple
+
+import torch
+from omegaconf import DictConfig
+
+from specdraft.train.model import TargetWithDraft
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Tuple[int, int]:
+    """Join (or, run without a launcher, create) the process group; returns (rank, world_size)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:  # plain `python -m specdraft`: a world of one, no MPI discovery
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed's shared-memory allreduce compiles a C++ op for ~40 s on first use; gloo alone
+        # is plenty for a draft's gradients on CPU.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__ = {}
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    return dist.get_rank(), dist.get_world_size()
+
+
+def close_distributed() -> None:
+    """Barrier + destroy: without it a 2-rank gloo run can abort at interpreter teardown."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else int(cfg.warmup_proportion * total_steps)
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: nothing to compile (FusedAdam / CPUAdam build for ~60 s on first use)
+            "params": {"lr": cfg.learning_rate, "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                       "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "torch_adam": True},
+        },
+        # Built by deepspeed.initialize, so save/load_checkpoint carry its state.
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": max(warmup, 1),
+                       "warmup_type": "linear", "warmup_min_ratio": 0.0,
+                       "cos_min_ratio": cfg.min_lr_ratio},
+        },
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16"},
+        "steps_per_print": 1 << 30,  # our own logging; keep DeepSpeed's quiet
+        "wall_clock_breakdown": False,
+    }
+    if cfg.max_grad_norm > 0:
+        config["gradient_clipping"] = cfg.max_grad_norm
+    return config
+
+
+def optimizer_groups(model: TargetWithDraft, weight_decay: float) -> list:
+    """Only the draft is handed to the optimizer; norms (1-D weights) get no weight decay."""
+    decay, no_decay = [], []
+    for param in model.draft_model.parameters():
+        (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int):
+    import deepspeed
+
+    if cfg.zero_stage == 3:
+        model.register_external_parameters_for_zero3()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=optimizer_groups(model, cfg.weight_decay),
+        config=deepspeed_config(cfg, total_steps),
+    )
+    return engine
+
+
+def draft_parameter_count(model: TargetWithDraft) -> int:
+    return sum(_numel(p) for p in model.draft_model.parameters())
+
+
+def _numel(param: torch.nn.Parameter) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel

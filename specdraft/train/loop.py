@@ -1,0 +1,225 @@
+"""train() and forward_step(): the DeepSpeed training loop, readable top to bottom.
+
+    batch -> target features (no_grad) -> draft loss -> engine.backward / engine.step
+          -> maybe log / eval / save        (the last step goes through the same save path)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from specdraft.config import resolve_data_files, save_config
+from specdraft.data.packing import PackedData, build_packed_cache, cache_key, open_packed_cache
+from specdraft.data.sampler import ShardedBatchSampler
+from specdraft.drafts import DraftLoss, build_draft
+from specdraft.paths import specdraft_home
+from specdraft.target.model import load_frozen_target
+from specdraft.train.engine import build_engine, close_distributed, draft_parameter_count, init_distributed
+from specdraft.train.export import gather_draft_state_dict, write_pth
+from specdraft.train.metrics import MetricsLogger
+from specdraft.train.model import TargetWithDraft
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    samples_seen: int = 0  # sequences consumed, all ranks
+    tokens_seen: int = 0  # tokens fed to the target, all ranks
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks
+    tokens_per_second: float = 0.0
+    export_dir: Optional[Path] = None
+    run_dir: Optional[Path] = None
+
+
+def train(cfg: DictConfig, log=print) -> TrainResult:
+    rank, world_size = init_distributed()
+    try:
+        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None))
+    finally:
+        close_distributed()
+
+
+def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
+    import torch.distributed as dist
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    # -- setup -------------------------------------------------------------------------------
+    seed_everything(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    data = prepare_data(cfg, tokenizer, rank, log)
+    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed)
+    total_steps = planned_steps(cfg, sampler)
+
+    target = load_frozen_target(cfg.target, cfg.precision)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
+    engine = build_engine(cfg, model, total_steps)
+    state = TrainState()
+    log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
+        f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
+        f"ZeRO-{cfg.zero_stage}, {cfg.precision}, {world_size} rank(s)")
+
+    metrics = MetricsLogger(run_dir, cfg, enabled=rank == 0)
+    progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
+    result = TrainResult(steps=total_steps, run_dir=run_dir)
+    window = LossWindow()
+    started = time.perf_counter()
+    start_step = state.step
+
+    # -- loop --------------------------------------------------------------------------------
+    while state.step < total_steps:
+        for micro in range(cfg.gradient_accumulation_steps):
+            batch = data.batch(sampler.next_batch())
+            options = engine.module.draft_model.sample_batch_options(
+                batch_generator(cfg.seed, state.step, micro, rank), cfg.max_seq_length)
+            out = forward_step(engine, batch, options)
+            window.add(out)
+            state.samples_seen += cfg.per_device_batch_size * world_size
+            state.tokens_seen += batch["input_ids"].numel() * world_size
+        state.step += 1
+        step_loss = window.reduce_step(dist)
+        result.losses.append(step_loss)
+        progress.update(1)
+        last = state.step == total_steps
+
+        if state.step % cfg.logging_steps == 0 or last:
+            elapsed = time.perf_counter() - started
+            values = window.reduce_log(dist)
+            values.update(lr=engine.get_lr()[0], tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
+                          samples_seen=state.samples_seen)
+            metrics.log(state.step, values)
+            progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
+
+        if state.step % cfg.save_steps == 0 or last:
+            result.export_dir = save_draft(engine, run_dir, state.step, rank)
+
+    # -- summary -----------------------------------------------------------------------------
+    progress.close()
+    metrics.close()
+    elapsed = time.perf_counter() - started
+    result.tokens_per_second = _rate(state, start_step, cfg, world_size, elapsed)
+    if result.losses:
+        log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
+            f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
+    return result
+
+
+def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
+    """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
+    updates at the gradient-accumulation boundary)."""
+    out: DraftLoss = engine(batch["input_ids"].to(engine.device), batch["loss_mask"].to(engine.device),
+                            **options)
+    engine.backward(out.loss)
+    engine.step()
+    return out
+
+
+def save_draft(engine, run_dir: Path, step: int, rank: int) -> Path:
+    state_dict = gather_draft_state_dict(engine)
+    out_dir = run_dir / f"step_{step}"
+    if rank == 0:
+        write_pth(state_dict, out_dir)
+    return out_dir
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
+    """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
+    import torch.distributed as dist
+
+    files = resolve_data_files(cfg.data_files)
+    root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else specdraft_home() / "data"
+    cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length)
+    error = None
+    if rank == 0:
+        try:
+            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log)
+        except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
+            error = err
+    failed = _any_rank(error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise SystemExit(2)  # rank 0 reports the data error
+    return open_packed_cache(cache_dir)
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value)
+    return bool(value.item())
+
+
+def planned_steps(cfg: DictConfig, sampler: ShardedBatchSampler) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return max(1, cfg.num_train_epochs * sampler.batches_per_epoch // cfg.gradient_accumulation_steps)
+
+
+def batch_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
+    """Per-batch randomness (lag, position offsets) from a pure function of where we are:
+    nothing to save for exact resume."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_007 + micro * 101 + rank)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, elapsed: float) -> float:
+    steps = state.step - start_step
+    tokens = steps * cfg.gradient_accumulation_steps * cfg.per_device_batch_size * cfg.max_seq_length * world_size
+    return tokens / max(elapsed, 1e-9)
+
+
+class LossWindow:
+    """Token-weighted loss / accuracy sums, reduced across ranks per step and per log window."""
+
+    def __init__(self):
+        self.step_sum = self.step_tokens = 0.0
+        self.log_sum = self.log_tokens = self.log_correct = 0.0
+
+    def add(self, out: DraftLoss) -> None:
+        self.step_sum += float(out.loss.detach()) * out.tokens
+        self.step_tokens += out.tokens
+        self.log_correct += out.correct
+
+    def reduce_step(self, dist) -> float:
+        totals = torch.tensor([self.step_sum, self.step_tokens], dtype=torch.float64)
+        dist.all_reduce(totals)
+        self.log_sum += float(totals[0])
+        self.log_tokens += float(totals[1])
+        self.step_sum = self.step_tokens = 0.0
+        return float(totals[0] / max(totals[1], 1.0))
+
+    def reduce_log(self, dist) -> dict:
+        correct = torch.tensor([self.log_correct], dtype=torch.float64)
+        dist.all_reduce(correct)
+        tokens = max(self.log_tokens, 1.0)
+        values = {"loss": self.log_sum / tokens, "accuracy": float(correct[0]) / tokens,
+                  "perplexity": math.exp(min(self.log_sum / tokens, 50.0))}
+        self.log_sum = self.log_tokens = self.log_correct = 0.0
+        return values
