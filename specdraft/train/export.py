@@ -2,20 +2,28 @@
 
 step_<N>/
   draft_model_weights.pth    state dict, `draft_model.` prefix stripped (LongSpec's layout)
+  model.safetensors          the same tensors
+  config.json                what rebuilds the draft: architecture, dims, target path + hash
+  tokenizer files, training_config.yaml
+The directory is written under a temp name and renamed: it exists whole or not at all.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from specdraft import __version__
+from specdraft.config import config_hash
+from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME
 from specdraft.train.model import DRAFT_PREFIX
-
-PTH_NAME = "draft_model_weights.pth"
 
 
 def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX) -> "OrderedDict[str, torch.Tensor]":
@@ -43,12 +51,37 @@ def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
     return dict(extract_and_rename(named))
 
 
-def write_pth(state_dict: Dict[str, torch.Tensor], out_dir: Path) -> Path:
-    """Write atomically: a crash leaves the previous file or none, never half of one."""
+def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
+                       tokenizer=None, formats=("pth", "safetensors")) -> Path:
+    """Write a complete draft export directory atomically (rank 0 only)."""
+    from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / PTH_NAME
-    tmp = path.with_suffix(".pth.tmp")
-    torch.save(state_dict, tmp)
-    os.replace(tmp, path)
-    return path
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # save_file refuses tensors sharing memory: give each its own contiguous storage
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    if "pth" in formats:
+        torch.save(tensors, tmp / PTH_NAME)
+    if "safetensors" in formats:
+        save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+    description = dict(draft.export_config(), specdraft_version=__version__,
+                       target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
+                       dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))
+    (tmp / CONFIG_NAME).write_text(json.dumps(description, indent=2))
+    OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    _fsync_tree(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())

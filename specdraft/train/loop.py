@@ -24,7 +24,7 @@ from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.engine import build_engine, close_distributed, draft_parameter_count, init_distributed
-from specdraft.train.export import gather_draft_state_dict, write_pth
+from specdraft.train.export import gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 
@@ -109,7 +109,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if state.step % cfg.save_steps == 0 or last:
-            result.export_dir = save_draft(engine, run_dir, state.step, rank)
+            result.export_dir = save_draft(engine, cfg, tokenizer, run_dir, state.step, rank)
 
     # -- summary -----------------------------------------------------------------------------
     progress.close()
@@ -132,11 +132,11 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     return out
 
 
-def save_draft(engine, run_dir: Path, step: int, rank: int) -> Path:
+def save_draft(engine, cfg, tokenizer, run_dir: Path, step: int, rank: int) -> Path:
     state_dict = gather_draft_state_dict(engine)
     out_dir = run_dir / f"step_{step}"
     if rank == 0:
-        write_pth(state_dict, out_dir)
+        write_draft_export(out_dir, state_dict, engine.module.draft_model, cfg, tokenizer)
     return out_dir
 
 
