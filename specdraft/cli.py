@@ -1,8 +1,147 @@
+"""`specdraft train|demo|inspect|export|consolidate|eval`.
+
+A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
+Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import sys
-def main(argv=None):
+from typing import List, Optional
+
+from specdraft.errors import SpecdraftError
+
+EXIT_USER_ERROR = 2
+
+
+def _cmd_train(args) -> int:
     from specdraft.config import load_config
     from specdraft.train.loop import train
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(argv[1], argv[2:])
+
+    cfg = load_config(args.config, args.overrides)
     train(cfg)
     return 0
+
+
+def _cmd_demo(args) -> int:
+    from specdraft.config import DEMO_CONFIG, load_config
+    from specdraft.demo import ensure_demo_assets
+    from specdraft.train.loop import train
+
+    target_dir, data = ensure_demo_assets(preset=args.preset)
+    overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
+                 f"eval_prompts={data.prompts_file}", *args.overrides]
+    cfg = load_config(args.config or str(DEMO_CONFIG), overrides)
+    train(cfg)
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from specdraft.target.weights import describe_target, format_target_description
+
+    description = describe_target(args.target_dir)
+    print(json.dumps(description, indent=2, default=str) if args.json else format_target_description(description))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from specdraft.train.checkpoint import export_from_run
+
+    out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out)
+    print(f"draft exported to {out}")
+    return 0
+
+
+def _cmd_consolidate(args) -> int:
+    from specdraft.train.checkpoint import consolidate_run
+
+    out = consolidate_run(args.run_dir, slot=args.slot)
+    print(f"fp32 draft weights written to {out}")
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    from specdraft.decode.evaluate import evaluate, format_report
+
+    tree = [int(w) for w in args.tree.split(",")] if args.tree else None
+    report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      max_prompts=args.max_prompts, plot_path=args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+
+    class Commands:
+        @staticmethod
+        def add_parser(name, **kwargs):
+            return subparsers.add_parser(name, parents=[common], **kwargs)
+
+    commands = Commands()
+
+    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
+    p.set_defaults(run=_cmd_train)
+
+    p = commands.add_parser("demo", help="build the offline demo target + data, then train a GLIDE draft")
+    p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    p.add_argument("--config", default=None, help="default: the packaged configs/demo.yaml")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(run=_cmd_demo)
+
+    p = commands.add_parser("inspect", help="describe a target checkpoint without loading it")
+    p.add_argument("target_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_cmd_inspect)
+
+    p = commands.add_parser("export", help="write a draft-only export from a run's checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, default=None, help="default: the newest committed checkpoint")
+    p.add_argument("--format", default="safetensors", choices=["pth", "safetensors"])
+    p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
+    p.set_defaults(run=_cmd_export)
+
+    p = commands.add_parser("consolidate", help="fp32 draft weights from a ZeRO checkpoint slot")
+    p.add_argument("run_dir")
+    p.add_argument("--slot", default=None, help="default: the newest committed slot")
+    p.set_defaults(run=_cmd_consolidate)
+
+    p = commands.add_parser("eval", help="mean accepted length (tau) and speedup of a draft")
+    p.add_argument("path", help="a run directory (its newest draft) or a draft export directory")
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--method", default="draft", choices=["draft", "prompt_lookup"])
+    p.add_argument("--gamma", type=int, default=5)
+    p.add_argument("--tree", default=None, help="tree widths per depth, e.g. 4,16,16,16,16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--plot", default=None, help="PNG of acceptance per draft position")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_cmd_eval)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.run(args)
+    except SpecdraftError as err:
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same mistake: say it once
+            print(f"specdraft: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

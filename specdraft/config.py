@@ -6,11 +6,13 @@ Everything is validated here, once, so the rest of the code can trust the values
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import glob
 import hashlib
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -19,6 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from specdraft.errors import SpecdraftError
+from specdraft.paths import specdraft_home
+
+# `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
+if not OmegaConf.has_resolver("specdraft_home"):
+    OmegaConf.register_resolver("specdraft_home", lambda: str(specdraft_home()))
+
+DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DRAFT_TYPES = ("glide",)
@@ -139,8 +148,12 @@ def _unknown_key_message(err: ConfigKeyError) -> str:
 
 
 def _validation_message(err: ValidationError) -> str:
-    expected = err.ref_type.__name__ if isinstance(err.ref_type, type) else str(err.ref_type)
-    return f"key '{err.full_key}': value {err.value!r} is not of type {expected}"
+    schema_type = TrainConfig
+    for part in str(err.full_key).split("."):
+        hints = typing.get_type_hints(schema_type) if dataclasses.is_dataclass(schema_type) else {}
+        schema_type = hints.get(part)
+    expected = getattr(schema_type, "__name__", None) or str(schema_type).replace("typing.", "")
+    return f"key '{err.full_key}': value {err.value!r} is not a valid {expected}"
 
 
 def _validate(cfg: DictConfig, source: str) -> None:

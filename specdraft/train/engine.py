@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from typing import Tuple
@@ -35,6 +36,9 @@ def init_distributed() -> Tuple[int, int]:
         deepspeed.ops.__compatible_ops__ = {}
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        # One group per process: DeepSpeed caches its groups, so a destroyed group cannot be
+        # re-created in the same process. It is torn down once, at exit.
+        atexit.register(close_distributed)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -23,7 +23,7 @@ from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
-from specdraft.train.engine import build_engine, close_distributed, draft_parameter_count, init_distributed
+from specdraft.train.engine import build_engine, draft_parameter_count, init_distributed
 from specdraft.train.export import gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -47,10 +47,7 @@ class TrainResult:
 
 def train(cfg: DictConfig, log=print) -> TrainResult:
     rank, world_size = init_distributed()
-    try:
-        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None))
-    finally:
-        close_distributed()
+    return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None))
 
 
 def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:

@@ -1,0 +1,139 @@
+"""GLIDE draft: what each query may see, the chunked loss, and no dead parameters."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft.config import DraftConfig
+from specdraft.drafts import build_draft
+from specdraft.drafts.glide import SlidingWindowCache
+from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.target.model import target_features
+from specdraft.train.model import TargetWithDraft
+
+T = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def make_draft(target, window=6, max_lag=4):
+    cfg = OmegaConf.structured(DraftConfig(sliding_window=window, max_lag=max_lag))
+    draft = build_draft(cfg, target.config)
+    with torch.no_grad():  # non-trivial norms so every path carries signal
+        for p in draft.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return draft
+
+
+def draft_outputs(draft, feats, lag):
+    index = torch.arange(T)
+    return draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
+                 cross_limit=index - lag, index=index)
+
+
+def features(target, ids):
+    return target_features(target.model, ids, torch.arange(ids.shape[1])[None])
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_future_tokens_never_change_the_output(target, lag):
+    draft = make_draft(target)
+    ids = torch.randint(0, 128, (1, T))
+    base = draft_outputs(draft, features(target, ids), lag)
+    for t in (5, 12, T - 2):
+        changed = ids.clone()
+        changed[0, t + 1:] = (changed[0, t + 1:] + 7) % 128
+        out = draft_outputs(draft, features(target, changed), lag)
+        torch.testing.assert_close(out[0, :t + 1], base[0, :t + 1], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[0, t + 1:], base[0, t + 1:])  # the perturbation is real
+
+
+@pytest.mark.parametrize("lag", [1, 2, 4])
+def test_target_kv_beyond_t_minus_lag_is_invisible(target, lag):
+    draft = make_draft(target, window=T)
+    feats = features(target, torch.randint(0, 128, (1, T)))
+    base = draft_outputs(draft, feats, lag)
+    for t in (lag, 10, T - 1):
+        keys, values = feats.last_keys.clone(), feats.last_values.clone()
+        keys[:, :, t - lag + 1:] += torch.randn_like(keys[:, :, t - lag + 1:])
+        values[:, :, t - lag + 1:] += torch.randn_like(values[:, :, t - lag + 1:])
+        index = torch.arange(T)
+        out = draft(feats.input_embeds, feats.cos, feats.sin, keys, values, index - lag, index)
+        torch.testing.assert_close(out[0, t], base[0, t], rtol=0, atol=1e-6)
+        if t < T - 1:  # the last query reads up to T-1-lag >= the perturbed start: it does change
+            assert not torch.allclose(out[0, T - 1], base[0, T - 1])
+
+
+def test_self_attention_window_bounds_what_a_query_sees(target):
+    window = 4
+    draft = make_draft(target, window=window)
+    feats = features(target, torch.randint(0, 128, (1, T)))
+    index = torch.arange(T)
+    no_cross = torch.full((T,), -1)  # isolate self-attention: no target context at all
+    base = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
+    t = 15
+    embeds = feats.input_embeds.clone()
+    embeds[0, t - window] += 5.0  # just outside the window of query t
+    out = draft(embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
+    torch.testing.assert_close(out[0, t], base[0, t], rtol=0, atol=1e-6)
+    embeds = feats.input_embeds.clone()
+    embeds[0, t - window + 1] += 5.0  # the oldest position inside it
+    out = draft(embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
+    assert not torch.allclose(out[0, t], base[0, t])
+
+
+def test_incremental_decoding_with_sliding_cache_matches_full_pass(target):
+    window = 5
+    draft = make_draft(target, window=window)
+    feats = features(target, torch.randint(0, 128, (1, T)))
+    index = torch.arange(T)
+    limit = torch.clamp(index - 2, min=-1)
+    full = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, limit, index)
+    cache = SlidingWindowCache(window)
+    for t in range(T):
+        sl = slice(t, t + 1)
+        step = draft(feats.input_embeds[:, sl], feats.cos[:, sl], feats.sin[:, sl], feats.last_keys,
+                     feats.last_values, limit[sl], index[sl], cache=cache)
+        torch.testing.assert_close(step[0, 0], full[0, t], rtol=1e-5, atol=1e-5)
+        assert len(cache) <= window
+
+
+def test_chunked_cross_entropy_equals_full_softmax():
+    torch.manual_seed(1)
+    hidden = torch.randn(53, 32, requires_grad=True)
+    weight = torch.randn(300, 32)
+    labels = torch.randint(0, 300, (53,))
+    loss, correct = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
+    loss.backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ weight.t()
+    reference = F.cross_entropy(logits, labels, reduction="sum")
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, hidden.grad, rtol=1e-4, atol=1e-5)
+    assert int(correct) == int((logits.argmax(-1) == labels).sum())
+
+
+def test_every_draft_parameter_gets_a_gradient_and_target_none(target):
+    draft = make_draft(target)
+    model = TargetWithDraft(target, draft, loss_chunk_size=7)
+    ids = torch.randint(0, 128, (2, T))
+    out = model(ids, torch.ones_like(ids), lag=2)
+    out.loss.backward()
+    dead = [n for n, p in draft.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert dead == []
+    assert all(p.grad is None for p in target.parameters())
+    # lag 2: the first two positions have no target context and leave the loss
+    assert out.tokens == 2 * (T - 1 - 2)
+    assert {k.split(".")[0] for k in model.state_dict()} == {"model", "lm_head", "draft_model"}
+    assert not any(k.startswith("draft_model.") and "embed" in k for k in model.state_dict())
