@@ -184,6 +184,8 @@ def _validate(cfg: DictConfig, source: str) -> None:
         fail("draft.max_lag", f"must be < max_seq_length ({cfg.max_seq_length})")
     if not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
+    if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
+        cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")

@@ -107,3 +107,30 @@ def draft_parameter_count(model: TargetWithDraft) -> int:
 
 def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (failures surface everywhere, no hang)."""
+    import torch.distributed as dist
+
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value)
+    return bool(value.item())
+
+
+def broadcast_error(check, rank: int):
+    """Run `check` on rank 0 only; its result, or its SpecdraftError, reaches every rank."""
+    import torch.distributed as dist
+
+    from specdraft.errors import SpecdraftError
+
+    box = [None, None]
+    if rank == 0:
+        try:
+            box[0] = check()
+        except SpecdraftError as err:
+            box[1] = str(err)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise SpecdraftError(box[1])
+    return box[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,7 +23,8 @@ from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
-from specdraft.train.engine import build_engine, draft_parameter_count, init_distributed
+from specdraft.train.checkpoint import CheckpointManager
+from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, init_distributed
 from specdraft.train.export import gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -58,9 +59,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     # -- setup -------------------------------------------------------------------------------
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+    checkpoints = CheckpointManager(run_dir, cfg, rank, world_size)
+    resume_from = checkpoints.slot_to_resume()  # a bad `resume:` fails before anything is written
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
     sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed)
@@ -70,6 +70,14 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
     engine = build_engine(cfg, model, total_steps)
     state = TrainState()
+    if resume_from is not None:
+        restored = checkpoints.resume(engine, resume_from)
+        state = TrainState(**restored["train_state"])
+        sampler.load_state_dict(restored["sampler"])
+        log(f"resumed from {resume_from} at step {state.step}")
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
     log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
         f"ZeRO-{cfg.zero_stage}, {cfg.precision}, {world_size} rank(s)")
@@ -106,6 +114,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if state.step % cfg.save_steps == 0 or last:
+            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()})
             result.export_dir = save_draft(engine, cfg, tokenizer, run_dir, state.step, rank)
 
     # -- summary -----------------------------------------------------------------------------
@@ -152,20 +161,12 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
             build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log)
         except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
             error = err
-    failed = _any_rank(error is not None)
+    failed = any_rank(error is not None)
     if error is not None:
         raise error
     if failed:
         raise SystemExit(2)  # rank 0 reports the data error
     return open_packed_cache(cache_dir)
-
-
-def _any_rank(flag: bool) -> bool:
-    import torch.distributed as dist
-
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value)
-    return bool(value.item())
 
 
 def planned_steps(cfg: DictConfig, sampler: ShardedBatchSampler) -> int:
