@@ -55,6 +55,13 @@ class TensorLocation:
 
 @dataclass
 class TargetHeadWeights:
+    """The two target tensors a draft shares.
+
+    Without a cast they are, like transformers 5's own parameters, views of a private
+    (copy-on-write) memory map of the checkpoint file: pages are read on first use, writes never
+    reach the file, and ranks on one node share the physical pages. A cast makes a plain copy.
+    """
+
     embed_tokens: torch.Tensor  # (vocab, hidden), CPU
     lm_head: torch.Tensor  # (vocab, hidden); the same object as embed_tokens when tied
     tied: bool
@@ -207,6 +214,7 @@ def _tie_word_embeddings(config: dict, target_dir: Path) -> bool | None:
 
 def _default_tie_word_embeddings(target_dir: Path) -> bool | None:
     # The default differs per model type (Llama/Qwen False, Gemma True); transformers knows it.
+    # Imported here: only a config.json without the flag pays for importing transformers.
     from transformers import AutoConfig
 
     try:
@@ -256,6 +264,11 @@ def _check_shape(location: TensorLocation, expected, source: str) -> None:
         wanted = ", ".join("any" if size is None else str(size) for size in expected)
         raise SpecdraftError(f"{location.file}: {location.key} has shape {location.shape} but {source} "
                              f"expects (vocab, hidden) = ({wanted})")
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    # Same dtype: keep the zero-copy mapping (the draft copies it once, to its own params or GPU).
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _first_line(error: BaseException) -> str:
@@ -321,14 +334,13 @@ class _SafetensorsCheckpoint:
                               _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower()))
 
     def read(self, location: TensorLocation, dtype: torch.dtype | None) -> torch.Tensor:
-        # pread copies just this tensor into memory we own; mmap would also keep the file's
-        # pages resident (and counted) while a copy is made.
         try:
-            with safe_open(location.file, framework="pt", device="cpu", backend="pread") as file:
+            with safe_open(location.file, framework="pt", device="cpu") as file:
                 tensor = file.get_tensor(location.key)
         except SafetensorError as error:
-            raise SpecdraftError(f"{location.file}: cannot read {location.key} ({_first_line(error)})") from error
-        return tensor if dtype is None else tensor.to(dtype)
+            reason = _first_line(error)
+            raise SpecdraftError(f"{location.file}: cannot read {location.key} ({reason})") from error
+        return _cast(tensor, dtype)
 
     def _header(self, path: Path) -> dict:
         if path not in self._headers:
@@ -400,9 +412,7 @@ class _PytorchCheckpoint:
         return TensorLocation(key, str(path), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
     def read(self, location: TensorLocation, dtype: torch.dtype | None) -> torch.Tensor:
-        stored = self._state_dict(Path(location.file))[location.key]
-        # Copy out of the memory map so the result outlives this reader's open files.
-        return stored.to(dtype=dtype or stored.dtype, copy=True)
+        return _cast(self._state_dict(Path(location.file))[location.key], dtype)
 
     def _state_dict(self, path: Path) -> dict[str, torch.Tensor]:
         if path not in self._state_dicts:
