@@ -1,0 +1,277 @@
+"""Checkpoints: exact resume, crash safety, draft-only size, exports, and refusals of bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import REPO, run_overrides, write_chat_files
+from specdraft.cli import main
+from specdraft.config import load_config
+from specdraft.drafts.io import load_exported_draft
+from specdraft.errors import SpecdraftError
+from specdraft.train.checkpoint import COMMITTED, LATEST, committed_slots
+from specdraft.train.loop import train
+
+quiet = dict(log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    write_chat_files(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+def overrides(target, data_dir, work, name, **extra):
+    return run_overrides(target, data_dir, work / name, work / "cache", **extra)
+
+
+def run(target, data_dir, work, name, **extra):
+    return train(load_config(None, overrides(target, data_dir, work, name, **extra)), **quiet)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tiny_target_dir, data_dir, work):
+    """Per ZeRO stage: a straight 12-step run saving at 6 and 12, and one resumed from its step 6."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        full = run(tiny_target_dir, data_dir, work, f"full{stage}", zero_stage=stage, max_steps=12, save_steps=6)
+        resumed = run(tiny_target_dir, data_dir, work, f"resumed{stage}", zero_stage=stage, max_steps=12,
+                      save_steps=6, resume=work / f"full{stage}" / "ckpt" / "step_6")
+        runs[stage] = (full, resumed)
+    return runs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_is_bit_identical(zero_runs, stage):
+    full, resumed = zero_runs[stage]
+    assert len(full.losses) == 12 and len(resumed.losses) == 6
+    assert resumed.losses == full.losses[6:]  # exact float equality, fp32
+
+
+def test_resume_auto_continues_an_interrupted_run(tiny_target_dir, data_dir, work, zero_runs):
+    full, _ = zero_runs[2]
+    run_dir = work / "auto"
+    import shutil
+
+    shutil.copytree(work / "full2", run_dir)
+    # drop the step-12 save: the run "died" after committing step 6
+    shutil.rmtree(run_dir / "ckpt" / "step_12")
+    (run_dir / "ckpt" / LATEST).write_text("step_12")  # a stale pointer: markers are the truth
+    again = run(tiny_target_dir, data_dir, work, "auto", zero_stage=2, max_steps=12, save_steps=6)
+    assert again.losses == full.losses[6:]
+    assert [s.name for s in committed_slots(run_dir / "ckpt")] == ["step_6", "step_12"]
+    assert (run_dir / "ckpt" / LATEST).read_text() == "step_12"
+
+
+def test_keep_last_prunes_old_slots(tiny_target_dir, data_dir, work):
+    run(tiny_target_dir, data_dir, work, "prune", max_steps=8, save_steps=2, keep_last=2)
+    assert [s.name for s in committed_slots(work / "prune" / "ckpt")] == ["step_6", "step_8"]
+    assert sorted(p.name for p in (work / "prune").glob("step_*")) == ["step_2", "step_4", "step_6", "step_8"]
+
+
+def test_slot_holds_only_the_draft(tiny_target_dir, data_dir, work, tmp_path):
+    """slot bytes / (trainable params x 16 B) <= 1.1 with a target >= 20x the draft."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    big = tmp_path / "big_target"
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=172, num_hidden_layers=24,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(big)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(big)
+    cfg = load_config(None, overrides(big, data_dir, tmp_path, "size", max_steps=1, save_steps=1))
+    result = train(cfg, **quiet)
+    slot = tmp_path / "size" / "ckpt" / "step_1"
+    slot_bytes = sum(p.stat().st_size for p in slot.iterdir() if p.name != COMMITTED)
+    draft_params = sum(v.numel() for v in load_file(str(result.export_dir / "model.safetensors")).values())
+    target_params = sum(v.numel() for v in LlamaForCausalLM(config).parameters())
+    assert target_params >= 20 * draft_params
+    ratio = slot_bytes / (draft_params * 16)
+    print(f"slot bytes / ideal = {ratio:.3f}; target / draft params = {target_params / draft_params:.1f}")
+    assert ratio <= 1.1
+
+
+def test_slot_size_with_frozen_parameters_for_contrast(tiny_target_dir, data_dir, tmp_path):
+    """What exclude_frozen_parameters=False would cost: the frozen target lands in the slot."""
+    import deepspeed  # noqa: F401
+    from specdraft.drafts import build_draft
+    from specdraft.target.model import load_frozen_target
+    from specdraft.train.engine import build_engine, init_distributed
+    from specdraft.train.model import TargetWithDraft
+
+    init_distributed()
+    cfg = load_config(None, overrides(tiny_target_dir, data_dir, tmp_path, "contrast"))
+    target = load_frozen_target(cfg.target)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target.config))
+    engine = build_engine(cfg, model, 1)
+    sizes = {}
+    for exclude in (True, False):
+        engine.save_checkpoint(str(tmp_path / "c"), tag=str(exclude), exclude_frozen_parameters=exclude)
+        sizes[exclude] = sum(p.stat().st_size for p in (tmp_path / "c" / str(exclude)).iterdir())
+    target_bytes = sum(p.numel() * 4 for p in target.parameters())
+    print(f"slot with target: {sizes[False]} B, draft only: {sizes[True]} B")
+    assert sizes[False] - sizes[True] >= 0.9 * target_bytes
+
+
+def test_export_files_rebuild_the_draft(zero_runs, work):
+    export = work / "full2" / "step_12"
+    pth = torch.load(export / "draft_model_weights.pth", weights_only=True)
+    assert pth and not any(k.startswith("draft_model.") for k in pth)
+    config = json.loads((export / "config.json").read_text())
+    assert config["architecture"] == "GlideDraft" and config["target"]["path"]
+    draft, _ = load_exported_draft(export)
+    assert set(draft.state_dict()) == set(pth)
+    for key, value in draft.state_dict().items():
+        assert torch.equal(value, pth[key])
+    # the standalone draft computes what the trained one computed: same weights, same outputs
+    x = torch.randn(1, 5, draft.dims.hidden_size)
+    cos, sin = torch.ones(1, 5, draft.dims.head_dim), torch.zeros(1, 5, draft.dims.head_dim)
+    kv = torch.randn(1, draft.dims.target_kv_heads, 5, draft.dims.head_dim)
+    index = torch.arange(5)
+    rebuilt, _ = load_exported_draft(export)
+    torch.testing.assert_close(draft(x, cos, sin, kv, kv, index - 1, index),
+                               rebuilt(x, cos, sin, kv, kv, index - 1, index), rtol=0, atol=0)
+    assert (export / "tokenizer.json").is_file() and (export / "training_config.yaml").is_file()
+
+
+def test_zero3_export_equals_zero2_export(zero_runs, work):
+    two = load_file(str(work / "full2" / "step_12" / "model.safetensors"))
+    three = load_file(str(work / "full3" / "step_12" / "model.safetensors"))
+    assert set(two) == set(three)
+    for key in two:
+        torch.testing.assert_close(two[key], three[key], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_consolidate_and_export_commands(zero_runs, work, capsys, stage):
+    run_dir = work / f"full{stage}"
+    assert main(["consolidate", str(run_dir)]) == 0
+    fp32 = load_file(str(run_dir / "consolidated" / "step_12" / "draft_fp32.safetensors"))
+    live = load_file(str(run_dir / "step_12" / "model.safetensors"))
+    assert set(fp32) == set(live) and all(torch.equal(fp32[k], live[k]) for k in live)
+    assert main(["export", str(run_dir), "--step", "6", "--format", "pth"]) == 0
+    exported = torch.load(run_dir / "export_step_6" / "draft_model_weights.pth", weights_only=True)
+    at_six = load_file(str(run_dir / "step_6" / "model.safetensors"))
+    assert all(torch.equal(exported[k], at_six[k]) for k in at_six)
+
+
+# -- bad input: one-line errors, nothing overwritten ------------------------------------------
+
+def _snapshot(directory):
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def victim(zero_runs, work, tmp_path):
+    """A copy of a finished ZeRO-2 run, to damage."""
+    import shutil
+
+    target = tmp_path / "victim"
+    shutil.copytree(work / "full2", target)
+    return target
+
+
+def _resume_error(tiny_target_dir, data_dir, tmp_path, resume, **extra):
+    out = tmp_path / "new_run"
+    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, out, tmp_path / "cache", max_steps=14,
+                                          save_steps=6, resume=resume, **extra))
+    with pytest.raises(SpecdraftError) as err:
+        train(cfg, **quiet)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_missing_resume_dir(tiny_target_dir, data_dir, tmp_path):
+    message = _resume_error(tiny_target_dir, data_dir, tmp_path, tmp_path / "nope")
+    assert "does not exist" in message and not (tmp_path / "new_run").exists()
+
+
+def test_slot_without_committed_is_refused(tiny_target_dir, data_dir, tmp_path, victim):
+    (victim / "ckpt" / "step_12" / COMMITTED).unlink()
+    before = _snapshot(victim)
+    message = _resume_error(tiny_target_dir, data_dir, tmp_path, victim / "ckpt" / "step_12")
+    assert "no COMMITTED marker" in message
+    assert _snapshot(victim) == before
+
+
+def test_truncated_optimizer_file_is_refused_before_unpickling(tiny_target_dir, data_dir, tmp_path, victim):
+    optim = next((victim / "ckpt" / "step_12").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:100])
+    before = _snapshot(victim)
+    message = _resume_error(tiny_target_dir, data_dir, tmp_path, victim)
+    assert optim.name in message and "truncated" in message
+    assert _snapshot(victim) == before
+
+
+def test_manifest_mismatch_is_refused(tiny_target_dir, data_dir, tmp_path, victim):
+    states = victim / "ckpt" / "step_12" / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    states.write_bytes(bytes(data))
+    message = _resume_error(tiny_target_dir, data_dir, tmp_path, victim)
+    assert "sha256 does not match" in message
+
+
+def test_checkpoint_from_a_different_target_is_refused(tiny_target_dir, data_dir, tmp_path, victim):
+    import shutil
+
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_target_dir, other)
+    before = _snapshot(victim)
+    cfg = load_config(None, run_overrides(other, data_dir, victim, tmp_path / "cache", max_steps=14, save_steps=6))
+    with pytest.raises(SpecdraftError, match="this run's target/draft/max_seq_length differ"):
+        train(cfg, **quiet)
+    assert _snapshot(victim) == before  # config.yaml, slots, exports: untouched
+
+
+def test_cli_reports_resume_errors_as_one_line(tiny_target_dir, data_dir, tmp_path, capsys):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("\n".join(o.replace("=", ": ", 1) for o in run_overrides(
+        tiny_target_dir, data_dir, tmp_path / "r", tmp_path / "cache", resume=tmp_path / "missing")) + "\n")
+    assert main(["train", str(cfg_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdraft: error: resume:") and "\n" not in err
+
+
+# -- crash safety -------------------------------------------------------------------------------
+
+def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_dir, data_dir, tmp_path):
+    run_dir = tmp_path / "crashy"
+    args = run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1,
+                         keep_last=2)
+    (tmp_path / "overrides.json").write_text(json.dumps(args))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_script.py"), tmp_path / "overrides.json",
+                           run_dir, "10", "29700"], env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report["trials"]) == 10 and all(t["killed"] for t in report["trials"])
+    # Kills landed at different points: some runs had committed slots when they died.
+    assert sum(bool(t["committed"]) for t in report["trials"]) >= 5
+    assert sum(bool(t["interrupted"]) for t in report["trials"]) >= 2  # killed in the middle of a save
+    print(json.dumps(report["trials"], indent=1))
+    resumed_steps = [int(line.split("at step ")[1]) for line in report["log"] if "resumed from" in line]
+    committed_before = [t["committed"] for t in report["trials"]]
+    # every restart resumed from a slot that was committed when the previous trainer died
+    for line in (l for l in report["log"] if "resumed from" in l):
+        trial = int(line.split()[0])
+        slot = line.split("resumed from ")[1].split()[0].rsplit("/", 1)[1]
+        assert slot in committed_before[trial - 1]
+    assert resumed_steps, report["log"]
+    assert not any(" crashed " in line for line in report["log"]), report["log"]
+    assert report["final_exit"] == 0
+    assert any(line.endswith("finished " + str(40 - resumed_steps[-1])) for line in report["log"])
+    assert report["final"]["latest"] == "step_40"

@@ -1,0 +1,90 @@
+"""Data: sources and their errors, the assistant-only loss mask, packing, the resumable sampler."""
+
+import json
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from specdraft.data.chat import tokenize_conversation
+from specdraft.data.packing import build_packed_cache, open_packed_cache
+from specdraft.data.sampler import ShardedBatchSampler
+from specdraft.data.sources import iter_conversations
+from specdraft.errors import SpecdraftError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def conversation(user="What is 2+2?", answer="It is four."):
+    return {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(conversation()) + "\n" + "{not json\n")
+    with pytest.raises(SpecdraftError, match=rf"{path}:2: not valid JSON"):
+        list(iter_conversations([str(path)]))
+
+
+def test_row_without_assistant_turn_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(SpecdraftError, match=rf"{path}:2: no assistant turn"):
+        list(iter_conversations([str(path)]))
+
+
+def test_parquet_and_sharegpt_rows_are_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}] * 3
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    got = list(iter_conversations([str(tmp_path / "d.parquet")]))
+    assert [w for w, _ in got] == [f"{tmp_path / 'd.parquet'}: row {i}" for i in range(3)]
+    assert got[0][1] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_loss_mask_covers_exactly_the_assistant_text(tokenizer):
+    messages = conversation("Tell me a joke", "def f():\n    return 42")["conversations"]
+    messages = messages + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "x = 1"}]
+    ids, mask = tokenize_conversation(tokenizer, messages, "test")
+    assert len(ids) == len(mask)
+    masked_text = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    assert "return 42" in masked_text and "x = 1" in masked_text
+    assert "joke" not in masked_text and "again" not in masked_text
+    unmasked = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert "Tell me a joke" in unmasked and "return 42" not in unmasked
+
+
+def test_packed_cache_round_trips_and_is_memory_mapped(tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(conversation(answer="word " * (i % 7 + 1))) + "\n" for i in range(60)))
+    build_packed_cache([str(path)], tokenizer, 32, tmp_path / "cache", log=lambda *_: None)
+    data = open_packed_cache(tmp_path / "cache")
+    assert isinstance(data.tokens, np.memmap) or isinstance(data.tokens.base, np.memmap)
+    assert data.tokens.shape == (data.meta["tokens"] // 32, 32)
+    first_ids, _ = tokenize_conversation(tokenizer, conversation(answer="word ")["conversations"], "x")
+    assert data.tokens[0, :len(first_ids)].tolist() == first_ids[:32]
+    batch = data.batch([2, 0])
+    assert batch["input_ids"].shape == (2, 32) and batch["input_ids"][1].tolist() == data.tokens[0].tolist()
+
+
+def test_sampler_shards_are_disjoint_and_resume_exactly():
+    ranks = [ShardedBatchSampler(103, 4, r, 2, seed=7) for r in range(2)]
+    epoch0 = [np.concatenate([s.next_batch() for _ in range(s.batches_per_epoch)]) for s in ranks]
+    assert not set(epoch0[0]) & set(epoch0[1])
+    straight = ShardedBatchSampler(103, 4, 0, 2, seed=7)
+    seen = [straight.next_batch() for _ in range(20)]  # crosses into epoch 1
+    resumed = ShardedBatchSampler(103, 4, 0, 2, seed=7)
+    for _ in range(9):
+        resumed.next_batch()
+    state = resumed.state_dict()
+    fresh = ShardedBatchSampler(103, 4, 0, 2, seed=7)
+    fresh.load_state_dict(state)
+    assert all((a == b).all() for a, b in zip(seen[9:], [fresh.next_batch() for _ in range(11)]))
+    changed = ShardedBatchSampler(99, 4, 0, 2, seed=7)
+    with pytest.raises(SpecdraftError, match="103 sequences"):
+        changed.load_state_dict(state)
