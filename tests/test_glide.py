@@ -137,3 +137,24 @@ def test_every_draft_parameter_gets_a_gradient_and_target_none(target):
     assert out.tokens == 2 * (T - 1 - 2)
     assert {k.split(".")[0] for k in model.state_dict()} == {"model", "lm_head", "draft_model"}
     assert not any(k.startswith("draft_model.") and "embed" in k for k in model.state_dict())
+
+
+def test_anchor_offset_positions_reach_target_and_draft(target):
+    cfg = OmegaConf.structured(DraftConfig(anchor_offset=True, max_sink_tokens=4, max_position_offset=1000))
+    draft = build_draft(cfg, target.config)
+    draws = [draft.sample_batch_options(torch.Generator().manual_seed(seed), T) for seed in range(20)]
+    sinks = [int((o["position_ids"] == torch.arange(T)).cumprod(0).sum()) for o in draws]
+    assert set(sinks) == set(range(5))  # s in [0, max_sink_tokens]
+    options = draws[sinks.index(2)]
+    positions = options["position_ids"]
+    assert (positions[:2] == torch.arange(2)).all() and positions[2] > 2
+    assert (positions.diff()[2:] == 1).all()  # the rest keeps its spacing, shifted as a block
+    model = TargetWithDraft(target, draft)
+    ids = torch.randint(0, 128, (1, T))
+    shifted = model(ids, torch.ones_like(ids), **options).loss
+    plain = model(ids, torch.ones_like(ids), lag=options["lag"]).loss
+    assert torch.isfinite(shifted) and shifted.item() != plain.item()  # RoPE saw other positions
+    keys = target_features(target.model, ids, options["position_ids"][None]).last_keys
+    plain_keys = target_features(target.model, ids, torch.arange(T)[None]).last_keys
+    torch.testing.assert_close(keys[:, :, :2], plain_keys[:, :, :2])  # sinks keep positions 0, 1
+    assert not torch.allclose(keys[:, :, 2:], plain_keys[:, :, 2:])  # the rest rotated elsewhere

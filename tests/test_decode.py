@@ -1,0 +1,454 @@
+"""Speculative decoding: lossless greedy, exact sampling, cache bookkeeping, GLIDE at inference.
+
+Tiny random models (hidden 64, 2 layers, vocab 256; vocab 8 for the sampling test) on CPU.
+"""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft.decode import (GlideDrafter, ModelDrafter, PromptLookupDrafter, evaluate, format_report,
+                              generate_plain, measure_tau, speculative_generate)
+from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
+from specdraft.decode.sampling import probabilities
+from specdraft.decode.tree import DraftTree, accept_path, chain, verification_inputs
+from specdraft.drafts.glide import GlideDraft, SlidingWindowCache
+from specdraft.errors import SpecdraftError
+
+torch.set_num_threads(1)
+
+VOCAB = 256
+WINDOW = 8  # GLIDE's self-attention window in these tests: shorter than the prompts
+
+
+def tiny_llama(vocab=VOCAB, hidden=64, layers=2, init=0.2, seed=0):
+    torch.manual_seed(seed)
+    # a larger init than the default 0.02 makes the next-token distributions peaked, like a
+    # trained model's, so greedy ties never happen and drafts are accepted some of the time
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=init, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def glide_for(target, window=WINDOW, seed=0):
+    torch.manual_seed(seed)
+    cfg = OmegaConf.create(dict(sliding_window=window, max_lag=4, final_norm=False, anchor_offset=False,
+                                max_sink_tokens=4, max_position_offset=100))
+    draft = GlideDraft.from_target_config(target.config, cfg).eval()
+    with torch.no_grad():  # random weights of a realistic scale instead of the tiny init
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def noisy(target):
+    """The target with noise on its weights: agrees with it often, not always (partial accepts)."""
+    model = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(0)
+    out = [torch.randint(0, VOCAB, (int(n),), generator=generator).tolist() for n in (3, 9, 14, 20)]
+    motif = torch.randint(0, VOCAB, (5,), generator=generator).tolist()
+    out.append(motif * 4)  # a repetitive prompt: prompt lookup has something to find
+    return out
+
+
+# -- the target's verification pass ----------------------------------------------------------
+
+def test_tree_pass_gives_each_node_the_logits_of_its_own_path(target):
+    prompt = torch.arange(10, 20)
+    cache = new_cache(target)
+    forward(target, cache, prompt, torch.arange(10))
+    #        root=3 ─┬─ 5 ─┬─ 7 ── 9
+    #                │     └─ 8
+    #                └─ 6
+    tree = DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]))
+    ids, positions, visible = verification_inputs(tree, 3, cache_length(cache))
+    assert positions.tolist() == [10, 11, 11, 12, 12, 13]
+    logits = forward(target, cache, ids, positions, visible)
+    paths = [[3], [3, 5], [3, 6], [3, 5, 7], [3, 5, 8], [3, 5, 7, 9]]
+    for row, path in enumerate(paths):
+        full = torch.cat([prompt, torch.tensor(path)])
+        plain = target(full[None]).logits[0, -1]  # no cache, plain causal forward
+        torch.testing.assert_close(logits[row], plain, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_after_a_rejection_equals_a_fresh_prefill_of_the_accepted_tokens(target):
+    """Chain rejected midway (a prefix is kept) and a tree accepted through its second branch
+    (entries compacted): the kept cache equals a fresh prefill, every layer, keys and values."""
+    prompt = torch.arange(30, 42)
+    probe = forward(target, new_cache(target), prompt, torch.arange(len(prompt)))
+    root = int(probe[-1].argmax())
+    after_root = int(forward(target, new_cache(target), torch.cat([prompt, torch.tensor([root])]),
+                             torch.arange(len(prompt) + 1))[-1].argmax())
+    wrong = (after_root + 1) % VOCAB
+    drafts = [
+        chain([after_root, wrong, 7]),  # accepts node 0, rejects node 1
+        DraftTree(torch.tensor([wrong, after_root, 5, 6]), torch.tensor([-1, -1, 1, 1])),  # accepts node 1
+    ]
+    for draft in drafts:
+        cache = new_cache(target)
+        forward(target, cache, prompt, torch.arange(len(prompt)))
+        n = cache_length(cache)
+        ids, positions, visible = verification_inputs(draft, root, n)
+        path, _ = accept_path(draft, probabilities(forward(target, cache, ids, positions, visible), 0.0))
+        assert len(path) >= 1 and int(draft.tokens[path[0]]) == after_root
+        assert len(path) < len(draft)  # something was rejected
+        keep_positions(cache, torch.cat([torch.arange(n + 1), n + 1 + torch.tensor(path)]))
+
+        accepted = torch.cat([prompt, torch.tensor([root]), draft.tokens[path]])
+        fresh = new_cache(target)
+        forward(target, fresh, accepted, torch.arange(len(accepted)))
+        assert cache_length(cache) == len(accepted)
+        for kept, ref in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+# -- lossless greedy -------------------------------------------------------------------------
+
+def test_plain_greedy_loop_equals_transformers_generate(target, prompts):
+    for prompt in prompts[:3]:
+        ours = generate_plain(target, prompt, max_new_tokens=12).tokens
+        theirs = target.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert ours == theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("shape", [dict(gamma=4), dict(tree=[3, 4, 4, 2])], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["self", "noisy", "glide", "prompt_lookup"])
+def test_speculative_greedy_is_token_identical_to_target_greedy(kind, shape, target, noisy, prompts):
+    drafter = {"self": lambda: ModelDrafter(target), "noisy": lambda: ModelDrafter(noisy),
+               "glide": lambda: GlideDrafter(glide_for(target), target),
+               "prompt_lookup": lambda: PromptLookupDrafter()}[kind]()
+    accepted = drafted = 0
+    for prompt in prompts:
+        reference = generate_plain(target, prompt, max_new_tokens=20).tokens
+        out = speculative_generate(target, drafter, prompt, max_new_tokens=20, **shape)
+        assert out.tokens == reference
+        accepted, drafted = accepted + sum(out.accepted), drafted + sum(out.drafted)
+    if kind in ("noisy", "prompt_lookup"):  # both acceptances and rejections were exercised
+        assert 0 < accepted < drafted
+
+
+def test_speculative_stops_at_a_stop_token_like_plain_decoding(target, prompts):
+    prompt = prompts[1]
+    free = generate_plain(target, prompt, max_new_tokens=16).tokens
+    stop = free[5]
+    expected = free[:free.index(stop) + 1]
+    assert generate_plain(target, prompt, max_new_tokens=16, stop_tokens=[stop]).tokens == expected
+    for shape in (dict(gamma=4), dict(tree=[2, 2, 2])):
+        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=16,
+                                   stop_tokens=[stop], **shape)
+        assert out.tokens == expected
+
+
+def test_self_drafting_accepts_every_chain_so_tau_is_gamma_plus_one(target, prompts):
+    gamma = 4
+    for prompt in prompts:
+        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=25, gamma=gamma)
+        assert out.accepted == [gamma] * out.target_forwards
+        tau = (sum(out.accepted) + out.target_forwards) / out.target_forwards
+        assert tau == gamma + 1
+
+
+# -- sampling is exact -----------------------------------------------------------------------
+
+def chi2_critical(dof: int) -> float:
+    """Upper 0.1% point of chi-square(dof), Wilson-Hilferty approximation (within ~1% for dof >= 3).
+    z_0.999 = 3.0902. Check values: dof 7 -> 24.3 (table 24.32), dof 30 -> 59.7 (table 59.70)."""
+    z = 3.0902
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor) -> tuple:
+    """Pearson chi-square of observed counts vs expected probs; cells expected < 5 are pooled."""
+    total = counts.sum()
+    expected = probs * total
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_chi2_critical_values_match_the_table():
+    assert chi2_critical(7) == pytest.approx(24.32, rel=0.01)
+    assert chi2_critical(30) == pytest.approx(59.70, rel=0.01)
+
+
+def test_rejection_rule_reproduces_the_target_distribution():
+    """accept_path alone, many trials: a sampled chain (q = draft distribution) and a tree of
+    deterministic siblings (q = one-hot) both emit tokens distributed as the target's p."""
+    V = 6
+    generator = torch.Generator().manual_seed(0)
+    p1 = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+    p2 = torch.softmax(torch.randn(V, V, generator=generator) * 1.5, dim=-1)  # p(x2 | x1)
+    q1 = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
+    q2 = torch.softmax(torch.randn(V, generator=generator), dim=-1)
+    trials = 20000
+
+    first, second = torch.zeros(V), torch.zeros(V, V)
+    wrong = torch.zeros(V)  # a rule that forgets the residual: must fail the same test
+    for _ in range(trials):
+        d1 = int(torch.multinomial(q1, 1, generator=generator))
+        d2 = int(torch.multinomial(q2, 1, generator=generator))
+        draft = chain([d1, d2], torch.stack([q1, q2]))
+        target_probs = torch.stack([p1, p2[d1], p2[d2]])
+        path, nxt = accept_path(draft, target_probs, generator)
+        emitted = draft.tokens[path].tolist() + [nxt]
+        first[emitted[0]] += 1
+        if path:  # x1 = d1 was accepted: x2 comes from the same round, ~ p2[x1]
+            second[emitted[0], emitted[1]] += 1
+        u = torch.rand((), generator=generator)
+        wrong[d1 if u < min(1.0, float(p1[d1] / q1[d1])) else int(torch.multinomial(p1, 1, generator=generator))] += 1
+
+    stat, dof = chi2_statistic(first, p1)
+    assert stat < chi2_critical(dof), (stat, dof)
+    for x1 in range(V):
+        if second[x1].sum() > 200:
+            stat, dof = chi2_statistic(second[x1], p2[x1])
+            assert stat < chi2_critical(dof), (x1, stat, dof)
+    stat, dof = chi2_statistic(wrong, p1)
+    assert stat > chi2_critical(dof)  # the test has the power to catch a wrong rule
+
+    # three deterministic siblings, the likeliest one last: residuals chain through them
+    tree = DraftTree(torch.tensor([4, 2, 0]), torch.tensor([-1, -1, -1]))
+    counts = torch.zeros(V)
+    for _ in range(trials):
+        path, token = accept_path(tree, torch.stack([p1, p1, p1, p1]), generator)
+        counts[int(tree.tokens[path[0]]) if path else token] += 1
+    stat, dof = chi2_statistic(counts, p1)
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+def test_speculative_sampling_matches_the_target_distribution_end_to_end():
+    """Vocab 8: the first three sampled tokens (x1 from the prefill, x2 x3 from verification
+    rounds) of speculative sampling vs their exact joint under the target, chi-square test."""
+    V = 8
+    target = tiny_llama(vocab=V, hidden=32, layers=1, init=0.5, seed=3)
+    draft = tiny_llama(vocab=V, hidden=32, layers=1, init=0.5, seed=4)  # a different model
+    prompt = [1, 5, 2]
+    temperature = 1.0
+    with torch.no_grad():  # exact joint p(x1, x2, x3 | prompt) from full forwards
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        logits = target(pairs).logits
+        p2 = torch.softmax(logits[::V, -2], -1)  # (V, V): p(x2 | x1)
+        p3 = torch.softmax(logits[:, -1], -1).view(V, V, V)  # p(x3 | x1, x2)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+    generator = torch.Generator().manual_seed(0)
+    counts = {"chain": torch.zeros(V ** 3), "tree": torch.zeros(V ** 3)}
+    drafters = {"chain": (ModelDrafter(draft), dict(gamma=2)),
+                "tree": (GlideDrafter(glide_for(target, seed=5), target), dict(tree=[2, 2]))}
+    for name, (drafter, shape) in drafters.items():
+        for _ in range(1200):
+            out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=temperature,
+                                       generator=generator, **shape)
+            x1, x2, x3 = out.tokens
+            counts[name][(x1 * V + x2) * V + x3] += 1
+    for name in counts:
+        stat, dof = chi2_statistic(counts[name], joint)
+        assert dof >= 10
+        assert stat < chi2_critical(dof), (name, stat, dof)
+
+
+# -- GLIDE at inference ----------------------------------------------------------------------
+
+def glide_reference_logits(draft, target, tokens, n):
+    """The draft over the whole sequence without any cache: queries at indices >= n read the
+    target's K/V up to n - 1 (what the cache holds), earlier ones up to their index - 1."""
+    ids = torch.tensor(tokens)[None]
+    index = torch.arange(len(tokens))
+    with torch.no_grad():
+        cache = new_cache(target)
+        forward(target, cache, ids[0, :n], torch.arange(n))
+        keys, values = cache.layers[-1].keys, cache.layers[-1].values
+        embeds = target.get_input_embeddings()(ids)
+        cos, sin = target.model.rotary_emb(embeds, index[None])
+        limit = torch.where(index < n, index - 1, torch.full_like(index, n - 1))
+        hidden = draft(embeds, cos, sin, keys, values, limit, index, cache=None)
+        return draft.logits(hidden, target.lm_head.weight)[0]  # (T, V)
+
+
+def test_glide_drafter_with_its_window_cache_equals_a_cacheless_forward(target):
+    """Rounds of different accepted lengths, prompt longer than the window: the cached chain
+    and tree drafts match a from-scratch draft forward with the inference lag (cross limit n-1)."""
+    draft = glide_for(target)
+    drafter = GlideDrafter(draft, target)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (13,), generator=generator)  # x_0..x_12; cache holds 0..11
+    cache = new_cache(target)
+    forward(target, cache, tokens[:-1], torch.arange(len(tokens) - 1))
+    drafter.start()
+    gamma = 4
+    for advance in [1, 3, 5, 2, 4, 1]:
+        n = cache_length(cache)
+        proposal = drafter.propose_chain(tokens, cache, gamma, 1.0, generator)
+        drafted = proposal.tokens.tolist()
+        reference = glide_reference_logits(draft, target, tokens.tolist() + drafted[:-1], n)
+        torch.testing.assert_close(proposal.q, torch.softmax(reference[n:], -1), atol=1e-5, rtol=1e-4)
+
+        tree = drafter.propose_tree(tokens, cache, [3, 3, 2])
+        depth = tree.depth
+        for node in range(len(tree)):
+            path, walk = [], node
+            while walk >= 0:
+                path.insert(0, int(tree.tokens[walk]))
+                walk = int(tree.parents[walk])
+            ref = F.log_softmax(glide_reference_logits(draft, target, tokens.tolist() + path[:-1], n)[n:], -1)
+            score = sum(float(ref[d, tok]) for d, tok in enumerate(path))
+            assert depth[node] == len(path)
+            assert tree.scores[node].item() == pytest.approx(score, abs=1e-4)
+
+        # the target "accepts" `advance` tokens: extend its cache, roll the drafter back
+        new = torch.randint(0, VOCAB, (advance,), generator=generator)
+        forward(target, cache, torch.cat([tokens[-1:], new[:-1]]), torch.arange(n, n + advance))
+        tokens = torch.cat([tokens, new])
+        drafter.rollback(cache_length(cache))
+
+
+def test_glide_self_attention_cache_never_exceeds_the_sliding_window(target, prompts, monkeypatch):
+    sizes = []
+    original = SlidingWindowCache.append
+
+    def spy(self, keys, values, index):
+        out = original(self, keys, values, index)
+        sizes.append(self.keys.shape[2])
+        assert len(self) == self.keys.shape[2] == self.values.shape[2]
+        return out
+
+    monkeypatch.setattr(SlidingWindowCache, "append", spy)
+    drafter = GlideDrafter(glide_for(target), target)
+    long_prompt = prompts[3] + prompts[2]  # 34 tokens, window 8
+    for shape in (dict(gamma=5), dict(tree=[4, 4, 4])):
+        out = speculative_generate(target, drafter, long_prompt, max_new_tokens=20, **shape)
+        assert len(out.tokens) == 20
+        assert len(drafter.cache) <= WINDOW
+    assert sizes and max(sizes) == WINDOW  # the window was reached, never passed
+
+
+# -- prompt lookup ---------------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram():
+    drafter = PromptLookupDrafter(max_ngram=2)
+    tokens = torch.tensor([7, 1, 2, 3, 4, 9, 1, 2, 5, 1, 2])
+    # "1 2" occurred twice before: after it came 3 4 9 1 and 5 1 2; the longer one first
+    assert drafter.propose_chain(tokens, None, 4, 0.0, None).tokens.tolist() == [3, 4, 9, 1]
+    tree = drafter.propose_tree(tokens, None, [2, 2, 1])
+    assert tree.tokens.tolist() == [3, 5, 4, 1, 9]
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 2]
+    assert len(drafter.propose_chain(torch.tensor([1, 2, 3]), None, 4, 0.0, None)) == 0
+
+
+# -- evaluate / measure_tau ------------------------------------------------------------------
+
+def write_char_tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(["<bos>", "<eos>", "<pad>"] + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, target):
+    """A target dir and a run dir with two exports (the newest has the real weights)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("eval")
+    target_dir = root / "target"
+    target.save_pretrained(str(target_dir))
+    write_char_tokenizer(target_dir)
+    draft = glide_for(target)
+    for step, weights in ((3, glide_for(target, seed=9)), (10, draft)):
+        export = root / "run" / f"step_{step}"
+        export.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in weights.state_dict().items()}, str(export / "model.safetensors"))
+        (export / "config.json").write_text(json.dumps(dict(weights.export_config(),
+                                                            target={"path": str(target_dir)})))
+    (root / "run" / "step_11.tmp").mkdir()  # an unfinished export is never picked
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n\n" + json.dumps(
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                           {"role": "user", "content": "again"}, {"role": "assistant", "content": "x"}]}) + "\n")
+    return root, draft
+
+
+def test_evaluate_reports_tau_acceptance_and_speedup(run_dir, tmp_path):
+    root, _ = run_dir
+    plot = tmp_path / "acceptance.png"
+    report = evaluate(root / "run", root / "prompts.jsonl", gamma=3, max_new_tokens=8, plot_path=plot)
+    assert report["draft"].endswith("step_10")
+    assert report["matches_target"] is True
+    assert report["prompts"] == 2 and len(report["acceptance_per_position"]) == 3
+    assert report["tau"] == pytest.approx((report["accepted_tokens"] + report["target_forwards"])
+                                          / report["target_forwards"])
+    assert report["speedup"] > 0 and plot.stat().st_size > 0
+    json.dumps(report)
+    table = format_report(report)
+    assert "tau" in table and "speedup" in table
+
+    tree = evaluate(root / "run" / "step_3", root / "prompts.jsonl", tree=[2, 2], max_new_tokens=8,
+                    method="prompt_lookup")
+    assert tree["tree"] == [2, 2] and tree["matches_target"] is True and tree["draft"] is None
+    self_report = evaluate(root / "target", root / "prompts.jsonl", method="self", gamma=3, max_new_tokens=8)
+    assert self_report["tau"] >= 3.0  # the last round may stop early at the tokenizer's eos
+
+
+def test_evaluate_names_the_bad_line_of_a_prompt_file(run_dir, tmp_path):
+    root, _ = run_dir
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n{not json\n")
+    with pytest.raises(SpecdraftError, match=r"bad\.jsonl:2"):
+        evaluate(root / "run", bad)
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no"}) + "\n")
+    with pytest.raises(SpecdraftError, match=r"bad\.jsonl:2"):
+        evaluate(root / "run", bad)
+    with pytest.raises(SpecdraftError, match="needs a run or export"):
+        evaluate(root / "target", root / "prompts.jsonl", method="draft")
+    with pytest.raises(SpecdraftError, match="no step_"):
+        evaluate(tmp_path, root / "prompts.jsonl")
+
+
+def test_measure_tau_for_the_training_loop(run_dir, target):
+    from transformers import AutoTokenizer
+
+    root, draft = run_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    draft.train()
+    result = measure_tau(target, draft, tokenizer, ["def f(x):", [5, 6, 7, 8]], gamma=3, max_new_tokens=8)
+    assert draft.training  # mode restored
+    assert result["tau"] >= 1.0 and len(result["acceptance_per_position"]) == 3
