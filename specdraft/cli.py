@@ -50,7 +50,8 @@ def _cmd_inspect(args) -> int:
 def _cmd_export(args) -> int:
     from specdraft.train.checkpoint import export_from_run
 
-    out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out)
+    out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out,
+                          with_target_heads=args.with_target_heads)
     print(f"draft exported to {out}")
     return 0
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="default: the newest committed checkpoint")
     p.add_argument("--format", default="safetensors", choices=["pth", "safetensors"])
     p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
+    p.add_argument("--with-target-heads", action="store_true",
+                   help="also write the target's embed_tokens/lm_head (read without loading the target)")
     p.set_defaults(run=_cmd_export)
 
     p = commands.add_parser("consolidate", help="fp32 draft weights from a ZeRO checkpoint slot")

@@ -160,10 +160,17 @@ def test_consolidate_and_export_commands(zero_runs, work, capsys, stage):
     fp32 = load_file(str(run_dir / "consolidated" / "step_12" / "draft_fp32.safetensors"))
     live = load_file(str(run_dir / "step_12" / "model.safetensors"))
     assert set(fp32) == set(live) and all(torch.equal(fp32[k], live[k]) for k in live)
-    assert main(["export", str(run_dir), "--step", "6", "--format", "pth"]) == 0
+    assert main(["export", str(run_dir), "--step", "6", "--format", "pth", "--with-target-heads"]) == 0
     exported = torch.load(run_dir / "export_step_6" / "draft_model_weights.pth", weights_only=True)
     at_six = load_file(str(run_dir / "step_6" / "model.safetensors"))
-    assert all(torch.equal(exported[k], at_six[k]) for k in at_six)
+    assert set(exported) == set(at_six) and all(torch.equal(exported[k], at_six[k]) for k in at_six)
+    heads = load_file(str(run_dir / "export_step_6" / "target_heads.safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(json.loads((run_dir / "step_6" / "config.json").read_text())
+                                                  ["target"]["path"])
+    assert torch.equal(heads["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert torch.equal(heads["lm_head.weight"], target.get_output_embeddings().weight)
 
 
 # -- bad input: one-line errors, nothing overwritten ------------------------------------------

@@ -20,6 +20,7 @@ from specdraft.errors import SpecdraftError
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 PTH_NAME = "draft_model_weights.pth"
+TARGET_HEADS_NAME = "target_heads.safetensors"
 
 
 def read_export_config(export_dir) -> Dict[str, Any]:

@@ -364,7 +364,7 @@ def consolidate_run(run_dir, slot: Optional[str] = None) -> Path:
 
 
 def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "safetensors",
-                    out_dir: Optional[str] = None) -> Path:
+                    out_dir: Optional[str] = None, with_target_heads: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     from specdraft.drafts import draft_from_export_config
@@ -377,4 +377,11 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "safetensors
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target) if Path(cfg.target).is_dir() else None
     out = Path(out_dir) if out_dir else Path(run_dir) / f"export_step_{record['step']}"
-    return write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=(fmt,))
+    heads = None
+    if with_target_heads:  # two tensors straight from the target's files: the target is never built
+        from specdraft.target.weights import load_target_head_weights
+
+        read = load_target_head_weights(cfg.target, dtype=torch.float32,
+                                        expected_hidden=record["draft"]["dims"]["hidden_size"])
+        heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
+    return write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=(fmt,), target_heads=heads)

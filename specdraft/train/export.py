@@ -4,6 +4,7 @@ step_<N>/
   draft_model_weights.pth    state dict, `draft_model.` prefix stripped (LongSpec's layout)
   model.safetensors          the same tensors
   config.json                what rebuilds the draft: architecture, dims, target path + hash
+  target_heads.safetensors   (optional) the target's embed_tokens / lm_head, for a standalone draft
   tokenizer files, training_config.yaml
 The directory is written under a temp name and renamed: it exists whole or not at all.
 """
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
 from specdraft.config import config_hash
-from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME
+from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
 from specdraft.train.model import DRAFT_PREFIX
 
 
@@ -52,8 +53,12 @@ def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
 
 
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
-                       tokenizer=None, formats=("pth", "safetensors")) -> Path:
-    """Write a complete draft export directory atomically (rank 0 only)."""
+                       tokenizer=None, formats=("pth", "safetensors"), target_heads=None) -> Path:
+    """Write a complete draft export directory atomically (rank 0 only).
+
+    target_heads: optional {"embed_tokens.weight", "lm_head.weight"} from the target, written to
+    their own file so the draft's weights still load strictly on their own.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -66,6 +71,8 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
         torch.save(tensors, tmp / PTH_NAME)
     if "safetensors" in formats:
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+    if target_heads is not None:
+        save_file({k: v.contiguous().clone() for k, v in target_heads.items()}, str(tmp / TARGET_HEADS_NAME))
     description = dict(draft.export_config(), specdraft_version=__version__,
                        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
                        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))
