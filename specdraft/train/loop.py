@@ -83,6 +83,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         f"ZeRO-{cfg.zero_stage}, {cfg.precision}, {world_size} rank(s)")
 
     metrics = MetricsLogger(run_dir, cfg, enabled=rank == 0)
+    eval_prompts = load_eval_prompts(cfg, tokenizer)
     progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
     result = TrainResult(steps=total_steps, run_dir=run_dir)
     window = LossWindow()
@@ -112,6 +113,11 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
                           samples_seen=state.samples_seen)
             metrics.log(state.step, values)
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
+
+        if eval_prompts and (state.step % cfg.eval_steps == 0 or last):
+            tau = measure_draft_tau(engine, tokenizer, eval_prompts)
+            metrics.log(state.step, tau)
+            log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
         if state.step % cfg.save_steps == 0 or last:
             checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()})
@@ -147,6 +153,41 @@ def save_draft(engine, cfg, tokenizer, run_dir: Path, step: int, rank: int) -> P
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
+EVAL_GAMMA = 4  # chain length: the lags GLIDE was trained on
+EVAL_NEW_TOKENS = 32
+
+
+def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
+    if cfg.eval_steps <= 0 or not cfg.eval_prompts:
+        return []
+    from specdraft.decode.evaluate import read_prompts
+
+    return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS)
+
+
+def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
+    """Greedy chain tau of the current draft on held-out prompts, logged beside the loss.
+
+    Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 the decoding loop's
+    order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
+    parameters are gathered for the measurement instead (the full target, transiently, on each rank).
+    """
+    import deepspeed
+
+    from specdraft.decode.evaluate import measure_tau
+
+    module = engine.module
+    params = list(module.parameters())
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
+        stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
+                            max_new_tokens=EVAL_NEW_TOKENS)
+    values = {"eval/tau": stats["tau"]}
+    values.update({f"eval/accept_{i + 1}": a for i, a in enumerate(stats.get("acceptance_per_position", []))})
+    return values
+
 
 def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""

@@ -25,6 +25,9 @@ class TargetWithDraft(nn.Module):
         self.draft_model = draft
         self.target_config = target_causal_lm.config
         self.loss_chunk_size = loss_chunk_size
+        # The whole causal LM, for decoding evals; kept off the module tree so its parameters are
+        # not registered (or saved) a second time under another name.
+        object.__setattr__(self, "target_lm", target_causal_lm)
 
     def register_external_parameters_for_zero3(self) -> None:
         """lm_head.weight is read in our forward, not through lm_head's own forward: ZeRO-3
