@@ -32,7 +32,8 @@ def iter_conversations(files: List[str]) -> Iterator[Tuple[str, List[Message]]]:
             raise SpecdraftError(f"{path}: unsupported data file type '{suffix}' (use .jsonl or .parquet)")
 
 
-def _iter_jsonl(path: str) -> Iterator[Tuple[str, List[Message]]]:
+def iter_jsonl_records(path) -> Iterator[Tuple[str, object]]:
+    """(where, parsed JSON) per non-blank line, streamed; a bad line names file:line."""
     with open(path, "r", encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -42,7 +43,12 @@ def _iter_jsonl(path: str) -> Iterator[Tuple[str, List[Message]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise SpecdraftError(f"{where}: not valid JSON ({err.msg})") from None
-            yield where, normalise_conversation(record, where)
+            yield where, record
+
+
+def _iter_jsonl(path: str) -> Iterator[Tuple[str, List[Message]]]:
+    for where, record in iter_jsonl_records(path):
+        yield where, normalise_conversation(record, where)
 
 
 def _iter_parquet(path: str) -> Iterator[Tuple[str, List[Message]]]:
