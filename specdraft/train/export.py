@@ -92,3 +92,31 @@ def _fsync_tree(directory: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+
+
+class BackgroundExporter:
+    """Writes draft exports on a worker thread, off the training path (rank 0).
+
+    The gather (a collective) stays on the training path; only the file writes move. One export
+    is in flight at a time; `wait()` re-raises a failed write and is called before the next
+    submit and at the end of training.
+    """
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdraft-export")
+        self._pending = None
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        self.wait()
+        self._pending = self._pool.submit(fn, *args, **kwargs)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()

@@ -25,7 +25,7 @@ from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
 from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, init_distributed
-from specdraft.train.export import gather_draft_state_dict, write_draft_export
+from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 
@@ -87,6 +87,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
     result = TrainResult(steps=total_steps, run_dir=run_dir)
     window = LossWindow()
+    exporter = BackgroundExporter()
     started = time.perf_counter()
     start_step = state.step
 
@@ -121,9 +122,10 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 
         if state.step % cfg.save_steps == 0 or last:
             checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()})
-            result.export_dir = save_draft(engine, cfg, tokenizer, run_dir, state.step, rank)
+            result.export_dir = save_draft(engine, cfg, tokenizer, run_dir, state.step, rank, exporter)
 
     # -- summary -----------------------------------------------------------------------------
+    exporter.close()  # the last export is on disk before train() returns
     progress.close()
     metrics.close()
     elapsed = time.perf_counter() - started
@@ -144,11 +146,12 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     return out
 
 
-def save_draft(engine, cfg, tokenizer, run_dir: Path, step: int, rank: int) -> Path:
-    state_dict = gather_draft_state_dict(engine)
+def save_draft(engine, cfg, tokenizer, run_dir: Path, step: int, rank: int, exporter: BackgroundExporter) -> Path:
+    """Gather the draft (every rank), then write step_<N>/ on rank 0's export thread."""
+    state_dict = gather_draft_state_dict(engine)  # CPU copies: safe to write while training goes on
     out_dir = run_dir / f"step_{step}"
     if rank == 0:
-        write_draft_export(out_dir, state_dict, engine.module.draft_model, cfg, tokenizer)
+        exporter.submit(write_draft_export, out_dir, state_dict, engine.module.draft_model, cfg, tokenizer)
     return out_dir
 
 
