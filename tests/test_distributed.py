@@ -13,10 +13,15 @@ def dist_work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tiny_target_dir, dist_work):
+def dist_data(dist_work):
+    write_chat_files(dist_work / "data")
+    return dist_work / "data"
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_target_dir, dist_work, dist_data):
     work = dist_work
-    data_dir = work / "data"
-    write_chat_files(data_dir)
+    data_dir = dist_data
     out = work / "results.json"
     proc = torchrun(REPO / "tests" / "dist_script.py", tiny_target_dir, data_dir, work, out, port=29611)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,3 +60,27 @@ def test_two_rank_checkpoint_at_one_rank_fails_naming_both_sizes(two_rank_result
     with pytest.raises(SpecdraftError, match=r"at ZeRO-2, this run has 1 rank\(s\) at ZeRO-3"):
         train(stage_changed, log=lambda *a: None)
     assert not (work / "one_rank").exists()
+
+
+def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_work, dist_data):
+    """`deepspeed --num_gpus 2 --module specdraft train ...` (it appends --local_rank=K)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import run_overrides
+
+    out = dist_work / "launcher"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = Path(sys.executable).parent / "deepspeed"
+    args = run_overrides(tiny_target_dir, dist_data, out, dist_work / "cache", max_steps=2, save_steps=2,
+                         per_device_batch_size=2)
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", "29631", "--module", "specdraft",
+                           "train", str(REPO / "configs" / "demo.yaml"), *args, "eval_prompts=null"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 rank(s)" in proc.stdout + proc.stderr
+    assert (out / "ckpt" / "step_2" / "COMMITTED").is_file() and (out / "step_2" / "model.safetensors").is_file()
