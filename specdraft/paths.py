@@ -5,4 +5,5 @@ from pathlib import Path
 
 
 def specdraft_home() -> Path:
-    return Path(os.environ.get("SPECDRAFT_HOME", Path.home() / ".cache" / "specdraft"))
+    """`$SPECDRAFT_HOME`, default `~/.cache/specdraft`."""
+    return Path(os.environ.get("SPECDRAFT_HOME") or Path.home() / ".cache" / "specdraft")

@@ -1,0 +1,46 @@
+"""The cached demo assets: build target and dataset once, reuse them on every later call."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from specdraft.demo.cache import log_stderr, read_stamp, remove_stale, specdraft_home
+from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
+from specdraft.demo.presets import get_preset
+from specdraft.demo.target import build_target, target_inputs
+
+SEED = 0  # the demo is one fixed build; tests and users get the same target for a preset
+
+
+def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr) -> tuple[Path, DemoData]:
+    """(target_dir, data) under `home/<preset>/{target,data}`, built on first use.
+
+    `home` defaults to `$SPECDRAFT_HOME` (or ~/.cache/specdraft). A directory is reused when its
+    stamp says it was built from the current preset, seed and Python (the corpus is its stdlib);
+    otherwise it is rebuilt. A rebuilt target also rebuilds the dataset (its answers come from it).
+    """
+    get_preset(preset)  # an unknown preset fails before anything is touched
+    root = Path(home) if home is not None else specdraft_home()
+    target_dir, data_dir = root / preset / "target", root / preset / "data"
+
+    t0 = time.perf_counter()
+    target_stamp = read_stamp(target_dir)
+    if _matches(target_stamp, target_inputs(preset, SEED)):
+        log(f"[demo] reusing cached target {target_dir}")
+    else:
+        remove_stale(target_dir, log)
+        build_target(target_dir, preset, SEED, log)
+        target_stamp = read_stamp(target_dir)
+
+    if _matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp)):
+        log(f"[demo] reusing cached dataset {data_dir}")
+    else:
+        remove_stale(data_dir, log)
+        build_dataset(target_dir, data_dir, preset, SEED, log)
+    log(f"[demo] {preset} assets ready in {time.perf_counter() - t0:.1f}s")
+    return target_dir, DemoData.from_dir(data_dir)
+
+
+def _matches(stamp: dict | None, expected: dict) -> bool:
+    return stamp is not None and all(stamp.get(k) == v for k, v in expected.items())

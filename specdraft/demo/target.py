@@ -1,0 +1,144 @@
+"""Build the demo target: tokenizer + a small Llama pre-trained from scratch on stdlib sources.
+
+The result is an ordinary Hugging Face checkpoint directory (config.json, generation_config.json,
+sharded safetensors with an index, tokenizer files) that `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load with no specdraft code, exactly like a downloaded target.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdraft.demo.cache import building, log_stderr, no_progress_bars
+from specdraft.demo.corpus import FunctionExample, extract_functions, read_corpus
+from specdraft.demo.presets import DemoPreset, get_preset
+from specdraft.demo.tokenizer import BOS, EOS, IM_END, PAD, train_tokenizer
+
+SHARDS = 3  # aim for several safetensors shards (+ index), as real targets are saved
+
+
+def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -> Path:
+    """Train tokenizer + target on the stdlib corpus and save them as an HF directory `out_dir`."""
+    p = get_preset(preset)
+    out_dir = Path(out_dir)
+    stamp = target_inputs(p.name, seed)
+    with building(out_dir, stamp, log) as tmp:
+        t0 = time.perf_counter()
+        files = read_corpus(p.corpus_bytes, seed)
+        tokenizer = train_tokenizer((f.text for f in files), p.vocab_size,
+                                    p.max_position_embeddings)
+        log(f"[demo target] tokenizer: vocab {len(tokenizer)} from {len(files)} stdlib files "
+            f"({sum(len(f.text) for f in files) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+
+        t0 = time.perf_counter()
+        stream = _token_stream(extract_functions(files), tokenizer, seed)
+        model = _new_model(p, tokenizer, seed)
+        log(f"[demo target] training {sum(x.numel() for x in model.parameters()) / 1e6:.2f}M "
+            f"params on {stream.numel() / 1e6:.2f}M tokens, {p.train_steps} steps of "
+            f"{p.batch_size}x{p.seq_len}")
+        final_loss = pretrain(model, stream, p, seed, log)
+        log(f"[demo target] trained in {time.perf_counter() - t0:.1f}s, final loss "
+            f"{final_loss:.3f}")
+
+        with no_progress_bars():
+            model.save_pretrained(tmp, max_shard_size=_shard_bytes(model, SHARDS))
+        tokenizer.save_pretrained(tmp)
+        stamp["final_loss"] = final_loss
+    log(f"[demo target] saved to {out_dir}")
+    return out_dir
+
+
+def pretrain(model: LlamaForCausalLM, stream: torch.Tensor, p: DemoPreset, seed: int,
+             log=log_stderr) -> float:
+    """Next-token training on random windows of `stream`; returns the mean loss of the last
+    `log_every` steps. AdamW, linear warmup, cosine decay to 10%, gradient clipping at 1.0."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, p))
+    model.train()
+    recent, t0 = [], time.perf_counter()
+    for step in range(1, p.train_steps + 1):
+        starts = torch.randint(0, stream.numel() - p.seq_len, (p.batch_size,), generator=gen)
+        batch = torch.stack([stream[s:s + p.seq_len] for s in starts.tolist()])  # (B, T)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        recent = (recent + [loss.item()])[-p.log_every:]
+        if step % p.log_every == 0 or step == p.train_steps:
+            tok_s = step * p.batch_size * p.seq_len / (time.perf_counter() - t0)
+            log(f"[demo target] step {step}/{p.train_steps} loss {sum(recent) / len(recent):.3f} "
+                f"lr {sched.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s")
+    model.eval()
+    return sum(recent) / len(recent)
+
+
+def _lr_factor(step: int, p: DemoPreset) -> float:
+    if step < p.warmup_steps:
+        return (step + 1) / p.warmup_steps
+    progress = (step - p.warmup_steps) / max(1, p.train_steps - p.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _token_stream(functions: list[FunctionExample], tokenizer: PreTrainedTokenizerFast,
+                  seed: int) -> torch.Tensor:
+    """The library's documented functions as ChatML turns (user: signature + docstring,
+    assistant: body), concatenated in seeded order into one token stream.
+
+    Training on this chat form rather than on raw files makes the target a small "chat" model
+    that follows the template and ends its answer with <|im_end|>, which the regenerated dataset
+    and speculative decoding rely on; at this size and budget it also learns the task far faster.
+    """
+    chats = [
+        [{"role": "user", "content": f.prompt}, {"role": "assistant", "content": f.answer}]
+        for f in functions
+    ]
+    texts = tokenizer.apply_chat_template(chats, tokenize=False)
+    encoded = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    docs = [e.ids for e in encoded]
+    random.Random(seed).shuffle(docs)
+    return torch.tensor([t for doc in docs for t in doc], dtype=torch.long)
+
+
+def _new_model(p: DemoPreset, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    bos, eos, pad, im_end = tokenizer.convert_tokens_to_ids([BOS, EOS, PAD, IM_END])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Chat generation ends at <|im_end|> (end of turn) or <|eos|> (end of document); greedy.
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos, eos_token_id=[im_end, eos], pad_token_id=pad, do_sample=False,
+    )
+    return model
+
+
+def _shard_bytes(model: torch.nn.Module, shards: int) -> int:
+    total = sum(x.numel() * x.element_size() for x in model.state_dict().values())
+    return total // shards + 1
+
+
+def target_inputs(preset: str, seed: int) -> dict:
+    """What a target build depends on (its cache key). The corpus is this Python's stdlib, so
+    another Python version builds a different target."""
+    return {"kind": "target", "preset": get_preset(preset).fingerprint(), "seed": seed,
+            "python": platform.python_version()}

@@ -1,0 +1,209 @@
+"""The demo assets: a genuine HF target directory and a dataset of the target's own answers."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from specdraft.demo import PRESETS, build_target, ensure_demo_assets
+from specdraft.demo.assets import SEED
+from specdraft.demo.cache import STAMP, building
+from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
+from specdraft.demo.dataset import chat_prompt
+from specdraft.errors import SpecdraftError
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# --- the target directory ---------------------------------------------------------------------
+
+def test_target_loads_with_plain_transformers(model, tokenizer):
+    p = PRESETS["tiny"]
+    assert isinstance(model, LlamaForCausalLM)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (p.hidden_size, p.num_hidden_layers)
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA, like real targets
+    assert not cfg.tie_word_embeddings
+    assert cfg.vocab_size == len(tokenizer)
+    ids = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], cfg.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_target_is_sharded_safetensors_with_index(tiny_target_dir, model):
+    shards = sorted(tiny_target_dir.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    assert not (tiny_target_dir / "model.safetensors").exists()
+    index = json.loads((tiny_target_dir / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    assert set(weight_map) == set(model.state_dict())
+    assert {tiny_target_dir / name for name in weight_map.values()} == set(shards)
+    for shard in shards:  # every tensor lives where the index says
+        with safe_open(shard, "pt") as f:
+            assert all(weight_map[key] == shard.name for key in f.keys())
+
+
+def test_target_was_trained(tiny_target_dir):
+    stamp = json.loads((tiny_target_dir / STAMP).read_text())
+    # an untrained model sits at ln(vocab) ~ 6.2 nats; training must have moved it well below
+    assert stamp["final_loss"] < 5.5
+
+
+# --- tokenizer and chat template -------------------------------------------------------------
+
+def test_chat_template_renders_and_round_trips(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "def f(x):\n    \"\"\"Return x, é ✓.\"\"\""},
+                {"role": "assistant", "content": "    return x"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == ("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\ndef f(x):\n    \"\"\"Return x, é ✓.\"\"\"<|im_end|>\n"
+                    "<|im_start|>assistant\n    return x<|im_end|>\n")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == text
+    # every special marker is one token, never spelled out in bytes
+    for token in ("<|bos|>", "<|im_start|>", "<|im_end|>"):
+        assert ids.count(tokenizer.convert_tokens_to_ids(token)) == text.count(token)
+    prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith(prompt)  # the answer's tokens follow the generation prompt
+
+
+def test_chat_template_rejects_unknown_roles(tokenizer):
+    with pytest.raises(Exception, match="unknown chat role"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_generation_stops_at_end_of_turn(model, tokenizer):
+    eos = model.generation_config.eos_token_id
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
+    assert tokenizer.eos_token_id in eos
+
+
+# --- the dataset -----------------------------------------------------------------------------
+
+def test_dataset_files_are_chat_jsonl(tiny_data):
+    assert len(tiny_data.train_files) >= 2
+    users = []
+    for path in tiny_data.train_files:
+        rows = _rows(path)
+        assert rows, path
+        for row in rows:
+            roles = [turn["role"] for turn in row["conversations"]]
+            assert roles == ["user", "assistant"]
+            user, assistant = (turn["content"] for turn in row["conversations"])
+            assert user.startswith((PROMPT_PREFIX + "def ", PROMPT_PREFIX + "async def "))
+            assert assistant.strip()
+            users.append(user)
+    assert len(set(users)) == len(users)
+
+    prompts = [row["prompt"] for row in _rows(tiny_data.prompts_file)]
+    assert prompts and all(p.startswith(PROMPT_PREFIX) for p in prompts)
+    assert not set(prompts) & set(users)  # held out
+
+
+def test_answers_are_the_targets_own_greedy_continuation(tiny_data, model, tokenizer):
+    rows = _rows(tiny_data.train_files[0])[:3]
+    special = set(tokenizer.all_special_ids)
+    for row in rows:
+        user, assistant = (turn["content"] for turn in row["conversations"])
+        ids = tokenizer(chat_prompt(tokenizer, user), return_tensors="pt",
+                        add_special_tokens=False).input_ids
+        out = model.generate(ids, max_new_tokens=PRESETS["tiny"].max_new_tokens, do_sample=False)
+        new = out[0, ids.shape[1]:].tolist()
+        cut = next((k for k, t in enumerate(new) if t in special), len(new))
+        assert tokenizer.decode(new[:cut]) == assistant
+
+
+# --- caching ---------------------------------------------------------------------------------
+
+def test_second_ensure_reuses_the_cache(tiny_target_dir, tiny_data):
+    files = [p for p in tiny_target_dir.parent.rglob("*") if p.is_file()]
+    before = {p: os.stat(p).st_mtime_ns for p in files}
+    messages = []
+    target_dir, data = ensure_demo_assets(tiny_target_dir.parents[1], preset="tiny",
+                                          log=messages.append)
+    assert (target_dir, data) == (tiny_target_dir, tiny_data)
+    assert {p: os.stat(p).st_mtime_ns for p in files} == before
+    assert sum("reusing" in m for m in messages) == 2
+    leftovers = [p for p in tiny_target_dir.parent.iterdir() if p.name.startswith(".")]
+    assert not leftovers  # no temp build dirs
+
+
+def test_a_foreign_directory_in_the_cache_is_not_deleted(tmp_path):
+    foreign = tmp_path / "tiny" / "target"
+    foreign.mkdir(parents=True)
+    (foreign / "mine.txt").write_text("user data")
+    with pytest.raises(SpecdraftError, match="not built by"):
+        ensure_demo_assets(tmp_path, preset="tiny", log=lambda m: None)
+    assert (foreign / "mine.txt").read_text() == "user data"
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path):
+    with pytest.raises(RuntimeError):
+        with building(tmp_path / "out", {"kind": "x"}) as tmp:
+            (tmp / "half.bin").write_bytes(b"0")
+            raise RuntimeError("crash mid-build")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_same_seed_builds_the_same_target(tiny_target_dir, tmp_path):
+    again = build_target(tmp_path / "again", preset="tiny", seed=SEED, log=lambda m: None)
+    for shard in sorted(tiny_target_dir.glob("*.safetensors")):
+        assert (again / shard.name).read_bytes() == shard.read_bytes()
+    tokenizer_json = (tiny_target_dir / "tokenizer.json").read_text()
+    assert (again / "tokenizer.json").read_text() == tokenizer_json
+
+
+def test_unknown_preset_is_a_user_error(tmp_path):
+    with pytest.raises(SpecdraftError, match="unknown demo preset"):
+        ensure_demo_assets(tmp_path, preset="huge")
+
+
+# --- prompts from source ---------------------------------------------------------------------
+
+def test_functions_split_into_signature_docstring_and_body():
+    source = SourceFile("m.py", '''
+class C:
+    def method(self, a,
+               b=1):
+        """Add.
+
+        Longer text.
+        """
+        # a comment
+        return a + b
+
+def no_doc(x):
+    return x
+
+def one_line(x): "Doc."; return x
+
+async def coro():
+    "Doc."
+    await thing()
+''')
+    found = {f.qualname: f for f in extract_functions([source])}
+    assert sorted(found) == ["m.py:C.method", "m.py:coro"]
+    method = found["m.py:C.method"]
+    assert method.prompt == (PROMPT_PREFIX + 'def method(self, a,\n           b=1):\n'
+                             '    """Add.\n\n    Longer text.\n    """')
+    assert method.answer == "    # a comment\n    return a + b"
+    assert found["m.py:coro"].answer == "    await thing()"
