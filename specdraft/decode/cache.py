@@ -1,0 +1,75 @@
+"""Forward passes of a transformers causal LM over a position-indexed KV cache.
+
+The cache (a transformers DynamicCache) holds one entry per token position, in order. A pass
+appends its tokens; `keep_positions` then keeps the entries a round accepted (a prefix plus the
+accepted tree path, compacted) — rejected entries simply disappear, and the next pass writes the
+following positions again.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from specdraft.errors import SpecdraftError
+
+
+def new_cache(model: nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def last_layer_kv(cache: DynamicCache) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's (keys, values), each (B, KV, T, D); keys have RoPE applied."""
+    layer = cache.layers[-1]
+    return layer.keys, layer.values
+
+
+def keep_positions(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Keep only the cache entries at `keep` (ascending positions), in that order, in every layer."""
+    prefix = bool((keep == torch.arange(len(keep))).all())  # a plain crop: slice, no copy
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise SpecdraftError("the target uses sliding-window attention layers; speculative "
+                                 "decoding here needs full-attention KV caches")
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if prefix:
+            layer.keys, layer.values = layer.keys[..., :len(keep), :], layer.values[..., :len(keep), :]
+        else:
+            index = keep.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Forget every entry at position >= length."""
+    if cache_length(cache) > length:
+        keep_positions(cache, torch.arange(length))
+
+
+@torch.no_grad()
+def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
+            visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Append ids (T,) at `positions` (T,) to the cache; return their logits (T, V).
+
+    visible (T, cache_length + T) bool replaces causal attention (tree passes); None = causal.
+    transformers passes a 4D mask through unchanged, so it is given additive (0 / dtype min),
+    which both its sdpa and eager attention accept.
+    """
+    weight = next(model.parameters())
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=weight.dtype, device=weight.device)
+        mask = mask.masked_fill(~visible.to(weight.device), torch.finfo(weight.dtype).min)
+        mask = mask[None, None]  # (1, 1, T, cache_length + T)
+    out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
+                attention_mask=mask,
+                past_key_values=cache, use_cache=True)
+    return out.logits[0].float().cpu()

@@ -1,0 +1,101 @@
+"""Acceptance statistics of speculative runs: the report dict, its terminal table, its plot.
+
+tau = (accepted draft tokens + target forwards) / target forwards: the mean number of tokens each
+verification pass produces (the prefill pass is not counted).
+acceptance_per_position[j-1]: the fraction of passes that accepted at least j draft tokens.
+conditional_acceptance_per_position[j-1]: of the passes that accepted j - 1, the fraction that
+also accepted the j-th (the usual per-position acceptance rate).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from specdraft.decode.speculative import Generation
+
+
+def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str, Any]:
+    """Pool the verification passes of several generations; depth = gamma or len(tree)."""
+    accepted: List[int] = [a for g in generations for a in g.accepted]
+    forwards = len(accepted)
+    reached = [sum(a >= j for a in accepted) for j in range(depth + 1)]  # reached[0] = forwards
+    return {
+        "tau": (sum(accepted) + forwards) / forwards if forwards else 0.0,
+        "target_forwards": forwards,
+        "accepted_tokens": sum(accepted),
+        "drafted_tokens": sum(d for g in generations for d in g.drafted),
+        "acceptance_per_position": [reached[j] / forwards if forwards else 0.0 for j in range(1, depth + 1)],
+        "conditional_acceptance_per_position": [reached[j] / reached[j - 1] if reached[j - 1] else 0.0
+                                                for j in range(1, depth + 1)],
+        "accepted_length_histogram": [sum(a == k for a in accepted) for k in range(depth + 1)],
+    }
+
+
+def timing_stats(generations: Sequence[Generation], baseline: Sequence[Generation]) -> Dict[str, Any]:
+    tokens = sum(len(g.tokens) for g in generations)
+    seconds = sum(g.seconds for g in generations)
+    base_tokens = sum(len(g.tokens) for g in baseline)
+    base_seconds = sum(g.seconds for g in baseline)
+    speed = tokens / seconds if seconds else 0.0
+    base_speed = base_tokens / base_seconds if base_seconds else 0.0
+    return {
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": speed,
+        "baseline_tokens_per_second": base_speed,
+        "speedup": speed / base_speed if base_speed else 0.0,
+    }
+
+
+def format_report(report: Dict[str, Any]) -> str:
+    """The terminal table of one evaluation report."""
+    shape = f"tree {report['tree']}" if report.get("tree") else f"chain gamma={report.get('gamma')}"
+    lines = [
+        f"specdraft eval: {report.get('method')} ({report.get('drafter')}), {shape}, "
+        f"temperature {report.get('temperature')}, {report.get('prompts')} prompts, "
+        f"max {report.get('max_new_tokens')} new tokens",
+        f"  draft:  {report.get('draft') or '-'}",
+        f"  target: {report.get('target')}",
+        "",
+        f"  {'tau (tokens / target forward)':<34}{report['tau']:>10.3f}",
+        f"  {'target forwards':<34}{report['target_forwards']:>10d}",
+        f"  {'accepted draft tokens':<34}{report['accepted_tokens']:>10d}",
+        f"  {'generated tokens':<34}{report['generated_tokens']:>10d}",
+        f"  {'tokens/s (speculative)':<34}{report['tokens_per_second']:>10.1f}",
+        f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
+        f"  {'speedup':<34}{report['speedup']:>9.2f}x",
+    ]
+    if report.get("matches_target") is not None:
+        lines.append(f"  {'output == target greedy':<34}{'yes' if report['matches_target'] else 'NO':>10}")
+    lines += ["", f"  {'position':>8}  {'P(accepted >= pos)':>18}  {'P(pos | pos-1)':>14}"]
+    for j, (a, c) in enumerate(zip(report["acceptance_per_position"],
+                                   report["conditional_acceptance_per_position"]), start=1):
+        lines.append(f"  {j:>8}  {a:>18.3f}  {c:>14.3f}")
+    if report.get("plot"):
+        lines += ["", f"  plot: {report['plot']}"]
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: Dict[str, Any], path, title: Optional[str] = None) -> None:
+    """A PNG bar chart of acceptance per draft position (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positions = list(range(1, len(report["acceptance_per_position"]) + 1))
+    width = 0.4
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([p - width / 2 for p in positions], report["acceptance_per_position"], width,
+           label="P(accepted length >= position)")
+    ax.bar([p + width / 2 for p in positions], report["conditional_acceptance_per_position"], width,
+           label="P(position accepted | previous accepted)")
+    ax.set_xlabel("draft position (tree depth)")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.3)  # headroom for the legend
+    ax.set_xticks(positions)
+    ax.set_title(title or f"{report.get('method')}: tau = {report['tau']:.2f}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
