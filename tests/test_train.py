@@ -46,3 +46,16 @@ def test_gradient_accumulation_and_bf16_train(tiny_target_dir, data_dir, tmp_pat
                  max_steps=4, save_steps=4)
     assert len(result.losses) == 4 and all(l == l for l in result.losses)  # finite, no NaN
     assert result.losses[-1] < result.losses[0]
+
+
+def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(tiny_target_dir, tiny_data,
+                                                                             data_dir, tmp_path):
+    taus = {}
+    for stage in (2, 3):
+        run(tiny_target_dir, data_dir, tmp_path, f"eval{stage}", zero_stage=stage, max_steps=4, save_steps=4,
+            eval_steps=2, eval_prompts=tiny_data.prompts_file)
+        rows = [json.loads(l) for l in (tmp_path / f"eval{stage}" / "metrics.jsonl").read_text().splitlines()]
+        taus[stage] = [(r["step"], r["eval/tau"]) for r in rows if "eval/tau" in r]
+        assert [s for s, _ in taus[stage]] == [2, 4]
+        assert all(1.0 <= t <= 5.0 for _, t in taus[stage])  # gamma 4: tau in [1, gamma + 1]
+    assert taus[2] == taus[3]  # the same draft decodes the same way under either stage

@@ -106,7 +106,9 @@ class GlideDrafter(Drafter):
         self.rotary_emb = target.model.rotary_emb
         weight = next(draft.parameters())
         self.dtype, self.device = weight.dtype, weight.device
-        self.lm_head = target.get_output_embeddings().weight.to(self.dtype)
+        # A copy, not a view: under ZeRO-3 the parameter's storage is released again after each
+        # target forward, and this tensor is read outside any module call.
+        self.lm_head = target.get_output_embeddings().weight.detach().to(self.dtype, copy=True)
         self.start()
 
     def start(self) -> None:

@@ -24,6 +24,7 @@ from specdraft.decode.report import acceptance_stats, plot_acceptance, timing_st
 from specdraft.decode.speculative import Generation, generate_plain, speculative_generate
 from specdraft.drafts import GlideDraft, draft_from_export_config
 from specdraft.drafts.io import CONFIG_NAME, load_exported_draft, read_export_config
+from specdraft.data.sources import iter_jsonl_records
 from specdraft.errors import SpecdraftError
 
 METHODS = ("draft", "untrained", "prompt_lookup", "self")
@@ -120,18 +121,10 @@ def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None) -> 
     if not path.is_file():
         raise SpecdraftError(f"{path}: prompts file not found")
     prompts: List[List[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if max_prompts is not None and len(prompts) >= max_prompts:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise SpecdraftError(f"{where}: not valid JSON ({err.msg})") from None
-            prompts.append(encode_messages(tokenizer, _prompt_messages(record, where)))
+    for where, record in iter_jsonl_records(path):
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
+        prompts.append(encode_messages(tokenizer, _prompt_messages(record, where)))
     if not prompts:
         raise SpecdraftError(f"{path}: no prompts")
     return prompts
