@@ -65,7 +65,8 @@ def _cmd_consolidate(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from specdraft.decode.evaluate import evaluate, format_report
+    from specdraft.decode.evaluate import evaluate
+    from specdraft.decode.report import format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,

@@ -1,7 +1,7 @@
 """`specdraft eval`: tau, acceptance per position and speedup of a draft export on a prompt file.
 
     report = evaluate("runs/x", "prompts.jsonl", gamma=5)          # newest runs/x/step_<N>/
-    print(format_report(report))
+    print(format_report(report))                                     # specdraft.decode.report
 
 Methods: "draft" (the exported draft), "untrained" (a freshly built draft of the same dims),
 "prompt_lookup" (n-gram lookup, no model), "self" (the target drafting for itself: tau's ceiling).
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from specdraft.decode.drafters import Drafter, GlideDrafter, ModelDrafter, PromptLookupDrafter
-from specdraft.decode.report import format_report  # noqa: F401  (`specdraft eval` prints it)
 from specdraft.decode.report import acceptance_stats, plot_acceptance, timing_stats
 from specdraft.decode.speculative import Generation, generate_plain, speculative_generate
 from specdraft.drafts import GlideDraft, draft_from_export_config

@@ -6,7 +6,7 @@
 """
 
 from specdraft.demo.assets import ensure_demo_assets
-from specdraft.demo.cache import specdraft_home
+from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset
 from specdraft.demo.presets import PRESETS, DemoPreset
 from specdraft.demo.target import build_target

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from specdraft.demo.cache import log_stderr, read_stamp, remove_stale, specdraft_home
+from specdraft.demo.cache import log_stderr, read_stamp, remove_stale
+from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
 from specdraft.demo.presets import get_preset
 from specdraft.demo.target import build_target, target_inputs

@@ -13,7 +13,6 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from specdraft.errors import SpecdraftError
-from specdraft.paths import specdraft_home  # noqa: F401  (re-exported)
 
 STAMP = "specdraft_demo.json"  # written last into every built directory: what it was built from
 

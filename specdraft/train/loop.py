@@ -194,8 +194,6 @@ def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
 
 def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
-    import torch.distributed as dist
-
     files = resolve_data_files(cfg.data_files)
     root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else specdraft_home() / "data"
     cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length)
