@@ -282,3 +282,10 @@ def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_d
     assert report["final_exit"] == 0
     assert any(line.endswith("finished " + str(40 - resumed_steps[-1])) for line in report["log"])
     assert report["final"]["latest"] == "step_40"
+
+
+def test_relaunching_a_finished_run_trains_nothing_and_changes_nothing(tiny_target_dir, data_dir, work, zero_runs):
+    before = _snapshot(work / "full1" / "ckpt")
+    again = run(tiny_target_dir, data_dir, work, "full1", zero_stage=1, max_steps=12, save_steps=6)
+    assert again.losses == [] and again.export_dir == work / "full1" / "step_12"
+    assert _snapshot(work / "full1" / "ckpt") == before

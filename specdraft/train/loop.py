@@ -133,6 +133,10 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     if result.losses:
         log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
             f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
+    else:  # resumed a finished run: say so instead of silently doing nothing
+        result.export_dir = run_dir / f"step_{state.step}"
+        log(f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
+            f"its draft is in {result.export_dir} (resume=no or another output_dir to train anew)")
     return result
 
 
