@@ -15,6 +15,7 @@ committed slots survive a crash at any instant (keep_last=2 is LongSpec's last_d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -146,17 +147,10 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def draft_fingerprint(engine) -> Dict[str, List[float]]:
-    """Per-tensor (sum, sum of squares) of the draft's weights, every rank (a collective under
-    ZeRO-3). Saved with each slot and compared after a load: proof that the draft came back."""
-    import deepspeed
-
-    draft = engine.module.draft_model
-    params = list(draft.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
-        return {name: [float(p.detach().double().sum()), float(p.detach().double().pow(2).sum())]
-                for name, p in draft.named_parameters()}
+def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
+    """Per-tensor (sum, sum of squares) of the draft's weights. Saved with each slot and compared
+    after a load: proof that the draft came back."""
+    return {name: [float(t.double().sum()), float(t.double().pow(2).sum())] for name, t in weights.items()}
 
 
 # -- the manager ------------------------------------------------------------------------------
@@ -172,8 +166,9 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
 
-    def save(self, engine, step: int, client_state: dict) -> Path:
-        """Every rank calls. Returns the committed slot; raises on every rank if any rank failed."""
+    def save(self, engine, step: int, client_state: dict, draft_weights: Optional[dict]) -> Path:
+        """Every rank calls (draft_weights: the gathered draft on rank 0, None elsewhere).
+        Returns the committed slot; raises on every rank if any rank failed."""
         import torch.distributed as dist
 
         from specdraft.train.engine import any_rank
@@ -186,7 +181,6 @@ class CheckpointManager:
         dist.barrier()
         rng = [None] * self.world_size
         dist.all_gather_object(rng, _rng_state())
-        fingerprint = draft_fingerprint(engine)
         state = {CLIENT_KEY: dict(client_state, rng=rng, config_hash=config_hash(self.cfg))}
         error = None
         try:
@@ -199,7 +193,7 @@ class CheckpointManager:
             raise error or RuntimeError(f"checkpoint save of {slot_dir} failed on another rank")
         dist.barrier()  # every rank's files are on disk before the commit
         if self.rank == 0:
-            self._commit(slot_dir, engine, step, fingerprint)
+            self._commit(slot_dir, engine, step, draft_fingerprint(draft_weights))
             self._prune()
         dist.barrier()
         return slot_dir
@@ -235,27 +229,24 @@ class CheckpointManager:
         if self.pause:
             time.sleep(self.pause)
 
+    @contextlib.contextmanager
     def _paused_writes(self, engine):
-        manager = self
+        """With the test pause set, sleep after every file DeepSpeed writes."""
+        if not self.pause:
+            yield
+            return
+        original = engine.checkpoint_engine.save
 
-        class _Pause:
-            def __enter__(self):
-                if manager.pause:
-                    original = engine.checkpoint_engine.save
+        def save_then_pause(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self._sleep()
+            return result
 
-                    def save_then_pause(*args, **kwargs):
-                        result = original(*args, **kwargs)
-                        manager._sleep()
-                        return result
-
-                    self.original = original
-                    engine.checkpoint_engine.save = save_then_pause
-
-            def __exit__(self, *exc):
-                if manager.pause:
-                    engine.checkpoint_engine.save = self.original
-
-        return _Pause()
+        engine.checkpoint_engine.save = save_then_pause
+        try:
+            yield
+        finally:
+            engine.checkpoint_engine.save = original
 
     # -- resume -------------------------------------------------------------------------------
 
@@ -282,8 +273,10 @@ class CheckpointManager:
         if load_path is None:
             raise SpecdraftError(f"{slot_dir}: DeepSpeed found no checkpoint to load there")
         # Frozen params were excluded, so the load was non-strict: prove the draft came back.
-        if draft_fingerprint(engine) != record["draft_fingerprint"]:
-            raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones")
+        from specdraft.train.export import gather_draft_state_dict
+
+        loaded = gather_draft_state_dict(engine)
+        broadcast_error(lambda: _check_fingerprint(slot_dir, loaded, record), self.rank)
         ours = client_state[CLIENT_KEY]
         _set_rng_state(ours["rng"][self.rank])
         dist.barrier()
@@ -301,6 +294,11 @@ class CheckpointManager:
                 f"this run has {self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}; optimizer state "
                 f"only loads at the same data-parallel size and stage (export the draft with "
                 f"`specdraft export` and start a new run, or relaunch with the saved size)")
+
+
+def _check_fingerprint(slot_dir: Path, weights: dict, record: dict) -> None:
+    if draft_fingerprint(weights) != record["draft_fingerprint"]:
+        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones")
 
 
 def resolve_slot(path: Path) -> Path:

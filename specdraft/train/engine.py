@@ -134,3 +134,12 @@ def broadcast_error(check, rank: int):
     if box[1] is not None:
         raise SpecdraftError(box[1])
     return box[0]
+
+
+def gathered(params: list):
+    """Context in which `params` are whole on every rank: ZeRO-3 gathers them (a collective,
+    every rank must enter); at other stages they already are, and this does nothing."""
+    import deepspeed
+
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3)

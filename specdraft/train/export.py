@@ -33,23 +33,17 @@ def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_
 
 
 def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
-    """The draft's full weights on rank 0 (None elsewhere); every rank must call.
-
-    Under ZeRO-3 only the draft's parameters are gathered, never the target's.
-    """
+    """The draft's full weights (CPU copies, no prefix) on rank 0, None elsewhere; every rank
+    must call. Under ZeRO-3 only the draft's parameters are gathered, never the target's."""
     import torch.distributed as dist
 
-    draft = engine.module.draft_model
-    params = list(draft.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    import deepspeed
+    from specdraft.train.engine import gathered
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
+    draft = engine.module.draft_model
+    with gathered(list(draft.parameters())):
         if dist.get_rank() != 0:
             return None
-        named = {f"{DRAFT_PREFIX}{name}": p.detach().clone().cpu() for name, p in draft.named_parameters()}
-        named.update({f"{DRAFT_PREFIX}{name}": b.detach().clone().cpu() for name, b in draft.named_buffers()})
-    return dict(extract_and_rename(named))
+        return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}
 
 
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,

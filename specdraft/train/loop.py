@@ -24,7 +24,7 @@ from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
-from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, init_distributed
+from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, gathered, init_distributed
 from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -121,8 +121,13 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
         if state.step % cfg.save_steps == 0 or last:
-            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()})
-            result.export_dir = save_draft(engine, cfg, tokenizer, run_dir, state.step, rank, exporter)
+            draft_weights = gather_draft_state_dict(engine)  # rank 0; CPU copies, safe to write later
+            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()},
+                             draft_weights)
+            result.export_dir = run_dir / f"step_{state.step}"
+            if rank == 0:  # written on the export thread, off the training path
+                exporter.submit(write_draft_export, result.export_dir, draft_weights, engine.module.draft_model,
+                                cfg, tokenizer)
 
     # -- summary -----------------------------------------------------------------------------
     exporter.close()  # the last export is on disk before train() returns
@@ -150,15 +155,6 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     return out
 
 
-def save_draft(engine, cfg, tokenizer, run_dir: Path, step: int, rank: int, exporter: BackgroundExporter) -> Path:
-    """Gather the draft (every rank), then write step_<N>/ on rank 0's export thread."""
-    state_dict = gather_draft_state_dict(engine)  # CPU copies: safe to write while training goes on
-    out_dir = run_dir / f"step_{step}"
-    if rank == 0:
-        exporter.submit(write_draft_export, out_dir, state_dict, engine.module.draft_model, cfg, tokenizer)
-    return out_dir
-
-
 # -- helpers -----------------------------------------------------------------------------------
 
 EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
@@ -181,14 +177,10 @@ def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
     order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
     parameters are gathered for the measurement instead (the full target, transiently, on each rank).
     """
-    import deepspeed
-
     from specdraft.decode.evaluate import measure_tau
 
     module = engine.module
-    params = list(module.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
+    with gathered(list(module.parameters())):
         stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
                             max_new_tokens=EVAL_NEW_TOKENS)
     values = {"eval/tau": stats["tau"]}
