@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
 
-    p = commands.add_parser("demo", help="build the offline demo target + data, then train a GLIDE draft")
+    p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
     p.add_argument("--config", default=None, help="default: the packaged configs/demo.yaml")
     p.add_argument("overrides", nargs="*")

@@ -20,8 +20,10 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from specdraft.drafts import DraftConfig, draft_family
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
+from specdraft.target.model import load_target_config
 
 # `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
 if not OmegaConf.has_resolver("specdraft_home"):
@@ -30,18 +32,6 @@ if not OmegaConf.has_resolver("specdraft_home"):
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-DRAFT_TYPES = ("glide",)
-
-
-@dataclass
-class DraftConfig:
-    type: str = "glide"  # which draft architecture to train
-    sliding_window: int = 512  # draft self-attention sees at most this many past positions
-    max_lag: int = 4  # per batch a lag p in [1, max_lag]: query t sees target K/V at <= t - p
-    final_norm: bool = False  # LongSpec feeds the draft output straight into lm_head
-    anchor_offset: bool = False  # Anchor-Offset position ids (long-context from short samples)
-    max_sink_tokens: int = 4  # anchor positions kept at 0..s-1, s in [0, max_sink_tokens]
-    max_position_offset: int = 30000  # the rest shifted by a random offset up to this
 
 
 @dataclass
@@ -167,11 +157,9 @@ def _validate(cfg: DictConfig, source: str) -> None:
         fail("precision", f"{cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.zero_stage not in (0, 1, 2, 3):
         fail("zero_stage", f"{cfg.zero_stage} is not one of 0, 1, 2, 3")
-    if cfg.draft.type not in DRAFT_TYPES:
-        fail("draft.type", f"{cfg.draft.type!r} is not one of {', '.join(DRAFT_TYPES)}")
+    family = draft_family(cfg.draft.type, source)
     for key in ("max_seq_length", "per_device_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "save_steps", "keep_last", "loss_chunk_size",
-                "draft.sliding_window", "draft.max_lag"):
+                "logging_steps", "save_steps", "keep_last", "loss_chunk_size"):
         if OmegaConf.select(cfg, key) < 1:
             fail(key, f"must be >= 1, got {OmegaConf.select(cfg, key)}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs < 1:
@@ -180,15 +168,22 @@ def _validate(cfg: DictConfig, source: str) -> None:
         fail("warmup_proportion", f"must be in [0, 1), got {cfg.warmup_proportion}")
     if cfg.learning_rate <= 0:
         fail("learning_rate", f"must be > 0, got {cfg.learning_rate}")
-    if cfg.draft.max_lag >= cfg.max_seq_length:
-        fail("draft.max_lag", f"must be < max_seq_length ({cfg.max_seq_length})")
     if not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
+    family.validate_config(cfg.draft, _target_config_if_readable(cfg.target), source, cfg.max_seq_length)
     if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
         cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")
+
+
+def _target_config_if_readable(target_dir: str):
+    """The target's transformers config, for the draft's checks against it (layer ids, vocab);
+    None when the directory has no config.json yet (training start fails on it with its own message)."""
+    if not os.path.isfile(os.path.join(target_dir, "config.json")):
+        return None
+    return load_target_config(target_dir)
 
 
 def resolve_data_files(spec: Any, source: str = "config") -> List[str]:

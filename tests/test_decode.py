@@ -13,12 +13,15 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdraft.decode import (GlideDrafter, ModelDrafter, PromptLookupDrafter, evaluate, format_report,
-                              generate_plain, measure_tau, speculative_generate)
+from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specdraft.decode.evaluate import evaluate, measure_tau
+from specdraft.decode.report import format_report
+from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
 from specdraft.decode.sampling import probabilities, sample_from
 from specdraft.decode.tree import DraftTree, accept_path, chain, verification_inputs
-from specdraft.drafts.glide import GlideDraft, SlidingWindowCache
+from specdraft.drafts.glide import GlideDraft
+from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.errors import SpecdraftError
 
 torch.set_num_threads(1)

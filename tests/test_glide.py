@@ -10,7 +10,7 @@ from specdraft.config import DraftConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts.glide import SlidingWindowCache
 from specdraft.drafts.loss import chunked_cross_entropy
-from specdraft.target.model import target_features
+from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 
 T = 24
@@ -38,6 +38,10 @@ def draft_outputs(draft, feats, lag):
     index = torch.arange(T)
     return draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
                  cross_limit=index - lag, index=index)
+
+
+def target_features(base_model, ids, position_ids):
+    return capture(base_model, ids, position_ids, CaptureRequest(last_layer_kv=True))
 
 
 def features(target, ids):

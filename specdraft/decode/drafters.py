@@ -8,29 +8,32 @@
 `tokens` (n+1,) is the whole sequence so far; the target cache holds positions 0..n-1 and the
 last token x_n (the root of this round) is not in it yet.
 
-GlideDrafter      a trained (or freshly built) GLIDE draft reading the target's KV cache
+A drafter that needs the target's hidden states of verified tokens names the layers in
+`target_layers` (vLLM's convention: the input of each layer); speculative_generate then hands
+them over through `observe_target(hidden, start)` after the prefill and every verification.
+
+Drafters of trained draft models live with their family in specdraft.drafts (draft.make_drafter).
 ModelDrafter      any transformers causal LM with its own cache; ModelDrafter(target) is "self"
 PromptLookupDrafter  n-gram lookup in the sequence itself (no model)
 """
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.decode.cache import cache_length, crop, forward, last_layer_kv, new_cache
+from specdraft.decode.cache import cache_length, crop, forward, new_cache
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import DraftTree, chain, empty_tree
-from specdraft.drafts.glide import GlideDraft, SlidingWindowCache
 
 
 class Drafter(ABC):
     name = "drafter"
+    target_layers: Tuple[int, ...] = ()  # target hidden states this drafter reads (layer inputs)
 
     def start(self) -> None:
         """Reset per-sequence state."""
@@ -47,6 +50,10 @@ class Drafter(ABC):
 
     def rollback(self, length: int) -> None:
         """Forget whatever was computed for positions >= length (tokens the target rejected)."""
+
+    def observe_target(self, hidden: Dict[int, torch.Tensor], start: int) -> None:
+        """The target's hidden states {layer: (T, H)} of verified tokens at positions start..start+T-1
+        (called only when target_layers is not empty)."""
 
 
 # -- tree growth shared by the model drafters ------------------------------------------------
@@ -83,95 +90,6 @@ def grow_tree(root_logprobs: torch.Tensor, widths: Sequence[int], expand: Expand
     # siblings are offered to the target in the draft's order of preference
     return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
                      scores=torch.cat(cumulative))
-
-
-# -- GLIDE -----------------------------------------------------------------------------------
-
-class GlideDrafter(Drafter):
-    """A GLIDE draft at inference, reading the target's cache the way it was trained.
-
-    Drafting after x_n (index n): step j feeds the token at index n + j - 1 and reads target K/V
-    at positions <= n - 1 (all of the cache), i.e. lag j — training drew lags in [1, max_lag].
-    The draft's own self-attention cache is the bounded SlidingWindowCache and only ever holds
-    verified tokens: drafted tokens go to a shallow fork of it that is dropped after the round
-    (append rebinds the fork's tensors, never writes into the shared ones). So a rejection needs
-    no rollback, and the window never loses verified entries to rejected ones.
-    """
-
-    name = "glide"
-
-    def __init__(self, draft: GlideDraft, target: nn.Module):
-        self.draft = draft
-        self.embed_tokens = target.get_input_embeddings()
-        self.rotary_emb = target.model.rotary_emb
-        weight = next(draft.parameters())
-        self.dtype, self.device = weight.dtype, weight.device
-        # A copy, not a view: under ZeRO-3 the parameter's storage is released again after each
-        # target forward, and this tensor is read outside any module call.
-        self.lm_head = target.get_output_embeddings().weight.detach().to(self.dtype, copy=True)
-        self.start()
-
-    def start(self) -> None:
-        self.cache = SlidingWindowCache(self.draft.dims.sliding_window)
-        self.length = 0  # token indices < length are in self.cache (or slid out of the window)
-
-    def rollback(self, length: int) -> None:
-        self.cache.crop(length)
-        self.length = min(self.length, length)
-
-    @torch.no_grad()
-    def _logits(self, ids: torch.Tensor, index: torch.Tensor, cross_limit: torch.Tensor, target_cache,
-                cache: SlidingWindowCache) -> torch.Tensor:
-        # ids (R, T) at token indices index (T,) -> logits (R, T, V); R rows share one index
-        ids, index, cross_limit = ids.to(self.device), index.to(self.device), cross_limit.to(self.device)
-        embeds = self.embed_tokens(ids).to(self.dtype)  # (R, T, H)
-        cos, sin = self.rotary_emb(embeds, index[None])  # (1, T, D)
-        keys, values = last_layer_kv(target_cache)  # (1, KV, S, D)
-        rows = ids.shape[0]
-        keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
-        hidden = self.draft(embeds, cos.to(self.dtype), sin.to(self.dtype), keys, values,
-                            cross_limit, index, cache)
-        return self.draft.logits(hidden, self.lm_head).float().cpu()
-
-    def _catch_up(self, tokens: torch.Tensor, target_cache) -> torch.Tensor:
-        """Feed the verified tokens the draft has not seen, up to and including x_n: -> (V,) logits."""
-        n = cache_length(target_cache)
-        if self.length > n:  # proposed before in this round: x_n's entry is there, refeed it
-            self.rollback(n)
-        index = torch.arange(self.length, n + 1)
-        # only x_n's output is used. The others just fill the self-attention cache, whose K/V
-        # come from the token embeddings alone (one layer), so their cross limit does not matter.
-        # Tokens accepted last round are fed here again (their drafted entries were in the fork).
-        logits = self._logits(tokens[self.length:n + 1][None], index, index - 1, target_cache, self.cache)
-        self.length = n + 1
-        return logits[0, -1]
-
-    def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
-        n = cache_length(target_cache)
-        logits = self._catch_up(tokens, target_cache)
-        fork = copy.copy(self.cache)
-        drafted, qs = [], []
-        for j in range(1, gamma + 1):
-            token, q = sample(logits, temperature, generator)
-            drafted.append(token)
-            qs.append(q)
-            if j < gamma:  # token j sits at index n + j and reads the cache up to n - 1
-                logits = self._logits(torch.tensor([[token]]), torch.tensor([n + j]), torch.tensor([n - 1]),
-                                      target_cache, fork)[0, -1]
-        return chain(drafted, torch.stack(qs))
-
-    def propose_tree(self, tokens, target_cache, widths):
-        n = cache_length(target_cache)
-        root = self._catch_up(tokens, target_cache)
-        rows = copy.copy(self.cache)  # batch row r = the path to frontier node r
-
-        def expand(parent_rows, new_tokens, depth):
-            rows.keys, rows.values = rows.keys[parent_rows], rows.values[parent_rows]
-            logits = self._logits(new_tokens[:, None], torch.tensor([n + depth]), torch.tensor([n - 1]),
-                                  target_cache, rows)
-            return F.log_softmax(logits[:, -1], dim=-1)
-
-        return grow_tree(F.log_softmax(root, dim=-1), widths, expand)
 
 
 # -- any causal LM (including the target itself) ---------------------------------------------

@@ -18,10 +18,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from specdraft.decode.drafters import Drafter, GlideDrafter, ModelDrafter, PromptLookupDrafter
+from specdraft.decode.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from specdraft.decode.report import acceptance_stats, plot_acceptance, timing_stats
 from specdraft.decode.speculative import Generation, generate_plain, speculative_generate
-from specdraft.drafts import GlideDraft, draft_from_export_config
+from specdraft.drafts import Draft, draft_from_export_config
 from specdraft.drafts.io import CONFIG_NAME, load_exported_draft, read_export_config
 from specdraft.data.sources import iter_jsonl_records
 from specdraft.errors import SpecdraftError
@@ -131,13 +131,11 @@ def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None) -> 
 
 # -- running ---------------------------------------------------------------------------------
 
-def make_drafter(method: str, target: nn.Module, draft: Optional[nn.Module] = None) -> Drafter:
+def make_drafter(method: str, target: nn.Module, draft: Optional[Draft] = None) -> Drafter:
     if method in NEEDS_DRAFT:
         if draft is None:
             raise SpecdraftError(f"method {method!r} needs a draft export")
-        if not isinstance(draft, GlideDraft):
-            raise SpecdraftError(f"no decoder for draft architecture {type(draft).__name__}")
-        return GlideDrafter(draft, target)
+        return draft.make_drafter(target)
     if method == "prompt_lookup":
         return PromptLookupDrafter()
     if method == "self":

@@ -1,58 +1,107 @@
-"""What every draft provides, and what it receives from the frozen target.
+"""What every draft family provides. The trainer, the checkpoint manager and the decoder talk to a
+draft only through this class, so none of them names a family.
 
-A draft is an nn.Module holding only its own (trainable) weights. Everything it shares with the
-target (embeddings, rotary tables, lm_head) is handed in per call as tensors, so the draft's state
-dict never duplicates target weights and ZeRO-3 never has to gather them twice.
+A draft is an nn.Module holding only its own weights (and, for some families, buffers such as
+EAGLE-3's vocabulary maps). Everything it shares with the target (embeddings, rotary tables,
+lm_head) is handed in per call as tensors, so the draft's state dict never duplicates target
+weights and ZeRO-3 never has to gather them twice.
+
+    Family.validate_config(draft_cfg, target_config, source)    one-line SpecdraftError, at load
+    Family.from_target_config(target_config, draft_cfg, data)   a new draft (data: packed data)
+    Family.from_export_config(config)                           rebuilt from an export / slot
+    draft.capture_request()          what the frozen target must produce per batch
+    draft.sample_batch_options(generator, seq_len)              per-batch randomness
+    draft.training_loss(features, lm_head_weight, ids, mask, chunk, **options) -> DraftLoss
+    draft.extra_state() / load_extra_state(state)               state besides the weights
+    draft.make_drafter(target)       a decode Drafter (chain and tree decoding)
+    Family.serving_formats           {format name: writer}; "native" is written for every family
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Dict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
+from specdraft.target.capture import CaptureRequest, TargetFeatures
+
+# writer(draft, state_dict, out_dir, target_dir): the files one serving engine loads
+ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
+
 
 @dataclass
-class TargetFeatures:
-    """What one target forward pass gives a draft (all computed under no_grad)."""
-
-    input_embeds: torch.Tensor  # (B, T, H) target embeddings of the input tokens
-    cos: torch.Tensor  # (B, T, D) target rotary tables at the input positions
-    sin: torch.Tensor  # (B, T, D)
-    last_keys: torch.Tensor  # (B, KV, T, D) target's last layer keys, RoPE applied
-    last_values: torch.Tensor  # (B, KV, T, D)
+class DraftLoss:
+    loss: torch.Tensor  # mean over counted tokens (what backward sees)
+    tokens: torch.Tensor  # 0-dim long: how many tokens the loss counted (on the loss's device)
+    correct: torch.Tensor  # 0-dim long: top-1 hits among them
+    # name -> (numerator, denominator), 0-dim tensors summed over micro-batches and ranks; the
+    # loop logs numerator / denominator per log interval (e.g. "ttt_2/accuracy": (hits, tokens))
+    metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class Draft(nn.Module, ABC):
-    """Base class: build from the target's config, compute a training loss, describe itself."""
+    family: ClassVar[str] = ""  # the `draft.type` value
+    architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
+    options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
+    serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
 
-    architecture: str = ""
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config: Optional[Any], source: str,
+                        max_seq_length: int) -> None:
+        """Raise a one-line SpecdraftError naming the bad `draft.` key. target_config is None when
+        the target directory has no readable config yet (checked again at training start)."""
 
     @classmethod
     @abstractmethod
-    def from_target_config(cls, target_config, draft_cfg) -> "Draft":
-        """A draft sized from the target's transformers config and our `draft.` settings."""
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "Draft":
+        """A new draft sized from the target's transformers config and our `draft.` settings.
+        data: the packed training data, for families that derive state from it (None when that
+        state will be loaded from a checkpoint instead)."""
+
+    @classmethod
+    @abstractmethod
+    def from_export_config(cls, config: Dict[str, Any]) -> "Draft":
+        """Rebuild from what export_config() wrote (weights and extra state loaded after)."""
+
+    @abstractmethod
+    def export_config(self) -> Dict[str, Any]:
+        """The JSON-able description written next to exported weights: {"architecture", "dims"}."""
+
+    # -- training --------------------------------------------------------------------------
+
+    @abstractmethod
+    def capture_request(self) -> CaptureRequest:
+        """What the frozen target's pass must return for training_loss."""
 
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
-        """Per-batch random choices (e.g. GLIDE's lag), drawn from the loop's seeded generator."""
+        """Per-batch random choices (e.g. GLIDE's lag), drawn from the loop's seeded generator.
+        A "position_ids" entry replaces arange(seq_len) for the target and the draft."""
         return {}
 
     @abstractmethod
     def training_loss(self, features: TargetFeatures, lm_head_weight: torch.Tensor,
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_size: int,
-                      **options) -> "DraftLoss":
-        """Loss of the draft's next-token predictions on the loss-masked tokens."""
+                      **options) -> DraftLoss:
+        """Loss of the draft's predictions on the loss-masked tokens."""
+
+    # -- state besides the weights ---------------------------------------------------------
+
+    def extra_state(self) -> Dict[str, torch.Tensor]:
+        """Tensors that are part of the draft but not trained (saved with every checkpoint)."""
+        return {}
+
+    def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Restore extra_state() from a checkpoint; never rebuilt. Raises a SpecdraftError naming
+        `source` when it disagrees with the draft's own."""
+
+    # -- decoding --------------------------------------------------------------------------
 
     @abstractmethod
-    def export_config(self) -> Dict[str, Any]:
-        """The JSON-able description written next to exported weights (rebuilds the draft)."""
-
-
-@dataclass
-class DraftLoss:
-    loss: torch.Tensor  # mean CE over counted tokens (what backward sees)
-    tokens: int  # how many tokens the loss counted
-    correct: int  # top-1 hits among them (the draft's greedy acceptance proxy)
+    def make_drafter(self, target: nn.Module):
+        """A specdraft.decode Drafter that drafts with this model against `target` (the causal LM)."""

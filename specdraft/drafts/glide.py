@@ -15,14 +15,28 @@ At inference the limit is the last position the target has verified.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.base import Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
+from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
 from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.errors import SpecdraftError
+
+
+@dataclass
+class GlideOptions:
+    """The `draft.` keys GLIDE reads."""
+
+    sliding_window: int = 512  # draft self-attention sees at most this many past positions
+    max_lag: int = 4  # per batch a lag p in [1, max_lag]: query t sees target K/V at <= t - p
+    final_norm: bool = False  # LongSpec feeds the draft output straight into lm_head
+    anchor_offset: bool = False  # Anchor-Offset position ids (long-context from short samples)
+    max_sink_tokens: int = 4  # anchor positions kept at 0..s-1, s in [0, max_sink_tokens]
+    max_position_offset: int = 30000  # the rest shifted by a random offset up to this
 
 
 @dataclass
@@ -41,67 +55,6 @@ class GlideDims:
     max_sink_tokens: int = 4
     max_position_offset: int = 30000
     initializer_range: float = 0.02
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x (B, heads, T, D); cos/sin (B, T, D): the target's own rotary tables
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class SlidingWindowCache:
-    """The draft's self-attention K/V at inference: a bounded buffer of the last `window` tokens.
-
-    Entries are keyed by token index, so a rejected draft is undone by `crop(n)` and the next
-    round simply writes its positions again.
-    """
-
-    def __init__(self, window: int):
-        self.window = window
-        self.keys: Optional[torch.Tensor] = None  # (B, KV, <=window, D)
-        self.values: Optional[torch.Tensor] = None
-        self.index: Optional[torch.Tensor] = None  # (<=window,) token index of each entry
-
-    def append(self, keys, values, index) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Add new entries; return what the new queries may attend to (old + new)."""
-        if self.keys is not None:
-            keys = torch.cat([self.keys, keys], dim=2)
-            values = torch.cat([self.values, values], dim=2)
-            index = torch.cat([self.index, index])
-        self.keys, self.values, self.index = (keys[:, :, -self.window:], values[:, :, -self.window:],
-                                              index[-self.window:])
-        return keys, values, index
-
-    def crop(self, length: int) -> None:
-        """Forget entries at token index >= length (drafted tokens the target rejected)."""
-        if self.index is not None:
-            keep = self.index < length
-            self.keys, self.values, self.index = self.keys[:, :, keep], self.values[:, :, keep], self.index[keep]
-
-    def __len__(self) -> int:
-        return 0 if self.index is None else int(self.index.numel())
-
-
-def _attend(q, k, v, visible: torch.Tensor) -> torch.Tensor:
-    # q (B, Hq, T, D), k/v (B, Hkv, S, D), visible (T, S) bool; every row has >= 1 True
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class GlideSelfAttention(nn.Module):
@@ -123,7 +76,7 @@ class GlideSelfAttention(nn.Module):
             k, v, key_index = cache.append(k, v, index)
         distance = index[:, None] - key_index[None, :]  # (T, S) query index - key index
         visible = (distance >= 0) & (distance < self.d.sliding_window)
-        out = _attend(q, k, v, visible)
+        out = attend(q, k, v, visible)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -144,24 +97,15 @@ class GlideCrossAttention(nn.Module):
         visible = torch.arange(S, device=x.device)[None, :] <= limit[:, None]  # (T, S)
         has_context = visible.any(dim=1)
         visible[~has_context, 0] = True  # keep softmax finite; these rows are zeroed below
-        out = _attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)
+        out = attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)
         out = out * has_context[None, None, :, None].to(out.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class GlideMLP(nn.Module):
-    def __init__(self, d: GlideDims):
-        super().__init__()
-        self.gate_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class GlideDraft(Draft):
+    family = "glide"
     architecture = "GlideDraft"
+    options = GlideOptions
 
     def __init__(self, dims: GlideDims):
         super().__init__()
@@ -171,7 +115,7 @@ class GlideDraft(Draft):
         self.cross_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.cross_attn = GlideCrossAttention(dims)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = GlideMLP(dims)
+        self.mlp = GatedMLP(dims.hidden_size, dims.intermediate_size)
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if dims.final_norm else None
         self._init_weights()
 
@@ -184,7 +128,15 @@ class GlideDraft(Draft):
                                         * self.dims.initializer_range)
 
     @classmethod
-    def from_target_config(cls, target_config, draft_cfg) -> "GlideDraft":
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        for key in ("sliding_window", "max_lag"):
+            if draft_cfg[key] < 1:
+                raise SpecdraftError(f"{source}: key 'draft.{key}': must be >= 1, got {draft_cfg[key]}")
+        if draft_cfg.max_lag >= max_seq_length:
+            raise SpecdraftError(f"{source}: key 'draft.max_lag': must be < max_seq_length ({max_seq_length})")
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "GlideDraft":
         text = getattr(target_config, "text_config", None) or target_config
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -230,7 +182,13 @@ class GlideDraft(Draft):
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return hidden @ lm_head_weight.t()
 
+    def make_drafter(self, target: nn.Module) -> GlideDrafter:
+        return GlideDrafter(self, target)
+
     # -- training --------------------------------------------------------------------------
+
+    def capture_request(self) -> CaptureRequest:
+        return CaptureRequest(last_layer_kv=True)
 
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
         lag = int(torch.randint(1, self.dims.max_lag + 1, (1,), generator=generator))
@@ -251,8 +209,8 @@ class GlideDraft(Draft):
         predictions = hidden[:, :-1][counted]
         labels = input_ids[:, 1:][counted]
         total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)
-        tokens = int(labels.numel())
-        return DraftLoss(loss=total / max(tokens, 1), tokens=tokens, correct=int(correct))
+        tokens = counted.sum()
+        return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct)
 
 
 def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,

@@ -6,9 +6,8 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdraft.drafts.base import TargetFeatures
 from specdraft.errors import SpecdraftError
 
 # Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
@@ -35,15 +34,3 @@ def load_frozen_target(target_dir: str, precision: str = "fp32") -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-@torch.no_grad()
-def target_features(base_model: nn.Module, input_ids: torch.Tensor,
-                    position_ids: torch.Tensor) -> TargetFeatures:
-    """One target pass over (B, T) tokens -> what drafts read (embeddings, RoPE, last-layer K/V)."""
-    embeds = base_model.embed_tokens(input_ids)
-    cache = DynamicCache(config=base_model.config)
-    base_model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=cache, use_cache=True)
-    cos, sin = base_model.rotary_emb(embeds, position_ids)
-    last = cache.layers[-1]
-    return TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, last_keys=last.keys, last_values=last.values)

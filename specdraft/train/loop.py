@@ -116,7 +116,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if eval_prompts and (state.step % cfg.eval_steps == 0 or last):
-            tau = measure_draft_tau(engine, tokenizer, eval_prompts)
+            tau = measure_draft_tau(engine, target, tokenizer, eval_prompts)
             metrics.log(state.step, tau)
             log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
@@ -158,7 +158,7 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
 # -- helpers -----------------------------------------------------------------------------------
 
 EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
-EVAL_GAMMA = 4  # chain length: the lags GLIDE was trained on
+EVAL_GAMMA = 4  # chain length of the in-training tau
 EVAL_NEW_TOKENS = 32
 
 
@@ -170,18 +170,19 @@ def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
     return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS)
 
 
-def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
+def measure_draft_tau(engine, target, tokenizer, prompts: list) -> dict:
     """Greedy chain tau of the current draft on held-out prompts, logged beside the loss.
 
     Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 the decoding loop's
     order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
     parameters are gathered for the measurement instead (the full target, transiently, on each rank).
+    `target` is the causal LM whose decoder stack and lm_head the engine's module holds.
     """
     from specdraft.decode.evaluate import measure_tau
 
     module = engine.module
     with gathered(list(module.parameters())):
-        stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
+        stats = measure_tau(target, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
                             max_new_tokens=EVAL_NEW_TOKENS)
     values = {"eval/tau": stats["tau"]}
     values.update({f"eval/accept_{i + 1}": a for i, a in enumerate(stats.get("acceptance_per_position", []))})
@@ -232,30 +233,48 @@ def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, 
 
 
 class LossWindow:
-    """Token-weighted loss / accuracy sums, reduced across ranks per step and per log window."""
+    """Token-weighted loss / accuracy sums and the draft's own metrics, kept as tensors on the
+    loss's device (no host sync per micro-batch) and reduced across ranks per step and per log
+    window."""
 
     def __init__(self):
-        self.step_sum = self.step_tokens = 0.0
-        self.log_sum = self.log_tokens = self.log_correct = 0.0
+        self.step_sum = self.step_tokens = None  # 0-dim float64, this optimizer step
+        self.log_sum = self.log_tokens = 0.0  # floats, the log window so far
+        self.log_correct = None
+        self.metrics = {}  # name -> [numerator, denominator]
 
     def add(self, out: DraftLoss) -> None:
-        self.step_sum += float(out.loss.detach()) * out.tokens
-        self.step_tokens += out.tokens
-        self.log_correct += out.correct
+        loss_sum = out.loss.detach().double() * out.tokens
+        tokens = out.tokens.double()
+        self.step_sum = loss_sum if self.step_sum is None else self.step_sum + loss_sum
+        self.step_tokens = tokens if self.step_tokens is None else self.step_tokens + tokens
+        self.log_correct = out.correct if self.log_correct is None else self.log_correct + out.correct
+        for name, (numerator, denominator) in out.metrics.items():
+            pair = self.metrics.setdefault(name, [0.0, 0.0])
+            pair[0] = pair[0] + numerator.detach().double()
+            pair[1] = pair[1] + denominator.detach().double()
 
     def reduce_step(self, dist) -> float:
-        totals = torch.tensor([self.step_sum, self.step_tokens], dtype=torch.float64)
+        totals = torch.stack([self.step_sum, self.step_tokens])
         dist.all_reduce(totals)
         self.log_sum += float(totals[0])
         self.log_tokens += float(totals[1])
-        self.step_sum = self.step_tokens = 0.0
-        return float(totals[0] / max(totals[1], 1.0))
+        self.step_sum = self.step_tokens = None
+        return float(totals[0] / max(float(totals[1]), 1.0))
 
     def reduce_log(self, dist) -> dict:
-        correct = torch.tensor([self.log_correct], dtype=torch.float64)
-        dist.all_reduce(correct)
+        names = sorted(self.metrics)  # the same names on every rank: one family, one loss
+        values = [self.log_correct.double()] + [torch.as_tensor(v, dtype=torch.float64, device=self.log_correct.device)
+                                                for name in names for v in self.metrics[name]]
+        totals = torch.stack(values)
+        dist.all_reduce(totals)
         tokens = max(self.log_tokens, 1.0)
-        values = {"loss": self.log_sum / tokens, "accuracy": float(correct[0]) / tokens,
+        logged = {"loss": self.log_sum / tokens, "accuracy": float(totals[0]) / tokens,
                   "perplexity": math.exp(min(self.log_sum / tokens, 50.0))}
-        self.log_sum = self.log_tokens = self.log_correct = 0.0
-        return values
+        for i, name in enumerate(names):
+            numerator, denominator = float(totals[1 + 2 * i]), float(totals[2 + 2 * i])
+            logged[name] = numerator / max(denominator, 1.0)
+        self.log_sum = self.log_tokens = 0.0
+        self.log_correct = None
+        self.metrics = {}
+        return logged

@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import Draft, DraftLoss
-from specdraft.target.model import target_features
+from specdraft.drafts import Draft, DraftLoss
+from specdraft.target.capture import capture
 
 DRAFT_PREFIX = "draft_model."
 
@@ -25,9 +25,6 @@ class TargetWithDraft(nn.Module):
         self.draft_model = draft
         self.target_config = target_causal_lm.config
         self.loss_chunk_size = loss_chunk_size
-        # The whole causal LM, for decoding evals; kept off the module tree so its parameters are
-        # not registered (or saved) a second time under another name.
-        object.__setattr__(self, "target_lm", target_causal_lm)
 
     def register_external_parameters_for_zero3(self) -> None:
         """lm_head.weight is read in our forward, not through lm_head's own forward: ZeRO-3
@@ -41,8 +38,8 @@ class TargetWithDraft(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)
-        position_ids = position_ids.expand(B, T)
-        features = target_features(self.model, input_ids, position_ids)
+        position_ids = position_ids.to(input_ids.device).expand(B, T)
+        features = capture(self.model, input_ids, position_ids, self.draft_model.capture_request())
         return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
                                               self.loss_chunk_size, **options)
 
