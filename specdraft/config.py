@@ -71,6 +71,7 @@ class TrainConfig:
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (bounds the logits memory)
     output_dir: str = "runs/default"
+    export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
     draft: DraftConfig = field(default_factory=DraftConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -171,6 +172,10 @@ def _validate(cfg: DictConfig, source: str) -> None:
     if not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
     family.validate_config(cfg.draft, _target_config_if_readable(cfg.target), source, cfg.max_seq_length)
+    for name in cfg.export_formats or ():
+        if name not in family.serving_formats:
+            fail("export_formats", f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
+                                   f"(it has: {', '.join(family.serving_formats) or 'none besides native'})")
     if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
         cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)

@@ -8,13 +8,14 @@ following positions again.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
 from specdraft.errors import SpecdraftError
+from specdraft.target.capture import record_layer_inputs
 
 
 def new_cache(model: nn.Module) -> DynamicCache:
@@ -57,7 +58,16 @@ def crop(cache: DynamicCache, length: int) -> None:
 @torch.no_grad()
 def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
             visible: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Append ids (T,) at `positions` (T,) to the cache; return their logits (T, V).
+    """Append ids (T,) at `positions` (T,) to the cache; return their logits (T, V)."""
+    return forward_with_hidden(model, cache, ids, positions, visible)[0]
+
+
+@torch.no_grad()
+def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
+                        visible: Optional[torch.Tensor] = None,
+                        layers: Sequence[int] = ()) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
+    """forward(), plus the hidden states {layer: (T, H)} entering each of `layers` (a drafter's
+    target_layers, vLLM's convention) for the same tokens.
 
     visible (T, cache_length + T) bool replaces causal attention (tree passes); None = causal.
     transformers passes a 4D mask through unchanged, so it is given additive (0 / dtype min),
@@ -69,7 +79,7 @@ def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions:
         mask = torch.zeros(visible.shape, dtype=weight.dtype, device=weight.device)
         mask = mask.masked_fill(~visible.to(weight.device), torch.finfo(weight.dtype).min)
         mask = mask[None, None]  # (1, 1, T, cache_length + T)
-    out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
-                attention_mask=mask,
-                past_key_values=cache, use_cache=True)
-    return out.logits[0].float().cpu()
+    with record_layer_inputs(model.model, layers) as hidden:
+        out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
+                    attention_mask=mask, past_key_values=cache, use_cache=True)
+    return out.logits[0].float().cpu(), {layer: h[0] for layer, h in hidden.items()}

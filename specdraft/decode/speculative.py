@@ -15,7 +15,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
+from specdraft.decode.cache import cache_length, forward, forward_with_hidden, keep_positions, new_cache
 from specdraft.decode.drafters import Drafter
 from specdraft.decode.sampling import probabilities, sample
 from specdraft.decode.tree import accept_path, verification_inputs
@@ -68,10 +68,13 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
     t0 = time.perf_counter()
     prompt = _prompt_tensor(prompt_ids)
     cache = new_cache(target)
-    logits = forward(target, cache, prompt, torch.arange(len(prompt)))
+    layers = drafter.target_layers  # target hidden states the drafter reads (most read none)
+    logits, hidden = forward_with_hidden(target, cache, prompt, torch.arange(len(prompt)), layers=layers)
     first, _ = sample(logits[-1], temperature, generator)
     tokens = torch.cat([prompt, torch.tensor([first])])
     drafter.start()
+    if layers:
+        drafter.observe_target(hidden, 0)
     result = Generation(tokens=[], seconds=0.0)
     while not _finished(tokens[len(prompt):].tolist(), max_new_tokens, stop):
         n = cache_length(cache)  # tokens[n] is this round's root
@@ -80,10 +83,13 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
         else:
             draft = drafter.propose_tree(tokens, cache, tree)
         ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n)
-        target_probs = probabilities(forward(target, cache, ids, positions, visible), temperature)
-        path, next_token = accept_path(draft, target_probs, generator)
-        keep_positions(cache, torch.cat([torch.arange(n + 1), n + 1 + torch.tensor(path, dtype=torch.long)]))
+        logits, hidden = forward_with_hidden(target, cache, ids, positions, visible, layers=layers)
+        path, next_token = accept_path(draft, probabilities(logits, temperature), generator)
+        kept = torch.tensor([0] + [1 + node for node in path], dtype=torch.long)  # rows: root, accepted path
+        keep_positions(cache, torch.cat([torch.arange(n), n + kept]))
         drafter.rollback(cache_length(cache))
+        if layers:  # the verified tokens' states, now at positions n .. n + len(path)
+            drafter.observe_target({layer: h[kept.to(h.device)] for layer, h in hidden.items()}, n)
         tokens = torch.cat([tokens, draft.tokens[path], torch.tensor([next_token])])
         result.accepted.append(len(path))
         result.drafted.append(len(draft))

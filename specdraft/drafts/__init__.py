@@ -7,13 +7,15 @@ plus one line in FAMILIES. The `draft:` config section is the union of every fam
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Dict, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.eagle3 import Eagle3Draft
 from specdraft.drafts.glide import GlideDraft
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft,)}
+FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
 
@@ -22,13 +24,16 @@ def _draft_config_schema() -> type:
     """The `draft:` section: `type` plus every family's keys (flat; a key two families share must
     have one default)."""
     fields: Dict[str, dataclasses.Field] = {}
+    types: Dict[str, Any] = {}
     for cls in FAMILIES.values():
+        hints = typing.get_type_hints(cls.options)  # real types: the modules use postponed annotations
         for f in dataclasses.fields(cls.options):
+            types[f.name] = hints[f.name]
             if f.name in fields and _default(fields[f.name]) != _default(f):
                 raise TypeError(f"draft key {f.name!r} has two defaults")
             fields[f.name] = f
     spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY))]
-    spec += [(name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
+    spec += [(name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
              for name, f in fields.items()]
     return dataclasses.make_dataclass("DraftConfig", spec)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -73,6 +73,10 @@ class Draft(nn.Module, ABC):
     def export_config(self) -> Dict[str, Any]:
         """The JSON-able description written next to exported weights: {"architecture", "dims"}."""
 
+    def describe(self) -> str:
+        """One line for the start-up log: the choices made from the config (e.g. layers captured)."""
+        return ""
+
     # -- training --------------------------------------------------------------------------
 
     @abstractmethod
@@ -90,6 +94,11 @@ class Draft(nn.Module, ABC):
                       **options) -> DraftLoss:
         """Loss of the draft's predictions on the loss-masked tokens."""
 
+    def external_parameters(self) -> List[nn.Parameter]:
+        """The draft's parameters it reads outside their own module's forward (ZeRO-3 must be told
+        to gather them in the trainer's forward)."""
+        return []
+
     # -- state besides the weights ---------------------------------------------------------
 
     def extra_state(self) -> Dict[str, torch.Tensor]:
@@ -99,6 +108,10 @@ class Draft(nn.Module, ABC):
     def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Restore extra_state() from a checkpoint; never rebuilt. Raises a SpecdraftError naming
         `source` when it disagrees with the draft's own."""
+
+    def default_serving_formats(self) -> List[str]:
+        """The serving formats every save writes when the config names none."""
+        return list(self.serving_formats)
 
     # -- decoding --------------------------------------------------------------------------
 

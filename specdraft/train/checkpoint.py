@@ -361,17 +361,27 @@ def consolidate_run(run_dir, slot: Optional[str] = None) -> Path:
     return out
 
 
-def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "safetensors",
+EXPORT_FORMATS = ("native", "pth", "safetensors")  # plus each family's serving formats
+
+
+def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
                     out_dir: Optional[str] = None, with_target_heads: bool = False) -> Path:
+    """Write a draft export from a committed slot: `native` (both weight files + config.json), one
+    native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
+    directory that engine loads)."""
     from transformers import AutoTokenizer
 
     from specdraft.drafts import draft_from_export_config
-    from specdraft.train.export import write_draft_export
+    from specdraft.train.export import NATIVE_FILES, write_draft_export
 
     slot_dir, record = _run_slot(run_dir, step=step)
-    state_dict = consolidated_draft_state_dict(slot_dir, record)
     draft = draft_from_export_config(record["draft"])
-    draft.load_state_dict(state_dict, strict=True)
+    if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
+        raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
+                             f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
+    # load_state_dict casts into the draft's own dtypes (zero_to_fp32 returns buffers as float too)
+    draft.load_state_dict(consolidated_draft_state_dict(slot_dir, record), strict=True)
+    state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(cfg.target) if Path(cfg.target).is_dir() else None
     out = Path(out_dir) if out_dir else Path(run_dir) / f"export_step_{record['step']}"
@@ -382,4 +392,8 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "safetensors
         read = load_target_head_weights(cfg.target, dtype=torch.float32,
                                         expected_hidden=record["draft"]["dims"]["hidden_size"])
         heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
-    return write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=(fmt,), target_heads=heads)
+    serving = [fmt] if fmt in draft.serving_formats else []
+    files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES
+    written = write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=files, target_heads=heads,
+                                 serving=serving)
+    return written / fmt if serving else written

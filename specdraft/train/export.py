@@ -6,6 +6,8 @@ step_<N>/
   config.json                what rebuilds the draft: architecture, dims, target path + hash
   target_heads.safetensors   (optional) the target's embed_tokens / lm_head, for a standalone draft
   tokenizer files, training_config.yaml
+  <format>/                  each serving format of the draft's family (e.g. speculators/, sglang/):
+                             the files that engine loads (config.json + model.safetensors)
 The directory is written under a temp name and renamed: it exists whole or not at all.
 """
 
@@ -16,7 +18,7 @@ import os
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft import __version__
 from specdraft.config import config_hash
 from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
+from specdraft.errors import SpecdraftError
 from specdraft.train.model import DRAFT_PREFIX
 
 
@@ -46,15 +49,32 @@ def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
         return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}
 
 
+NATIVE_FILES = ("pth", "safetensors")
+
+
+def serving_formats(draft, cfg: DictConfig) -> Sequence[str]:
+    """The serving formats a save writes: `export_formats` from the config, else the family's."""
+    configured = cfg.get("export_formats")
+    return list(configured) if configured is not None else draft.default_serving_formats()
+
+
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
-                       tokenizer=None, formats=("pth", "safetensors"), target_heads=None) -> Path:
+                       tokenizer=None, formats=NATIVE_FILES, target_heads=None,
+                       serving: Optional[Sequence[str]] = None) -> Path:
     """Write a complete draft export directory atomically (rank 0 only).
 
-    target_heads: optional {"embed_tokens.weight", "lm_head.weight"} from the target, written to
-    their own file so the draft's weights still load strictly on their own.
+    formats: which native weight files (pth, safetensors). serving: the serving formats written
+    into subdirectories (None: serving_formats(draft, cfg)). target_heads: optional
+    {"embed_tokens.weight", "lm_head.weight"} from the target, written to their own file so the
+    draft's weights still load strictly on their own.
     """
     from safetensors.torch import save_file
 
+    serving = serving_formats(draft, cfg) if serving is None else serving
+    for name in serving:  # checked before anything is written
+        if name not in draft.serving_formats:
+            raise SpecdraftError(f"export format {name!r}: a {draft.family} draft has no such serving format "
+                                 f"(it has: {', '.join(['native', *draft.serving_formats])})")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -74,6 +94,8 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+    for name in serving:
+        draft.serving_formats[name](draft, tensors, tmp / name, str(cfg.target))
     _fsync_tree(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -82,7 +104,7 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
 
 
 def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
+    for path in directory.rglob("*"):
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())

@@ -67,17 +67,23 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     total_steps = planned_steps(cfg, sampler)
 
     target = load_frozen_target(cfg.target, cfg.precision)
-    model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
+    # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot:
+    # it is never derived from the data again.
+    draft = build_draft(cfg.draft, target.config, data=None if resume_from is not None else data)
+    model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     engine = build_engine(cfg, model, total_steps)
     state = TrainState()
     if resume_from is not None:
         restored = checkpoints.resume(engine, resume_from)
         state = TrainState(**restored["train_state"])
+        engine.module.draft_model.load_extra_state(restored.get("draft_extra", {}), source=str(resume_from))
         sampler.load_state_dict(restored["sampler"])
         log(f"resumed from {resume_from} at step {state.step}")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    if draft.describe():
+        log(f"specdraft: {cfg.draft.type} draft: {draft.describe()}")
     log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
         f"ZeRO-{cfg.zero_stage}, {cfg.precision}, {world_size} rank(s)")
@@ -122,7 +128,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 
         if state.step % cfg.save_steps == 0 or last:
             draft_weights = gather_draft_state_dict(engine)  # rank 0; CPU copies, safe to write later
-            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()},
+            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict(),
+                                                  "draft_extra": engine.module.draft_model.extra_state()},
                              draft_weights)
             result.export_dir = run_dir / f"step_{state.step}"
             if rank == 0:  # written on the export thread, off the training path

@@ -27,11 +27,12 @@ class TargetWithDraft(nn.Module):
         self.loss_chunk_size = loss_chunk_size
 
     def register_external_parameters_for_zero3(self) -> None:
-        """lm_head.weight is read in our forward, not through lm_head's own forward: ZeRO-3
-        must be told to gather it there."""
+        """lm_head.weight (and any draft weight the draft reads directly) is read in our forward,
+        not through its module's own forward: ZeRO-3 must be told to gather it there."""
         import deepspeed
 
-        deepspeed.zero.register_external_parameter(self, self.lm_head.weight)
+        for param in [self.lm_head.weight, *self.draft_model.external_parameters()]:
+            deepspeed.zero.register_external_parameter(self, param)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None, **options) -> DraftLoss:

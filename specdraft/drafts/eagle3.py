@@ -1,0 +1,390 @@
+"""EAGLE-3: one decoder layer over the fused hidden states of three target layers.
+
+    g_t   = fc(cat(h_t at layers l1, l2, l3))                 (B, T, H)  index t: target position t
+    x     = cat(input_layernorm(embed(x_{t+1})), hidden_norm(g_t))       2H wide, into q/k/v
+    out_t = g_t + Attn(x) ; out_t += MLP(post_attention_layernorm(out_t))   (residual: g_t, or
+                                                                 hidden_norm(g_t) with norm_before_residual)
+    logits = lm_head(norm(out_t))   over the draft vocab; target_id = draft_id + d2t[draft_id]
+
+Index t predicts x_{t+2}, at RoPE position t+1 (the position of the token it embeds), as in
+speculators/vLLM. Module and parameter names are speculators' saved keys (fc, layers.0.*, norm,
+lm_head, d2t, t2d), so its export is a plain save.
+
+Training-time test (TTT), step k = 0 .. ttt_steps-1 (vectorised over all positions):
+    index t embeds x_{t+1+k} at position t+1+k; step 0's hidden input is g_t, step k's is the
+    draft's own output of step k-1 at t; step 0 attends causally to step-0 keys <= t, step k adds
+    the keys of steps 1..k at t itself (the diagonal); it predicts x_{t+2+k}, taught by the target's
+    distribution at position t+1+k restricted to the draft vocab, counted where x_{t+2+k} is
+    loss-masked. Loss = sum_k ttt_decay^k * mean soft CE of step k.
+At inference step k is the k-th drafted token: the same keys are the verified tokens' entries
+plus the entries of the tokens drafted before it, at the same positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.eagle3_decode import Eagle3Drafter
+from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
+from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
+from specdraft.drafts.loss import restricted_soft_cross_entropy
+from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
+from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_VOCAB = 32000
+AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
+
+
+@dataclass
+class Eagle3Options:
+    """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults)."""
+
+    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
+    draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
+    ttt_steps: int = 7  # training-time-test unroll
+    ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k
+    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
+    fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
+    norm_output: bool = False  # next TTT step reads norm(out) (EAGLE-3.1)
+
+
+def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
+    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids."""
+    layers = [2, num_layers // 2, num_layers - 3]
+    if len(set(layers)) == AUX_LAYERS and min(layers) >= 0:
+        return layers, "vLLM's default [2, L//2, L-3]"
+    candidates = list(range(1, num_layers)) if num_layers >= 4 else list(range(0, num_layers + 1))
+    layers = [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
+    return layers, f"[2, L//2, L-3] is not three distinct layers of a {num_layers}-layer target"
+
+
+@dataclass
+class Eagle3Dims:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    target_layers: List[int]
+    rope_parameters: Dict[str, Any]
+    max_position_embeddings: int
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    norm_before_residual: bool = False
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    initializer_range: float = 0.02
+
+    def transformer_layer_config(self) -> Dict[str, Any]:
+        """The draft layer as a Llama config dict (speculators' transformer_layer_config; SGLang's)."""
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "max_position_embeddings": self.max_position_embeddings,
+                "rope_parameters": dict(self.rope_parameters), "tie_word_embeddings": False,
+                "initializer_range": self.initializer_range}
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, d: Eagle3Dims):
+        super().__init__()
+        self.d = d
+        self.q_proj = nn.Linear(2 * d.hidden_size, d.num_heads * d.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_keys, past_values, visible):
+        # x (B, T, 2H); past (B, KV, S, D) or None; visible (T, S + T) -> out (B, T, H), new k, v
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)
+        keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
+        values = v if past_values is None else torch.cat([past_values, v], dim=2)
+        out = attend(q, keys, values, visible)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, d: Eagle3Dims):
+        super().__init__()
+        self.norm_before_residual = d.norm_before_residual
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.self_attn = Eagle3Attention(d)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.mlp = GatedMLP(d.hidden_size, d.intermediate_size)
+
+    def forward(self, embeds, hidden, cos, sin, past_keys=None, past_values=None, visible=None):
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
+        attn, k, v = self.self_attn(x, cos, sin, past_keys, past_values, visible)
+        out = residual + attn
+        out = out + self.mlp(self.post_attention_layernorm(out))
+        return out, k, v
+
+
+def ttt_visibility(T: int, step: int, device) -> torch.Tensor:
+    """(T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x[:, t + shift] at t, zeros past the end (along dim 1)."""
+    pad = torch.zeros_like(x[:, :shift])
+    return torch.cat([x[:, shift:], pad], dim=1)
+
+
+class Eagle3Draft(Draft):
+    family = "eagle3"
+    architecture = "Eagle3Draft"
+    options = Eagle3Options
+    serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
+
+    def __init__(self, dims: Eagle3Dims):
+        super().__init__()
+        self.dims = dims
+        aux = len(dims.target_layers) * dims.target_hidden_size
+        self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
+                                      for _ in dims.target_layers) if dims.fc_norm else None)
+        self.fc = nn.Linear(aux, dims.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(dims)])
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**dims.transformer_layer_config()))
+        # the vocabulary maps: set once (counted, or loaded from a checkpoint / export), never rebuilt
+        self.register_buffer("d2t", torch.zeros(dims.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        generator = torch.Generator().manual_seed(0)  # same init on every rank, whatever the RNG
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator)
+                                        * self.dims.initializer_range)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        def fail(key: str, why: str) -> None:
+            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+        if draft_cfg.ttt_steps < 1:
+            fail("ttt_steps", f"must be >= 1, got {draft_cfg.ttt_steps}")
+        if draft_cfg.ttt_steps + 2 > max_seq_length:
+            fail("ttt_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
+        if not draft_cfg.ttt_decay > 0:
+            fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
+        if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
+            fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
+        layers = list(draft_cfg.target_layers)
+        if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
+            fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
+        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
+            fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
+        if target_config is None:
+            return
+        text = getattr(target_config, "text_config", None) or target_config
+        num_layers = text.num_hidden_layers
+        for layer in layers:
+            if not 0 <= layer <= num_layers:
+                fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
+                                      f"of each of its {num_layers} layers, {num_layers} = the last output)")
+        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
+            fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
+                                     f"({text.vocab_size})")
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
+        text = getattr(target_config, "text_config", None) or target_config
+        heads = text.num_attention_heads
+        layers = list(draft_cfg.target_layers)
+        if not layers:
+            layers, why = default_target_layers(text.num_hidden_layers)
+            log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
+        rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
+                                                           "rope_theta": getattr(text, "rope_theta", 10000.0)}
+        draft = cls(Eagle3Dims(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            vocab_size=text.vocab_size,
+            draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
+            target_hidden_size=text.hidden_size,
+            target_num_layers=text.num_hidden_layers,
+            target_layers=layers,
+            rope_parameters=dict(rope),
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            ttt_steps=int(draft_cfg.ttt_steps),
+            ttt_decay=float(draft_cfg.ttt_decay),
+            norm_before_residual=bool(draft_cfg.norm_before_residual),
+            fc_norm=bool(draft_cfg.fc_norm),
+            norm_before_fc=bool(draft_cfg.norm_before_fc),
+            norm_output=bool(draft_cfg.norm_output),
+            initializer_range=getattr(text, "initializer_range", 0.02),
+        ))
+        if data is not None:
+            draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
+                                             draft.dims.draft_vocab_size))
+        return draft
+
+    @classmethod
+    def from_export_config(cls, config: Dict[str, Any]) -> "Eagle3Draft":
+        return cls(Eagle3Dims(**config["dims"]))
+
+    def export_config(self) -> Dict[str, Any]:
+        return {"architecture": self.architecture, "dims": asdict(self.dims)}
+
+    def describe(self) -> str:
+        return (f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
+                f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps")
+
+    def default_serving_formats(self) -> List[str]:
+        return [name for name in self.serving_formats if name != "sglang" or not sglang_unsupported(self.dims)]
+
+    # -- the vocabulary maps ---------------------------------------------------------------
+
+    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def has_vocab_maps(self) -> bool:
+        return bool(self.t2d.any())
+
+    def extra_state(self) -> Dict[str, torch.Tensor]:
+        return {"d2t": self.d2t.detach().cpu().clone(), "t2d": self.t2d.detach().cpu().clone()}
+
+    def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        d2t, t2d = state["d2t"], state["t2d"]
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise SpecdraftError(f"{source}: d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, this "
+                                 f"run's draft needs {tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
+        if self.has_vocab_maps() and not (torch.equal(d2t.to(self.d2t.device), self.d2t)
+                                          and torch.equal(t2d.to(self.t2d.device), self.t2d)):
+            raise SpecdraftError(f"{source}: its d2t/t2d vocabulary maps disagree with this run's draft "
+                                 f"(the maps are built once; resume or fine-tune with the same ones)")
+        self.set_vocab_maps(d2t, t2d)
+
+    def draft_to_target(self) -> torch.Tensor:
+        return draft_to_target_ids(self.d2t)
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """(..., 3 Ht) captured target states -> (..., H) the layer's first hidden input."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def step(self, embeds, hidden, positions, past_keys=None, past_values=None, visible=None):
+        """One draft step over (B, T) inputs at `positions` (T,) -> (next hidden input, logits input,
+        new keys, new values). visible (T, S + T) over past + new keys."""
+        cos, sin = self.rotary_emb(embeds, positions[None])
+        out, k, v = self.layers[0](embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
+                                   past_keys, past_values, visible)
+        normed = self.norm(out)
+        return (normed if self.dims.norm_output else out), normed, k, v
+
+    def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int):
+        """The TTT unroll over all positions at once: aux (B, T, 3 Ht) captured target states,
+        input_embeds (B, T, H) embeddings of the input ids -> per step the (B, T, H) logits input
+        (index t of step k predicts x_{t+2+k})."""
+        T = aux.shape[1]
+        index = torch.arange(T, device=aux.device)
+        hidden = self.fuse(aux)
+        keys = values = None
+        heads = []
+        for k in range(steps):
+            embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}
+            hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values,
+                                                      ttt_visibility(T, k, aux.device))
+            keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
+            values = new_v if values is None else torch.cat([values, new_v], dim=2)
+            heads.append(head_in)
+        return heads
+
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(head_in)
+
+    # -- training --------------------------------------------------------------------------
+
+    def capture_request(self) -> CaptureRequest:
+        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=True)
+
+    def external_parameters(self) -> List[nn.Parameter]:
+        return [self.lm_head.weight]  # the chunked loss reads the head's weight directly
+
+    def aux_hidden(self, features: TargetFeatures) -> torch.Tensor:
+        return torch.cat([features.hidden[layer] for layer in self.dims.target_layers], dim=-1)
+
+    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
+                      chunk_size: int, **_) -> DraftLoss:
+        B, T = input_ids.shape
+        dtype = self.fc.weight.dtype
+        heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
+                            self.dims.ttt_steps)
+        draft_ids = self.draft_to_target()
+        teacher_rows = lm_head_weight.index_select(0, draft_ids)  # (N, H): never the full vocab
+        loss = None
+        metrics = {}
+        for k, head_in in enumerate(heads):
+            span = T - 2 - k  # indices t whose label x_{t+2+k} exists
+            counted = loss_mask[:, 2 + k:].bool()  # (B, span)
+            labels = input_ids[:, 2 + k:][counted]
+            teacher = features.final_hidden[:, 1 + k:1 + k + span][counted]  # target at t+1+k
+            total, best = ttt_step_loss(head_in[:, :span][counted], self.lm_head.weight, teacher,
+                                        teacher_rows, chunk_size)
+            tokens = counted.sum()
+            hits = (draft_ids[best] == labels).sum()
+            step_loss = total / tokens.clamp_min(1)
+            weighted = step_loss * self.dims.ttt_decay ** k
+            loss = weighted if loss is None else loss + weighted
+            metrics[f"ttt_{k}/loss"] = (total.detach(), tokens)
+            metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
+        first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
+        return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def make_drafter(self, target: nn.Module) -> Eagle3Drafter:
+        return Eagle3Drafter(self, target)
+
+
+def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, chunk_size):
+    """EAGLE-3's objective for one TTT step: soft CE against the target distribution restricted
+    to the draft vocab (teacher_rows: the target lm_head's rows of the draft vocab)."""
+    return restricted_soft_cross_entropy(student_hidden, student_head, teacher_hidden, teacher_rows, chunk_size)

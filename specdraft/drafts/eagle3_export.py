@@ -1,0 +1,98 @@
+"""EAGLE-3 in the files serving engines load.
+
+speculators (vLLM):  config.json (Eagle3SpeculatorConfig fields) + model.safetensors with the
+    draft's own keys: fc.weight, layers.0.*, norm.weight, lm_head.weight, d2t, t2d (and
+    fc_norm.* / input_norm.weight with those flags). No embed_tokens: the verifier supplies it.
+SGLang (LlamaForCausalLMEagle3): a Llama config with num_hidden_layers 1, draft_vocab_size,
+    target_hidden_size, eagle_config; the decoder layer's keys are midlayer.* instead of
+    layers.0.*. SGLang skips names it does not know, silently, so flags it has no weights for are
+    refused here instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from safetensors.torch import save_file
+
+from specdraft.errors import SpecdraftError
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def _target_config(target_dir: str) -> Dict[str, Any]:
+    path = Path(target_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise SpecdraftError(f"{path}: not found (the verifier the export names)")
+    return json.loads(path.read_text())
+
+
+def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
+    d = draft.dims
+    verifier = _target_config(target_dir)
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": d.transformer_layer_config(),
+        "draft_vocab_size": d.draft_vocab_size,
+        "target_hidden_size": d.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(d.target_layers),
+        "norm_before_residual": d.norm_before_residual,  # vLLM assumes True when missing: always written
+        "norm_before_fc": d.norm_before_fc,
+        "fc_norm": d.fc_norm,
+        "norm_output": d.norm_output,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": d.ttt_steps}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(Path(target_dir).resolve()),
+                         "architectures": verifier.get("architectures", [])},
+        },
+    }
+
+
+def sglang_config(draft) -> Dict[str, Any]:
+    d = draft.dims
+    config = d.transformer_layer_config()
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                  draft_vocab_size=d.draft_vocab_size, target_hidden_size=d.target_hidden_size,
+                  norm_before_residual=d.norm_before_residual,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(d.target_layers),
+                                "use_aux_hidden_state": True})
+    return config
+
+
+def sglang_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+            for k, v in state_dict.items()}
+
+
+def _save(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+              str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+
+
+def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+    _save(Path(out_dir), speculators_config(draft, target_dir), state_dict)
+
+
+def sglang_unsupported(dims) -> List[str]:
+    """The serving flags set on this draft that SGLang's LlamaForCausalLMEagle3 does not read."""
+    return [flag for flag in ("fc_norm", "norm_before_fc", "norm_output") if getattr(dims, flag)]
+
+
+def write_sglang(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+    unsupported = sglang_unsupported(draft.dims)
+    if unsupported:
+        raise SpecdraftError(f"draft.{unsupported[0]}: SGLang's LlamaForCausalLMEagle3 has no such option "
+                             f"(export --format speculators for vLLM instead)")
+    _save(Path(out_dir), sglang_config(draft), sglang_state_dict(state_dict))
