@@ -213,6 +213,8 @@ class Eagle3Draft(Draft):
             return
         text = getattr(target_config, "text_config", None) or target_config
         num_layers = text.num_hidden_layers
+        if num_layers + 1 < AUX_LAYERS:
+            fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")
         for layer in layers:
             if not 0 <= layer <= num_layers:
                 fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
