@@ -2,7 +2,12 @@
 
 speculators (vLLM):  config.json (Eagle3SpeculatorConfig fields) + model.safetensors with the
     draft's own keys: fc.weight, layers.0.*, norm.weight, lm_head.weight, d2t, t2d (and
-    fc_norm.* / input_norm.weight with those flags). No embed_tokens: the verifier supplies it.
+    fc_norm.* / input_norm.weight with those flags), plus embed_tokens.weight: the target's,
+    read from its files. REFERENCE calls it optional, but speculators 0.9.0 only fills a missing
+    embed_tokens from the verifier when it is NaN, and under transformers 5.19 a missing weight
+    comes back as uninitialised memory (measured: its draft logits were garbage without it). vLLM
+    loads it when present. d2t/t2d are left out when the draft vocab is the whole target vocab
+    (speculators then has no such buffers).
 SGLang (LlamaForCausalLMEagle3): a Llama config with num_hidden_layers 1, draft_vocab_size,
     target_hidden_size, eagle_config; the decoder layer's keys are midlayer.* instead of
     layers.0.*. SGLang skips names it does not know, silently, so flags it has no weights for are
@@ -19,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.target.weights import load_target_head_weights
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
 WEIGHTS_NAME = "model.safetensors"
@@ -81,8 +87,20 @@ def _save(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
 
 
+def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """speculators' model has d2t/t2d buffers only when the draft vocab is smaller than the
+    target's: with the whole vocab they would be unexpected keys."""
+    if draft.dims.draft_vocab_size == draft.dims.vocab_size:
+        return {k: v for k, v in state_dict.items() if k not in ("d2t", "t2d")}
+    return dict(state_dict)
+
+
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
-    _save(Path(out_dir), speculators_config(draft, target_dir), state_dict)
+    tensors = speculators_state_dict(draft, state_dict)
+    heads = load_target_head_weights(target_dir, dtype=state_dict["fc.weight"].dtype,
+                                     expected_vocab=draft.dims.vocab_size, expected_hidden=draft.dims.hidden_size)
+    tensors["embed_tokens.weight"] = heads.embed_tokens
+    _save(Path(out_dir), speculators_config(draft, target_dir), tensors)
 
 
 def sglang_unsupported(dims) -> List[str]:
