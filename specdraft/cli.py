@@ -34,7 +34,9 @@ def _cmd_demo(args) -> int:
     target_dir, data = ensure_demo_assets(preset=args.preset)
     overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
                  f"eval_prompts={data.prompts_file}", *args.overrides]
-    cfg = load_config(args.config or str(DEMO_CONFIG), overrides)
+    config = args.config or str(DEMO_CONFIG)
+    packaged = DEMO_CONFIG.parent / f"{config}.yaml"  # a bare name: a config shipped in the package
+    cfg = load_config(str(packaged) if packaged.is_file() else config, overrides)
     train(cfg)
     return 0
 
@@ -97,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
-    p.add_argument("--config", default=None, help="default: the packaged configs/demo.yaml")
+    p.add_argument("--config", default=None,
+                   help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(run=_cmd_demo)
 

@@ -57,7 +57,8 @@ def test_valid_config_merges_yaml_and_overrides(valid_config):
     assert cfg.zero_stage == 2 and cfg.learning_rate == 5e-4  # schema defaults (LongSpec's lr)
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "qwen3-8b-glide.yaml", "llama3.1-8b-glide.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "qwen3-8b-glide.yaml", "llama3.1-8b-glide.yaml", "demo-eagle3.yaml",
+                                  "qwen3-8b-eagle3.yaml"])
 def test_shipped_configs_are_valid(name, tmp_path):
     from helpers import REPO
 
@@ -65,7 +66,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     (tmp_path / "d.jsonl").write_text("{}\n")
     cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
                                                      "eval_prompts=null"])
-    assert cfg.draft.type == "glide" and cfg.max_seq_length >= 256
+    assert cfg.draft.type == ("eagle3" if "eagle3" in name else "glide") and cfg.max_seq_length >= 256
 
 
 def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys):
