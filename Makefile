@@ -1,28 +1,43 @@
-# `make demo`: venv + install + the offline CPU demo.   `make test`: venv + install + pytest.
+# `make demo`: venv + install + the offline CPU demo.   `make test`: both venvs + pytest.
 VENV   ?= .venv
 PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# vLLM's `speculators` package pins torch/transformers apart from ours, so the tests that load our
+# exports with its classes run it from a venv of its own.
+SPECULATORS_VENV  ?= .venv-speculators
+SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
 
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv speculators-venv bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
-	# One pip command with torch pinned, so pip never swaps in a multi-GB CUDA build.
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" -e ".[test]"
+	# One pip command with torch pinned, so pip never swaps in a multi-GB CUDA build; the other
+	# packages at the exact versions the suite passes with (pyproject.toml only declares ranges).
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$(TORCH)" -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+$(SPECULATORS_STAMP): constraints-speculators.txt Makefile
+	$(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-speculators.txt torch==2.13.0 speculators==0.9.0
+	# The torchvision/torchaudio wheels it pulls in do not load against the CPU torch and break
+	# the transformers import.
+	$(SPECULATORS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio
+	touch $(SPECULATORS_STAMP)
+
+speculators-venv: $(SPECULATORS_STAMP)
+
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/specdraft demo
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+test: $(STAMP) $(SPECULATORS_STAMP)
+	SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/target_weights.py
@@ -30,4 +45,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/acceptance.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(SPECULATORS_VENV) runs
