@@ -124,6 +124,7 @@ def main(argv=None) -> dict:
                      f"  (goal >= 2: {'met' if ratios[name] >= 2 else 'NOT met'})")
     text = "\n".join(lines)
     print(text)
+    print(f"tau_ratio_chain={ratios['chain']:.2f} tau_ratio_tree={ratios['tree']:.2f}")
     out.mkdir(parents=True, exist_ok=True)
     results = {"rows": rows, "ratios": ratios, "export_dir": str(export_dir), "target": str(target_dir)}
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
