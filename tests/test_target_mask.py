@@ -97,6 +97,50 @@ def test_packed_loss_is_the_sum_of_each_documents_loss(target, lag):
     total, tokens, start = 0.0, 0, 0
     for n in lengths:
         part = model(ids[:, start:start + n], loss_mask[:, start:start + n], lag=lag)
-        total, tokens, start = total + part.loss.item() * part.tokens, tokens + part.tokens, start + n
-    assert out.tokens == tokens
-    assert out.loss.item() * out.tokens == pytest.approx(total, rel=1e-5, abs=1e-4)
+        total, tokens, start = total + part.loss.item() * int(part.tokens), tokens + int(part.tokens), start + n
+    assert int(out.tokens) == tokens
+    assert out.loss.item() * int(out.tokens) == pytest.approx(total, rel=1e-5, abs=1e-4)
+
+
+def test_glide_capture_skips_what_nobody_reads_and_keeps_one_layer_of_kv(target, monkeypatch):
+    """GLIDE asks for the last layer's K/V: that layer's attention output, its MLP and the final
+    norm never run, no other layer's K/V is kept, and the K/V and the draft loss equal those of
+    a full cached pass (the old capture)."""
+    from specdraft.target import capture as capture_module
+
+    calls = {"mlp": 0, "norm": 0, "o_proj": 0}
+    last = target.model.layers[-1]
+    hooks = [last.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1)),
+             last.self_attn.o_proj.register_forward_hook(lambda *a: calls.__setitem__("o_proj", calls["o_proj"] + 1)),
+             target.model.norm.register_forward_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1))]
+    stored = []
+    original = capture_module._LastLayerKV.update
+
+    def spy(self, key_states, value_states, layer_idx, *args, **kwargs):
+        stored.append(layer_idx)
+        return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(capture_module._LastLayerKV, "update", spy)
+    ids = torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16)[None].expand(2, -1)
+    try:
+        feats = target_features(target.model, ids, positions)
+        assert calls == {"mlp": 0, "norm": 0, "o_proj": 0}
+        assert stored == [0, 1]  # every layer hands its K/V over; only the last is kept
+        full = capture(target.model, ids, positions, CaptureRequest(last_layer_kv=True, final_hidden=True))
+        assert calls == {"mlp": 1, "norm": 1, "o_proj": 1}  # asked for the final hidden: the whole stack
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(feats.last_keys, cache.layers[-1].keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(full.last_values, cache.layers[-1].values, rtol=0, atol=1e-6)
+    draft = build_draft(OmegaConf.structured(DraftConfig(sliding_window=6, max_lag=4)), target.config)
+    old = type(feats)(input_embeds=feats.input_embeds, cos=feats.cos, sin=feats.sin, hidden={},
+                      last_keys=cache.layers[-1].keys, last_values=cache.layers[-1].values)
+    loss_mask = torch.ones_like(ids)
+    new_loss = draft.training_loss(feats, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
+    old_loss = draft.training_loss(old, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
+    torch.testing.assert_close(new_loss, old_loss, rtol=1e-6, atol=1e-6)
