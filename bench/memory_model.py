@@ -3,7 +3,7 @@ on CPU, then its predictions for real targets on 8 x 80 GB GPUs.
 
     OMP_NUM_THREADS=1 python bench/memory_model.py [--skip-check]
 
-Measurement (CPU, one rank, fp32): each shape runs in a fresh process that builds a random Llama
+Measurement (CPU, one rank, fp32, batches without document borders): each shape runs in a fresh process that builds a random Llama
 target, the GLIDE draft and the DeepSpeed engine, and trains 2 steps. Peak = the kernel's
 high-water mark of resident memory (VmHWM, reset through /proc/self/clear_refs after imports and
 process-group start-up) minus the resident memory at that moment. glibc is told to serve every
@@ -138,7 +138,7 @@ def main() -> None:
         print(f"{'shape':<11} {'L x H, V':>14} {'B x T':>8} {'ZeRO':>4} {'predicted MiB':>13} {'measured MiB':>12} "
               f"{'error':>7}")
         for spec in CHECKS:
-            estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1)
+            estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
             predicted = estimate.total
             measured = measure(spec)
             error = measured / predicted - 1
@@ -150,7 +150,8 @@ def main() -> None:
             print("    " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in estimate.parts.items()))
 
     print(f"\nPredicted per-GPU peak, GLIDE, bf16, 8 GPUs of 80 GB (fits: <= {USABLE:.0%} of 80 GB, "
-          f"no CPU offload); 4k at batch 2 (the shipped config), 16k at batch 1:")
+          f"no CPU offload); 4k at batch 2 (the shipped config), 16k at batch 1; packed documents "
+          f"(document_mask: true):")
     print(f"{'target':<10} {'seq':>4} {'ZeRO':>4} {'target placement':>16} {'GB':>6}  fits  largest parts (GB)")
     for name, values in QWEN3.items():
         config = Qwen3Config(**values)

@@ -57,9 +57,11 @@ def reduce_bucket_elements(draft_params: int) -> int:
     return min(REDUCE_BUCKET, draft_params)
 
 
-def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated") -> MemoryEstimate:
+def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
+                  documents: bool = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
-    loss_chunk_size, draft.*)."""
+    loss_chunk_size, document_mask, draft.*). documents: batches have document borders
+    (default: cfg.document_mask), which costs (B, T, T) boolean masks."""
     text = _text_config(target_config)
     counts = parameter_counts(target_config, cfg.draft)
     p = BYTES[cfg.precision]
@@ -113,6 +115,10 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
     chunk = min(chunk, tokens)
     loss = tokens * 2 * H * p + chunk * V * (4 + (2 if mixed else 0))
+    if cfg.document_mask if documents is None else documents:
+        # the target's (B, 1, T, T) mask during the capture; the draft's cross-attention mask,
+        # kept for its backward, and the two it is built from
+        est.parts["document masks"] = B * T * T * 3
     if capture_transient > draft_acts + loss:
         est.parts["capture working set (transient)"] = capture_transient
     else:
