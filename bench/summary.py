@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-SCRIPTS = ["target_weights", "checkpoint", "acceptance", "step_efficiency", "memory_model", "zero3_placement"]
+SCRIPTS = ["target_weights", "checkpoint", "acceptance", "step_efficiency", "memory_model", "zero3_placement",
+           "glide_attention"]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")
 
 

@@ -164,7 +164,8 @@ def test_anchor_offset_positions_reach_target_and_draft(target):
     assert not torch.allclose(keys[:, :, 2:], plain_keys[:, :, 2:])  # the rest rotated elsewhere
 
 
-@pytest.mark.parametrize("window,length,lag", [(4, 24, 1), (6, 25, 3), (24, 24, 2), (40, 24, 4), (5, 24, 30)])
+@pytest.mark.parametrize("window,length,lag", [(4, 24, 1), (6, 25, 3), (16, 24, 2), (24, 24, 2), (40, 24, 4),
+                                               (5, 24, 30)])
 def test_training_attention_without_masks_equals_the_dense_mask_path(target, window, length, lag):
     """The training path (is_causal / blocked band, no (T, T) mask) gives what the general
     masked path gives, outputs and loss, on a batch without document borders."""
@@ -185,7 +186,7 @@ def test_training_attention_without_masks_equals_the_dense_mask_path(target, win
     torch.testing.assert_close(fast_loss * max(labels.numel(), 1), dense_loss, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,lag", [(4, 1), (7, 2), (64, 3)])
+@pytest.mark.parametrize("window,lag", [(4, 1), (7, 2), (20, 2), (64, 3)])
 def test_documents_attend_only_inside_themselves(target, window, lag):
     """Packed documents: each one's draft outputs equal a run of that document alone."""
     draft = make_draft(target, window=window)

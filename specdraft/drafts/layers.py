@@ -54,15 +54,22 @@ def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Ten
     """Query t attends to keys t-window+1 .. t (and, with documents, only its own document's).
 
     q (B, Hq, T, D), k/v (B, Hkv, T, D), documents (B, T) or None -> (B, Hq, T, D). No (T, T) mask:
-    a window covering the sequence is plain causal attention (is_causal, the fast kernels); a
-    shorter one splits the queries into blocks of `window`, each attending to its own block and
-    the one before under a (window, 2 window) band mask, so the cost is O(T x window).
+    a window covering the sequence is plain causal attention (is_causal, the fast kernels); up to
+    two windows, one (T, T) band mask (blocks would not compute less); longer sequences split the
+    queries into blocks of `window`, each attending to its own block and the one before under a
+    (window, 2 window) band mask, so the cost is O(T x window).
     """
     B, H, T, D = q.shape
     gqa = H != k.shape[1]
     if T <= window and documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    W = min(window, T)
+    if T <= 2 * window:  # blocks would compute as much as one (T, T) band: one call, no copies
+        distance = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)[None, :]
+        visible = ((distance >= 0) & (distance < window))[None, None]  # (1, 1, T, T)
+        if documents is not None:
+            visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+    W = window
     blocks = -(-T // W)
     pad = blocks * W - T
 
