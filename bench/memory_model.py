@@ -37,7 +37,6 @@ from transformers import Qwen3Config  # noqa: E402
 from specdraft.config import TrainConfig  # noqa: E402
 from specdraft.train.memory import estimate_peak  # noqa: E402
 
-GIB = 2 ** 30
 # Three CPU shapes that move different parts: weights, activations, the loss chunk.
 CHECKS = [
     dict(name="wide-vocab", layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1376, vocab=32000,

@@ -56,8 +56,8 @@ class TargetFeatures:
 
 
 class _DeepEnough(Exception):
-    """Raised by the recorder once the deepest requested layer input is seen: the rest of the
-    decoder stack is not run."""
+    """Raised once everything requested exists (the deepest layer input, or the last layer's
+    K/V): the rest of the decoder stack is not run."""
 
 
 def _is_zero3_partitioned(module: nn.Module) -> bool:

@@ -13,7 +13,7 @@ at once under no_grad. bench/memory_model.py checks the total against measured p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -58,7 +58,7 @@ def reduce_bucket_elements(draft_params: int) -> int:
 
 
 def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
-                  documents: bool = None) -> MemoryEstimate:
+                  documents: Optional[bool] = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
     (default: cfg.document_mask), which costs (B, T, T) boolean masks."""
