@@ -39,10 +39,9 @@ demo: $(STAMP)
 test: $(STAMP) $(SPECULATORS_STAMP)
 	SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
+# Every bench script, then one summary table of their key=value last lines.
 bench: $(STAMP)
-	$(VENV)/bin/python bench/target_weights.py
-	$(VENV)/bin/python bench/checkpoint.py
-	$(VENV)/bin/python bench/acceptance.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/python bench/summary.py
 
 clean:
 	rm -rf $(VENV) $(SPECULATORS_VENV) runs

@@ -139,6 +139,7 @@ def main(argv=None) -> dict:
             lines.append(f"{label} τ ÷ prompt-lookup τ ({name}): {ours:.2f} / {lookup:.2f} = {ours / lookup:.2f}")
     text = "\n".join(lines)
     print(text)
+    print(f"tau_ratio_chain={ratios['chain']:.2f} tau_ratio_tree={ratios['tree']:.2f}")
     out.mkdir(parents=True, exist_ok=True)
     results = {"rows": rows, "ratios": ratios, "exports": {k: str(v) for k, v in exports.items()},
                "target": str(target_dir), "train_seconds": train_seconds}

@@ -83,6 +83,7 @@ def main() -> None:
     if stalls:
         print(f"stall of a saving step / step time    = {statistics.median(stalls) / plain:.2f}  (goal <= 1.0; "
               f"includes the draft export)")
+    print(f"slot_ratio={slot_bytes / (params * 16):.3f} stall={statistics.median(stalls) / plain if stalls else 0:.2f}")
 
 
 if __name__ == "__main__":

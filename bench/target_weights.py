@@ -150,6 +150,8 @@ def report(args, checkpoint: Path, runs: dict[str, dict]) -> None:
         print(f"{labels[name]} / light, above baseline = {above[name] / above['light']:.2f}  "
               f"(goal >= 5); raw peaks {runs[name]['peak_rss'] / light['peak_rss']:.2f}; "
               f"load time {runs[name]['seconds'] / light['seconds']:.1f}x")
+    print(f"light_rss_ratio={above['light'] / light['tensor_bytes']:.3f} "
+          f"full_used_over_light={above['full-used'] / above['light']:.2f}")
 
 
 def parse_args():

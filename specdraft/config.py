@@ -32,6 +32,7 @@ if not OmegaConf.has_resolver("specdraft_home"):
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
 
 
 @dataclass
@@ -48,6 +49,9 @@ class TrainConfig:
     eval_prompts: Optional[str] = None  # jsonl of prompts for tau every eval_steps
     data_cache_dir: Optional[str] = None  # tokenised + packed data; default $SPECDRAFT_HOME/data
     max_seq_length: int = 512  # tokens per packed training sequence
+    # packed conversations: positions restart and attention stops at each conversation border
+    # (target and draft); false: a window is one stream across borders (LongSpec's packing)
+    document_mask: bool = True
     per_device_batch_size: int = 2  # sequences per rank per micro step
     gradient_accumulation_steps: int = 1  # micro steps per optimizer step
     learning_rate: float = 5e-4
@@ -69,7 +73,10 @@ class TrainConfig:
     seed: int = 42
     precision: str = "fp32"  # fp32 | bf16 | fp16
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
-    loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (bounds the logits memory)
+    # ZeRO-3: the frozen target "replicated" on every device (no gathers), "partitioned" (for
+    # targets that do not fit), or "auto": replicated when the memory model says it fits
+    target_placement: str = "auto"
+    loss_chunk_size: int = 0  # tokens per cross-entropy chunk; 0: from the vocab (~256 MiB fp32 logits)
     output_dir: str = "runs/default"
     export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -158,11 +165,15 @@ def _validate(cfg: DictConfig, source: str) -> None:
         fail("precision", f"{cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.zero_stage not in (0, 1, 2, 3):
         fail("zero_stage", f"{cfg.zero_stage} is not one of 0, 1, 2, 3")
+    if cfg.target_placement not in TARGET_PLACEMENTS:
+        fail("target_placement", f"{cfg.target_placement!r} is not one of {', '.join(TARGET_PLACEMENTS)}")
     family = draft_family(cfg.draft.type, source)
     for key in ("max_seq_length", "per_device_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "save_steps", "keep_last", "loss_chunk_size"):
+                "logging_steps", "save_steps", "keep_last"):
         if OmegaConf.select(cfg, key) < 1:
             fail(key, f"must be >= 1, got {OmegaConf.select(cfg, key)}")
+    if cfg.loss_chunk_size < 0:
+        fail("loss_chunk_size", f"must be >= 0 (0: sized from the vocab), got {cfg.loss_chunk_size}")
     if cfg.max_steps <= 0 and cfg.num_train_epochs < 1:
         fail("num_train_epochs", "must be >= 1 when max_steps is not set")
     if not 0.0 <= cfg.warmup_proportion < 1.0:

@@ -88,3 +88,27 @@ def test_sampler_shards_are_disjoint_and_resume_exactly():
     changed = ShardedBatchSampler(99, 4, 0, 2, seed=7)
     with pytest.raises(SpecdraftError, match="103 sequences"):
         changed.load_state_dict(state)
+
+
+def test_packed_batches_carry_document_ids_and_per_document_positions(tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    answers = ["word " * (i % 7 + 1) for i in range(40)]
+    path.write_text("".join(json.dumps(conversation(answer=a)) + "\n" for a in answers))
+    build_packed_cache([str(path)], tokenizer, 32, tmp_path / "cache", log=lambda *_: None)
+    data = open_packed_cache(tmp_path / "cache")
+    lengths = [len(tokenize_conversation(tokenizer, conversation(answer=a)["conversations"], "x")[0])
+               for a in answers]
+    flat_starts = np.cumsum([0] + lengths[:-1])  # where each conversation begins in the stream
+    for row in range(len(data)):
+        batch = data.batch([row])
+        docs, positions = batch["document_ids"][0].tolist(), batch["document_positions"][0].tolist()
+        window = range(row * 32, row * 32 + 32)
+        starts = [t - row * 32 for t in flat_starts if t in window]
+        expected_docs, expected_pos, doc, pos = [], [], 0, 0
+        for t in range(32):
+            if t in starts and t > 0:
+                doc, pos = doc + 1, 0
+            expected_docs.append(doc)
+            expected_pos.append(pos)
+            pos += 1
+        assert docs == expected_docs and positions == expected_pos, row

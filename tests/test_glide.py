@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdraft.config import DraftConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts.glide import SlidingWindowCache
-from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.drafts.loss import LOGITS_CHUNK_BYTES, chunked_cross_entropy, default_chunk_size
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 
@@ -162,3 +162,78 @@ def test_anchor_offset_positions_reach_target_and_draft(target):
     plain_keys = target_features(target.model, ids, torch.arange(T)[None]).last_keys
     torch.testing.assert_close(keys[:, :, :2], plain_keys[:, :, :2])  # sinks keep positions 0, 1
     assert not torch.allclose(keys[:, :, 2:], plain_keys[:, :, 2:])  # the rest rotated elsewhere
+
+
+@pytest.mark.parametrize("window,length,lag", [(4, 24, 1), (6, 25, 3), (16, 24, 2), (24, 24, 2), (40, 24, 4),
+                                               (5, 24, 30)])
+def test_training_attention_without_masks_equals_the_dense_mask_path(target, window, length, lag):
+    """The training path (is_causal / blocked band, no (T, T) mask) gives what the general
+    masked path gives, outputs and loss, on a batch without document borders."""
+    draft = make_draft(target, window=window)
+    ids = torch.randint(0, 128, (2, length))
+    feats = target_features(target.model, ids, torch.arange(length)[None].expand(2, -1))
+    index = torch.arange(length)
+    dense = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
+                  cross_limit=index - lag, index=index)
+    fast = draft.forward_sequence(feats.input_embeds, feats.cos, feats.sin, feats.last_keys,
+                                  feats.last_values, lag)
+    torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
+    weight = target.lm_head.weight
+    mask = (index[None, :-1] >= lag).expand(2, -1)
+    labels = ids[:, 1:][mask]
+    dense_loss, _ = chunked_cross_entropy(dense[:, :-1][mask], weight, labels, 16)
+    fast_loss = draft.training_loss(feats, weight, ids, torch.ones_like(ids), chunk_size=16, lag=lag).loss
+    torch.testing.assert_close(fast_loss * max(labels.numel(), 1), dense_loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,lag", [(4, 1), (7, 2), (20, 2), (64, 3)])
+def test_documents_attend_only_inside_themselves(target, window, lag):
+    """Packed documents: each one's draft outputs equal a run of that document alone."""
+    draft = make_draft(target, window=window)
+    borders = [0, 9, 10, 23, 30]  # documents of 9, 1, 13 and 7 tokens
+    length = borders[-1]
+    documents = torch.zeros(1, length, dtype=torch.long)
+    positions = torch.zeros(1, length, dtype=torch.long)
+    for d, (s, e) in enumerate(zip(borders, borders[1:])):
+        documents[0, s:e] = d
+        positions[0, s:e] = torch.arange(e - s)
+    ids = torch.randint(0, 128, (1, length))
+    embeds = target.model.embed_tokens(ids)
+    cos, sin = target.model.rotary_emb(embeds, positions)
+    keys, values = torch.randn(2, 1, 2, length, 16).unbind(0)  # any target K/V: (1, KV, T, D)
+    packed = draft.forward_sequence(embeds, cos, sin, keys, values, lag, documents)
+    for s, e in zip(borders, borders[1:]):
+        alone = draft.forward_sequence(embeds[:, s:e], cos[:, s:e], sin[:, s:e], keys[:, :, s:e],
+                                       values[:, :, s:e], lag)
+        torch.testing.assert_close(packed[:, s:e], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_default_loss_chunk_is_sized_from_the_vocab():
+    assert default_chunk_size(151936) == 384  # 384 x 151936 x 4 B = 222 MiB of fp32 logits
+    assert default_chunk_size(32000) == 2048
+    assert default_chunk_size(10_000_000) == 64  # never fewer than 64 rows
+    for vocab in (4096, 32000, 151936):
+        assert default_chunk_size(vocab) * vocab * 4 <= LOGITS_CHUNK_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_chunked_loss_equals_the_reference(dtype):
+    """Loss, gradient and hits of the in-place chunks equal F.cross_entropy on full logits,
+    at every chunk size (one row, uneven, the default)."""
+    torch.manual_seed(2)
+    hidden = torch.randn(70, 32, dtype=dtype)
+    weight = torch.randn(300, 32, dtype=dtype)
+    labels = torch.randint(0, 300, (70,))
+    logits = (hidden.float() @ weight.float().t())
+    ref_hidden = hidden.float().clone().requires_grad_()
+    reference = F.cross_entropy(ref_hidden @ weight.float().t(), labels, reduction="sum")
+    reference.backward()
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-1)
+    for chunk in (1, 17, 0):
+        h = hidden.detach().clone().requires_grad_()
+        loss, correct = chunked_cross_entropy(h, weight, labels, chunk_size=chunk)
+        loss.backward()
+        torch.testing.assert_close(loss, reference, **tol)
+        torch.testing.assert_close(h.grad.float(), ref_hidden.grad, **tol)
+        if dtype == torch.float32:
+            assert int(correct) == int((logits.argmax(-1) == labels).sum())

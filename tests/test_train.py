@@ -59,3 +59,26 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
         assert [s for s, _ in taus[stage]] == [2, 4]
         assert all(1.0 <= t <= 5.0 for _, t in taus[stage])  # gamma 4: tau in [1, gamma + 1]
     assert taus[2] == taus[3]  # the same draft decodes the same way under either stage
+
+
+def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir, data_dir, tmp_path, monkeypatch):
+    """target_placement: replicated keeps the frozen target out of ZeRO-3's partition (no
+    ds_id, whole tensors), partitioned lets ZeRO-3 shard it; the draft trains identically."""
+    from specdraft.train import loop
+
+    engines = {}
+    original = loop.build_engine
+
+    def spy(cfg, model, total_steps, placement):
+        engines[placement] = engine = original(cfg, model, total_steps, placement)
+        return engine
+
+    monkeypatch.setattr(loop, "build_engine", spy)
+    losses = {p: run(tiny_target_dir, data_dir, tmp_path, f"z3{p}", zero_stage=3, target_placement=p, max_steps=3,
+                     save_steps=3).losses for p in ("replicated", "partitioned")}
+    assert losses["replicated"] == pytest.approx(losses["partitioned"], abs=1e-5)
+    replicated, partitioned = engines["replicated"].module, engines["partitioned"].module
+    assert not any(hasattr(t, "ds_id") for t in replicated.model.buffers())
+    assert list(replicated.model.parameters()) == [] and replicated.lm_head.weight.numel() > 0
+    assert all(hasattr(p, "ds_id") for p in replicated.draft_model.parameters())  # the draft is still ZeRO-3's
+    assert all(hasattr(p, "ds_id") for p in partitioned.model.parameters())

@@ -1,8 +1,11 @@
 """Tokenise conversations once into a packed, memory-mapped cache shared by every rank.
 
 One builder (rank 0) streams the files, tokenises with the target's chat template and appends
-token ids and loss masks to flat binary files; sequences are the stream cut into max_seq_length
-windows (the tail shorter than one window is dropped). Every rank then memory-maps the result, so
+token ids, loss masks and document starts (1 at each conversation's first token) to flat binary
+files; sequences are the stream cut into max_seq_length windows (the tail shorter than one window
+is dropped). A batch carries, besides tokens and loss mask, each token's document id and its
+position inside its document (a window's first token starts a document), so the target and the
+draft can attend within documents only. Every rank then memory-maps the result, so
 no rank ever holds a data file in RAM. The cache directory name is a hash of the inputs; it is
 built in a temp directory and renamed into place when complete.
 """
@@ -25,7 +28,7 @@ from specdraft.data.chat import tokenize_conversation
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: doc_start.bin
 TOKEN_DTYPE = np.uint32
 FLUSH_TOKENS = 1 << 20  # write to disk every ~1M tokens: bounded builder memory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -35,6 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class PackedData:
     tokens: np.ndarray  # (N, L) uint32 memmap
     loss_mask: np.ndarray  # (N, L) uint8 memmap: 1 = assistant token (a label)
+    doc_start: np.ndarray  # (N, L) uint8 memmap: 1 = first token of a conversation
     meta: dict
 
     def __len__(self) -> int:
@@ -44,7 +48,13 @@ class PackedData:
         rows = np.asarray(indices)
         ids = torch.from_numpy(self.tokens[rows].astype(np.int64))
         mask = torch.from_numpy(self.loss_mask[rows].astype(np.int64))
-        return {"input_ids": ids, "loss_mask": mask}
+        starts = self.doc_start[rows].astype(bool)
+        starts[:, 0] = True  # a window cut mid-conversation starts a document of its own
+        index = np.arange(starts.shape[1])
+        start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+        return {"input_ids": ids, "loss_mask": mask,
+                "document_positions": torch.from_numpy(index - start_index),  # (B, L) position in its document
+                "document_ids": torch.from_numpy(np.cumsum(starts, axis=1) - 1)}  # (B, L) 0, 1, ... per row
 
 
 def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int) -> str:
@@ -89,17 +99,22 @@ def _stream_tokens(files, tokenizer, out: Path) -> dict:
     stats = {"conversations": 0, "tokens": 0, "assistant_tokens": 0}
     ids_buf: List[int] = []
     mask_buf: List[int] = []
-    with open(out / "tokens.bin", "wb") as ids_file, open(out / "loss_mask.bin", "wb") as mask_file:
+    start_buf: List[int] = []
+    with open(out / "tokens.bin", "wb") as ids_file, open(out / "loss_mask.bin", "wb") as mask_file, \
+            open(out / "doc_start.bin", "wb") as start_file:
         def flush():
             np.asarray(ids_buf, dtype=TOKEN_DTYPE).tofile(ids_file)
             np.asarray(mask_buf, dtype=np.uint8).tofile(mask_file)
+            np.asarray(start_buf, dtype=np.uint8).tofile(start_file)
             ids_buf.clear()
             mask_buf.clear()
+            start_buf.clear()
 
         for where, messages in iter_conversations(files):
             ids, mask = tokenize_conversation(tokenizer, messages, where)
             ids_buf.extend(ids)
             mask_buf.extend(mask)
+            start_buf.extend([1] + [0] * (len(ids) - 1))
             stats["conversations"] += 1
             stats["tokens"] += len(ids)
             stats["assistant_tokens"] += sum(mask)
@@ -116,4 +131,5 @@ def open_packed_cache(cache_dir: Path) -> PackedData:
     count = shape[0] * shape[1]  # the files may hold a partial tail window: map only whole ones
     tokens = np.memmap(cache_dir / "tokens.bin", dtype=TOKEN_DTYPE, mode="r", shape=(count,)).reshape(shape)
     mask = np.memmap(cache_dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(count,)).reshape(shape)
-    return PackedData(tokens=tokens, loss_mask=mask, meta=meta)
+    starts = np.memmap(cache_dir / "doc_start.bin", dtype=np.uint8, mode="r", shape=(count,)).reshape(shape)
+    return PackedData(tokens=tokens, loss_mask=mask, doc_start=starts, meta=meta)

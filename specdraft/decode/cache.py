@@ -73,7 +73,7 @@ def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor
     transformers passes a 4D mask through unchanged, so it is given additive (0 / dtype min),
     which both its sdpa and eager attention accept.
     """
-    weight = next(model.parameters())
+    weight = model.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
     mask = None
     if visible is not None:
         mask = torch.zeros(visible.shape, dtype=weight.dtype, device=weight.device)

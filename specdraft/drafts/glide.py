@@ -22,7 +22,7 @@ from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
-from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
+from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.errors import SpecdraftError
 
@@ -66,11 +66,15 @@ class GlideSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, index, cache: Optional[SlidingWindowCache] = None):
+    def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None):
+        # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)
+        if index is None:
+            out = sliding_window_attention(q, k, v, self.d.sliding_window, documents)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         key_index = index
         if cache is not None:
             k, v, key_index = cache.append(k, v, index)
@@ -89,10 +93,14 @@ class GlideCrossAttention(nn.Module):
         self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.head_dim, bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, target_keys, target_values, limit):
-        # limit (T,): the last target position query t may read; < 0 means none
+    def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None):
+        # limit (T,): the last target position query t may read; < 0 means none.
+        # limit None: a whole training sequence, query t reads up to t - lag (of its document)
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
+        if limit is None:
+            out = lagged_cross_attention(q, target_keys.to(q.dtype), target_values.to(q.dtype), lag, documents)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         S = target_keys.shape[2]
         visible = torch.arange(S, device=x.device)[None, :] <= limit[:, None]  # (T, S)
         has_context = visible.any(dim=1)
@@ -179,6 +187,17 @@ class GlideDraft(Draft):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.norm(x) if self.norm is not None else x
 
+    def forward_sequence(self, input_embeds, cos, sin, target_keys, target_values, lag: int,
+                         documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Training: whole sequences at token indices 0..T-1; query t reads target K/V up to t - lag;
+        documents (B, T) confines both attentions to each token's own document. -> (B, T, H)."""
+        x = input_embeds
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents=documents)
+        x = x + self.cross_attn(self.cross_layernorm(x), cos, sin, target_keys, target_values, lag=lag,
+                                documents=documents)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return self.norm(x) if self.norm is not None else x
+
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return hidden @ lm_head_weight.t()
 
@@ -199,13 +218,21 @@ class GlideDraft(Draft):
         return options
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, lag: int = 1, **_) -> DraftLoss:
+                      chunk_size: int, lag: int = 1, documents: Optional[torch.Tensor] = None, **_) -> DraftLoss:
+        """documents (B, T) or None: packed documents; attention and labels stay inside each one."""
         T = input_ids.shape[1]
         index = torch.arange(T, device=input_ids.device)
-        hidden = self(features.input_embeds, features.cos, features.sin, features.last_keys,
-                      features.last_values, cross_limit=index - lag, index=index)
-        # hidden at t predicts token t+1; t < lag had no target context
-        counted = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)
+        hidden = self.forward_sequence(features.input_embeds, features.cos, features.sin, features.last_keys,
+                                       features.last_values, lag, documents)
+        # hidden at t predicts token t+1; t had target context only if t - lag is in its document
+        if documents is None:
+            counted = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)
+        else:
+            starts = torch.ones_like(documents, dtype=torch.bool)
+            starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            start_index = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T) its document's first token
+            has_context = index - lag >= start_index
+            counted = loss_mask[:, 1:].bool() & has_context[:, :-1] & ~starts[:, 1:]  # label in the same document
         predictions = hidden[:, :-1][counted]
         labels = input_ids[:, 1:][counted]
         total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)

@@ -1,7 +1,10 @@
 """Building blocks the draft families share: Llama-style RMSNorm, the target's RoPE, attention
-with an explicit visibility mask, the gated MLP."""
+with an explicit visibility mask, the gated MLP, and the training-time attentions that need no
+(T, T) mask (sliding window, lagged causal cross-attention)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,3 +48,76 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Query t attends to keys t-window+1 .. t (and, with documents, only its own document's).
+
+    q (B, Hq, T, D), k/v (B, Hkv, T, D), documents (B, T) or None -> (B, Hq, T, D). No (T, T) mask:
+    a window covering the sequence is plain causal attention (is_causal, the fast kernels); up to
+    two windows, one (T, T) band mask (blocks would not compute less); longer sequences split the
+    queries into blocks of `window`, each attending to its own block and the one before under a
+    (window, 2 window) band mask, so the cost is O(T x window).
+    """
+    B, H, T, D = q.shape
+    gqa = H != k.shape[1]
+    if T <= window and documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if T <= 2 * window:  # blocks would compute as much as one (T, T) band: one call, no copies
+        distance = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)[None, :]
+        visible = ((distance >= 0) & (distance < window))[None, None]  # (1, 1, T, T)
+        if documents is not None:
+            visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+    W = window
+    blocks = -(-T // W)
+    pad = blocks * W - T
+
+    def blocked(x):  # (B, h, T, D) -> (B * blocks, h, W, D): 4-D, so SDPA keeps its fused kernels
+        x = F.pad(x, (0, 0, 0, pad)).view(B, x.shape[1], blocks, W, D).transpose(1, 2)
+        return x.reshape(B * blocks, x.shape[2], W, D)
+
+    def with_previous(x):  # (B * blocks, h, W, D) -> (B * blocks, h, 2W, D): previous block, then own
+        x = x.view(B, blocks, *x.shape[1:])
+        x = torch.cat([F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1], x], dim=3)
+        return x.view(B * blocks, x.shape[2], 2 * W, D)
+
+    qb, kb, vb = blocked(q), with_previous(blocked(k)), with_previous(blocked(v))
+    i = torch.arange(W, device=q.device)[:, None]  # query offset in its block
+    j = torch.arange(2 * W, device=q.device)[None, :]  # key offset from the previous block's start
+    distance = W + i - j  # (W, 2W) query index - key index
+    band = (distance >= 0) & (distance < window)
+    first = torch.arange(blocks, device=q.device)[:, None, None] == 0
+    visible = (band & ~(first & (j < W)))[None]  # (1, blocks, W, 2W): block 0 has no previous block
+    if documents is not None:
+        docs = F.pad(documents, (0, pad), value=-1).view(B, blocks, W)  # padding: its own "document"
+        docs_prev = torch.cat([F.pad(docs, (0, 0, 1, 0), value=-2)[:, :-1], docs], dim=2)  # (B, blocks, 2W)
+        visible = visible & (docs[:, :, :, None] == docs_prev[:, :, None, :])
+    visible = visible.expand(B, blocks, W, 2 * W).reshape(B * blocks, 1, W, 2 * W)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, enable_gqa=gqa)  # (B * blocks, H, W, D)
+    return out.view(B, blocks, H, W, D).transpose(1, 2).reshape(B, H, blocks * W, D)[:, :, :T]
+
+
+def lagged_cross_attention(q, k, v, lag: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Query t attends to target keys 0 .. t-lag (of its own document): causal attention of the
+    queries [lag:] over the keys [:T-lag], so no document in the batch means plain is_causal.
+
+    q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); rows without any visible key are zero.
+    """
+    B, H, T, D = q.shape
+    gqa = H != k.shape[1]
+    if lag >= T:
+        return q.new_zeros(B, H, T, v.shape[-1])
+    q, k, v = q[:, :, lag:], k[:, :, :T - lag], v[:, :, :T - lag]
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        n = T - lag
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        same = documents[:, lag:, None] == documents[:, None, :n]  # (B, n, n)
+        visible = causal & same
+        has_context = visible[:, :, 0] | visible.any(dim=-1)  # (B, n)
+        visible[:, :, 0] |= ~has_context  # keep softmax finite; these rows are zeroed below
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=gqa)
+        out = out * has_context[:, None, :, None].to(out.dtype)
+    return F.pad(out, (0, 0, lag, 0))  # queries t < lag see no target position

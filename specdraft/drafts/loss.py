@@ -13,6 +13,16 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk; sets the default chunk size
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk's fp32 logits take about LOGITS_CHUNK_BYTES (a multiple
+    of 64 rows, at least 64): 384 rows for a 152k vocab, 2048 for 32k, 16384 for 4k."""
+    rows = LOGITS_CHUNK_BYTES // (4 * vocab_size)
+    return max(64, rows // 64 * 64)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size):
@@ -23,14 +33,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
             y = labels[start:start + chunk_size]
-            logits = (h @ weight.t()).float()  # (C, V): the only vocab-sized tensor alive
-            log_z = torch.logsumexp(logits, dim=-1)
-            total += (log_z - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            rows = torch.arange(len(y), device=y.device)
+            # One (C, V) fp32 buffer, worked in place: the only vocab-sized tensor alive (plus its
+            # bf16 matmul output / bf16 copy for the gradient matmul at bf16).
+            logits = (h @ weight.t()).float()
             correct += (logits.argmax(dim=-1) == y).sum()
+            label_logit = logits[rows, y]
+            peak = logits.amax(dim=-1)
+            probs = logits.sub_(peak[:, None]).exp_()  # exp(logit - max), in place
+            sum_exp = probs.sum(dim=-1)
+            total += (peak + sum_exp.log() - label_logit).sum()  # log Z - logit[y]
             if grad_hidden is not None:
-                probs = torch.exp(logits - log_z[:, None])
-                probs[torch.arange(len(y), device=y.device), y] -= 1.0  # softmax - onehot
+                probs.div_(sum_exp[:, None])
+                probs[rows, y] -= 1.0  # softmax - onehot
                 grad_hidden[start:start + chunk_size] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+            del logits, probs
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -42,10 +59,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sum over rows of CE(hidden @ weight.T, labels), top-1 hits); weight is a constant."""
+                          chunk_size: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sum over rows of CE(hidden @ weight.T, labels), top-1 hits); weight is a constant.
+    chunk_size <= 0: default_chunk_size(vocab)."""
     if hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
         return hidden.sum() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
+    if chunk_size <= 0:
+        chunk_size = default_chunk_size(weight.shape[0])
     return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size)
 
 

@@ -5,9 +5,13 @@
 
 Layer ids follow vLLM / speculators: id i is the hidden state at the INPUT of decoder layer i
 (the residual stream after layers 0..i-1); id L (the layer count) is the output of the last layer,
-before the final norm. The target's own K/V cache is passed in so that transformers builds a plain
-causal mask: without a cache it reads jumps in position_ids as borders of packed sequences, and
-Anchor-Offset positions jump on purpose.
+before the final norm.
+
+Only what is asked for is computed and kept: the pass stops right after the deepest layer input
+asked for, or right after the last layer has made its K/V (its attention, MLP and the final norm
+then never run); K/V are kept for the last layer only, never a cache of every layer. The mask is
+always given explicitly (target_attention_mask): without a mask and a cache, transformers reads
+jumps in position_ids as borders of packed sequences, and Anchor-Offset positions jump on purpose.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,8 @@ class CaptureRequest:
                               final_hidden=self.final_hidden or other.final_hidden)
 
     def needs_whole_stack(self, num_layers: int) -> bool:
-        return self.last_layer_kv or self.final_hidden or num_layers in self.layers
+        """The final norm's input or output is asked for: every layer runs to its end."""
+        return self.final_hidden or num_layers in self.layers
 
 
 @dataclass
@@ -50,8 +56,8 @@ class TargetFeatures:
 
 
 class _DeepEnough(Exception):
-    """Raised by the recorder once the deepest requested layer input is seen: the rest of the
-    decoder stack is not run."""
+    """Raised once everything requested exists (the deepest layer input, or the last layer's
+    K/V): the rest of the decoder stack is not run."""
 
 
 def _is_zero3_partitioned(module: nn.Module) -> bool:
@@ -92,28 +98,82 @@ def record_layer_inputs(base_model: nn.Module, layers: Sequence[int],
             handle.remove()
 
 
+class _LastLayerKV(DynamicCache):
+    """A cache that keeps only the last decoder layer's K/V (RoPE applied: what that layer attends
+    with) and hands every other layer's K/V straight back, stored nowhere.
+
+    stop: raise _DeepEnough once they are stored, so the last layer's attention, its MLP and the
+    final norm never run.
+    """
+
+    def __init__(self, config, last_layer: int, stop: bool):
+        super().__init__(config=config)
+        self.last_layer = last_layer
+        self.stop = stop
+        self.keys: Optional[torch.Tensor] = None  # (B, KV, T, D)
+        self.values: Optional[torch.Tensor] = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == self.last_layer:
+            self.keys, self.values = key_states, value_states
+            if self.stop:
+                raise _DeepEnough()
+        return key_states, value_states
+
+
+def target_attention_mask(base_model: nn.Module, input_ids: torch.Tensor,
+                          document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mask we mean, given explicitly: causal, and inside each token's document.
+
+    No documents: a 2-D all-ones mask, which turns transformers' border inference off and still
+    lets SDPA run is_causal. Documents (B, T): transformers' own causal mask for the model's
+    attention implementation, intersected with "same document" -> (B, 1, T, T).
+    """
+    B, T = input_ids.shape
+    if document_ids is None:
+        return torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    documents = document_ids.to(input_ids.device).expand(B, T)
+
+    def same_document(batch, head, q, kv):
+        return documents[batch, q] == documents[batch, kv]
+
+    shape_of = torch.empty(B, T, 0, dtype=base_model.embed_tokens.weight.dtype, device=input_ids.device)
+    return create_causal_mask(config=base_model.config, inputs_embeds=shape_of, attention_mask=None,
+                              past_key_values=None, position_ids=None, and_mask_function=same_document)
+
+
 @torch.no_grad()
 def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
             request: CaptureRequest, attention_mask: Optional[torch.Tensor] = None) -> TargetFeatures:
-    """One target pass over (B, T) tokens, only as deep as `request` needs -> TargetFeatures."""
+    """One target pass over (B, T) tokens, only as deep as `request` needs -> TargetFeatures.
+
+    attention_mask: from target_attention_mask (None: one document per row)."""
     embeds = base_model.embed_tokens(input_ids)
     cos, sin = base_model.rotary_emb(embeds, position_ids)
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
     features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={})
-    if not request.layers and not whole:
+    if not request.layers and not whole and not request.last_layer_kv:
         return features
-    cache = DynamicCache(config=base_model.config)  # plain causal mask (see the module doc)
-    with record_layer_inputs(base_model, request.layers, stop_at_deepest=not whole) as recorded:
+    if attention_mask is None:
+        attention_mask = target_attention_mask(base_model, input_ids)
+    # Under ZeRO-3 (target partitioned) the whole stack always runs: abandoning a forward would
+    # leave a layer's gathered parameters behind.
+    may_stop = not whole and not _is_zero3_partitioned(base_model)
+    # The last layer's K/V are its deepest need unless a layer input is asked for after them.
+    kv_is_deepest = request.last_layer_kv and not any(layer >= num_layers for layer in request.layers)
+    cache = _LastLayerKV(base_model.config, num_layers - 1, stop=may_stop and kv_is_deepest) \
+        if request.last_layer_kv else None
+    stop_at_layer = may_stop and not request.last_layer_kv
+    with record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded:
         try:
             out = base_model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=attention_mask,
-                             past_key_values=cache, use_cache=True)
+                             past_key_values=cache, use_cache=cache is not None)
         except _DeepEnough:
             out = None
     features.hidden = {layer: recorded[layer] for layer in request.layers}
     if request.last_layer_kv:
-        last = cache.layers[-1]
-        features.last_keys, features.last_values = last.keys, last.values
+        features.last_keys, features.last_values = cache.keys, cache.values
     if request.final_hidden:
         features.final_hidden = out.last_hidden_state
     return features

@@ -34,3 +34,19 @@ def load_frozen_target(target_dir: str, precision: str = "fp32") -> nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def hold_weights_as_buffers(module: nn.Module) -> None:
+    """Turn every (frozen) parameter of `module` into a non-persistent buffer of the same name.
+
+    ZeRO-3 partitions the parameters of the module it wraps and gathers them again on every
+    micro-batch; buffers it leaves whole on every rank. A frozen target held this way is
+    replicated outside the partition: no gather per layer, at the cost of its full size on
+    every device. The modules compute exactly as before (a buffer is read as `self.weight` too);
+    the state dict never held the target (frozen parameters are excluded from checkpoints).
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                del sub._parameters[name]
+                sub.register_buffer(name, param.detach(), persistent=False)

@@ -10,6 +10,8 @@ from typing import Tuple
 import torch
 from omegaconf import DictConfig
 
+from specdraft.target.model import hold_weights_as_buffers
+from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_peak, reduce_bucket_elements
 from specdraft.train.model import TargetWithDraft
 
 
@@ -51,12 +53,15 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
+def deepspeed_config(cfg: DictConfig, total_steps: int, draft_params: int = REDUCE_BUCKET) -> dict:
     warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else int(cfg.warmup_proportion * total_steps)
+    bucket = reduce_bucket_elements(draft_params)
     config = {
         "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        # Buckets sized to the draft: ZeRO allocates the whole reduce bucket every micro-step.
+        "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket,
+                              "allgather_bucket_size": bucket},
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: nothing to compile (FusedAdam / CPUAdam build for ~60 s on first use)
@@ -88,15 +93,43 @@ def optimizer_groups(model: TargetWithDraft, weight_decay: float) -> list:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int):
+def resolve_target_placement(cfg: DictConfig, target_config, world_size: int) -> str:
+    """ZeRO-3 only: "replicated" (the frozen target whole on every device, outside the
+    partition) or "partitioned" (ZeRO-3 shards it and gathers it every micro-batch). "auto":
+    replicated when the memory model says the run fits the device that way."""
+    if cfg.zero_stage != 3:
+        return "replicated"  # ZeRO 0-2 never partition parameters
+    if cfg.target_placement != "auto":
+        return cfg.target_placement
+    capacity = device_memory_bytes()
+    if capacity is None:  # CPU: host memory, no per-device budget to respect
+        return "replicated"
+    need = estimate_peak(target_config, cfg, world_size, target_placement="replicated").total
+    return "replicated" if need <= USABLE_FRACTION * capacity else "partitioned"
+
+
+def device_memory_bytes():
+    """Memory of this rank's accelerator, or None on CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return None
+    return accelerator.total_memory()
+
+
+def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, target_placement: str = "partitioned"):
     import deepspeed
 
-    if cfg.zero_stage == 3:
+    if cfg.zero_stage == 3 and target_placement == "replicated":
+        hold_weights_as_buffers(model.model)  # the lm_head too: the loss reads it whole
+        hold_weights_as_buffers(model.lm_head)
+    elif cfg.zero_stage == 3:
         model.register_external_parameters_for_zero3()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=optimizer_groups(model, cfg.weight_decay),
-        config=deepspeed_config(cfg, total_steps),
+        config=deepspeed_config(cfg, total_steps, draft_parameter_count(model)),
     )
     return engine
 

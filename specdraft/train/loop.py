@@ -24,7 +24,8 @@ from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
-from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, gathered, init_distributed
+from specdraft.train.engine import (any_rank, build_engine, draft_parameter_count, gathered, init_distributed,
+                                    resolve_target_placement)
 from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -71,7 +72,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     # it is never derived from the data again.
     draft = build_draft(cfg.draft, target.config, data=None if resume_from is not None else data)
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
-    engine = build_engine(cfg, model, total_steps)
+    placement = resolve_target_placement(cfg, target.config, world_size)
+    engine = build_engine(cfg, model, total_steps, placement)
     state = TrainState()
     if resume_from is not None:
         restored = checkpoints.resume(engine, resume_from)
@@ -86,7 +88,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         log(f"specdraft: {cfg.draft.type} draft: {draft.describe()}")
     log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
-        f"ZeRO-{cfg.zero_stage}, {cfg.precision}, {world_size} rank(s)")
+        f"ZeRO-{cfg.zero_stage}{f' (target {placement})' if cfg.zero_stage == 3 else ''}, {cfg.precision}, "
+        f"{world_size} rank(s)")
 
     metrics = MetricsLogger(run_dir, cfg, enabled=rank == 0)
     eval_prompts = load_eval_prompts(cfg, tokenizer)
@@ -100,7 +103,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     # -- loop --------------------------------------------------------------------------------
     while state.step < total_steps:
         for micro in range(cfg.gradient_accumulation_steps):
-            batch = data.batch(sampler.next_batch())
+            batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
             options = engine.module.draft_model.sample_batch_options(
                 batch_generator(cfg.seed, state.step, micro, rank), cfg.max_seq_length)
             out = forward_step(engine, batch, options)
@@ -155,14 +158,26 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
     updates at the gradient-accumulation boundary)."""
-    out: DraftLoss = engine(batch["input_ids"].to(engine.device), batch["loss_mask"].to(engine.device),
-                            **options)
+    inputs = {key: value.to(engine.device) for key, value in batch.items()}
+    out: DraftLoss = engine(**inputs, **options)
     engine.backward(out.loss)
     engine.step()
     return out
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def model_inputs(batch: dict, document_mask: bool) -> dict:
+    """What the model reads of a packed batch. document_mask: per-document positions and
+    attention inside documents; a batch without any border goes without (the fast causal path).
+    Off: the window is one stream, positions 0..T-1 across conversation borders."""
+    inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"]}
+    if document_mask:
+        inputs["document_positions"] = batch["document_positions"]
+        if bool((batch["document_ids"] != 0).any()):  # on the host: no device sync
+            inputs["document_ids"] = batch["document_ids"]
+    return inputs
+
 
 EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
 EVAL_GAMMA = 4  # chain length of the in-training tau

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from specdraft.drafts import Draft, DraftLoss
-from specdraft.target.capture import capture
+from specdraft.target.capture import capture, target_attention_mask
 
 DRAFT_PREFIX = "draft_model."
 
 
 class TargetWithDraft(nn.Module):
-    def __init__(self, target_causal_lm: nn.Module, draft: Draft, loss_chunk_size: int = 1024):
+    def __init__(self, target_causal_lm: nn.Module, draft: Draft, loss_chunk_size: int = 0):
         super().__init__()
         self.model = target_causal_lm.model  # frozen decoder stack (transformers' names)
         self.lm_head = target_causal_lm.lm_head  # frozen, shared with the draft
@@ -35,14 +35,21 @@ class TargetWithDraft(nn.Module):
             deepspeed.zero.register_external_parameter(self, param)
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, **options) -> DraftLoss:
+        """document_positions / document_ids (B, T): each token's position inside its document and
+        its document (packed data); None: one document per row. position_ids (T,): a draft's
+        position map (Anchor-Offset) from a position in the document to the position used."""
         B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)
-        position_ids = position_ids.to(input_ids.device).expand(B, T)
-        features = capture(self.model, input_ids, position_ids, self.draft_model.capture_request())
+        if document_positions is None:
+            document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if position_ids is not None:
+            document_positions = position_ids.to(input_ids.device)[document_positions]
+        attention_mask = target_attention_mask(self.model, input_ids, document_ids)
+        features = capture(self.model, input_ids, document_positions.expand(B, T),
+                           self.draft_model.capture_request(), attention_mask)
         return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
-                                              self.loss_chunk_size, **options)
+                                              self.loss_chunk_size, documents=document_ids, **options)
 
     def train(self, mode: bool = True):
         # The target stays in eval mode whatever the engine asks (no dropout in a frozen model).

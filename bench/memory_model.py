@@ -1,0 +1,170 @@
+"""Per-device peak memory: the model in specdraft/train/memory.py, checked against peaks measured
+on CPU, then its predictions for real targets on 8 x 80 GB GPUs.
+
+    OMP_NUM_THREADS=1 python bench/memory_model.py [--skip-check]
+
+Measurement (CPU, one rank, fp32, batches without document borders): each shape runs in a fresh process that builds a random Llama
+target, the GLIDE draft and the DeepSpeed engine, and trains 2 steps. Peak = the kernel's
+high-water mark of resident memory (VmHWM, reset through /proc/self/clear_refs after imports and
+process-group start-up) minus the resident memory at that moment. glibc is told to serve every
+allocation above 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so a freed tensor leaves RSS at once
+and RSS follows live tensor bytes instead of the allocator's cached heap. Untouched pages of an
+allocation never count (RSS, not the address space); on a GPU the caching allocator holds the
+whole allocation, so the model counts whole buffers. Goal: |measured / predicted - 1| <= 10%.
+
+The last line is `memory_error=<x>`: the largest relative error of the three checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
+
+from specdraft.config import TrainConfig  # noqa: E402
+from specdraft.train.memory import estimate_peak  # noqa: E402
+
+# Three CPU shapes that move different parts: weights, activations, the loss chunk.
+CHECKS = [
+    dict(name="wide-vocab", layers=4, hidden=512, heads=8, kv_heads=4, intermediate=1376, vocab=32000,
+         batch=2, seq=1024, window=512, zero=0),
+    dict(name="deep", layers=12, hidden=768, heads=12, kv_heads=4, intermediate=2048, vocab=8000,
+         batch=4, seq=256, window=128, zero=2),
+    dict(name="long", layers=4, hidden=384, heads=6, kv_heads=2, intermediate=1024, vocab=16000,
+         batch=2, seq=2048, window=512, zero=3),
+]
+# The real configs (Hugging Face Qwen/Qwen3-8B and Qwen/Qwen3-32B config.json), written here
+# because nothing can be downloaded on this machine.
+QWEN3 = {
+    "Qwen3-8B": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000),
+    "Qwen3-32B": dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000),
+}
+GPU_BYTES = 80e9
+USABLE = 0.9  # CUDA context, NCCL buffers and allocator fragmentation take the rest
+
+
+def run_config(spec: dict, precision: str = "fp32"):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.precision = precision
+    cfg.zero_stage = spec["zero"]
+    cfg.per_device_batch_size = spec["batch"]
+    cfg.max_seq_length = spec["seq"]
+    cfg.draft.sliding_window = spec["window"]
+    return cfg
+
+
+def llama_config(spec: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                       num_key_value_heads=spec["kv_heads"], max_position_embeddings=4 * spec["seq"],
+                       tie_word_embeddings=False, dtype="float32")
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure_child(spec: dict) -> None:
+    """In a fresh process: peak resident bytes above imports of a 2-step training run."""
+    import gc
+
+    from transformers import LlamaForCausalLM
+
+    from specdraft.drafts import build_draft
+    from specdraft.train import loop
+    from specdraft.train.engine import build_engine, init_distributed, resolve_target_placement
+    from specdraft.train.model import TargetWithDraft
+
+    init_distributed()
+    cfg = run_config(spec)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    base = _status("VmRSS")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(llama_config(spec)).eval().requires_grad_(False)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
+    engine = build_engine(cfg, model, 10, resolve_target_placement(cfg, target.config, world_size=1))
+    ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    for step in range(2):
+        loop.forward_step(engine, batch, {"lag": 1 + step})
+    print(json.dumps({"peak": _status("VmHWM") - base}))
+
+
+def measure(spec: dict) -> int:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--skip-check", action="store_true", help="only the GPU predictions")
+    args = parser.parse_args()
+    if args.child:
+        measure_child(json.loads(args.child))
+        return
+
+    worst = 0.0
+    if not args.skip_check:
+        print("CPU check (fp32, 1 rank, peak RSS above imports; see the docstring):")
+        print(f"{'shape':<11} {'L x H, V':>14} {'B x T':>8} {'ZeRO':>4} {'predicted MiB':>13} {'measured MiB':>12} "
+              f"{'error':>7}")
+        for spec in CHECKS:
+            estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
+            predicted = estimate.total
+            measured = measure(spec)
+            error = measured / predicted - 1
+            worst = max(worst, abs(error))
+            dims = f"{spec['layers']}x{spec['hidden']}, {spec['vocab']}"
+            shape = f"{spec['batch']}x{spec['seq']}"
+            print(f"{spec['name']:<11} {dims:>14} {shape:>8} {spec['zero']:>4} {predicted / 2**20:13.0f} "
+                  f"{measured / 2**20:12.0f} {error:+7.1%}", flush=True)
+            print("    " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in estimate.parts.items()))
+
+    print(f"\nPredicted per-GPU peak, GLIDE, bf16, 8 GPUs of 80 GB (fits: <= {USABLE:.0%} of 80 GB, "
+          f"no CPU offload); 4k at batch 2 (the shipped config), 16k at batch 1; packed documents "
+          f"(document_mask: true):")
+    print(f"{'target':<10} {'seq':>4} {'ZeRO':>4} {'target placement':>16} {'GB':>6}  fits  largest parts (GB)")
+    for name, values in QWEN3.items():
+        config = Qwen3Config(**values)
+        for seq, batch in ((4096, 2), (16384, 1)):
+            for stage, placement in ((2, "replicated"), (3, "replicated"), (3, "partitioned")):
+                cfg = run_config(dict(zero=stage, batch=batch, seq=seq, window=512), precision="bf16")
+                est = estimate_peak(config, cfg, world_size=8, target_placement=placement)
+                top = sorted(est.parts.items(), key=lambda kv: -kv[1])[:3]
+                parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in top)
+                fits = "yes" if est.total <= USABLE * GPU_BYTES else "no"
+                print(f"{name:<10} {seq // 1024:>3}k {stage:>4} {placement:>16} {est.total / 1e9:6.1f}  {fits:<4}  {parts}")
+    if not args.skip_check:
+        print(f"memory_error={worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""How close a training step is to its floor, measured in one run on the same batches:
+
+    (a) the target forward under no_grad, as plain transformers runs it: the decoder stack
+        `model.model` (plus `lm_head` only when the draft's objective reads the target's
+        distribution; the output says which);
+    (b) the draft forward + backward, given the target's outputs (a plain copy of the draft, no
+        DeepSpeed hooks);
+    (c) the whole training step through the DeepSpeed engine, as train() runs it: batch read from
+        the packed memory-mapped data, per-batch options, capture, loss, backward, optimizer step.
+
+    ratio = median(c) / (median(a) + median(b))       medians of several rounds after warm-up
+
+Each round times (a), (b), (c) back to back on the same batch, so load from other processes
+falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
+
+    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--shapes demo,large] [--zero 0,2] [--rounds 5]
+
+Shapes: "demo" is the demo target (specdraft.demo preset "demo": Llama, 4 layers, hidden 256,
+vocab 4096) at batch 8 x 256; "large" is a random Llama of 8 layers, hidden 512, vocab 32000 at
+batch 2 x 1024. The last line, `ratio=<x>`, is the larger shape's worst ratio over the ZeRO stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from specdraft.config import TrainConfig  # noqa: E402
+from specdraft.data.packing import open_packed_cache  # noqa: E402
+from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
+from specdraft.demo.presets import get_preset  # noqa: E402
+from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.target.capture import capture, target_attention_mask  # noqa: E402
+from specdraft.train import loop  # noqa: E402
+from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
+from specdraft.train.model import TargetWithDraft  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    batch: int
+    seq: int
+    window: int  # the draft's sliding window (the demo config's 128, LongSpec's 512)
+
+
+def demo_shape() -> Shape:
+    p = get_preset("demo")
+    return Shape("demo", p.num_hidden_layers, p.hidden_size, p.num_attention_heads, p.num_key_value_heads,
+                 p.intermediate_size, p.vocab_size, batch=8, seq=256, window=128)
+
+
+SHAPES = {
+    "demo": demo_shape(),
+    "large": Shape("large", layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1376, vocab=32000,
+                   batch=2, seq=1024, window=512),
+}
+
+
+def random_target(shape: Shape) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4 * shape.seq + 64,
+                         tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def packed_data(shape: Shape, rows: int, out: Path):
+    """A packed cache as prepare_data leaves it: random tokens in conversations of 64-512 tokens
+    (the first third a prompt, the rest the answer: the loss mask), cut into windows."""
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    count = rows * shape.seq
+    tokens = rng.integers(0, shape.vocab, size=count, dtype=np.uint32)
+    mask = np.zeros(count, dtype=np.uint8)
+    starts = np.zeros(count, dtype=np.uint8)
+    start = 0
+    while start < count:
+        length = int(rng.integers(64, 513))
+        starts[start] = 1
+        mask[start + length // 3:start + length] = 1
+        start += length
+    tokens.tofile(out / "tokens.bin")
+    mask.tofile(out / "loss_mask.bin")
+    starts.tofile(out / "doc_start.bin")
+    (out / "meta.json").write_text(json.dumps({"sequences": rows, "max_seq_length": shape.seq}))
+    return open_packed_cache(out)
+
+
+def run_config(shape: Shape, zero_stage: int, document_mask: bool):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.document_mask = document_mask
+    cfg.max_seq_length = shape.seq
+    cfg.per_device_batch_size = shape.batch
+    cfg.zero_stage = zero_stage
+    cfg.draft.sliding_window = shape.window
+    return cfg
+
+
+def timed(fn) -> float:
+    """CPU seconds of this process (all its threads). Wall time on this shared 2-core machine
+    swings with other processes' load; CPU time of a 1-thread process does not, and on an idle
+    machine the two agree. On a GPU, use wall time with a synchronize instead."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path, document_mask: bool) -> dict:
+    cfg = run_config(shape, zero_stage, document_mask)
+    target = random_target(shape)
+    draft = build_draft(cfg.draft, target.config)
+    plain_draft = copy.deepcopy(draft)  # (b) runs outside the engine: no ZeRO hooks on its grads
+    model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
+    engine = build_engine(cfg, model, total_steps=1000)
+    reads_distribution = False  # GLIDE: hard-label CE on data tokens, never the target's softmax
+    data = packed_data(shape, rows=shape.batch * (rounds + warmup), out=work / f"{shape.name}-{zero_stage}")
+    sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
+
+    def target_forward(ids, positions):
+        # per-document positions, no mask: transformers infers the same document borders itself
+        with torch.no_grad():
+            hidden = target.model(input_ids=ids, position_ids=positions).last_hidden_state
+            if reads_distribution:
+                target.lm_head(hidden)
+
+    def draft_step(features, ids, loss_mask, documents, options):
+        out = plain_draft.training_loss(features, target.lm_head.weight, ids, loss_mask, cfg.loss_chunk_size,
+                                        documents=documents, **options)
+        out.loss.backward()
+        plain_draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
+
+    def engine_step(step):
+        batch = loop.model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
+        options = engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
+        loop.forward_step(engine, batch, options)
+
+    times = {"a": [], "b": [], "c": [], "capture": []}
+    peek = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)  # (c)'s batches, ahead
+    for step in range(rounds + warmup):
+        batch = loop.model_inputs(data.batch(peek.next_batch()), cfg.document_mask)
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        documents = batch.get("document_ids")
+        options = plain_draft.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
+        positions = batch.get("document_positions", torch.arange(shape.seq).expand(shape.batch, shape.seq))
+        sample = {
+            "a": timed(lambda: target_forward(ids, positions)),
+            "capture": timed(lambda: model_capture(model, ids, positions, documents)),
+        }
+        features = model_capture(model, ids, positions, documents)
+        sample["b"] = timed(lambda: draft_step(features, ids, loss_mask, documents, options))
+        sample["c"] = timed(lambda: engine_step(step))
+        if step >= warmup:
+            for key, value in sample.items():
+                times[key].append(value)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    medians["ratio"] = medians["c"] / (medians["a"] + medians["b"])
+    medians["lm_head_in_a"] = reads_distribution
+    return medians
+
+
+def model_capture(model: TargetWithDraft, ids, positions, documents):
+    """What the training step runs in the target (the capture GLIDE asks for)."""
+    return capture(model.model, ids, positions, model.draft_model.capture_request(),
+                   target_attention_mask(model.model, ids, documents))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="demo,large")
+    parser.add_argument("--zero", default="0,2")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per shape and stage")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-document-mask", dest="document_mask", action="store_false",
+                        help="windows as one stream (positions 0..T-1, no document borders)")
+    args = parser.parse_args()
+    init_distributed()
+    work = Path(tempfile.mkdtemp(prefix="specdraft-bench-step-"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); (a) = model.model under no_grad "
+          f"without lm_head (GLIDE's objective reads data labels, not the target's distribution); "
+          f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)")
+    print(f"{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
+          f"{'capture ms':>10} {'(c)/(a+b)':>9}")
+    worst = {}
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        for stage in map(int, args.zero.split(",")):
+            m = measure(shape, stage, args.rounds, args.warmup, work, args.document_mask)
+            worst[name] = max(worst.get(name, 0.0), m["ratio"])
+            print(f"{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} {m['b'] * 1e3:8.1f} "
+                  f"{m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}", flush=True)
+    last = "large" if "large" in worst else next(iter(worst))
+    print(f"ratio={worst[last]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

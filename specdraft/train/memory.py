@@ -1,0 +1,127 @@
+"""Per-device peak memory of a training run, predicted from the model configs and the run config.
+
+    peak = weights (target: replicated, or partitioned under ZeRO-3; draft)
+         + gradients and optimizer state (by ZeRO stage)
+         + the capture's features (kept through the draft's backward)
+         + max(the capture's transient working set, draft activations + one loss chunk)
+
+Parameter counts are exact: both models are built on the meta device (no memory). Activation
+counts follow the code: what autograd saves per token in the draft, what one decoder layer holds
+at once under no_grad. bench/memory_model.py checks the total against measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdraft.drafts import build_draft
+from specdraft.drafts.loss import default_chunk_size
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+USABLE_FRACTION = 0.9  # of a GPU's memory: CUDA context, NCCL buffers, fragmentation take the rest
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+
+
+@dataclass
+class MemoryEstimate:
+    parts: Dict[str, float] = field(default_factory=dict)  # name -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def parameter_counts(target_config, draft_cfg) -> Dict[str, int]:
+    """Exact counts, from models built on the meta device."""
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(target_config)
+        draft = build_draft(draft_cfg, target_config)
+    text = _text_config(target_config)
+    per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    embed = target.get_input_embeddings().weight.numel()
+    return {"target": sum(p.numel() for p in target.parameters()), "draft": sum(p.numel() for p in draft.parameters()),
+            "target_layer": per_layer, "embed": embed, "layers": text.num_hidden_layers}
+
+
+def reduce_bucket_elements(draft_params: int) -> int:
+    """ZeRO-1/2's gradient bucket, allocated whole every micro-step: sized to the draft, not
+    DeepSpeed's 5e8-element default (2 GB at fp32 for a draft that may hold 3 M parameters)."""
+    return min(REDUCE_BUCKET, draft_params)
+
+
+def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
+                  documents: Optional[bool] = None) -> MemoryEstimate:
+    """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
+    loss_chunk_size, document_mask, draft.*). documents: batches have document borders
+    (default: cfg.document_mask), which costs (B, T, T) boolean masks."""
+    text = _text_config(target_config)
+    counts = parameter_counts(target_config, cfg.draft)
+    p = BYTES[cfg.precision]
+    n = world_size
+    stage = cfg.zero_stage
+    B, T = cfg.per_device_batch_size, cfg.max_seq_length
+    tokens = B * T
+    H, I, V = text.hidden_size, text.intermediate_size, text.vocab_size
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hd = getattr(text, "head_dim", None) or H // heads
+    P_t, P_d = counts["target"], counts["draft"]
+    est = MemoryEstimate()
+
+    # -- weights --------------------------------------------------------------------------
+    if stage == 3 and target_placement == "partitioned":
+        # own shard + what is gathered at once: the lm_head (read by the loss) and ~2 layers
+        # (the one running and the one prefetched)
+        est.parts["target weights"] = (P_t / n + counts["embed"] + 2 * counts["target_layer"]) * p
+    else:
+        est.parts["target weights"] = P_t * p
+    est.parts["draft weights"] = P_d * p if stage < 3 else (P_d / n + P_d) * p  # ZeRO-3: gathered for fwd/bwd
+
+    # -- gradients and optimizer state ------------------------------------------------------
+    mixed = p != 4
+    if stage == 0:
+        est.parts["draft grads"] = P_d * p + (P_d * 4 if mixed else 0)  # bf16: fp32 accumulator too
+        est.parts["optimizer (fp32 master + Adam m, v)"] = P_d * ((4 if mixed else 0) + 8)
+    else:
+        bucket = reduce_bucket_elements(P_d) * p
+        full = P_d * p if stage == 1 else 0  # stage 1 keeps whole grads until the step
+        est.parts["draft grads"] = full + bucket + P_d * 4 / n  # + the fp32 partition of the reduced grads
+        # ZeRO-1/2/3 keep an fp32 copy of their partition even when training in fp32
+        est.parts["optimizer (fp32 master + Adam m, v)"] = P_d * 12 / n
+
+    # -- the capture: features kept for the draft ------------------------------------------
+    # input embeddings (H), cos/sin (2 hd), last-layer K/V (2 kv hd), in the model dtype
+    features = tokens * (H + 2 * hd + 2 * kv * hd) * p
+    est.parts["capture features"] = features
+
+    # -- transient: the larger of the target pass and the draft's forward/backward ---------
+    # target, one decoder layer under no_grad: residual + normed input (2H), q/k/v/attn out
+    # (2 heads hd + 2 kv hd), MLP gate/up/product (3I); RMSNorm works in fp32 (2H x 4 B)
+    capture_transient = tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd + 3 * I) * p + 2 * H * 4)
+    # draft, saved for backward per token: 10 H-sized tensors (norm in/out, residuals, o_proj /
+    # cross / MLP outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd,
+    # cross 3 heads hd), MLP gate/up/silu/product (4I), 3 RMSNorms' fp32 internals (3 x 2H x 4 B)
+    draft_acts = tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4)
+    # loss: the counted rows' hidden states and their gradient (2 H per token), one chunk's
+    # fp32 logits worked in place (+ its matmul output / bf16 copy at bf16)
+    chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
+    chunk = min(chunk, tokens)
+    loss = tokens * 2 * H * p + chunk * V * (4 + (2 if mixed else 0))
+    if cfg.document_mask if documents is None else documents:
+        # the target's (B, 1, T, T) mask during the capture; the draft's cross-attention mask,
+        # kept for its backward, and the two it is built from
+        est.parts["document masks"] = B * T * T * 3
+    if capture_transient > draft_acts + loss:
+        est.parts["capture working set (transient)"] = capture_transient
+    else:
+        est.parts["draft activations"] = draft_acts
+        est.parts["loss chunk + hidden grads"] = loss
+    return est
