@@ -237,3 +237,40 @@ def test_parse_objective_rejects_with_one_line(spec, temperature, message):
     with pytest.raises(SpecdraftError) as err:
         parse_objective(spec, temperature)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("draft.loss=tvv", "key 'draft.loss': unknown objective 'tvv' (choose from ce, soft_ce, kl, tv)"),
+    ("draft.loss={tv: 0.9, ce: -0.1}", "key 'draft.loss': weight of 'ce' must be >= 0, got -0.1"),
+    ("draft.distill_temperature=0", "key 'draft.distill_temperature': must be > 0, got 0.0"),
+    ("eval_temperature=-0.5", "key 'eval_temperature': must be >= 0, got -0.5"),
+])
+def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, override, expected):
+    from specdraft.cli import main
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/d.jsonl\n"
+                      f"output_dir: {tmp_path / 'out'}\ndraft:\n  loss: {{tv: 0.9, ce: 0.1}}\n")
+    assert main(["train", str(config), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_config_takes_a_sum_or_a_mapping_and_a_zero_weight_drops_a_term(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    base = [f"target={tmp_path / 'target'}", f"data_files={tmp_path}/d.jsonl"]
+    cfg = load_config(None, base + ["draft.loss=0.9*tv + 0.1*ce", "draft.distill_temperature=0.7"])
+    assert parse_objective(cfg.draft.loss, cfg.draft.distill_temperature).weights == (("ce", 0.1), ("tv", 0.9))
+    config = tmp_path / "run.yaml"
+    config.write_text("draft:\n  loss: {tv: 0.9, ce: 0.1}\n")
+    cfg = load_config(str(config), base + ["draft.loss.ce=0"])
+    assert parse_objective(cfg.draft.loss).weights == (("tv", 0.9),)
+    assert load_config(None, base).draft.loss is None  # the family's default
+    with pytest.raises(SpecdraftError, match="key 'draft.loss': expected an objective name, .* got a list"):
+        load_config(None, base + ["draft.loss=[tv]"])
+    with pytest.raises(SpecdraftError, match="cannot merge"):  # a list over a YAML mapping: one line too
+        load_config(str(config), base + ["draft.loss=[tv]"])

@@ -24,12 +24,13 @@ from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatur
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
 from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.drafts.objectives import ObjectiveOptions
 from specdraft.errors import SpecdraftError
 
 
 @dataclass
-class GlideOptions:
-    """The `draft.` keys GLIDE reads."""
+class GlideOptions(ObjectiveOptions):
+    """The `draft.` keys GLIDE reads (and draft.loss / draft.distill_temperature)."""
 
     sliding_window: int = 512  # draft self-attention sees at most this many past positions
     max_lag: int = 4  # per batch a lag p in [1, max_lag]: query t sees target K/V at <= t - p

@@ -21,12 +21,12 @@ a time and keeps only the (rows x hidden) gradient (and a (vocab x hidden) one w
 head is trained).
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: ObjectiveOptions' field types must be real types, the
+# `draft:` config schema is assembled from them in another module)
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +68,31 @@ class Objective:
 CE = Objective((("ce", 1.0),))
 
 
+@dataclass
+class ObjectiveOptions:
+    """The `draft.` keys of the objective, shared by every family (its options inherit these)."""
+
+    # ce | soft_ce | kl | tv, a weighted sum '0.9*tv + 0.1*ce' or a mapping {tv: 0.9, ce: 0.1}
+    # (a 0 weight drops a term); null: the family's default (GLIDE: ce)
+    loss: Any = None
+    distill_temperature: float = 1.0  # soft_ce / kl / tv compare softmax(logits / T) of target and draft
+
+
+def validate_objective_options(draft_cfg, source: str) -> None:
+    """One-line SpecdraftError for a bad draft.loss / draft.distill_temperature."""
+    temperature = draft_cfg.get("distill_temperature", 1.0)
+    if not temperature > 0:
+        raise SpecdraftError(f"{source}: key 'draft.distill_temperature': must be > 0, got {temperature}")
+    if draft_cfg.get("loss") is not None:
+        parse_objective(draft_cfg.loss, temperature, where=f"{source}: key 'draft.loss'")
+
+
+def objective_from_options(draft_cfg, default: str) -> Objective:
+    """The objective a family trains on: draft.loss, or the family's `default` when it is null."""
+    spec = draft_cfg.get("loss")
+    return parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0))
+
+
 def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draft.loss'") -> Objective:
     """'tv', '0.9*tv + 0.1*ce' or a mapping {name: weight} -> Objective; one-line SpecdraftError.
 
@@ -85,7 +110,7 @@ def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draf
         pairs = [(str(name), weight) for name, weight in spec.items()]
     else:
         raise SpecdraftError(f"{where}: expected an objective name, a sum like '0.9*tv + 0.1*ce' "
-                             f"or a mapping of weights, got {type(spec).__name__}")
+                             f"or a mapping of weights, got {_kind(spec)}")
     weights: Dict[str, float] = {}
     for name, weight in pairs:
         if name not in OBJECTIVES:
@@ -99,6 +124,10 @@ def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draf
         raise SpecdraftError(f"temperature of {where}: must be a number > 0, got {temperature!r}")
     return Objective(tuple((name, weights[name]) for name in OBJECTIVES if weights.get(name, 0.0) > 0),
                      float(temperature))
+
+
+def _kind(value: Any) -> str:
+    return "a list" if isinstance(value, Sequence) or type(value).__name__ == "ListConfig" else type(value).__name__
 
 
 def _weight(name: str, value: Any, where: str) -> float:
