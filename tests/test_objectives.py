@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.config import load_config
+from specdraft.config import DraftConfig, load_config
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.objectives import CE, OBJECTIVES, chunked_objective, parse_objective
 from specdraft.errors import SpecdraftError
@@ -274,3 +274,50 @@ def test_the_config_takes_a_sum_or_a_mapping_and_a_zero_weight_drops_a_term(tmp_
         load_config(None, base + ["draft.loss=[tv]"])
     with pytest.raises(SpecdraftError, match="cannot merge"):  # a list over a YAML mapping: one line too
         load_config(str(config), base + ["draft.loss=[tv]"])
+
+
+# -- GLIDE trained with a distillation objective -------------------------------------------------
+
+def test_glide_distills_the_targets_own_next_token_distribution():
+    """The teacher of position t is the target's distribution over token t+1 (its real logits), on
+    the same counted positions as the hard-label CE; loss and every draft gradient match a
+    whole-tensor reference."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.drafts import build_draft
+    from specdraft.target.capture import capture
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          initializer_range=0.1)).eval().requires_grad_(False)
+    cfg = OmegaConf.structured(DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7))
+    draft = build_draft(cfg, target.config)
+    T, lag = 20, 2
+    ids = torch.randint(0, 128, (2, T))
+    mask = (torch.rand(2, T) < 0.7).long()
+    assert draft.capture_request().final_hidden  # asked for only when the loss reads the target
+    assert not build_draft(OmegaConf.structured(DraftConfig()), target.config).capture_request().final_hidden
+    feats = capture(target.model, ids, torch.arange(T)[None].expand(2, T), draft.capture_request())
+    out = draft.training_loss(feats, target.lm_head.weight, ids, mask, chunk_size=5, lag=lag)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+    draft.zero_grad()
+
+    index = torch.arange(T)
+    hidden = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
+                   cross_limit=index - lag, index=index)
+    counted = mask[:, 1:].bool() & (index[None, :-1] >= lag)
+    z = (hidden @ target.lm_head.weight.t())[:, :-1][counted]
+    t = target(ids).logits[:, :-1][counted]  # the target's own logits, from a plain forward
+    terms = reference_terms(z, t, ids[:, 1:][counted], 0.7)
+    ref = (0.9 * terms["tv"] + 0.1 * terms["ce"]) / counted.sum()
+    ref.backward()
+    assert int(out.tokens) == int(counted.sum())
+    terms_mean = {name: float(num / den) for name, (num, den) in out.metrics.items()}
+    assert set(terms_mean) == {"objective/ce", "objective/tv"}
+    assert terms_mean["objective/tv"] == pytest.approx(float(terms["tv"] / counted.sum()), rel=1e-5)
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in draft.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
