@@ -149,40 +149,55 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
                     with_grad: bool) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
 
-    student_logits / teacher_logits (C, V) float32; labels (C,) long. The gradient (C, V) float32
-    is None unless with_grad.
+    student_logits / teacher_logits (C, V) float32 (consumed: teacher_logits is overwritten);
+    labels (C,) long. The gradient (C, V) float32 is None unless with_grad. Vocab-sized
+    temporaries are reused in place: this runs once per chunk on the largest tensors of the step.
     """
     z = student_logits
-    grad = torch.zeros_like(z) if with_grad else None
     sums: Dict[str, torch.Tensor] = {}
+    grad: Optional[torch.Tensor] = None
+
+    def accumulate(term: torch.Tensor, weight: float) -> None:  # term is ours to overwrite
+        nonlocal grad
+        if grad is None:
+            grad = term.mul_(weight)
+        else:
+            grad.add_(term, alpha=weight)
+
     if objective.needs_labels:
         log_z = torch.logsumexp(z, dim=-1)  # (C,)
         sums["ce"] = (log_z - z.gather(1, labels[:, None]).squeeze(1)).sum()
         if with_grad:
-            probs = torch.exp(z - log_z[:, None])
+            probs = z.sub(log_z[:, None]).exp_()
             probs[torch.arange(len(labels), device=z.device), labels] -= 1.0  # softmax - onehot
-            grad.add_(probs, alpha=objective.weight("ce"))
+            accumulate(probs, objective.weight("ce"))
     if teacher_logits is not None:
         T = objective.temperature
-        log_q = torch.log_softmax(z / T, dim=-1)  # (C, V)
-        log_p = torch.log_softmax(teacher_logits / T, dim=-1)
+        log_q = torch.log_softmax(z / T if T != 1.0 else z, dim=-1)  # (C, V)
+        log_p = torch.log_softmax(teacher_logits.div_(T) if T != 1.0 else teacher_logits, dim=-1)
         q, p = log_q.exp(), log_p.exp()
-        diff = q - p
-        sums["tv"] = 0.5 * diff.abs().sum()
-        if "soft_ce" in objective.names:
-            sums["soft_ce"] = -(p * log_q).sum()
-        if "kl" in objective.names:
-            sums["kl"] = (p * (log_p - log_q)).sum()
+        if "soft_ce" in objective.names or "kl" in objective.names:
+            cross = torch.linalg.vecdot(p, log_q).sum()  # sum p log q
+            sums["soft_ce"] = -cross
+            if "kl" in objective.names:
+                # sum p log p - sum p log q: exactly 0 when the two rows are the same floats
+                sums["kl"] = torch.linalg.vecdot(p, log_p).sum() - cross
+            if "soft_ce" not in objective.names:
+                del sums["soft_ce"]
+        del log_q, log_p
+        diff = p.neg_().add_(q)  # q - p, in p's storage
+        sums["tv"] = 0.5 * torch.linalg.vector_norm(diff, ord=1)
         if with_grad:
             # soft CE and KL differ by H(p), a constant: both have gradient (q - p) / T
             soft = objective.weight("soft_ce") + objective.weight("kl")
+            tv = objective.weight("tv")
             if soft:
-                grad.add_(diff, alpha=soft / T)
-            if objective.weight("tv"):
+                accumulate(diff.clone() if tv else diff, soft / T)
+            if tv:
                 # d tv / dz_j = 1/(2T) q_j (s_j - sum_i s_i q_i), s = sign(q - p)
                 sign = diff.sign_()
-                sign.sub_((sign * q).sum(dim=-1, keepdim=True))
-                grad.add_(q * sign, alpha=objective.weight("tv") * 0.5 / T)
+                sign.sub_(torch.linalg.vecdot(sign, q)[:, None]).mul_(q)
+                accumulate(sign, tv * 0.5 / T)
     return sums, grad
 
 
