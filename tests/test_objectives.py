@@ -177,6 +177,7 @@ def test_accuracy_counts_label_hits_or_teacher_argmax_hits_without_labels():
     with_labels = chunked_objective(hidden, weight, t_hidden, t_weight, labels, parse_objective("tv+ce"), 4)
     without = chunked_objective(hidden, weight, t_hidden, t_weight, None, parse_objective("kl"), 4)
     assert int(with_labels.correct) == int((z.argmax(-1) == labels).sum())
+    assert torch.equal(with_labels.argmax, z.argmax(-1)) and torch.equal(without.argmax, z.argmax(-1))
     assert int(without.correct) == int((z.argmax(-1) == t.argmax(-1)).sum())
     labels[:] = z.argmax(-1)
     assert int(chunked_objective(hidden, weight, None, None, labels, CE, 4).correct) == N

@@ -208,6 +208,7 @@ class ObjectiveSums:
     loss: torch.Tensor  # weighted sum over rows (differentiable): divide by the counted rows
     correct: torch.Tensor  # 0-dim long: student argmax == label (teacher argmax without labels)
     terms: Dict[str, torch.Tensor]  # name -> 0-dim float32 sum over rows of that term (detached)
+    argmax: torch.Tensor  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
 
 
 class _ChunkedObjective(torch.autograd.Function):
@@ -219,6 +220,7 @@ class _ChunkedObjective(torch.autograd.Function):
         device = student_hidden.device
         sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
         correct = torch.zeros((), dtype=torch.long, device=device)
+        argmax = torch.empty(student_hidden.shape[0], dtype=torch.long, device=device)
         grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
                        if ctx.needs_input_grad[1] else None)
@@ -227,11 +229,13 @@ class _ChunkedObjective(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             h = student_hidden[rows]
             z = (h @ student_weight.t()).float()  # (C, V): with t, the only vocab-sized tensors alive
-            t = None if teacher_hidden is None else (teacher_hidden[rows] @ teacher_weight.t()).float()
+            t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
+                                                     @ teacher_weight.t()).float()
             y = None if labels is None else labels[rows]
             terms, grad = objective_terms(z, t, y, objective, with_grad)
             sums += torch.stack([terms[name] for name in term_names])
-            correct += (z.argmax(dim=-1) == (y if y is not None else t.argmax(dim=-1))).sum()
+            argmax[rows] = z.argmax(dim=-1)
+            correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad.to(student_weight.dtype) @ student_weight).to(student_hidden.dtype)
             if grad_weight is not None:
@@ -241,11 +245,11 @@ class _ChunkedObjective(torch.autograd.Function):
         weights = torch.tensor([objective.weight(name) for name in term_names], dtype=torch.float32,
                                device=device)
         total = (sums * weights).sum()
-        ctx.mark_non_differentiable(correct, sums)
-        return total, correct, sums
+        ctx.mark_non_differentiable(correct, sums, argmax)
+        return total, correct, sums, argmax
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_sums):
+    def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax):
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
@@ -277,7 +281,8 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
     if student_hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
         zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
         terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names}
-        return ObjectiveSums(zero.float(), torch.zeros((), dtype=torch.long, device=student_hidden.device), terms)
-    total, correct, sums = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
+        none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
+        return ObjectiveSums(zero.float(), none.sum(), terms, none)
+    total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
                                                    teacher_weight, labels, objective, chunk_size, term_names)
-    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)})
+    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)}, argmax)
