@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
             if (first_label, is_tree, 0.0) not in by:
                 continue
             glide, lookup = by[(first_label, is_tree, 0.0)]["tau"], by[("prompt lookup", is_tree, 0.0)]["tau"]
-            ratios[f"glide/lookup {name}"] = glide / lookup
+            ratios[name] = glide / lookup
             lines.append(f"{first_label} τ ÷ prompt-lookup τ ({name}, greedy): {glide:.2f} / {lookup:.2f} = "
                          f"{glide / lookup:.2f}  (goal >= 2: {'met' if glide / lookup >= 2 else 'NOT met'})")
     for label in list(exports)[1:]:
@@ -164,6 +164,14 @@ def main(argv=None) -> dict:
                          f"{other:.2f} / {base:.2f} = {other / base:.2f}")
     text = "\n".join(lines)
     print(text)
+    # the machine-readable last line (bench/summary.py): greedy GLIDE / lookup, then each objective / the first
+    headline = [f"tau_ratio_{name}={ratios[name]:.2f}" for name in ("chain", "tree") if name in ratios]
+    for i, label in enumerate(list(exports)[1:], start=1):
+        for t in temperatures:
+            ratio = by[(label, False, t)]["tau"] / by[(first_label, False, t)]["tau"]
+            key = f"tau_ratio_objective{i}_T{t:g}".replace(".", "")  # T0.7 -> T07
+            headline.append(f"{key}={ratio:.2f}")
+    print(" ".join(headline))
     out.mkdir(parents=True, exist_ok=True)
     results = {"rows": rows, "ratios": ratios, "exports": {k: str(v) for k, v in exports.items()},
                "target": str(target_dir)}
