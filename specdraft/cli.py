@@ -73,7 +73,7 @@ def _cmd_eval(args) -> int:
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      max_prompts=args.max_prompts, plot_path=args.plot)
+                      max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--plot", default=None, help="PNG of acceptance per draft position")
+    p.add_argument("--tv", action="store_true",
+                   help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_cmd_eval)
     return parser

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from specdraft.drafts import DraftConfig, draft_family
+from specdraft.drafts.objectives import validate_objective_options
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_target_config
@@ -68,6 +69,7 @@ class TrainConfig:
     logging_steps: int = 10  # metrics.jsonl / TensorBoard / progress bar every N steps
     save_steps: int = 200  # checkpoint + draft export every N steps (and at the end)
     eval_steps: int = -1  # tau on eval_prompts every N steps; <= 0 disables
+    eval_temperature: float = 0.0  # the in-training tau's sampling temperature (0: greedy)
     keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
     resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
     seed: int = 42
@@ -99,6 +101,8 @@ def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
         raise SpecdraftError(f"{source}: {_validation_message(err)}") from None
     except OmegaConfBaseException as err:
         raise SpecdraftError(f"{source}: {str(err).splitlines()[0]}") from None
+    except TypeError as err:  # e.g. a list over a mapping of an untyped key (draft.loss)
+        raise SpecdraftError(f"{source}: cannot merge the overrides into the config ({err})") from None
     _validate(cfg, source)
     return cfg
 
@@ -180,6 +184,9 @@ def _validate(cfg: DictConfig, source: str) -> None:
         fail("warmup_proportion", f"must be in [0, 1), got {cfg.warmup_proportion}")
     if cfg.learning_rate <= 0:
         fail("learning_rate", f"must be > 0, got {cfg.learning_rate}")
+    validate_objective_options(cfg.draft, source)
+    if cfg.eval_temperature < 0:
+        fail("eval_temperature", f"must be >= 0, got {cfg.eval_temperature}")
     if not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
     family.validate_config(cfg.draft, _target_config_if_readable(cfg.target), source, cfg.max_seq_length)

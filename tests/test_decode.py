@@ -4,6 +4,7 @@ Tiny random models (hidden 64, 2 layers, vocab 256; vocab 8 for the sampling tes
 """
 
 import copy
+import functools
 import json
 import math
 
@@ -19,7 +20,8 @@ from specdraft.decode.report import format_report
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
 from specdraft.decode.sampling import probabilities, sample_from
-from specdraft.decode.tree import DraftTree, accept_path, chain, verification_inputs
+from specdraft.decode.tree import DraftTree, accept_path, chain, chain_tv, verification_inputs
+from specdraft.drafts import FAMILIES, DraftConfig, build_draft
 from specdraft.drafts.glide import GlideDraft
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.errors import SpecdraftError
@@ -248,13 +250,37 @@ def test_rejection_rule_reproduces_the_target_distribution():
     assert stat < chi2_critical(dof), (stat, dof)
 
 
-def test_speculative_sampling_matches_the_target_distribution_end_to_end():
+def family_drafter(family: str, target, seed: int = 5):
+    """A randomly initialised draft of a registered family, sized from the target, as its decoder."""
+    torch.manual_seed(seed)
+    draft = build_draft(OmegaConf.structured(DraftConfig(type=family, sliding_window=WINDOW)), target.config)
+    with torch.no_grad():  # weights of a realistic scale instead of the tiny init
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return draft.eval().make_drafter(target)
+
+
+# Every drafter speculative decoding can run: the model-free ones and one per registered draft
+# family (a new family is covered by registering it).
+SAMPLED_DRAFTERS = {
+    "model": lambda target: ModelDrafter(tiny_llama(vocab=target.config.vocab_size, hidden=32, layers=1,
+                                                    init=0.5, seed=4)),  # a different model
+    "prompt_lookup": lambda target: PromptLookupDrafter(),
+    **{family: functools.partial(family_drafter, family) for family in FAMILIES},
+}
+
+
+@pytest.mark.parametrize("shape", [dict(gamma=2), dict(tree=[2, 2])], ids=["chain", "tree"])
+@pytest.mark.parametrize("drafter_name", list(SAMPLED_DRAFTERS))
+def test_speculative_sampling_matches_the_target_distribution_end_to_end(drafter_name, shape):
     """Vocab 8: the first three sampled tokens (x1 from the prefill, x2 x3 from verification
-    rounds) of speculative sampling vs their exact joint under the target, chi-square test."""
+    rounds) of speculative sampling vs their exact joint under the target, chi-square test. A chain
+    draws its tokens from the draft's q; a tree offers deterministic siblings."""
     V = 8
     target = tiny_llama(vocab=V, hidden=32, layers=1, init=0.5, seed=3)
-    draft = tiny_llama(vocab=V, hidden=32, layers=1, init=0.5, seed=4)  # a different model
-    prompt = [1, 5, 2]
+    drafter = SAMPLED_DRAFTERS[drafter_name](target)
+    prompt = [1, 5, 2, 1, 5]  # repeats itself: prompt lookup finds continuations
     temperature = 1.0
     with torch.no_grad():  # exact joint p(x1, x2, x3 | prompt) from full forwards
         p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
@@ -265,19 +291,75 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end():
     joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
 
     generator = torch.Generator().manual_seed(0)
-    counts = {"chain": torch.zeros(V ** 3), "tree": torch.zeros(V ** 3)}
-    drafters = {"chain": (ModelDrafter(draft), dict(gamma=2)),
-                "tree": (GlideDrafter(glide_for(target, seed=5), target), dict(tree=[2, 2]))}
-    for name, (drafter, shape) in drafters.items():
-        for _ in range(1000):
-            out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=temperature,
-                                       generator=generator, **shape)
-            x1, x2, x3 = out.tokens
-            counts[name][(x1 * V + x2) * V + x3] += 1
-    for name in counts:
-        stat, dof = chi2_statistic(counts[name], joint)
-        assert dof >= 10
-        assert stat < chi2_critical(dof), (name, stat, dof)
+    counts = torch.zeros(V ** 3)
+    accepted = drafted = 0
+    for _ in range(1000):
+        out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=temperature,
+                                   generator=generator, **shape)
+        x1, x2, x3 = out.tokens
+        counts[(x1 * V + x2) * V + x3] += 1
+        accepted, drafted = accepted + sum(out.accepted), drafted + sum(out.drafted)
+    assert 0 < accepted < drafted  # both acceptance and the residual resampling were exercised
+    stat, dof = chi2_statistic(counts, joint)
+    assert dof >= 10
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+# -- TV(p, q) at the verified positions ------------------------------------------------------
+
+def test_chain_tv_covers_the_accepted_positions_and_the_first_rejected_one():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.3, 0.5], [0.0, 1.0, 0.0]])
+    draft = chain([1, 2, 1], q)
+    assert chain_tv(draft, p, accepted=0) == pytest.approx([0.25])
+    assert chain_tv(draft, p, accepted=1) == pytest.approx([0.25, 0.0])
+    assert chain_tv(draft, p, accepted=3) == pytest.approx([0.25, 0.0, 1.0])  # all accepted: no bonus row
+    # deterministic picks (prompt lookup): q = one-hot(token), TV = 1 - p(token)
+    assert chain_tv(chain([0, 2]), p, accepted=1) == pytest.approx([0.5, 0.5])
+
+
+def test_recorded_tv_is_zero_when_the_draft_is_the_target(target, prompts):
+    for prompt in prompts[:3]:
+        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=16, gamma=3,
+                                   temperature=0.8, generator=torch.Generator().manual_seed(0), record_tv=True)
+        assert len(out.tv) == sum(min(a + 1, d) for a, d in zip(out.accepted, out.drafted))
+        assert max(out.tv) < 1e-5
+    assert speculative_generate(target, ModelDrafter(target), prompts[0], max_new_tokens=8, gamma=3,
+                                temperature=0.8).tv == []  # only recorded when asked
+
+
+def test_acceptance_at_checked_positions_is_one_minus_tv_on_average(target, noisy, prompts):
+    """Speculative sampling accepts a checked position with probability 1 - TV(p, q): over many
+    positions the accepted count stays within 4 standard deviations of sum(1 - TV)."""
+    generator = torch.Generator().manual_seed(1)
+    accepted = checked = 0
+    tv = []
+    for drafter in (ModelDrafter(noisy), GlideDrafter(glide_for(target), target)):
+        for prompt in prompts:
+            out = speculative_generate(target, drafter, prompt, max_new_tokens=40, gamma=4, temperature=1.0,
+                                       generator=generator, record_tv=True)
+            accepted += sum(out.accepted)
+            checked += sum(min(a + 1, d) for a, d in zip(out.accepted, out.drafted))
+            tv += out.tv
+    tv = torch.tensor(tv, dtype=torch.float64)
+    assert len(tv) == checked > 200
+    assert 0.1 < float(tv.mean()) < 0.9  # neither drafter is trivially right or wrong
+    expected, std = float((1 - tv).sum()), float((tv * (1 - tv)).sum().sqrt())
+    assert abs(accepted - expected) < 4 * std, (accepted, expected, std)
+
+
+def test_measure_tau_at_a_temperature_reports_tv(target, noisy, run_dir):
+    from transformers import AutoTokenizer
+
+    root, draft = run_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    greedy = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8)
+    sampled = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8,
+                          temperature=0.7, seed=1)
+    again = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8,
+                        temperature=0.7, seed=1)
+    assert greedy["mean_tv"] is None and 0.0 <= sampled["mean_tv"] <= 1.0
+    assert sampled == again  # seeded: every rank measures the same thing
 
 
 # -- GLIDE at inference ----------------------------------------------------------------------

@@ -154,21 +154,25 @@ def run_plain(target: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_to
 
 def run_speculative(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                     gamma: int = 5, tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
-                    temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = ()) -> List[Generation]:
+                    temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
+                    record_tv: bool = False) -> List[Generation]:
     speculative_generate(target, drafter, prompts[0], max_new_tokens=2, gamma=gamma, tree=tree)  # warm-up
     generator = torch.Generator().manual_seed(seed)
     return [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,
-                                 tree=tree, temperature=temperature, generator=generator, stop_tokens=stop)
+                                 tree=tree, temperature=temperature, generator=generator, stop_tokens=stop,
+                                 record_tv=record_tv)
             for p in prompts]
 
 
 def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *, gamma: int = 5,
             tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
             seed: int = 0, stop: Sequence[int] = (),
-            baseline: Optional[List[Generation]] = None) -> Dict[str, Any]:
+            baseline: Optional[List[Generation]] = None, record_tv: bool = False) -> Dict[str, Any]:
     """Speculative decoding vs plain decoding on the same prompts -> the report's numbers.
 
     Pass `baseline` (from run_plain) to reuse one baseline measurement for several drafters.
+    record_tv: also report mean TV(p, q) over the checked chain positions (one (gamma, V)
+    reduction per round inside the timed loop: well under 1% of a verification pass).
     """
     _check_shape(gamma, tree)
     if baseline is None:
@@ -176,7 +180,7 @@ def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]
                              seed=seed, stop=stop)
     generations = run_speculative(target, drafter, prompts, gamma=gamma, tree=tree,
                                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                  stop=stop)
+                                  stop=stop, record_tv=record_tv)
     report: Dict[str, Any] = {
         "drafter": drafter.name, "gamma": None if tree else gamma, "tree": list(tree) if tree else None,
         "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
@@ -199,7 +203,8 @@ def _check_shape(gamma: int, tree: Optional[Sequence[int]]) -> None:
 
 def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
              tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
-             max_prompts: Optional[int] = None, seed: int = 0, plot_path=None) -> Dict[str, Any]:
+             max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
+             record_tv: bool = False) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict."""
     from specdraft.target.model import load_frozen_target
@@ -228,7 +233,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
               "target": str(target_dir), "prompts_file": str(prompts_file)}
     report.update(compare(target, make_drafter(method, target, draft), prompts, gamma=gamma, tree=tree,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                          stop=stop_tokens(target, tokenizer)))
+                          stop=stop_tokens(target, tokenizer), record_tv=record_tv))
     report["plot"] = None
     if plot_path is not None:
         plot_acceptance(report, plot_path)
@@ -238,9 +243,12 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
 
 @torch.no_grad()
 def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
-                gamma: int = 4, max_new_tokens: int = 32) -> Dict[str, Any]:
-    """Greedy chain tau of a (plain, non-DeepSpeed) draft module: for the training loop's evals.
+                gamma: int = 4, max_new_tokens: int = 32, temperature: float = 0.0,
+                seed: int = 0) -> Dict[str, Any]:
+    """Chain tau of a (plain, non-DeepSpeed) draft module: for the training loop's evals.
 
+    Greedy at temperature 0; at temperature > 0 speculative sampling from a generator seeded with
+    `seed` (the same on every rank), and mean TV(p, q) over the checked positions is reported too.
     prompts: user messages (wrapped with the chat template) or token id lists. The draft is put
     in eval mode for the measurement and its train/eval mode restored afterwards.
     """
@@ -251,8 +259,10 @@ def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequenc
     try:
         drafter = make_drafter("draft", target, draft)
         stop = stop_tokens(target, tokenizer)
+        generator = torch.Generator().manual_seed(seed)
         generations = [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,
-                                            stop_tokens=stop) for p in ids]
+                                            temperature=temperature, generator=generator, stop_tokens=stop,
+                                            record_tv=temperature > 0) for p in ids]
     finally:
         draft.train(was_training)
     stats = acceptance_stats(generations, gamma)

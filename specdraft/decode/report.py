@@ -3,6 +3,8 @@
 tau = (accepted draft tokens + target forwards) / target forwards: the mean number of tokens each
 verification pass produces (the prefill pass is not counted).
 acceptance_per_position[j-1]: the fraction of passes that accepted at least j draft tokens.
+mean_tv (when recorded, chains): TV(target p, draft q) averaged over the positions the target
+checked; 1 - mean_tv is the acceptance rate speculative sampling expects there.
 conditional_acceptance_per_position[j-1]: of the passes that accepted j - 1, the fraction that
 also accepted the j-th (the usual per-position acceptance rate).
 """
@@ -28,7 +30,13 @@ def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str,
         "conditional_acceptance_per_position": [reached[j] / reached[j - 1] if reached[j - 1] else 0.0
                                                 for j in range(1, depth + 1)],
         "accepted_length_histogram": [sum(a == k for a in accepted) for k in range(depth + 1)],
+        **tv_stats(generations),
     }
+
+
+def tv_stats(generations: Sequence[Generation]) -> Dict[str, Any]:
+    tv = [t for g in generations for t in g.tv]
+    return {"mean_tv": sum(tv) / len(tv) if tv else None, "tv_positions": len(tv)}
 
 
 def timing_stats(generations: Sequence[Generation], baseline: Sequence[Generation]) -> Dict[str, Any]:
@@ -65,6 +73,8 @@ def format_report(report: Dict[str, Any]) -> str:
         f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
         f"  {'speedup':<34}{report['speedup']:>9.2f}x",
     ]
+    if report.get("mean_tv") is not None:
+        lines.append(f"  {'mean TV(p, q), checked positions':<34}{report['mean_tv']:>10.3f}")
     if report.get("matches_target") is not None:
         lines.append(f"  {'output == target greedy':<34}{'yes' if report['matches_target'] else 'NO':>10}")
     lines += ["", f"  {'position':>8}  {'P(accepted >= pos)':>18}  {'P(pos | pos-1)':>14}"]

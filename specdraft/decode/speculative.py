@@ -18,7 +18,7 @@ from torch import nn
 from specdraft.decode.cache import cache_length, forward, forward_with_hidden, keep_positions, new_cache
 from specdraft.decode.drafters import Drafter
 from specdraft.decode.sampling import probabilities, sample
-from specdraft.decode.tree import accept_path, verification_inputs
+from specdraft.decode.tree import accept_path, chain_tv, verification_inputs
 from specdraft.errors import SpecdraftError
 
 
@@ -28,6 +28,7 @@ class Generation:
     seconds: float
     accepted: List[int] = field(default_factory=list)  # draft tokens accepted by each target pass
     drafted: List[int] = field(default_factory=list)  # draft tokens proposed to each target pass
+    tv: List[float] = field(default_factory=list)  # with record_tv: TV(p, q) at each checked chain position
 
     @property
     def target_forwards(self) -> int:  # verification passes (the prefill is not counted)
@@ -57,12 +58,13 @@ def _cut(new_tokens: List[int], max_new_tokens: int, stop: frozenset) -> List[in
 def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequence[int], *,
                          max_new_tokens: int, gamma: int = 5, tree: Optional[Sequence[int]] = None,
                          temperature: float = 0.0, generator: Optional[torch.Generator] = None,
-                         stop_tokens: Iterable[int] = ()) -> Generation:
+                         stop_tokens: Iterable[int] = (), record_tv: bool = False) -> Generation:
     """Generate with `drafter` proposing a chain of `gamma` tokens, or a tree of `tree` widths.
 
     Lossless: greedy output equals the target's greedy decoding; sampled output follows the
     target's distribution. Every round is verified in full (the last one may pass
     max_new_tokens; its extra tokens are cut from `tokens` but counted in the statistics).
+    record_tv (chains): also record TV(target p, draft q) at every position the target checked.
     """
     stop = frozenset(stop_tokens)
     t0 = time.perf_counter()
@@ -93,6 +95,8 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
         tokens = torch.cat([tokens, draft.tokens[path], torch.tensor([next_token])])
         result.accepted.append(len(path))
         result.drafted.append(len(draft))
+        if record_tv and tree is None and len(draft):
+            result.tv.extend(chain_tv(draft, target_probs, len(path)))
     result.tokens = _cut(tokens[len(prompt):].tolist(), max_new_tokens, stop)
     result.seconds = time.perf_counter() - t0
     return result

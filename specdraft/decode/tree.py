@@ -88,6 +88,23 @@ def verification_inputs(tree: DraftTree, root_token: int,
     return ids, positions, visible
 
 
+def chain_tv(tree: DraftTree, target_probs: torch.Tensor, accepted: int) -> List[float]:
+    """TV(p, q) = 1/2 sum |p - q| at each chain position the target checked: the `accepted` ones and
+    the first rejected one. Speculative sampling accepts position j with probability 1 - TV(p_j, q_j).
+
+    target_probs (1+N, V): row j is the target's distribution where node j was drafted. q is the
+    draft's sampling distribution, one-hot(token) for deterministic picks.
+    """
+    checked = min(accepted + 1, len(tree))
+    p = target_probs[:checked]
+    q = tree.q[:checked].to(p) if tree.q is not None else one_hot_rows(tree.tokens[:checked], p)
+    return (0.5 * (p - q).abs().sum(dim=-1)).tolist()
+
+
+def one_hot_rows(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens.to(like.device), like.shape[-1]).to(like.dtype)
+
+
 def accept_path(tree: DraftTree, target_probs: torch.Tensor,
                 generator: Optional[torch.Generator] = None) -> Tuple[List[int], int]:
     """Walk the tree from the root, checking each node's children in order.

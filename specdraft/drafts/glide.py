@@ -24,12 +24,13 @@ from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatur
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
 from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, chunked_objective, objective_from_options
 from specdraft.errors import SpecdraftError
 
 
 @dataclass
-class GlideOptions:
-    """The `draft.` keys GLIDE reads."""
+class GlideOptions(ObjectiveOptions):
+    """The `draft.` keys GLIDE reads (and draft.loss / draft.distill_temperature)."""
 
     sliding_window: int = 512  # draft self-attention sees at most this many past positions
     max_lag: int = 4  # per batch a lag p in [1, max_lag]: query t sees target K/V at <= t - p
@@ -115,9 +116,10 @@ class GlideDraft(Draft):
     architecture = "GlideDraft"
     options = GlideOptions
 
-    def __init__(self, dims: GlideDims):
+    def __init__(self, dims: GlideDims, objective: Objective = CE):
         super().__init__()
         self.dims = dims
+        self.objective = objective  # what training_loss minimises (a training setting, not exported)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.self_attn = GlideSelfAttention(dims)
         self.cross_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -164,7 +166,7 @@ class GlideDraft(Draft):
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
             initializer_range=getattr(text, "initializer_range", 0.02),
-        ))
+        ), objective=objective_from_options(draft_cfg, default="ce"))
 
     @classmethod
     def from_export_config(cls, config: Dict[str, Any]) -> "GlideDraft":
@@ -207,7 +209,8 @@ class GlideDraft(Draft):
     # -- training --------------------------------------------------------------------------
 
     def capture_request(self) -> CaptureRequest:
-        return CaptureRequest(last_layer_kv=True)
+        # the final hidden state only when the objective reads the target's distribution
+        return CaptureRequest(last_layer_kv=True, final_hidden=self.objective.needs_teacher)
 
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
         lag = int(torch.randint(1, self.dims.max_lag + 1, (1,), generator=generator))
@@ -235,9 +238,16 @@ class GlideDraft(Draft):
             counted = loss_mask[:, 1:].bool() & has_context[:, :-1] & ~starts[:, 1:]  # label in the same document
         predictions = hidden[:, :-1][counted]
         labels = input_ids[:, 1:][counted]
-        total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)
         tokens = counted.sum()
-        return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct)
+        if not self.objective.needs_teacher:
+            total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)
+            return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct)
+        # the teacher: the target's own next-token distribution at t, from its final hidden state
+        teacher = features.final_hidden[:, :-1][counted]
+        out = chunked_objective(predictions, lm_head_weight, teacher, lm_head_weight, labels, self.objective,
+                                chunk_size)
+        return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=out.correct,
+                         metrics={f"objective/{name}": (value, tokens) for name, value in out.terms.items()})
 
 
 def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,

@@ -125,7 +125,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if eval_prompts and (state.step % cfg.eval_steps == 0 or last):
-            tau = measure_draft_tau(engine, target, tokenizer, eval_prompts)
+            tau = measure_draft_tau(engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
             metrics.log(state.step, tau)
             log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
@@ -192,10 +192,11 @@ def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
     return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS)
 
 
-def measure_draft_tau(engine, target, tokenizer, prompts: list) -> dict:
-    """Greedy chain tau of the current draft on held-out prompts, logged beside the loss.
+def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: float = 0.0, seed: int = 0) -> dict:
+    """Chain tau of the current draft on held-out prompts, logged beside the loss: greedy, or
+    sampled at `temperature` (then also eval/tv, TV(target p, draft q) at the checked positions).
 
-    Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 the decoding loop's
+    Every rank runs it in lockstep (identical work: the sampler is seeded alike). Under ZeRO-3 the decoding loop's
     order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
     parameters are gathered for the measurement instead (the full target, transiently, on each rank).
     `target` is the causal LM whose decoder stack and lm_head the engine's module holds.
@@ -205,8 +206,10 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list) -> dict:
     module = engine.module
     with gathered(list(module.parameters())):
         stats = measure_tau(target, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
-                            max_new_tokens=EVAL_NEW_TOKENS)
+                            max_new_tokens=EVAL_NEW_TOKENS, temperature=temperature, seed=seed)
     values = {"eval/tau": stats["tau"]}
+    if stats.get("mean_tv") is not None:
+        values["eval/tv"] = stats["mean_tv"]
     values.update({f"eval/accept_{i + 1}": a for i, a in enumerate(stats.get("acceptance_per_position", []))})
     return values
 

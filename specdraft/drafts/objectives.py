@@ -1,0 +1,288 @@
+"""Training objectives of a draft against its target: hard-label CE and distillation, chunked.
+
+    objective = parse_objective("0.9*tv + 0.1*ce", temperature=1.0)      # or {"tv": 0.9, "ce": 0.1}
+    out = chunked_objective(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                            labels, objective, chunk_size)                # sums over rows
+    out.loss / n  -> backward;  out.terms["tv"] / n  -> log
+
+Per row, with z = student logits, t = teacher logits, q = softmax(z / T), p = softmax(t / T):
+    ce       -log softmax(z)[label]              hard label, at temperature 1 (LongSpec's loss)
+    soft_ce  -sum p log q                        cross-entropy against the teacher's distribution
+    kl       sum p (log p - log q)               = soft_ce - H(p): same gradient, 0 when q = p
+    tv       1/2 sum |p - q|                     speculative sampling at T accepts with 1 - tv
+The temperature T softens teacher and student alike, because decoding at T samples both from
+softmax(logits / T); no T^2 factor, so each term is exactly the quantity named.
+
+Teacher logits are t = teacher_hidden @ teacher_weight.T: the target's final hidden state through
+its lm_head for GLIDE, through the lm_head rows of a restricted draft vocabulary for EAGLE-3 (whose
+student head then spans that vocabulary too): one code path. Neither student nor teacher logits
+ever exist for all rows at once: the forward pass computes loss and gradient one chunk of rows at
+a time and keeps only the (rows x hidden) gradient (and a (vocab x hidden) one when the student's
+head is trained).
+"""
+
+# (no `from __future__ import annotations`: ObjectiveOptions' field types must be real types, the
+# `draft:` config schema is assembled from them in another module)
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+OBJECTIVES = ("ce", "soft_ce", "kl", "tv")
+TEACHER_OBJECTIVES = ("soft_ce", "kl", "tv")  # the ones that read the target's distribution
+_TERM = re.compile(r"^\s*(?:([^*]+?)\s*\*\s*)?([A-Za-z_]+)\s*$")  # "[weight *] name"
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A weighted sum of named objectives (only positive weights kept), at a temperature."""
+
+    weights: Tuple[Tuple[str, float], ...]  # in OBJECTIVES order
+    temperature: float = 1.0
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(name for name, _ in self.weights)
+
+    def weight(self, name: str) -> float:
+        return dict(self.weights).get(name, 0.0)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """True when a term reads the target's distribution (its final hidden state)."""
+        return any(name in TEACHER_OBJECTIVES for name in self.names)
+
+    @property
+    def needs_labels(self) -> bool:
+        return "ce" in self.names
+
+    def __str__(self) -> str:
+        body = " + ".join(name if w == 1.0 else f"{w:g}*{name}" for name, w in self.weights)
+        return f"{body} (T={self.temperature:g})" if self.needs_teacher else body
+
+
+CE = Objective((("ce", 1.0),))
+
+
+@dataclass
+class ObjectiveOptions:
+    """The `draft.` keys of the objective, shared by every family (its options inherit these)."""
+
+    # ce | soft_ce | kl | tv, a weighted sum '0.9*tv + 0.1*ce' or a mapping {tv: 0.9, ce: 0.1}
+    # (a 0 weight drops a term); null: the family's default (GLIDE: ce)
+    loss: Any = None
+    distill_temperature: float = 1.0  # soft_ce / kl / tv compare softmax(logits / T) of target and draft
+
+
+def validate_objective_options(draft_cfg, source: str) -> None:
+    """One-line SpecdraftError for a bad draft.loss / draft.distill_temperature."""
+    temperature = draft_cfg.get("distill_temperature", 1.0)
+    if not temperature > 0:
+        raise SpecdraftError(f"{source}: key 'draft.distill_temperature': must be > 0, got {temperature}")
+    if draft_cfg.get("loss") is not None:
+        parse_objective(draft_cfg.loss, temperature, where=f"{source}: key 'draft.loss'")
+
+
+def objective_from_options(draft_cfg, default: str) -> Objective:
+    """The objective a family trains on: draft.loss, or the family's `default` when it is null."""
+    spec = draft_cfg.get("loss")
+    return parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0))
+
+
+def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draft.loss'") -> Objective:
+    """'tv', '0.9*tv + 0.1*ce' or a mapping {name: weight} -> Objective; one-line SpecdraftError.
+
+    A zero weight drops a term (so `draft.loss.ce=0` removes CE from a mapping given in YAML).
+    """
+    if isinstance(spec, str):
+        pairs = []
+        for term in spec.split("+"):
+            match = _TERM.match(term)
+            if match is None:
+                raise SpecdraftError(f"{where}: cannot read {term.strip()!r} in {spec!r} "
+                                     f"(expected e.g. 'tv' or '0.9*tv + 0.1*ce')")
+            pairs.append((match.group(2), 1.0 if match.group(1) is None else match.group(1)))
+    elif isinstance(spec, Mapping):
+        pairs = [(str(name), weight) for name, weight in spec.items()]
+    else:
+        raise SpecdraftError(f"{where}: expected an objective name, a sum like '0.9*tv + 0.1*ce' "
+                             f"or a mapping of weights, got {_kind(spec)}")
+    weights: Dict[str, float] = {}
+    for name, weight in pairs:
+        if name not in OBJECTIVES:
+            raise SpecdraftError(f"{where}: unknown objective {name!r} (choose from {', '.join(OBJECTIVES)})")
+        if name in weights:
+            raise SpecdraftError(f"{where}: objective {name!r} given twice")
+        weights[name] = _weight(name, weight, where)
+    if not any(w > 0 for w in weights.values()):
+        raise SpecdraftError(f"{where}: no objective has a positive weight")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise SpecdraftError(f"temperature of {where}: must be a number > 0, got {temperature!r}")
+    return Objective(tuple((name, weights[name]) for name in OBJECTIVES if weights.get(name, 0.0) > 0),
+                     float(temperature))
+
+
+def _kind(value: Any) -> str:
+    return "a list" if isinstance(value, Sequence) or type(value).__name__ == "ListConfig" else type(value).__name__
+
+
+def _weight(name: str, value: Any, where: str) -> float:
+    try:
+        weight = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        weight = math.nan
+    if not math.isfinite(weight):
+        raise SpecdraftError(f"{where}: weight of {name!r} must be a number, got {value!r}")
+    if weight < 0:
+        raise SpecdraftError(f"{where}: weight of {name!r} must be >= 0, got {weight:g}")
+    return weight
+
+
+# -- one chunk of rows ---------------------------------------------------------------------------
+
+def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor],
+                    labels: Optional[torch.Tensor], objective: Objective,
+                    with_grad: bool) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+    """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
+
+    student_logits / teacher_logits (C, V) float32 (consumed: teacher_logits is overwritten);
+    labels (C,) long. The gradient (C, V) float32 is None unless with_grad. Vocab-sized
+    temporaries are reused in place: this runs once per chunk on the largest tensors of the step.
+    """
+    z = student_logits
+    sums: Dict[str, torch.Tensor] = {}
+    grad: Optional[torch.Tensor] = None
+
+    def accumulate(term: torch.Tensor, weight: float) -> None:  # term is ours to overwrite
+        nonlocal grad
+        if grad is None:
+            grad = term.mul_(weight)
+        else:
+            grad.add_(term, alpha=weight)
+
+    if objective.needs_labels:
+        log_z = torch.logsumexp(z, dim=-1)  # (C,)
+        sums["ce"] = (log_z - z.gather(1, labels[:, None]).squeeze(1)).sum()
+        if with_grad:
+            probs = z.sub(log_z[:, None]).exp_()
+            probs[torch.arange(len(labels), device=z.device), labels] -= 1.0  # softmax - onehot
+            accumulate(probs, objective.weight("ce"))
+    if teacher_logits is not None:
+        T = objective.temperature
+        log_q = torch.log_softmax(z / T if T != 1.0 else z, dim=-1)  # (C, V)
+        log_p = torch.log_softmax(teacher_logits.div_(T) if T != 1.0 else teacher_logits, dim=-1)
+        q, p = log_q.exp(), log_p.exp()
+        if "soft_ce" in objective.names or "kl" in objective.names:
+            cross = torch.linalg.vecdot(p, log_q).sum()  # sum p log q
+            sums["soft_ce"] = -cross
+            if "kl" in objective.names:
+                # sum p log p - sum p log q: exactly 0 when the two rows are the same floats
+                sums["kl"] = torch.linalg.vecdot(p, log_p).sum() - cross
+            if "soft_ce" not in objective.names:
+                del sums["soft_ce"]
+        del log_q, log_p
+        diff = p.neg_().add_(q)  # q - p, in p's storage
+        sums["tv"] = 0.5 * torch.linalg.vector_norm(diff, ord=1)
+        if with_grad:
+            # soft CE and KL differ by H(p), a constant: both have gradient (q - p) / T
+            soft = objective.weight("soft_ce") + objective.weight("kl")
+            tv = objective.weight("tv")
+            if soft:
+                accumulate(diff.clone() if tv else diff, soft / T)
+            if tv:
+                # d tv / dz_j = 1/(2T) q_j (s_j - sum_i s_i q_i), s = sign(q - p)
+                sign = diff.sign_()
+                sign.sub_(torch.linalg.vecdot(sign, q)[:, None]).mul_(q)
+                accumulate(sign, tv * 0.5 / T)
+    return sums, grad
+
+
+# -- all rows, chunked -------------------------------------------------------------------------
+
+@dataclass
+class ObjectiveSums:
+    loss: torch.Tensor  # weighted sum over rows (differentiable): divide by the counted rows
+    correct: torch.Tensor  # 0-dim long: student argmax == label (teacher argmax without labels)
+    terms: Dict[str, torch.Tensor]  # name -> 0-dim float32 sum over rows of that term (detached)
+    argmax: torch.Tensor  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
+
+
+class _ChunkedObjective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+                objective: Objective, chunk_size: int, term_names: Tuple[str, ...]):
+        # student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
+        # teacher_weight (V, Ht) or None, labels (N,) or None
+        device = student_hidden.device
+        sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
+        argmax = torch.empty(student_hidden.shape[0], dtype=torch.long, device=device)
+        grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = (torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
+                       if ctx.needs_input_grad[1] else None)
+        with_grad = grad_hidden is not None or grad_weight is not None
+        for start in range(0, student_hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = student_hidden[rows]
+            z = (h @ student_weight.t()).float()  # (C, V): with t, the only vocab-sized tensors alive
+            t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
+                                                     @ teacher_weight.t()).float()
+            y = None if labels is None else labels[rows]
+            terms, grad = objective_terms(z, t, y, objective, with_grad)
+            sums += torch.stack([terms[name] for name in term_names])
+            argmax[rows] = z.argmax(dim=-1)
+            correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad.to(student_weight.dtype) @ student_weight).to(student_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.t(), h.float())  # (V, H) += (V, C) @ (C, H)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = student_weight.dtype
+        weights = torch.tensor([objective.weight(name) for name in term_names], dtype=torch.float32,
+                               device=device)
+        total = (sums * weights).sum()
+        ctx.mark_non_differentiable(correct, sums, argmax)
+        return total, correct, sums, argmax
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                      teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
+                      labels: Optional[torch.Tensor], objective: Objective,
+                      chunk_size: int = 1024) -> ObjectiveSums:
+    """Sums over rows of `objective` for student logits student_hidden @ student_weight.T.
+
+    The rows are the counted positions only (select them before the call). The teacher
+    (teacher_hidden, teacher_weight) is a constant and needed when objective.needs_teacher;
+    labels when objective.needs_labels. student_weight receives a gradient only when it
+    requires one (a frozen shared lm_head does not).
+    """
+    if objective.needs_teacher and (teacher_hidden is None or teacher_weight is None):
+        raise ValueError(f"objective {objective} needs the teacher's hidden states and lm_head")
+    if objective.needs_labels and labels is None:
+        raise ValueError(f"objective {objective} needs labels")
+    if teacher_hidden is not None and not objective.needs_teacher:
+        teacher_hidden = teacher_weight = None  # nothing reads them: skip the second matmul
+    if teacher_hidden is not None:
+        teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
+    term_names = objective.names + (("tv",) if teacher_hidden is not None and "tv" not in objective.names else ())
+    if student_hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
+        zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
+        terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names}
+        none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
+        return ObjectiveSums(zero.float(), none.sum(), terms, none)
+    total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
+                                                   teacher_weight, labels, objective, chunk_size, term_names)
+    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)}, argmax)
