@@ -10,10 +10,11 @@ import dataclasses
 from typing import Any, Dict, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.dflash import DFlashDraft
 from specdraft.drafts.glide import GlideDraft
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft,)}
+FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, DFlashDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
 

@@ -320,7 +320,8 @@ class DFlashDraft(Draft):
         layers = draft_cfg.get("target_layers") if hasattr(draft_cfg, "get") else getattr(draft_cfg, "target_layers", None)
         if layers is None:
             return default_target_layers(cls._text_config(target_config).num_hidden_layers)
-        return [int(x) for x in layers]
+        # concatenated in increasing id order, the order vLLM collects its aux hidden states in
+        return sorted(int(x) for x in layers)
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str) -> None:
