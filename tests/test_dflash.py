@@ -37,7 +37,7 @@ def make_draft(target, **overrides):
     values = dict(type="dflash", num_layers=2, block_size=4, max_anchors=5)
     values.update(overrides)
     cfg = OmegaConf.structured(DraftConfig(**values))
-    DFlashDraft.validate_config(cfg, target.config, "test")
+    DFlashDraft.validate_config(cfg, target.config, "test", max_seq_length=T)
     draft = DFlashDraft.from_target_config(target.config, cfg)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # realistic scales so every path carries signal
@@ -82,10 +82,16 @@ def test_validate_config_names_the_bad_key(target):
     for key, bad in cases.items():
         cfg = OmegaConf.structured(DraftConfig(**base, **bad))
         with pytest.raises(SpecdraftError, match=f"draft.{key}"):
-            DFlashDraft.validate_config(cfg, target.config, "cfg.yaml")
+            DFlashDraft.validate_config(cfg, target.config, "cfg.yaml", max_seq_length=T)
     repeated = OmegaConf.structured(DraftConfig(type="dflash", target_layers=[2, 2]))
     with pytest.raises(SpecdraftError, match="repeats"):
-        DFlashDraft.validate_config(repeated, target.config, "cfg.yaml")
+        DFlashDraft.validate_config(repeated, target.config, "cfg.yaml", max_seq_length=T)
+    with pytest.raises(SpecdraftError, match="draft.block_size.*max_seq_length"):
+        DFlashDraft.validate_config(OmegaConf.structured(DraftConfig(type="dflash", block_size=8)), target.config,
+                                    "cfg.yaml", max_seq_length=8)
+    # without a readable target config, the checks that need it wait for training start
+    DFlashDraft.validate_config(OmegaConf.structured(DraftConfig(type="dflash", target_layers=[99])), None,
+                                "cfg.yaml", max_seq_length=T)
 
 
 # -- what a block position sees ------------------------------------------------------------------
@@ -262,7 +268,7 @@ def test_inference_block_equals_the_training_block_at_the_same_anchor(target, sa
     drafter = DFlashDrafter(draft, target)
     for i, n in enumerate(anchors[0].tolist()):
         drafter.start()
-        drafter.observe({k: h[0, :n] for k, h in feats.hidden.items()}, torch.arange(n))
+        drafter.observe_target({k: h[0, :n] for k, h in feats.hidden.items()}, 0)
         block = drafter.block_logits(int(ids[0, n]), n)
         torch.testing.assert_close(block, train_logits[0, i], rtol=1e-5, atol=1e-5)
 
@@ -272,10 +278,10 @@ def test_context_fed_in_pieces_equals_context_fed_at_once(target):
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(8))
     feats = features(target, draft, ids)
     whole, pieces = DFlashDrafter(draft, target), DFlashDrafter(draft, target)
-    whole.observe({k: h[0, :15] for k, h in feats.hidden.items()}, torch.arange(15))
+    whole.observe_target({k: h[0, :15] for k, h in feats.hidden.items()}, 0)
     for start, end in ((0, 6), (6, 7), (7, 15)):
-        pieces.observe({k: h[0, start:end] for k, h in feats.hidden.items()}, torch.arange(start, end))
+        pieces.observe_target({k: h[0, start:end] for k, h in feats.hidden.items()}, start)
     torch.testing.assert_close(pieces.block_logits(int(ids[0, 15]), 15), whole.block_logits(int(ids[0, 15]), 15))
     pieces.rollback(9)  # a rejection: context beyond 9 forgotten, then re-fed
-    pieces.observe({k: h[0, 9:15] for k, h in feats.hidden.items()}, torch.arange(9, 15))
+    pieces.observe_target({k: h[0, 9:15] for k, h in feats.hidden.items()}, 9)
     torch.testing.assert_close(pieces.block_logits(int(ids[0, 15]), 15), whole.block_logits(int(ids[0, 15]), 15))

@@ -94,7 +94,7 @@ def test_speculators_export_refuses_a_trained_mask_row(target, target_dir, tmp_p
     with torch.no_grad():
         draft.mask_delta.fill_(0.1)
     with pytest.raises(SpecdraftError, match="mask"):
-        write_speculators_export(tmp_path / "x", draft, draft.state_dict(), target.config, str(target_dir))
+        write_speculators_export(draft, draft.state_dict(), tmp_path / "x", str(target_dir))
     assert not (tmp_path / "x").exists()
 
 
@@ -102,7 +102,7 @@ def test_speculators_export_has_its_key_set_and_config(target, target_dir, tmp_p
     from safetensors import safe_open
 
     draft = make_draft(target, block_size=8, sample_from_anchor=False)
-    out = write_speculators_export(tmp_path / "spec", draft, draft.state_dict(), target.config, str(target_dir))
+    out = write_speculators_export(draft, draft.state_dict(), tmp_path / "spec", str(target_dir))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
     assert config["aux_hidden_state_layer_ids"] == [1, 2, 3, 4] and config["mask_token_id"] == VOCAB - 1
@@ -126,7 +126,7 @@ def test_speculators_export_has_its_key_set_and_config(target, target_dir, tmp_p
 def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir, tmp_path, block_size,
                                                               sample_from_anchor):
     draft = make_draft(target, block_size=block_size, sample_from_anchor=sample_from_anchor)
-    out = write_speculators_export(tmp_path / "spec", draft, draft.state_dict(), target.config, str(target_dir))
+    out = write_speculators_export(draft, draft.state_dict(), tmp_path / "spec", str(target_dir))
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
     ids[0, 10] = draft.dims.mask_token_id  # an anchor equal to the MASK id embeds the same both ways
     anchors = torch.tensor([2, 10, 21, 30])

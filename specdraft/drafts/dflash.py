@@ -39,11 +39,26 @@ from transformers.activations import ACT2FN
 
 from specdraft.drafts.base import Draft, DraftLoss
 from specdraft.drafts.glide import RMSNorm, apply_rope
+from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 
 DEFAULT_NUM_TARGET_LAYERS = 5
+
+
+@dataclass
+class DFlashOptions:
+    """The `draft.` keys DFlash reads."""
+
+    target_layers: Optional[List[int]] = None  # target layer ids read (input of layer i); None: 5 evenly spaced
+    num_layers: int = 5  # draft decoder layers, each shaped like a target layer
+    block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
+    sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
+    loss_decay_gamma: float = 4.0  # the j-th predicted token of a block weighs exp(-j / gamma)
+    max_anchors: int = 512  # blocks trained per sequence
+    mask_token_id: Optional[int] = None  # target token whose embedding is MASK; None: the last id
+    train_mask_embedding: bool = False  # train the draft's own MASK row (then native export only)
 
 
 def default_target_layers(num_target_layers: int, count: int = DEFAULT_NUM_TARGET_LAYERS) -> List[int]:
@@ -286,6 +301,8 @@ def loss_weights(layout: BlockLayout, gamma: float, device=None) -> torch.Tensor
 class DFlashDraft(Draft):
     family = "dflash"
     architecture = "DFlashDraft"
+    options = DFlashOptions
+    serving_formats = {"speculators": write_speculators_export}
 
     def __init__(self, dims: DFlashDims):
         super().__init__()
@@ -317,39 +334,45 @@ class DFlashDraft(Draft):
 
     @classmethod
     def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
-        layers = draft_cfg.get("target_layers") if hasattr(draft_cfg, "get") else getattr(draft_cfg, "target_layers", None)
+        layers = draft_cfg.target_layers
         if layers is None:
             return default_target_layers(cls._text_config(target_config).num_hidden_layers)
         # concatenated in increasing id order, the order vLLM collects its aux hidden states in
         return sorted(int(x) for x in layers)
 
     @classmethod
-    def validate_config(cls, draft_cfg, target_config, source: str) -> None:
-        text = cls._text_config(target_config)
-        num_target_layers = text.num_hidden_layers
-
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
         def fail(key: str, why: str) -> None:
             raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
 
-        layers = cls.resolved_target_layers(draft_cfg, target_config)
-        if not layers:
-            fail("target_layers", "must name at least one target layer")
-        bad = [x for x in layers if not 0 <= x <= num_target_layers]
-        if bad:
-            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
-                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
-        if len(set(layers)) != len(layers):
-            fail("target_layers", f"{layers} repeats a layer")
+        layers = draft_cfg.target_layers
+        if layers is not None:
+            if len(layers) == 0:
+                fail("target_layers", "must name at least one target layer (or be null for the default)")
+            if len(set(layers)) != len(layers):
+                fail("target_layers", f"{list(layers)} repeats a layer")
         if draft_cfg.num_layers < 1:
             fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
         smallest = 1 if draft_cfg.sample_from_anchor else 2
         if draft_cfg.block_size < smallest:
             fail("block_size", f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
                                f"(a block must predict a token), got {draft_cfg.block_size}")
+        layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
+        if max_seq_length < layout.span + 2:
+            fail("block_size", f"a block spans {layout.span + 1} positions after its context; "
+                               f"max_seq_length {max_seq_length} leaves no room for one")
         if not draft_cfg.loss_decay_gamma > 0:
             fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
         if draft_cfg.max_anchors < 1:
             fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
+        if target_config is None:
+            return
+        text = cls._text_config(target_config)
+        num_target_layers = text.num_hidden_layers
+        bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
+        if bad:
+            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
+                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
         mask_id = draft_cfg.mask_token_id
         if mask_id is not None and not 0 <= mask_id < text.vocab_size:
             fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")
@@ -464,7 +487,7 @@ class DFlashDraft(Draft):
         total = hidden.new_zeros((), dtype=torch.float32)
         tokens = torch.zeros((), dtype=torch.long, device=hidden.device)
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
-        metrics: Dict[str, torch.Tensor] = {}
+        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for j in range(self.layout.predictions):
             counted = blocks.counted[..., j]
             ce_sum, hits = chunked_cross_entropy(hidden[:, :, first + j][counted], lm_head_weight,
@@ -473,9 +496,8 @@ class DFlashDraft(Draft):
             n = counted.sum()
             total = total + float(weights[j]) * ce_sum
             tokens, correct = tokens + n, correct + hits
-            metrics[f"block_{j + 1}/loss"] = ce_sum.detach()
-            metrics[f"block_{j + 1}/correct"] = hits
-            metrics[f"block_{j + 1}/tokens"] = n
+            metrics[f"block_{j + 1}/loss"] = (ce_sum.detach(), n)  # (numerator, denominator)
+            metrics[f"block_{j + 1}/accuracy"] = (hits, n)
         return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
 
     # -- decoding ---------------------------------------------------------------------------------

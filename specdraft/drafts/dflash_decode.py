@@ -7,7 +7,7 @@ Round from x_n (the last verified token; the target's cache holds positions 0..n
        log-probs; every node of depth d reads the same slot, so the tree costs no extra forward)
 
 The context's per-layer K/V are cached by position and only ever hold VERIFIED positions: the
-target's hidden states of the tokens it kept arrive through `observe` after every pass, so a
+target's hidden states of the tokens it kept arrive through `observe_target` after every pass, so a
 rejection needs no rollback and nothing drafted is ever cached.
 """
 
@@ -23,7 +23,6 @@ from specdraft.decode.cache import cache_length
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import DraftTree, chain
-from specdraft.target.capture import CaptureRequest
 
 
 class DFlashDrafter(Drafter):
@@ -41,10 +40,8 @@ class DFlashDrafter(Drafter):
         mask_id = torch.tensor([draft.dims.mask_token_id], device=self.embed_tokens.weight.device)
         with torch.no_grad():
             self.mask_embed = self.embed_tokens(mask_id)[0].to(self.device, self.dtype).clone()
+        self.target_layers = tuple(draft.dims.target_layers)  # what speculative_generate hands over
         self.start()
-
-    def capture_request(self) -> CaptureRequest:
-        return CaptureRequest(layers=tuple(sorted(self.draft.dims.target_layers)))
 
     def start(self) -> None:
         self.keys: List[Optional[torch.Tensor]] = [None] * len(self.draft.layers)  # (1, KV, n, D)
@@ -63,13 +60,14 @@ class DFlashDrafter(Drafter):
         return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.no_grad()
-    def observe(self, hidden: Dict[int, torch.Tensor], positions: torch.Tensor) -> None:
-        """The target's hidden states {layer id: (T, H)} of verified tokens at positions (T,)
-        (consecutive, starting at self.length) -> their context K/V, cached."""
-        positions = positions.to(torch.long)
-        self.rollback(int(positions[0]))
-        assert int(positions[0]) == self.length, "context positions arrive in order"
+    def observe_target(self, hidden: Dict[int, torch.Tensor], start: int) -> None:
+        """The target's hidden states {layer id: (T, H)} of verified tokens at positions start..
+        start+T-1 -> their context K/V, cached (anything cached from `start` on is replaced)."""
+        self.rollback(start)
+        if start != self.length:
+            raise RuntimeError(f"DFlash context holds positions < {self.length}; got states from {start}")
         context = self.draft.context({k: h.to(self.device)[None] for k, h in hidden.items()})
+        positions = torch.arange(start, start + context.shape[1])
         cos, sin = self._rotary(positions)
         for i, (k, v) in enumerate(self.draft.context_keys_values(context, cos, sin)):
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
@@ -81,7 +79,7 @@ class DFlashDrafter(Drafter):
         """One draft forward of the block anchored at x_n -> (S, V) float logits on the CPU."""
         if self.length != n:
             raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
-                               f"the decoding loop must pass the target's hidden states to observe()")
+                               f"the decoding loop must pass the target's hidden states to observe_target()")
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
         embeds = self.draft.block_embeddings(anchor.to(self.device, self.dtype), self.mask_embed)  # (1, S, H)
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size))

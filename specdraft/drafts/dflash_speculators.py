@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+from transformers import AutoConfig
 
 from specdraft.errors import SpecdraftError
 
@@ -81,11 +82,11 @@ def speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype
     }
 
 
-def write_speculators_export(out_dir, draft, state_dict: Dict[str, torch.Tensor], target_config,
-                             target_dir: str) -> Path:
+def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir, target_dir: str) -> Path:
     """Write config.json + model.safetensors into out_dir (created; the caller makes it atomic)."""
     from safetensors.torch import save_file
 
+    target_config = AutoConfig.from_pretrained(str(target_dir))
     tensors = {k: v.detach().to("cpu").contiguous().clone()
                for k, v in speculators_state_dict(draft, state_dict).items()}
     out_dir = Path(out_dir)
