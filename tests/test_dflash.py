@@ -271,6 +271,10 @@ def test_inference_block_equals_the_training_block_at_the_same_anchor(target, sa
         drafter.observe_target({k: h[0, :n] for k, h in feats.hidden.items()}, 0)
         block = drafter.block_logits(int(ids[0, n]), n)
         torch.testing.assert_close(block, train_logits[0, i], rtol=1e-5, atol=1e-5)
+        # the drafter's j-th proposal is read from the slot training labels with ids[n + 1 + j]
+        first = draft.layout.first_slot
+        torch.testing.assert_close(drafter.predictions(int(ids[0, n]), n), train_logits[0, i, first:],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_context_fed_in_pieces_equals_context_fed_at_once(target):
@@ -285,3 +289,45 @@ def test_context_fed_in_pieces_equals_context_fed_at_once(target):
     pieces.rollback(9)  # a rejection: context beyond 9 forgotten, then re-fed
     pieces.observe_target({k: h[0, 9:15] for k, h in feats.hidden.items()}, 9)
     torch.testing.assert_close(pieces.block_logits(int(ids[0, 15]), 15), whole.block_logits(int(ids[0, 15]), 15))
+
+
+class _Cache:  # stands in for the target's DynamicCache: the drafter reads only its length
+    def __init__(self, n):
+        self.n = n
+
+    def get_seq_length(self):
+        return self.n
+
+
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+def test_one_block_gives_the_chain_and_the_tree(target, sample_from_anchor):
+    """Chain: proposal j is slot j's pick; tree: depth d + 1 holds slot d's best tokens, ranked by
+    the summed slot log-probs (the block predicts its positions jointly, one forward for all)."""
+    draft = make_draft(target, sample_from_anchor=sample_from_anchor).eval()
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(9))
+    feats = features(target, draft, ids)
+    n = 10
+    drafter = DFlashDrafter(draft, target)
+    drafter.observe_target({k: h[0, :n] for k, h in feats.hidden.items()}, 0)
+    slots = drafter.predictions(int(ids[0, n]), n)  # (P, V)
+    greedy = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=10, temperature=0.0, generator=None)
+    assert greedy.tokens.tolist() == slots.argmax(-1).tolist()  # gamma beyond the block: P tokens
+    short = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=2, temperature=0.0, generator=None)
+    assert short.tokens.tolist() == slots.argmax(-1)[:2].tolist()
+    sampled = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=3, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sampled.q, torch.softmax(slots[:3], dim=-1))  # each token's own q
+    tree = drafter.propose_tree(ids[0, :n + 1], _Cache(n), widths=[3, 2, 2])
+    logprobs = torch.log_softmax(slots, dim=-1)
+    depth = tree.depth
+    assert tree.tokens[depth == 1].tolist() == logprobs[0].topk(3).indices.tolist()
+    for node in range(len(tree)):  # each node's score is the sum of its path's slot log-probs
+        path, i = [], node
+        while i >= 0:
+            path.append(int(tree.tokens[i]))
+            i = int(tree.parents[i])
+        path.reverse()
+        expected = sum(float(logprobs[d, t]) for d, t in enumerate(path))
+        assert float(tree.scores[node]) == pytest.approx(expected, abs=1e-5)
+    chain_tree = drafter.propose_tree(ids[0, :n + 1], _Cache(n), widths=[1] * 10)
+    assert chain_tree.is_chain and chain_tree.tokens.tolist() == slots.argmax(-1).tolist()

@@ -86,13 +86,16 @@ class DFlashDrafter(Drafter):
         hidden = self.draft.backbone(embeds, cos, sin, list(zip(self.keys, self.values)), None)
         return self.draft.head_logits(hidden, self.lm_head)[0].float().cpu()
 
-    def predictions(self, tokens: torch.Tensor, target_cache) -> torch.Tensor:
-        """(P, V) logits of the tokens after x_n, x_{n+1}, ... (one forward)."""
-        n = cache_length(target_cache)
-        return self.block_logits(int(tokens[n]), n)[self.layout.first_slot:]
+    def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
+        """(P, V): row j = logits of the token at n + 1 + j, given x_n (one forward)."""
+        return self.block_logits(anchor_token, n)[self.layout.first_slot:]
+
+    def _round(self, tokens, target_cache) -> torch.Tensor:
+        n = cache_length(target_cache)  # tokens[n] = x_n, the last verified token
+        return self.predictions(int(tokens[n]), n)
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator) -> DraftTree:
-        logits = self.predictions(tokens, target_cache)[:gamma]
+        logits = self._round(tokens, target_cache)[:gamma]
         drafted, qs = [], []
         for row in logits:  # each slot's own distribution: q_i is what token i was drawn from
             token, q = sample(row, temperature, generator)
@@ -101,7 +104,7 @@ class DFlashDrafter(Drafter):
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths: Sequence[int]) -> DraftTree:
-        logprobs = F.log_softmax(self.predictions(tokens, target_cache), dim=-1)  # (P, V)
+        logprobs = F.log_softmax(self._round(tokens, target_cache), dim=-1)  # (P, V)
         widths = list(widths)[:logprobs.shape[0]]
         # every node at depth d takes slot d's distribution: the block drafts its positions jointly,
         # not conditioned on the path, so the beam ranks paths by the sum of slot log-probs
