@@ -18,9 +18,9 @@ Training samples up to max_anchors anchors per sequence and runs all their block
 the j-th predicted token of a block (the token at a + 1 + j) weighs exp(-j / gamma) in the CE.
 At inference the anchor is the last verified token x_n and the context every position < n.
 
-The seam for the families built on DFlash (DSpark, Domino, ...): `backbone()` gives block hidden
-states, `head_logits()` turns them into logits (a subclass adds its head there), and the layout is
-the `BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
+The seam for the families built on DFlash (DSpark, Domino, ...): `forward()`, the backbone, gives
+block hidden states; `head_logits()` turns them into logits (a subclass adds its head there); the
+layout is the `BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
 dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU); both are made from
 the one rule in `BlockVisibility.visible`.
 """
@@ -434,8 +434,9 @@ class DFlashDraft(Draft):
         mask = (mask_embed.to(self.mask_delta.dtype) + self.mask_delta).expand(B, A, self.layout.block_size - 1, H)
         return torch.cat([anchor_embeds.to(self.mask_delta.dtype)[:, :, None], mask], dim=2).view(B, -1, H)
 
-    def backbone(self, block_embeds, cos, sin, context_kv, visibility: Optional[BlockVisibility]):
-        """block_embeds (B, Q, H) at rotary tables cos/sin (B, Q, D) -> block hidden states (B, Q, H)."""
+    def forward(self, block_embeds, cos, sin, context_kv, visibility: Optional[BlockVisibility]):
+        """The backbone: block_embeds (B, Q, H) at rotary tables cos/sin (B, Q, D), the context's
+        per-layer (K, V) -> block hidden states (B, Q, H). One call = one draft forward pass."""
         x = block_embeds
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
@@ -466,7 +467,7 @@ class DFlashDraft(Draft):
         positions = blocks.positions.flatten(1)  # (B, A*S), all < T by the anchor range
         index = positions[..., None].expand(B, positions.shape[1], features.cos.shape[-1])
         cos, sin = features.cos.gather(1, index), features.sin.gather(1, index)
-        hidden = self.backbone(embeds, cos, sin, context_kv, BlockVisibility(blocks.anchors, T, self.layout.block_size))
+        hidden = self(embeds, cos, sin, context_kv, BlockVisibility(blocks.anchors, T, self.layout.block_size))
         return hidden.view(B, A, self.layout.block_size, -1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,

@@ -83,7 +83,7 @@ class DFlashDrafter(Drafter):
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
         embeds = self.draft.block_embeddings(anchor.to(self.device, self.dtype), self.mask_embed)  # (1, S, H)
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size))
-        hidden = self.draft.backbone(embeds, cos, sin, list(zip(self.keys, self.values)), None)
+        hidden = self.draft(embeds, cos, sin, list(zip(self.keys, self.values)), None)
         return self.draft.head_logits(hidden, self.lm_head)[0].float().cpu()
 
     def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
