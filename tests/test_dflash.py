@@ -217,15 +217,17 @@ def test_vectorised_forward_loss_and_grads_equal_the_reference(target, sample_fr
 def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_from_anchor):
     layout = BlockLayout(4, sample_from_anchor)
     generator = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, VOCAB, (3, 30), generator=generator)
-    loss_mask = (torch.rand(3, 30, generator=generator) > 0.5).long()
+    ids = torch.randint(0, VOCAB, (4, 30), generator=generator)
+    loss_mask = (torch.rand(4, 30, generator=generator) > 0.5).long()
     loss_mask[2] = 0
     loss_mask[2, 8] = 1  # one candidate only: anchor 7
+    loss_mask[3] = 0
+    loss_mask[3, 1] = 1  # would be anchor 0's first label: no context, so no candidate at all
     blocks = sample_training_blocks(ids, loss_mask, layout, max_anchors=6, seed=3)
     again = sample_training_blocks(ids, loss_mask, layout, max_anchors=6, seed=3)
     assert torch.equal(blocks.anchors, again.anchors)  # a pure function of the seed
     assert not torch.equal(blocks.anchors, sample_training_blocks(ids, loss_mask, layout, 6, seed=4).anchors)
-    for b in range(3):
+    for b in range(4):
         chosen = blocks.anchors[b][blocks.valid[b]].tolist()
         candidates = [a for a in range(1, 30 - layout.span) if loss_mask[b, a + 1]]
         assert len(set(chosen)) == len(chosen) == min(6, len(candidates))
@@ -235,6 +237,7 @@ def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_f
                 assert blocks.labels[b, i, j] == ids[b, a + 1 + j]
                 assert blocks.counted[b, i, j] == (bool(loss_mask[b, a + 1 + j]) and bool(blocks.valid[b, i]))
     assert blocks.anchors[2][blocks.valid[2]].tolist() == [7]
+    assert not blocks.valid[3].any() and not blocks.counted[3].any()
 
 
 def test_a_sequence_too_short_for_a_block_gives_a_zero_loss_with_a_graph(target):
