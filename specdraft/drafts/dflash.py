@@ -146,7 +146,8 @@ class BlockVisibility:
         """The rule, elementwise over broadcastable index tensors (also flex's mask_mod)."""
         block = q // self.block_size
         in_context = kv < self.context_len
-        before_anchor = kv < self.anchors[b, block]
+        # clamped: flex's kernel may evaluate indices past the end of a partial tile
+        before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]
         same_block = (kv - self.context_len) // self.block_size == block
         return torch.where(in_context, before_anchor, same_block)
 
