@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash_reference as reference
-from specdraft.config import DraftConfig
+from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash import (BlockLayout, BlockVisibility, DFlashDraft, default_target_layers,
                                      loss_weights, sample_training_blocks)
 from specdraft.drafts.dflash_decode import DFlashDrafter

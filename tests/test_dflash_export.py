@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdraft.config import DraftConfig
+from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash import DFlashDraft
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.errors import SpecdraftError

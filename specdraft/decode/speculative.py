@@ -4,13 +4,15 @@ One round, from x_n (sampled, not yet in the target's cache of positions 0..n-1)
     draft a chain / tree after x_n -> one target pass over [x_n, nodes...] at their positions
     -> accept a root-to-leaf path with the rejection rule, plus one target token
     -> keep the cache entries of x_n and the accepted path (rejected ones are dropped)
+    -> a drafter with `target_layers` gets the target's hidden states of those kept entries
+       (observe_target), as it got the prompt's after the prefill
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -20,6 +22,7 @@ from specdraft.decode.drafters import Drafter
 from specdraft.decode.sampling import probabilities, sample
 from specdraft.decode.tree import accept_path, verification_inputs
 from specdraft.errors import SpecdraftError
+from specdraft.target.capture import record_layer_inputs
 
 
 @dataclass
@@ -68,10 +71,13 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
     t0 = time.perf_counter()
     prompt = _prompt_tensor(prompt_ids)
     cache = new_cache(target)
-    logits = forward(target, cache, prompt, torch.arange(len(prompt)))
+    layers = tuple(drafter.target_layers)
+    logits, hidden = _observed_forward(target, cache, layers, prompt, torch.arange(len(prompt)))
     first, _ = sample(logits[-1], temperature, generator)
     tokens = torch.cat([prompt, torch.tensor([first])])
     drafter.start()
+    if layers:
+        drafter.observe_target(hidden, 0)
     result = Generation(tokens=[], seconds=0.0)
     while not _finished(tokens[len(prompt):].tolist(), max_new_tokens, stop):
         n = cache_length(cache)  # tokens[n] is this round's root
@@ -80,16 +86,29 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
         else:
             draft = drafter.propose_tree(tokens, cache, tree)
         ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n)
-        target_probs = probabilities(forward(target, cache, ids, positions, visible), temperature)
-        path, next_token = accept_path(draft, target_probs, generator)
-        keep_positions(cache, torch.cat([torch.arange(n + 1), n + 1 + torch.tensor(path, dtype=torch.long)]))
+        logits, hidden = _observed_forward(target, cache, layers, ids, positions, visible)
+        path, next_token = accept_path(draft, probabilities(logits, temperature), generator)
+        kept = torch.tensor([0] + [1 + node for node in path], dtype=torch.long)  # rows of this pass
+        keep_positions(cache, torch.cat([torch.arange(n), n + kept]))
         drafter.rollback(cache_length(cache))
+        if layers:  # the kept rows are now positions n .. n + len(path)
+            drafter.observe_target({layer: h[kept] for layer, h in hidden.items()}, n)
         tokens = torch.cat([tokens, draft.tokens[path], torch.tensor([next_token])])
         result.accepted.append(len(path))
         result.drafted.append(len(draft))
     result.tokens = _cut(tokens[len(prompt):].tolist(), max_new_tokens, stop)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _observed_forward(target: nn.Module, cache, layers: Tuple[int, ...], ids, positions, visible=None):
+    """forward() that also returns the hidden states entering `layers` ({id: (T, H)}, vLLM's
+    numbering, as capture() records them) for drafters that read the target's states."""
+    if not layers:
+        return forward(target, cache, ids, positions, visible), {}
+    with record_layer_inputs(target.model, layers) as recorded:
+        logits = forward(target, cache, ids, positions, visible)
+    return logits, {layer: recorded[layer][0] for layer in layers}
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ plus one line in FAMILIES. The `draft:` config section is the union of every fam
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Dict, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
@@ -23,13 +24,15 @@ def _draft_config_schema() -> type:
     """The `draft:` section: `type` plus every family's keys (flat; a key two families share must
     have one default)."""
     fields: Dict[str, dataclasses.Field] = {}
+    types: Dict[str, Any] = {}
     for cls in FAMILIES.values():
+        hints = typing.get_type_hints(cls.options)  # real types: the modules use string annotations
         for f in dataclasses.fields(cls.options):
             if f.name in fields and _default(fields[f.name]) != _default(f):
                 raise TypeError(f"draft key {f.name!r} has two defaults")
-            fields[f.name] = f
+            fields[f.name], types[f.name] = f, hints[f.name]
     spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY))]
-    spec += [(name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
+    spec += [(name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
              for name, f in fields.items()]
     return dataclasses.make_dataclass("DraftConfig", spec)
 

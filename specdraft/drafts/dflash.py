@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.base import Draft, DraftLoss
-from specdraft.drafts.glide import RMSNorm, apply_rope
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
+from specdraft.drafts.layers import RMSNorm, apply_rope
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.errors import SpecdraftError
-from specdraft.target.capture import CaptureRequest, TargetFeatures
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 
@@ -504,7 +504,5 @@ class DFlashDraft(Draft):
 
     # -- decoding ---------------------------------------------------------------------------------
 
-    def make_drafter(self, target):
-        from specdraft.drafts.dflash_decode import DFlashDrafter
-
+    def make_drafter(self, target) -> DFlashDrafter:
         return DFlashDrafter(self, target)
