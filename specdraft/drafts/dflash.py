@@ -435,10 +435,12 @@ class DFlashDraft(Draft):
         mask = (mask_embed.to(self.mask_delta.dtype) + self.mask_delta).expand(B, A, self.layout.block_size - 1, H)
         return torch.cat([anchor_embeds.to(self.mask_delta.dtype)[:, :, None], mask], dim=2).view(B, -1, H)
 
-    def forward(self, block_embeds, cos, sin, context_kv, visibility: Optional[BlockVisibility]):
-        """The backbone: block_embeds (B, Q, H) at rotary tables cos/sin (B, Q, D), the context's
-        per-layer (K, V) -> block hidden states (B, Q, H). One call = one draft forward pass."""
-        x = block_embeds
+    def forward(self, anchor_embeds, mask_embed, cos, sin, context_kv, visibility: Optional[BlockVisibility]):
+        """The backbone: blocks [anchor, MASK...] (anchor_embeds (B, A, H); mask_embed (H,), the
+        target's row of mask_token_id) at rotary tables cos/sin (B, A*S, D), the context's per-layer
+        (K, V) -> block hidden states (B, A*S, H). One call = one draft forward pass; mask_delta is
+        read here, inside the module call, so that ZeRO-3 has gathered it."""
+        x = self.block_embeddings(anchor_embeds, mask_embed)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
             x = layer(x, cos, sin, context_k, context_v, visibility)
@@ -464,11 +466,11 @@ class DFlashDraft(Draft):
         context_kv = self.context_keys_values(context, features.cos, features.sin)
         anchor_embeds = features.input_embeds.gather(
             1, blocks.anchors[..., None].expand(B, A, features.input_embeds.shape[-1]))
-        embeds = self.block_embeddings(anchor_embeds, features.token_embeds[0])
         positions = blocks.positions.flatten(1)  # (B, A*S), all < T by the anchor range
         index = positions[..., None].expand(B, positions.shape[1], features.cos.shape[-1])
         cos, sin = features.cos.gather(1, index), features.sin.gather(1, index)
-        hidden = self(embeds, cos, sin, context_kv, BlockVisibility(blocks.anchors, T, self.layout.block_size))
+        hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
+                      BlockVisibility(blocks.anchors, T, self.layout.block_size))
         return hidden.view(B, A, self.layout.block_size, -1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,

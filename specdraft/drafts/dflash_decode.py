@@ -81,9 +81,9 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
                                f"the decoding loop must pass the target's hidden states to observe_target()")
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
-        embeds = self.draft.block_embeddings(anchor.to(self.device, self.dtype), self.mask_embed)  # (1, S, H)
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size))
-        hidden = self.draft(embeds, cos, sin, list(zip(self.keys, self.values)), None)
+        hidden = self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
+                            list(zip(self.keys, self.values)), None)  # (1, S, H)
         return self.draft.head_logits(hidden, self.lm_head)[0].float().cpu()
 
     def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
