@@ -41,6 +41,9 @@ def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data
     assert [r["step"] for r in rows if "eval/tau" in r] == [15, 30]
     assert all(1.0 <= r["eval/tau"] <= 5.0 for r in rows if "eval/tau" in r)  # gamma 4
 
+    served = json.loads((result.export_dir / "speculators" / "config.json").read_text())
+    assert served["speculators_model_type"] == "dflash" and served["block_size"] == 4
+    assert (result.export_dir / "speculators" / "model.safetensors").is_file()
     draft, config = load_exported_draft(result.export_dir)
     assert isinstance(draft, DFlashDraft) and config["architecture"] == "DFlashDraft"
     assert draft.dims.target_layers == [1, 2] and draft.dims.block_size == 4  # tiny target: 2 layers
@@ -49,11 +52,14 @@ def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data
         assert report["matches_target"] is True and report["tau"] >= 1.0
 
 
-def test_dflash_stage3_trains_and_measures_tau(tiny_target_dir, tiny_data, data_dir, tmp_path):
-    run(tiny_target_dir, data_dir, tmp_path, "z3", zero_stage=3, max_steps=2, save_steps=2, eval_steps=2,
-        eval_prompts=tiny_data.prompts_file)
+def test_dflash_stage3_trains_its_mask_row_and_measures_tau(tiny_target_dir, tiny_data, data_dir, tmp_path):
+    result = run(tiny_target_dir, data_dir, tmp_path, "z3", zero_stage=3, max_steps=4, save_steps=4, eval_steps=4,
+                 eval_prompts=tiny_data.prompts_file, **{"draft.train_mask_embedding": True})
     rows = [json.loads(line) for line in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval/tau" in r] == [2]
+    assert [r["step"] for r in rows if "eval/tau" in r] == [4]
+    draft, _ = load_exported_draft(result.export_dir)
+    assert draft.mask_delta.abs().sum() > 0  # the MASK row trained (ZeRO-3 gathered it)
+    assert not (result.export_dir / "speculators").exists()  # speculators cannot carry it
 
 
 def test_a_bad_dflash_key_stops_before_anything_is_written(tiny_target_dir, data_dir, tmp_path):

@@ -317,6 +317,8 @@ class DFlashDraft(Draft):
         # The draft's own MASK row, added to the target's embedding of mask_token_id. Zero and
         # frozen by default: then MASK is embedded exactly as speculators / vLLM embed it.
         self.mask_delta = nn.Parameter(torch.zeros(dims.hidden_size), requires_grad=dims.train_mask_embedding)
+        if dims.train_mask_embedding:  # speculators cannot carry a trained MASK row: native export only
+            self.serving_formats = {}
         self._init_weights()
 
     def _init_weights(self) -> None:
