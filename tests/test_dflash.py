@@ -245,6 +245,7 @@ def test_a_sequence_too_short_for_a_block_gives_a_zero_loss_with_a_graph(target)
     ids = torch.randint(0, VOCAB, (1, 4))
     out = draft.training_loss(features(target, draft, ids), target.lm_head.weight, ids, torch.ones_like(ids), 8)
     assert float(out.loss.detach()) == 0.0 and int(out.tokens) == 0
+    assert set(out.metrics) == {f"block_{j}/{name}" for j in (1, 2, 3) for name in ("loss", "accuracy")}
     out.loss.backward()
 
 
@@ -334,3 +335,31 @@ def test_one_block_gives_the_chain_and_the_tree(target, sample_from_anchor):
         assert float(tree.scores[node]) == pytest.approx(expected, abs=1e-5)
     chain_tree = drafter.propose_tree(ids[0, :n + 1], _Cache(n), widths=[1] * 10)
     assert chain_tree.is_chain and chain_tree.tokens.tolist() == slots.argmax(-1).tolist()
+
+
+def test_training_loss_runs_on_a_second_device(target):
+    """meta stands in for a GPU: a tensor made on the CPU on the training path would raise here."""
+    import torch.fx.experimental._config as fx_config
+
+    from specdraft.train.model import TargetWithDraft
+
+    meta = torch.device("meta")
+    draft = make_draft(target).to(meta)
+    model = TargetWithDraft(copy_to(target, meta), draft, loss_chunk_size=16)
+    ids = torch.zeros(2, T, dtype=torch.long, device=meta)
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
+    saved, fx_config.meta_nonzero_assume_all_nonzero = fx_config.meta_nonzero_assume_all_nonzero, True
+    try:  # boolean-mask selection on meta (data-dependent size) as if every entry were True
+        out = model(ids, torch.ones_like(ids), **options)
+        out.loss.backward()
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = saved
+    assert out.loss.device == meta and out.tokens.device == meta and out.correct.device == meta
+    assert all(num.device == meta and den.device == meta for num, den in out.metrics.values())
+    assert all(p.grad is not None and p.grad.device == meta for p in draft.parameters() if p.requires_grad)
+
+
+def copy_to(model, device):
+    import copy
+
+    return copy.deepcopy(model).to(device)

@@ -479,9 +479,10 @@ class DFlashDraft(Draft):
                       chunk_size: int, anchor_seed: int = 0, **_) -> DraftLoss:
         blocks = self.training_blocks(input_ids, loss_mask, anchor_seed)
         if blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
-            zero = self.fc.weight.sum() * 0.0
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
-            return DraftLoss(loss=zero, tokens=none, correct=none.clone(), metrics={})
+            metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
+                       for name in ("loss", "accuracy")}  # the same names as every other batch
+            return DraftLoss(loss=self.fc.weight.sum() * 0.0, tokens=none, correct=none.clone(), metrics=metrics)
         hidden = self.training_hidden(features, blocks)
         return self.block_loss(hidden, blocks, lm_head_weight, chunk_size)
 
