@@ -1,5 +1,5 @@
 """Acceptance under sampling: one GLIDE per training objective (distillation, issue 13), greedy and
-and sampled.
+sampled.
 
     python bench/acceptance.py                      # demo preset (builds it the first time)
     python bench/acceptance.py --preset tiny        # a quick run

@@ -4,13 +4,15 @@ One round, from x_n (sampled, not yet in the target's cache of positions 0..n-1)
     draft a chain / tree after x_n -> one target pass over [x_n, nodes...] at their positions
     -> accept a root-to-leaf path with the rejection rule, plus one target token
     -> keep the cache entries of x_n and the accepted path (rejected ones are dropped)
+    -> a drafter with `target_layers` gets the target's hidden states of those kept entries
+       (observe_target), as it got the prompt's after the prefill
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -86,7 +88,8 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
             draft = drafter.propose_tree(tokens, cache, tree)
         ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n)
         logits, hidden = forward_with_hidden(target, cache, ids, positions, visible, layers=layers)
-        path, next_token = accept_path(draft, probabilities(logits, temperature), generator)
+        target_probs = probabilities(logits, temperature)
+        path, next_token = accept_path(draft, target_probs, generator)
         kept = torch.tensor([0] + [1 + node for node in path], dtype=torch.long)  # rows: root, accepted path
         keep_positions(cache, torch.cat([torch.arange(n), n + kept]))
         drafter.rollback(cache_length(cache))

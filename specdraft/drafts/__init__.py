@@ -11,11 +11,12 @@ import typing
 from typing import Any, Dict, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.dflash import DFlashDraft
 from specdraft.drafts.eagle3 import Eagle3Draft
 from specdraft.drafts.glide import GlideDraft
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft)}
+FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
 
@@ -31,7 +32,7 @@ def _draft_config_schema() -> type:
             types[f.name] = hints[f.name]
             if f.name in fields and _default(fields[f.name]) != _default(f):
                 raise TypeError(f"draft key {f.name!r} has two defaults")
-            fields[f.name] = f
+            fields[f.name], types[f.name] = f, hints[f.name]
     spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY))]
     spec += [(name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
              for name, f in fields.items()]

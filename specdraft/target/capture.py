@@ -31,11 +31,13 @@ class CaptureRequest:
     layers: Tuple[int, ...] = ()  # hidden states at the input of these decoder layers
     last_layer_kv: bool = False  # the last decoder layer's K/V, RoPE applied
     final_hidden: bool = False  # final-norm output: what the target's lm_head reads
+    token_embeddings: Tuple[int, ...] = ()  # input embeddings of these token ids (DFlash's MASK)
 
     def merged(self, other: "CaptureRequest") -> "CaptureRequest":
         return CaptureRequest(layers=tuple(sorted(set(self.layers) | set(other.layers))),
                               last_layer_kv=self.last_layer_kv or other.last_layer_kv,
-                              final_hidden=self.final_hidden or other.final_hidden)
+                              final_hidden=self.final_hidden or other.final_hidden,
+                              token_embeddings=tuple(dict.fromkeys(self.token_embeddings + other.token_embeddings)))
 
     def needs_whole_stack(self, num_layers: int) -> bool:
         """The final norm's input or output is asked for: every layer runs to its end."""
@@ -53,6 +55,7 @@ class TargetFeatures:
     last_keys: Optional[torch.Tensor] = None  # (B, KV, T, D) last layer's keys, RoPE applied
     last_values: Optional[torch.Tensor] = None  # (B, KV, T, D)
     final_hidden: Optional[torch.Tensor] = None  # (B, T, H) after the final norm
+    token_embeds: Optional[torch.Tensor] = None  # (N, H) embeddings of request.token_embeddings
 
 
 class _DeepEnough(Exception):
@@ -153,6 +156,9 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
     features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={})
+    if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
+        ids = torch.tensor(request.token_embeddings, dtype=torch.long, device=input_ids.device)
+        features.token_embeds = base_model.embed_tokens(ids)
     if not request.layers and not whole and not request.last_layer_kv:
         return features
     if attention_mask is None:

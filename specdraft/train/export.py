@@ -5,6 +5,8 @@ step_<N>/
   model.safetensors          the same tensors
   config.json                what rebuilds the draft: architecture, dims, target path + hash
   target_heads.safetensors   (optional) the target's embed_tokens / lm_head, for a standalone draft
+  <format>/                  the draft in a serving engine's own format (the family's
+                             serving_formats, e.g. speculators/ for vLLM)
   tokenizer files, training_config.yaml
   <format>/                  each serving format of the draft's family (e.g. speculators/, sglang/):
                              the files that engine loads (config.json + model.safetensors)
@@ -87,6 +89,8 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
     if target_heads is not None:
         save_file({k: v.contiguous().clone() for k, v in target_heads.items()}, str(tmp / TARGET_HEADS_NAME))
+    for name, writer in draft.serving_formats.items():  # e.g. speculators/ for vLLM
+        writer(draft, tensors, tmp / name, os.path.abspath(cfg.target))
     description = dict(draft.export_config(), specdraft_version=__version__,
                        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
                        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))

@@ -1,0 +1,513 @@
+"""DFlash: a block drafter. One forward pass drafts a whole block of tokens.
+
+    ctx    = hidden_norm(fc(cat(target hidden states of draft.target_layers)))     (B, T, H)
+    block  = [anchor token, MASK x (S - 1)] at positions a .. a + S - 1            S = block_size
+    x      = embeddings of the block: the anchor's is the target's; MASK's is the target's row of
+             mask_token_id (+ the draft's own row `mask_delta`, trained iff train_mask_embedding)
+    num_layers target-shaped layers (Qwen3-style: per-head q/k norms), each:
+        keys/values = cat(k/v_proj(ctx at positions < a), k/v_proj(norm(x)))   every layer reads ctx
+        x = x + Attn(norm(x))                     bidirectional inside the block
+        x = x + MLP(norm(x))
+    hidden = norm(x)                              the backbone's output: block hidden states
+    logits = head(hidden)                         DFlash has no head: the target's lm_head
+
+The block layout is speculators' `sample_from_anchor`:
+    False  the anchor is the bonus token; slot s >= 1 predicts the token at a + s (S - 1 tokens)
+    True   every slot predicts: slot s predicts the token at a + s + 1            (S tokens)
+Training samples up to max_anchors anchors per sequence and runs all their blocks in one pass;
+the j-th predicted token of a block (the token at a + 1 + j) weighs exp(-j / gamma) in the CE.
+At inference the anchor is the last verified token x_n and the context every position < n.
+
+The seam for the families built on DFlash (DSpark, Domino, ...): `forward()`, the backbone, gives
+block hidden states; `head_logits()` turns them into logits (a subclass adds its head there); the
+layout is the `BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
+dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU); both are made from
+the one rule in `BlockVisibility.visible`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.dflash_decode import DFlashDrafter
+from specdraft.drafts.dflash_speculators import write_speculators_export
+from specdraft.drafts.layers import RMSNorm, apply_rope
+from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.errors import SpecdraftError
+
+DEFAULT_NUM_TARGET_LAYERS = 5
+
+
+@dataclass
+class DFlashOptions:
+    """The `draft.` keys DFlash reads."""
+
+    target_layers: Optional[List[int]] = None  # target layer ids read (input of layer i); None: 5 evenly spaced
+    num_layers: int = 5  # draft decoder layers, each shaped like a target layer
+    block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
+    sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
+    loss_decay_gamma: float = 4.0  # the j-th predicted token of a block weighs exp(-j / gamma)
+    max_anchors: int = 512  # blocks trained per sequence
+    mask_token_id: Optional[int] = None  # target token whose embedding is MASK; None: the last id
+    train_mask_embedding: bool = False  # train the draft's own MASK row (then native export only)
+
+
+def default_target_layers(num_target_layers: int, count: int = DEFAULT_NUM_TARGET_LAYERS) -> List[int]:
+    """Evenly spaced layer ids (input-of-layer convention, as speculators/vLLM write them).
+
+    DFlash's reference picks outputs of layers 1 .. L-3, i.e. inputs of 2 .. L-2; a target too
+    shallow for that spreads over 1 .. L (id L: the last layer's output).
+    """
+    start, end = 2, num_target_layers - 2
+    if end - start + 1 < count:
+        start, end = 1, num_target_layers
+    count = min(count, end - start + 1)
+    if count == 1:
+        return [(start + end) // 2]
+    return [int(round(start + i * (end - start) / (count - 1))) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Which slot of a block predicts which token (speculators' `sample_from_anchor`)."""
+
+    block_size: int  # slots per block, the anchor's included
+    sample_from_anchor: bool  # does the anchor slot predict (the token after the anchor)?
+
+    @property
+    def first_slot(self) -> int:  # the slot predicting the token at anchor + 1
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def predictions(self) -> int:  # tokens one block drafts
+        return self.block_size - self.first_slot
+
+    @property
+    def span(self) -> int:  # offset of the last predicted token from the anchor
+        return self.predictions
+
+
+@dataclass
+class DFlashDims:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    vocab_size: int
+    target_hidden_size: int
+    target_layers: List[int]
+    num_layers: int = 5
+    block_size: int = 8
+    sample_from_anchor: bool = False
+    mask_token_id: int = 0
+    train_mask_embedding: bool = False
+    loss_decay_gamma: float = 4.0
+    max_anchors: int = 512
+    initializer_range: float = 0.02
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.block_size, self.sample_from_anchor)
+
+
+# -- which keys a block query sees ---------------------------------------------------------------
+
+@dataclass
+class BlockVisibility:
+    """Training-time attention of A blocks per row over [context (T) | all blocks (A * S)].
+
+    A query of block j (anchor a_j) sees context position t iff t < a_j, and every slot of its
+    own block (bidirectional); nothing of other blocks, nothing at or after its anchor in the
+    context — the anchor token itself enters only through the block's first slot.
+    """
+
+    anchors: torch.Tensor  # (B, A) anchor position of each block
+    context_len: int  # T
+    block_size: int  # S
+    _block_mask: Any = field(default=None, repr=False)
+
+    @property
+    def query_len(self) -> int:
+        return self.anchors.shape[1] * self.block_size
+
+    def visible(self, b, q, kv):
+        """The rule, elementwise over broadcastable index tensors (also flex's mask_mod)."""
+        block = q // self.block_size
+        in_context = kv < self.context_len
+        # clamped: flex's kernel may evaluate indices past the end of a partial tile
+        before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]
+        same_block = (kv - self.context_len) // self.block_size == block
+        return torch.where(in_context, before_anchor, same_block)
+
+    def dense(self) -> torch.Tensor:
+        """(B, 1, A*S, T + A*S) bool, for scaled_dot_product_attention."""
+        device = self.anchors.device
+        b = torch.arange(self.anchors.shape[0], device=device)[:, None, None]
+        q = torch.arange(self.query_len, device=device)[None, :, None]
+        kv = torch.arange(self.context_len + self.query_len, device=device)[None, None, :]
+        return self.visible(b, q, kv)[:, None]
+
+    def block_mask(self):
+        """The same rule as a flex_attention BlockMask (sparse: built once, shared by layers)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            self._block_mask = create_block_mask(
+                lambda b, h, q, kv: self.visible(b, q, kv), self.anchors.shape[0], None,
+                self.query_len, self.context_len + self.query_len, device=self.anchors.device)
+        return self._block_mask
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # flex_attention is only block-sparse (and memory-bounded) when compiled
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def block_attention(q, k, v, visibility: Optional[BlockVisibility]) -> torch.Tensor:
+    """q (B, Hq, Q, D), k/v (B, Hkv, K, D) -> (B, Hq, Q, D). None: every key is visible."""
+    gqa = q.shape[1] != k.shape[1]
+    if visibility is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if q.device.type == "cuda":
+        return _compiled_flex_attention()(q, k, v, block_mask=visibility.block_mask(), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility.dense(), enable_gqa=gqa)
+
+
+# -- layers ----------------------------------------------------------------------------------------
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from the context and the block, one set of projections."""
+
+    def __init__(self, d: DFlashDims):
+        super().__init__()
+        self.d = d
+        self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.head_dim, bias=False)
+        self.k_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
+        self.v_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
+        self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, n*D) -> (B, n, T, D)
+        return x.view(*x.shape[:2], -1, self.d.head_dim).transpose(1, 2)
+
+    def keys_values(self, x, cos, sin) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, H) at rotary tables cos/sin (B, T, D) -> K (RoPE applied), V: (B, KV, T, D)."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x))), cos, sin)
+        return k, self._heads(self.v_proj(x))
+
+    def forward(self, x, cos, sin, context_k, context_v, visibility: Optional[BlockVisibility]):
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x))), cos, sin)  # (B, Hq, Q, D)
+        k, v = self.keys_values(x, cos, sin)
+        out = block_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
+                              visibility)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, d: DFlashDims):
+        super().__init__()
+        self.gate_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=False)
+        self.act = ACT2FN[d.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, d: DFlashDims):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.self_attn = DFlashAttention(d)
+        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.mlp = DFlashMLP(d)
+
+    def forward(self, x, cos, sin, context_k, context_v, visibility):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, visibility)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -- the blocks training builds -------------------------------------------------------------------
+
+@dataclass
+class TrainingBlocks:
+    """A anchors per row and what their blocks are trained to predict."""
+
+    anchors: torch.Tensor  # (B, A) long
+    valid: torch.Tensor  # (B, A) bool: False = padding (the row had fewer candidate anchors)
+    labels: torch.Tensor  # (B, A, P) the token at anchor + 1 + j
+    counted: torch.Tensor  # (B, A, P) bool: valid anchor and a loss-masked label
+
+    @property
+    def positions(self) -> torch.Tensor:  # (B, A, S) position of each block slot
+        return self.anchors[..., None] + torch.arange(self.block_size, device=self.anchors.device)
+
+    block_size: int = 0
+
+
+def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
+                           max_anchors: int, seed: int) -> TrainingBlocks:
+    """Anchors drawn uniformly without replacement among the candidates of each row.
+
+    A candidate anchor a has context (a >= 1), all its labels inside the row (a + span < T) and a
+    counted first label (loss_mask[a + 1]): the first prediction of a block is the token right
+    after the last verified one, as at inference. A is fixed by T (static shapes for the
+    compiled GPU path); rows with fewer candidates are padded with invalid anchors at position 1.
+    """
+    B, T = input_ids.shape
+    device = input_ids.device
+    last = T - 1 - layout.span  # the last anchor whose labels all fit
+    count = max(0, min(max_anchors, last))
+    candidate = torch.zeros(B, T, dtype=torch.bool, device=device)
+    if last >= 1:
+        candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()
+    # per-batch randomness from the loop's seed, drawn on the CPU: the same anchors on any device
+    scores = torch.rand((B, T), generator=torch.Generator().manual_seed(seed)).to(device)
+    scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
+    top, index = scores.topk(count, dim=1)
+    valid = top >= 0
+    anchors = torch.where(valid, index, torch.ones_like(index))
+    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles
+    valid = valid.gather(1, order)
+    label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
+    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
+    counted = loss_mask.gather(1, label_pos.flatten(1)).view_as(label_pos).bool() & valid[..., None]
+    return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size)
+
+
+def loss_weights(layout: BlockLayout, gamma: float, device=None) -> torch.Tensor:
+    """(P,) exp(-j / gamma) for the j-th predicted token (anchor + 1 + j) of a block."""
+    return torch.exp(-torch.arange(layout.predictions, dtype=torch.float32, device=device) / gamma)
+
+
+# -- the draft -------------------------------------------------------------------------------------
+
+class DFlashDraft(Draft):
+    family = "dflash"
+    architecture = "DFlashDraft"
+    options = DFlashOptions
+    serving_formats = {"speculators": write_speculators_export}
+
+    def __init__(self, dims: DFlashDims):
+        super().__init__()
+        self.dims = dims
+        self.layout = dims.layout
+        # speculators' names: the native state dict is the speculators export minus mask_delta
+        self.fc = nn.Linear(len(dims.target_layers) * dims.target_hidden_size, dims.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(dims) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        # The draft's own MASK row, added to the target's embedding of mask_token_id. Zero and
+        # frozen by default: then MASK is embedded exactly as speculators / vLLM embed it.
+        self.mask_delta = nn.Parameter(torch.zeros(dims.hidden_size), requires_grad=dims.train_mask_embedding)
+        if dims.train_mask_embedding:  # speculators cannot carry a trained MASK row: native export only
+            self.serving_formats = {}
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        generator = torch.Generator().manual_seed(0)  # same init on every rank, whatever the RNG
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator)
+                                        * self.dims.initializer_range)
+
+    # -- building ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _text_config(target_config):
+        return getattr(target_config, "text_config", None) or target_config
+
+    @classmethod
+    def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
+        layers = draft_cfg.target_layers
+        if layers is None:
+            return default_target_layers(cls._text_config(target_config).num_hidden_layers)
+        # concatenated in increasing id order, the order vLLM collects its aux hidden states in
+        return sorted(int(x) for x in layers)
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        def fail(key: str, why: str) -> None:
+            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+        layers = draft_cfg.target_layers
+        if layers is not None:
+            if len(layers) == 0:
+                fail("target_layers", "must name at least one target layer (or be null for the default)")
+            if len(set(layers)) != len(layers):
+                fail("target_layers", f"{list(layers)} repeats a layer")
+        if draft_cfg.num_layers < 1:
+            fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
+        smallest = 1 if draft_cfg.sample_from_anchor else 2
+        if draft_cfg.block_size < smallest:
+            fail("block_size", f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
+                               f"(a block must predict a token), got {draft_cfg.block_size}")
+        layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
+        if max_seq_length < layout.span + 2:
+            fail("block_size", f"a block spans {layout.span + 1} positions after its context; "
+                               f"max_seq_length {max_seq_length} leaves no room for one")
+        if not draft_cfg.loss_decay_gamma > 0:
+            fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
+        if draft_cfg.max_anchors < 1:
+            fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
+        if target_config is None:
+            return
+        text = cls._text_config(target_config)
+        num_target_layers = text.num_hidden_layers
+        bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
+        if bad:
+            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
+                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
+        mask_id = draft_cfg.mask_token_id
+        if mask_id is not None and not 0 <= mask_id < text.vocab_size:
+            fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
+        text = cls._text_config(target_config)
+        heads = text.num_attention_heads
+        mask_id = draft_cfg.mask_token_id
+        return cls(DFlashDims(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            vocab_size=text.vocab_size,
+            target_hidden_size=text.hidden_size,
+            target_layers=cls.resolved_target_layers(draft_cfg, target_config),
+            num_layers=int(draft_cfg.num_layers),
+            block_size=int(draft_cfg.block_size),
+            sample_from_anchor=bool(draft_cfg.sample_from_anchor),
+            # default: the last row of the embedding table (an unused / reserved id in Qwen and
+            # Llama-3 vocabularies); any id embeds exactly as speculators does
+            mask_token_id=int(text.vocab_size - 1 if mask_id is None else mask_id),
+            train_mask_embedding=bool(draft_cfg.train_mask_embedding),
+            loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
+            max_anchors=int(draft_cfg.max_anchors),
+            initializer_range=getattr(text, "initializer_range", 0.02),
+        ))
+
+    @classmethod
+    def from_export_config(cls, config: Dict[str, Any]) -> "DFlashDraft":
+        return cls(DFlashDims(**config["dims"]))
+
+    def export_config(self) -> Dict[str, Any]:
+        return {"architecture": self.architecture, "family": self.family, "dims": dict(self.dims.__dict__)}
+
+    def capture_request(self) -> CaptureRequest:
+        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),
+                              token_embeddings=(self.dims.mask_token_id,))
+
+    # -- the backbone: block embeddings + context -> block hidden states ---------------------------
+
+    def context(self, hidden: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target hidden states {layer id: (B, T, Ht)} -> the context every layer reads (B, T, H)."""
+        stacked = torch.cat([hidden[layer] for layer in self.dims.target_layers], dim=-1)
+        return self.hidden_norm(self.fc(stacked.to(self.fc.weight.dtype)))
+
+    def context_keys_values(self, context, cos, sin) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context's (K, V) (B, KV, T, D): computed once, read by every block."""
+        cos, sin = cos.to(context.dtype), sin.to(context.dtype)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self.layers]
+
+    def block_embeddings(self, anchor_embeds: torch.Tensor, mask_embed: torch.Tensor) -> torch.Tensor:
+        """anchor_embeds (B, A, H), the target's embedding of mask_token_id (H,) -> (B, A*S, H)."""
+        B, A, H = anchor_embeds.shape
+        mask = (mask_embed.to(self.mask_delta.dtype) + self.mask_delta).expand(B, A, self.layout.block_size - 1, H)
+        return torch.cat([anchor_embeds.to(self.mask_delta.dtype)[:, :, None], mask], dim=2).view(B, -1, H)
+
+    def forward(self, anchor_embeds, mask_embed, cos, sin, context_kv, visibility: Optional[BlockVisibility]):
+        """The backbone: blocks [anchor, MASK...] (anchor_embeds (B, A, H); mask_embed (H,), the
+        target's row of mask_token_id) at rotary tables cos/sin (B, A*S, D), the context's per-layer
+        (K, V) -> block hidden states (B, A*S, H). One call = one draft forward pass; mask_delta is
+        read here, inside the module call, so that ZeRO-3 has gathered it."""
+        x = self.block_embeddings(anchor_embeds, mask_embed)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer, (context_k, context_v) in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, context_k, context_v, visibility)
+        return self.norm(x)
+
+    def head_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The head seam: block hidden states -> logits. DFlash has no head: the target's lm_head."""
+        return hidden @ lm_head_weight.t().to(hidden.dtype)
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
+        return {"anchor_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
+
+    def training_blocks(self, input_ids, loss_mask, anchor_seed: int) -> TrainingBlocks:
+        return sample_training_blocks(input_ids, loss_mask, self.layout, self.dims.max_anchors, anchor_seed)
+
+    def training_hidden(self, features: TargetFeatures, blocks: TrainingBlocks) -> torch.Tensor:
+        """The vectorised training forward: every block of every row at once -> (B, A, S, H)."""
+        B, A = blocks.anchors.shape
+        T = features.input_embeds.shape[1]
+        context = self.context(features.hidden)
+        context_kv = self.context_keys_values(context, features.cos, features.sin)
+        anchor_embeds = features.input_embeds.gather(
+            1, blocks.anchors[..., None].expand(B, A, features.input_embeds.shape[-1]))
+        positions = blocks.positions.flatten(1)  # (B, A*S), all < T by the anchor range
+        index = positions[..., None].expand(B, positions.shape[1], features.cos.shape[-1])
+        cos, sin = features.cos.gather(1, index), features.sin.gather(1, index)
+        hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
+                      BlockVisibility(blocks.anchors, T, self.layout.block_size))
+        return hidden.view(B, A, self.layout.block_size, -1)
+
+    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
+                      chunk_size: int, anchor_seed: int = 0, **_) -> DraftLoss:
+        blocks = self.training_blocks(input_ids, loss_mask, anchor_seed)
+        if blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
+            none = torch.zeros((), dtype=torch.long, device=input_ids.device)
+            metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
+                       for name in ("loss", "accuracy")}  # the same names as every other batch
+            return DraftLoss(loss=self.fc.weight.sum() * 0.0, tokens=none, correct=none.clone(), metrics=metrics)
+        hidden = self.training_hidden(features, blocks)
+        return self.block_loss(hidden, blocks, lm_head_weight, chunk_size)
+
+    def block_loss(self, hidden, blocks: TrainingBlocks, lm_head_weight, chunk_size: int) -> DraftLoss:
+        """Weighted CE of each block's predictions: sum_j w_j * CE_j / counted tokens (speculators'
+        normalisation). hidden (B, A, S, H)."""
+        first = self.layout.first_slot
+        weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        tokens = torch.zeros((), dtype=torch.long, device=hidden.device)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for j in range(self.layout.predictions):
+            counted = blocks.counted[..., j]
+            ce_sum, hits = chunked_cross_entropy(hidden[:, :, first + j][counted], lm_head_weight,
+                                                 blocks.labels[..., j][counted], chunk_size)
+            hits = hits.to(hidden.device)
+            n = counted.sum()
+            total = total + float(weights[j]) * ce_sum
+            tokens, correct = tokens + n, correct + hits
+            metrics[f"block_{j + 1}/loss"] = (ce_sum.detach(), n)  # (numerator, denominator)
+            metrics[f"block_{j + 1}/accuracy"] = (hits, n)
+        return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
+
+    # -- decoding ---------------------------------------------------------------------------------
+
+    def make_drafter(self, target) -> DFlashDrafter:
+        return DFlashDrafter(self, target)

@@ -1,0 +1,70 @@
+"""A DFlash draft through the real trainer on one CPU rank: the loss falls, per-block metrics and the
+in-training tau are logged (ZeRO-2 and ZeRO-3), the export reloads and `specdraft eval` decodes
+with it losslessly.
+"""
+
+import json
+
+import pytest
+
+from helpers import run_overrides, write_chat_files
+from specdraft.config import load_config
+from specdraft.decode.evaluate import evaluate
+from specdraft.drafts.dflash import DFlashDraft
+from specdraft.drafts.io import load_exported_draft
+from specdraft.errors import SpecdraftError
+from specdraft.train.loop import train
+
+DFLASH = dict(**{"draft.type": "dflash", "draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    write_chat_files(path)
+    return path
+
+
+def run(target, data_dir, tmp_path, name, **extra):
+    overrides = run_overrides(target, data_dir, tmp_path / name, tmp_path / "cache", **{**DFLASH, **extra})
+    return train(load_config(None, overrides), log=lambda *a: None)
+
+
+def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data, data_dir, tmp_path):
+    result = run(tiny_target_dir, data_dir, tmp_path, "long", max_steps=30, save_steps=30, eval_steps=15,
+                 eval_prompts=tiny_data.prompts_file)
+    first, last = result.losses[0], sum(result.losses[-5:]) / 5
+    assert last < first - 0.5, result.losses
+    rows = [json.loads(line) for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert {"block_1/accuracy", "block_3/loss"} <= set(logged[-1]) and "block_4/loss" not in logged[-1]
+    assert [r["step"] for r in rows if "eval/tau" in r] == [15, 30]
+    assert all(1.0 <= r["eval/tau"] <= 5.0 for r in rows if "eval/tau" in r)  # gamma 4
+
+    served = json.loads((result.export_dir / "speculators" / "config.json").read_text())
+    assert served["speculators_model_type"] == "dflash" and served["block_size"] == 4
+    assert (result.export_dir / "speculators" / "model.safetensors").is_file()
+    draft, config = load_exported_draft(result.export_dir)
+    assert isinstance(draft, DFlashDraft) and config["architecture"] == "DFlashDraft"
+    assert draft.dims.target_layers == [1, 2] and draft.dims.block_size == 4  # tiny target: 2 layers
+    for shape in (dict(gamma=3), dict(tree=[2, 2, 2])):
+        report = evaluate(result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, **shape)
+        assert report["matches_target"] is True and report["tau"] >= 1.0
+
+
+def test_dflash_stage3_trains_its_mask_row_and_measures_tau(tiny_target_dir, tiny_data, data_dir, tmp_path):
+    result = run(tiny_target_dir, data_dir, tmp_path, "z3", zero_stage=3, max_steps=4, save_steps=4, eval_steps=4,
+                 eval_prompts=tiny_data.prompts_file, **{"draft.train_mask_embedding": True})
+    rows = [json.loads(line) for line in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/tau" in r] == [4]
+    draft, _ = load_exported_draft(result.export_dir)
+    assert draft.mask_delta.abs().sum() > 0  # the MASK row trained (ZeRO-3 gathered it)
+    assert not (result.export_dir / "speculators").exists()  # speculators cannot carry it
+
+
+def test_a_bad_dflash_key_stops_before_anything_is_written(tiny_target_dir, data_dir, tmp_path):
+    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "bad", tmp_path / "cache",
+                              **{**DFLASH, "draft.target_layers": "[1,9]"})
+    with pytest.raises(SpecdraftError, match="draft.target_layers"):
+        load_config(None, overrides)
+    assert not (tmp_path / "bad").exists()
