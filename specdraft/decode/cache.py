@@ -57,7 +57,8 @@ def crop(cache: DynamicCache, length: int) -> None:
 @torch.no_grad()
 def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
             visible: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Append ids (T,) at `positions` (T,) to the cache; return their logits (T, V).
+    """Append ids (T,) at `positions` (T,) to the cache; return their fp32 logits (T, V), on the
+    model's device (the sampler reads only the token it picks).
 
     visible (T, cache_length + T) bool replaces causal attention (tree passes); None = causal.
     transformers passes a 4D mask through unchanged, so it is given additive (0 / dtype min),
@@ -72,4 +73,4 @@ def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions:
     out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
                 attention_mask=mask,
                 past_key_values=cache, use_cache=True)
-    return out.logits[0].float().cpu()
+    return out.logits[0].float()

@@ -29,8 +29,19 @@ from specdraft.decode.tree import DraftTree, chain, empty_tree
 from specdraft.drafts.glide import GlideDraft, SlidingWindowCache
 
 
+UNTRAINED_DEPTH = 5  # chain length / tree depth of a drafter trained for no particular depth
+
+
 class Drafter(ABC):
     name = "drafter"
+    # How many tokens ahead the drafter's model was trained to propose; None: no training to
+    # follow (prompt lookup, the target itself)
+    trained_depth: Optional[int] = None
+
+    @property
+    def default_depth(self) -> int:
+        """The chain length and tree depth used when none is asked for."""
+        return self.trained_depth or UNTRAINED_DEPTH
 
     def start(self) -> None:
         """Reset per-sequence state."""
@@ -65,7 +76,7 @@ def grow_tree(root_logprobs: torch.Tensor, widths: Sequence[int], expand: Expand
     parents: List[int] = []
     cumulative: List[torch.Tensor] = []
     logprobs = root_logprobs[None]  # (rows, V), one row per frontier node
-    scores = torch.zeros(1)
+    scores = root_logprobs.new_zeros(1)
     frontier = [-1]  # node id of each row; the root is -1
     for d, width in enumerate(widths):
         total = (scores[:, None] + logprobs).flatten()
@@ -102,13 +113,14 @@ class GlideDrafter(Drafter):
 
     def __init__(self, draft: GlideDraft, target: nn.Module):
         self.draft = draft
+        self.trained_depth = draft.trained_depth
         self.embed_tokens = target.get_input_embeddings()
         self.rotary_emb = target.model.rotary_emb
         weight = next(draft.parameters())
         self.dtype, self.device = weight.dtype, weight.device
         # A copy, not a view: under ZeRO-3 the parameter's storage is released again after each
         # target forward, and this tensor is read outside any module call.
-        self.lm_head = target.get_output_embeddings().weight.detach().to(self.dtype, copy=True)
+        self.lm_head = target.get_output_embeddings().weight.detach().to(self.device, self.dtype, copy=True)
         self.start()
 
     def start(self) -> None:
@@ -131,7 +143,7 @@ class GlideDrafter(Drafter):
         keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
         hidden = self.draft(embeds, cos.to(self.dtype), sin.to(self.dtype), keys, values,
                             cross_limit, index, cache)
-        return self.draft.logits(hidden, self.lm_head).float().cpu()
+        return self.draft.logits(hidden, self.lm_head).float()
 
     def _catch_up(self, tokens: torch.Tensor, target_cache) -> torch.Tensor:
         """Feed the verified tokens the draft has not seen, up to and including x_n: -> (V,) logits."""

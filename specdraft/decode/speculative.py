@@ -55,16 +55,19 @@ def _cut(new_tokens: List[int], max_new_tokens: int, stop: frozenset) -> List[in
 
 @torch.no_grad()
 def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequence[int], *,
-                         max_new_tokens: int, gamma: int = 5, tree: Optional[Sequence[int]] = None,
+                         max_new_tokens: int, gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None,
                          temperature: float = 0.0, generator: Optional[torch.Generator] = None,
                          stop_tokens: Iterable[int] = ()) -> Generation:
-    """Generate with `drafter` proposing a chain of `gamma` tokens, or a tree of `tree` widths.
+    """Generate with `drafter` proposing a chain of `gamma` tokens (default: the depth it was
+    trained for), or a tree of `tree` widths.
 
     Lossless: greedy output equals the target's greedy decoding; sampled output follows the
     target's distribution. Every round is verified in full (the last one may pass
     max_new_tokens; its extra tokens are cut from `tokens` but counted in the statistics).
     """
     stop = frozenset(stop_tokens)
+    gamma = drafter.default_depth if gamma is None else gamma
+    device = next(target.parameters()).device
     t0 = time.perf_counter()
     prompt = _prompt_tensor(prompt_ids)
     cache = new_cache(target)
@@ -79,7 +82,7 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
             draft = drafter.propose_chain(tokens, cache, gamma, temperature, generator)
         else:
             draft = drafter.propose_tree(tokens, cache, tree)
-        ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n)
+        ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n, device)
         target_probs = probabilities(forward(target, cache, ids, positions, visible), temperature)
         path, next_token = accept_path(draft, target_probs, generator)
         keep_positions(cache, torch.cat([torch.arange(n + 1), n + 1 + torch.tensor(path, dtype=torch.long)]))

@@ -46,6 +46,12 @@ class Draft(nn.Module, ABC):
                       **options) -> "DraftLoss":
         """Loss of the draft's next-token predictions on the loss-masked tokens."""
 
+    @property
+    @abstractmethod
+    def trained_depth(self) -> int:
+        """How many tokens ahead the draft was trained to propose: the default chain length and
+        tree depth at inference (deeper positions run where training never went)."""
+
     @abstractmethod
     def export_config(self) -> Dict[str, Any]:
         """The JSON-able description written next to exported weights (rebuilds the draft)."""
@@ -54,5 +60,7 @@ class Draft(nn.Module, ABC):
 @dataclass
 class DraftLoss:
     loss: torch.Tensor  # mean CE over counted tokens (what backward sees)
-    tokens: int  # how many tokens the loss counted
-    correct: int  # top-1 hits among them (the draft's greedy acceptance proxy)
+    # 0-dim long tensors on the loss's device: reading them is a host sync, which the loop does
+    # once per logging interval, not per micro-batch
+    tokens: torch.Tensor  # how many tokens the loss counted
+    correct: torch.Tensor  # top-1 hits among them (the draft's greedy acceptance proxy)

@@ -143,7 +143,7 @@ class GlideCrossAttention(nn.Module):
         S = target_keys.shape[2]
         visible = torch.arange(S, device=x.device)[None, :] <= limit[:, None]  # (T, S)
         has_context = visible.any(dim=1)
-        visible[~has_context, 0] = True  # keep softmax finite; these rows are zeroed below
+        visible[:, 0] |= ~has_context  # keep softmax finite; these rows are zeroed below
         out = _attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)
         out = out * has_context[None, None, :, None].to(out.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -213,6 +213,12 @@ class GlideDraft(Draft):
     def export_config(self) -> Dict[str, Any]:
         return {"architecture": self.architecture, "dims": dict(self.dims.__dict__)}
 
+    @property
+    def trained_depth(self) -> int:
+        # drafting token j after the last verified one reads the target at lag j; training drew
+        # lags in [1, max_lag]
+        return self.dims.max_lag
+
     # -- the layer -------------------------------------------------------------------------
 
     def forward(self, input_embeds, cos, sin, target_keys, target_values, cross_limit, index,
@@ -251,8 +257,8 @@ class GlideDraft(Draft):
         predictions = hidden[:, :-1][counted]
         labels = input_ids[:, 1:][counted]
         total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)
-        tokens = int(labels.numel())
-        return DraftLoss(loss=total / max(tokens, 1), tokens=tokens, correct=int(correct))
+        tokens = counted.sum()  # on the device: no host sync per micro-batch
+        return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct)
 
 
 def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,

@@ -17,7 +17,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_size):
         # hidden (N, H), weight (V, H) frozen, labels (N,) -> summed loss (scalar, fp32)
         total = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.zeros((), dtype=torch.long)
+        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
@@ -28,7 +28,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             correct += (logits.argmax(dim=-1) == y).sum()
             if grad_hidden is not None:
                 probs = torch.exp(logits - log_z[:, None])
-                probs[torch.arange(len(y)), y] -= 1.0  # softmax - onehot
+                probs[torch.arange(len(y), device=probs.device), y] -= 1.0  # softmax - onehot
                 grad_hidden[start:start + chunk_size] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -44,5 +44,5 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           chunk_size: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sum over rows of CE(hidden @ weight.T, labels), top-1 hits); weight is a constant."""
     if hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
-        return hidden.sum() * 0.0, torch.zeros((), dtype=torch.long)
+        return hidden.sum() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size)

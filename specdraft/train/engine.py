@@ -28,14 +28,19 @@ def init_distributed() -> Tuple[int, int]:
     if "RANK" not in os.environ:  # plain `python -m specdraft`: a world of one, no MPI discovery
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if get_accelerator().device_name() == "cpu":
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
         # DeepSpeed's shared-memory allreduce compiles a C++ op for ~40 s on first use; gloo alone
         # is plenty for a draft's gradients on CPU.
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__ = {}
+    else:
+        # Before any collective: NCCL runs on the current device, and ranks all left on device 0
+        # would collide there (the engine sets it too, but data preparation comes first).
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         # One group per process: DeepSpeed caches its groups, so a destroyed group cannot be
         # re-created in the same process. It is torn down once, at exit.
         atexit.register(close_distributed)
@@ -107,33 +112,6 @@ def draft_parameter_count(model: TargetWithDraft) -> int:
 
 def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (failures surface everywhere, no hang)."""
-    import torch.distributed as dist
-
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value)
-    return bool(value.item())
-
-
-def broadcast_error(check, rank: int):
-    """Run `check` on rank 0 only; its result, or its SpecdraftError, reaches every rank."""
-    import torch.distributed as dist
-
-    from specdraft.errors import SpecdraftError
-
-    box = [None, None]
-    if rank == 0:
-        try:
-            box[0] = check()
-        except SpecdraftError as err:
-            box[1] = str(err)
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise SpecdraftError(box[1])
-    return box[0]
 
 
 def gathered(params: list):

@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
-from specdraft.train.engine import any_rank, build_engine, draft_parameter_count, gathered, init_distributed
+from specdraft.train.collectives import all_reduce, any_rank
+from specdraft.train.engine import build_engine, draft_parameter_count, gathered, init_distributed
 from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -40,7 +41,7 @@ class TrainState:
 @dataclass
 class TrainResult:
     steps: int
-    losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks
+    losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks (read at log time)
     tokens_per_second: float = 0.0
     export_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
@@ -52,7 +53,6 @@ def train(cfg: DictConfig, log=print) -> TrainResult:
 
 
 def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
-    import torch.distributed as dist
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -102,14 +102,14 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             state.samples_seen += cfg.per_device_batch_size * world_size
             state.tokens_seen += batch["input_ids"].numel() * world_size
         state.step += 1
-        step_loss = window.reduce_step(dist)
-        result.losses.append(step_loss)
+        window.end_step()
         progress.update(1)
         last = state.step == total_steps
 
         if state.step % cfg.logging_steps == 0 or last:
             elapsed = time.perf_counter() - started
-            values = window.reduce_log(dist)
+            step_losses, values = window.reduce()  # the loop's one host sync per log interval
+            result.losses.extend(step_losses)
             values.update(lr=engine.get_lr()[0], tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
                           samples_seen=state.samples_seen)
             metrics.log(state.step, values)
@@ -158,7 +158,6 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
 # -- helpers -----------------------------------------------------------------------------------
 
 EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
-EVAL_GAMMA = 4  # chain length: the lags GLIDE was trained on
 EVAL_NEW_TOKENS = 32
 
 
@@ -171,17 +170,19 @@ def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
 
 
 def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
-    """Greedy chain tau of the current draft on held-out prompts, logged beside the loss.
+    """Greedy chain tau of the current draft on held-out prompts (chain length: the depth it was
+    trained for), logged beside the loss.
 
-    Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 the decoding loop's
-    order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
-    parameters are gathered for the measurement instead (the full target, transiently, on each rank).
+    Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 only the draft and the
+    lm_head it reads as a tensor are gathered for the whole measurement; the target's layers are
+    gathered one module at a time by ZeRO-3's own hooks as decoding calls them, so no rank ever
+    holds the whole target.
     """
     from specdraft.decode.evaluate import measure_tau
 
     module = engine.module
-    with gathered(list(module.parameters())):
-        stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
+    with gathered(module.decoding_parameters()):
+        stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts,
                             max_new_tokens=EVAL_NEW_TOKENS)
     values = {"eval/tau": stats["tau"]}
     values.update({f"eval/accept_{i + 1}": a for i, a in enumerate(stats.get("acceptance_per_position", []))})
@@ -232,30 +233,30 @@ def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, 
 
 
 class LossWindow:
-    """Token-weighted loss / accuracy sums, reduced across ranks per step and per log window."""
+    """Token-weighted loss / accuracy sums, kept on the device as they come and reduced across
+    ranks once per logging interval: one all-reduce and one host read per log, none per
+    micro-batch (reading a CUDA value stalls the host until the GPU catches up)."""
 
     def __init__(self):
-        self.step_sum = self.step_tokens = 0.0
-        self.log_sum = self.log_tokens = self.log_correct = 0.0
+        self._open: Optional[torch.Tensor] = None  # (3,) float64: loss sum, tokens, correct of this step
+        self._steps: List[torch.Tensor] = []  # one (3,) per optimizer step since the last reduce
 
     def add(self, out: DraftLoss) -> None:
-        self.step_sum += float(out.loss.detach()) * out.tokens
-        self.step_tokens += out.tokens
-        self.log_correct += out.correct
+        tokens = out.tokens.double()
+        sums = torch.stack([out.loss.detach().double() * tokens, tokens, out.correct.double()])
+        self._open = sums if self._open is None else self._open + sums
 
-    def reduce_step(self, dist) -> float:
-        totals = torch.tensor([self.step_sum, self.step_tokens], dtype=torch.float64)
-        dist.all_reduce(totals)
-        self.log_sum += float(totals[0])
-        self.log_tokens += float(totals[1])
-        self.step_sum = self.step_tokens = 0.0
-        return float(totals[0] / max(totals[1], 1.0))
+    def end_step(self) -> None:
+        self._steps.append(self._open)
+        self._open = None
 
-    def reduce_log(self, dist) -> dict:
-        correct = torch.tensor([self.log_correct], dtype=torch.float64)
-        dist.all_reduce(correct)
-        tokens = max(self.log_tokens, 1.0)
-        values = {"loss": self.log_sum / tokens, "accuracy": float(correct[0]) / tokens,
-                  "perplexity": math.exp(min(self.log_sum / tokens, 50.0))}
-        self.log_sum = self.log_tokens = self.log_correct = 0.0
-        return values
+    def reduce(self) -> Tuple[List[float], dict]:
+        """Every rank: (the mean loss of each step since the last reduce, the window's metrics)."""
+        totals = all_reduce(torch.stack(self._steps)).tolist()  # (steps, 3); the one host sync
+        self._steps = []
+        loss_sum = sum(row[0] for row in totals)
+        tokens = max(sum(row[1] for row in totals), 1.0)
+        correct = sum(row[2] for row in totals)
+        values = {"loss": loss_sum / tokens, "accuracy": correct / tokens,
+                  "perplexity": math.exp(min(loss_sum / tokens, 50.0))}
+        return [s / max(t, 1.0) for s, t, _ in totals], values

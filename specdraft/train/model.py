@@ -36,12 +36,19 @@ class TargetWithDraft(nn.Module):
 
         deepspeed.zero.register_external_parameter(self, self.lm_head.weight)
 
+    def decoding_parameters(self) -> list:
+        """What decoding reads outside module calls, so ZeRO-3's hooks would not gather it: the
+        draft (its drafter may read weights directly) and the lm_head weight the drafter copies."""
+        return [*self.draft_model.parameters(), self.lm_head.weight]
+
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None, **options) -> DraftLoss:
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)
-        position_ids = position_ids.expand(B, T)
+        # per-batch options are drawn on the CPU (a seeded CPU generator): move them to the inputs
+        position_ids = position_ids.to(input_ids.device).expand(B, T)
+        options = {k: v.to(input_ids.device) if torch.is_tensor(v) else v for k, v in options.items()}
         features = target_features(self.model, input_ids, position_ids)
         return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
                                               self.loss_chunk_size, **options)
