@@ -36,8 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--draft", help="run or export dir of a GLIDE draft (default: train one now)")
     parser.add_argument("--data", help="training data glob for the draft (default: the preset's)")
     parser.add_argument("--train-steps", type=int, default=300)
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth")
+    parser.add_argument("--gamma", type=int, default=None, help="default: the depth the draft was trained for")
+    parser.add_argument("--tree", default="4,16,16,16", help="tree widths per depth (the draft's max_lag: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -96,7 +96,9 @@ def main(argv=None) -> dict:
                 "GLIDE (untrained)": ("untrained", untrained)}
     rows = []
     for label, (method, draft) in drafters.items():
-        for shape in (dict(gamma=args.gamma), dict(tree=tree)):
+        # one γ for every drafter: the trained draft's depth unless asked otherwise
+        gamma = trained.trained_depth if args.gamma is None else args.gamma
+        for shape in (dict(gamma=gamma), dict(tree=tree)):
             report = compare(target, make_drafter(method, target, draft), prompts, baseline=baseline,
                              **shape, **settings)
             rows.append(dict(report, label=label, method=method))
