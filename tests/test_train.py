@@ -65,6 +65,24 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
     build_engine.__wrapped__, spy_gathered.__wrapped__ = loop.build_engine, loop.gathered
     monkeypatch.setattr(loop, "build_engine", build_engine)
     monkeypatch.setattr(loop, "gathered", spy_gathered)
+    # module fetches per ZeRO-3 step (between two resets of its trace): decoding must not pile
+    # thousands of calls into one step, which ZeRO-3 then records and matches quadratically
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    fetches = [0]
+    most_fetches = [0]
+    fetch, reset = Coordinator.fetch_sub_module, Coordinator.reset_step
+
+    def counting_fetch(self, *args, **kwargs):
+        fetches[0] += 1
+        return fetch(self, *args, **kwargs)
+
+    def counting_reset(self):
+        most_fetches[0], fetches[0] = max(most_fetches[0], fetches[0]), 0
+        return reset(self)
+
+    monkeypatch.setattr(Coordinator, "fetch_sub_module", counting_fetch)
+    monkeypatch.setattr(Coordinator, "reset_step", counting_reset)
     taus = {}
     for stage in (2, 3):
         gathered.clear()
@@ -81,3 +99,5 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
         assert {names[id(p)] for params in gathered for p in params} == \
             {n for n in names.values() if n.startswith("draft_model.")} | {"lm_head.weight"}
     assert taus[2] == taus[3]  # the same draft decodes the same way under either stage
+    modules = len(list(engines[-1].module.modules()))
+    assert 0 < most_fetches[0] <= 2 * modules  # at most a training step's: each module forward + backward

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 from typing import Tuple
@@ -121,3 +122,30 @@ def gathered(params: list):
 
     zero3 = any(hasattr(p, "ds_id") for p in params)
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3)
+
+
+@contextlib.contextmanager
+def steps_of_their_own(engine, modules: list):
+    """Context in which each call of `modules` is a ZeRO-3 step of its own, as a call of
+    engine.module is.
+
+    ZeRO-3 records the order of module calls between two calls of engine.module and prefetches
+    along it. Calls made outside engine.module (decoding for the in-training tau) would otherwise
+    all land in one step: a trace of thousands of calls that the next training step records and
+    then matches quadratically. At stages 0-2 this does nothing.
+    """
+    offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3's hook manager
+    if offload is None:
+        yield
+        return
+    coordinator = offload.get_param_coordinator()
+    # prepend: the step resets before ZeRO-3's own pre-hooks fetch the module's parameters
+    hooks = [m.register_forward_pre_hook(lambda *_: coordinator.reset_step(), prepend=True) for m in modules]
+    coordinator.reset_step()
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        coordinator.reset_step()  # training re-records its own trace from here
+

@@ -25,7 +25,8 @@ from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
 from specdraft.train.collectives import all_reduce, any_rank
-from specdraft.train.engine import build_engine, draft_parameter_count, gathered, init_distributed
+from specdraft.train.engine import (build_engine, draft_parameter_count, gathered, init_distributed,
+                                    steps_of_their_own)
 from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
@@ -176,12 +177,13 @@ def measure_draft_tau(engine, tokenizer, prompts: list) -> dict:
     Every rank runs it in lockstep (identical greedy work). Under ZeRO-3 only the draft and the
     lm_head it reads as a tensor are gathered for the whole measurement; the target's layers are
     gathered one module at a time by ZeRO-3's own hooks as decoding calls them, so no rank ever
-    holds the whole target.
+    holds the whole target. Each target / draft forward is a ZeRO-3 step of its own, so decoding
+    never lands in the trace ZeRO-3 prefetches training along.
     """
     from specdraft.decode.evaluate import measure_tau
 
     module = engine.module
-    with gathered(module.decoding_parameters()):
+    with gathered(module.decoding_parameters()), steps_of_their_own(engine, [module.target_lm, module.draft_model]):
         stats = measure_tau(module.target_lm, module.draft_model, tokenizer, prompts,
                             max_new_tokens=EVAL_NEW_TOKENS)
     values = {"eval/tau": stats["tau"]}
