@@ -44,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--data", help="training data glob for the drafts (default: the preset's)")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3's training-time-test unroll")
-    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--gamma", type=int, default=None, help="default: the depth each draft was trained for")
     parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
@@ -109,7 +109,9 @@ def main(argv=None) -> dict:
     drafters["prompt lookup"] = ("prompt_lookup", None)
     rows = []
     for label, (method, draft) in drafters.items():
-        for shape in (dict(gamma=args.gamma), dict(tree=tree)):
+        # one γ for every drafter: the trained draft's depth unless asked otherwise
+        gamma = args.gamma  # None: each drafter's trained depth
+        for shape in (dict(gamma=gamma), dict(tree=tree)):
             report = compare(target, make_drafter(method, target, draft), prompts, baseline=baseline,
                              **shape, **settings)
             rows.append(dict(report, label=label, method=method))

@@ -73,7 +73,8 @@ def _cmd_eval(args) -> int:
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv)
+                      max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
+                      device=args.device, dtype=args.dtype)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -129,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a run directory (its newest draft) or a draft export directory")
     p.add_argument("--prompts", required=True)
     p.add_argument("--method", default="draft", choices=["draft", "prompt_lookup"])
-    p.add_argument("--gamma", type=int, default=5)
-    p.add_argument("--tree", default=None, help="tree widths per depth, e.g. 4,16,16,16,16")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="chain length; default: the depth the draft was trained for")
+    p.add_argument("--tree", default=None, help="tree widths per depth, e.g. 4,16,16,16")
+    p.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu; default: cuda if available")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="target and draft dtype; auto: the target's own torch_dtype (config.json)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -90,7 +90,7 @@ def test_tree_pass_gives_each_node_the_logits_of_its_own_path(target):
     #                │     └─ 8
     #                └─ 6
     tree = DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 0, 2]))
-    ids, positions, visible = verification_inputs(tree, 3, cache_length(cache))
+    ids, positions, visible = verification_inputs(tree, 3, cache_length(cache), torch.device("cpu"))
     assert positions.tolist() == [10, 11, 11, 12, 12, 13]
     logits = forward(target, cache, ids, positions, visible)
     paths = [[3], [3, 5], [3, 6], [3, 5, 7], [3, 5, 8], [3, 5, 7, 9]]
@@ -117,7 +117,7 @@ def test_cache_after_a_rejection_equals_a_fresh_prefill_of_the_accepted_tokens(t
         cache = new_cache(target)
         forward(target, cache, prompt, torch.arange(len(prompt)))
         n = cache_length(cache)
-        ids, positions, visible = verification_inputs(draft, root, n)
+        ids, positions, visible = verification_inputs(draft, root, n, torch.device("cpu"))
         path, _ = accept_path(draft, probabilities(forward(target, cache, ids, positions, visible), 0.0))
         assert len(path) >= 1 and int(draft.tokens[path[0]]) == after_root
         assert len(path) < len(draft)  # something was rejected

@@ -49,15 +49,55 @@ def test_gradient_accumulation_and_bf16_train(tiny_target_dir, data_dir, tmp_pat
 
 
 def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(tiny_target_dir, tiny_data,
-                                                                             data_dir, tmp_path):
+                                                                             data_dir, tmp_path, monkeypatch):
+    import specdraft.train.loop as loop
+
+    engines, gathered = [], []
+
+    def build_engine(*args, **kwargs):
+        engines.append(loop.build_engine.__wrapped__(*args, **kwargs))
+        return engines[-1]
+
+    def spy_gathered(params):
+        gathered.append(params)
+        return loop.gathered.__wrapped__(params)
+
+    build_engine.__wrapped__, spy_gathered.__wrapped__ = loop.build_engine, loop.gathered
+    monkeypatch.setattr(loop, "build_engine", build_engine)
+    monkeypatch.setattr(loop, "gathered", spy_gathered)
+    # module fetches per ZeRO-3 step (between two resets of its trace): decoding must not pile
+    # thousands of calls into one step, which ZeRO-3 then records and matches quadratically
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    fetches = [0]
+    most_fetches = [0]
+    fetch, reset = Coordinator.fetch_sub_module, Coordinator.reset_step
+
+    def counting_fetch(self, *args, **kwargs):
+        fetches[0] += 1
+        return fetch(self, *args, **kwargs)
+
+    def counting_reset(self):
+        most_fetches[0], fetches[0] = max(most_fetches[0], fetches[0]), 0
+        return reset(self)
+
+    monkeypatch.setattr(Coordinator, "fetch_sub_module", counting_fetch)
+    monkeypatch.setattr(Coordinator, "reset_step", counting_reset)
     taus = {}
     for stage in (2, 3):
+        gathered.clear()
         run(tiny_target_dir, data_dir, tmp_path, f"eval{stage}", zero_stage=stage, max_steps=4, save_steps=4,
             eval_steps=2, eval_prompts=tiny_data.prompts_file)
         rows = [json.loads(l) for l in (tmp_path / f"eval{stage}" / "metrics.jsonl").read_text().splitlines()]
         taus[stage] = [(r["step"], r["eval/tau"]) for r in rows if "eval/tau" in r]
         assert [s for s, _ in taus[stage]] == [2, 4]
-        assert all(1.0 <= t <= 5.0 for _, t in taus[stage])  # gamma 4: tau in [1, gamma + 1]
+        assert all(1.0 <= t <= 5.0 for _, t in taus[stage])  # gamma = max_lag 4: tau in [1, gamma + 1]
+        # what tau gathers (for the whole measurement under ZeRO-3): the draft and lm_head, never
+        # the target's layers (those come one module at a time through ZeRO-3's hooks)
+        names = {id(p): name for name, p in engines[-1].module.named_parameters()}
+        assert len(gathered) == 2 and all(len(params) > 0 for params in gathered)
+        assert {names[id(p)] for params in gathered for p in params} == \
+            {n for n in names.values() if n.startswith("draft_model.")} | {"lm_head.weight"}
     assert taus[2] == taus[3]  # the same draft decodes the same way under either stage
 
 

@@ -31,9 +31,20 @@ from specdraft.decode.sampling import sample
 from specdraft.decode.tree import DraftTree, chain, empty_tree
 
 
+UNTRAINED_DEPTH = 5  # chain length / tree depth of a drafter trained for no particular depth
+
+
 class Drafter(ABC):
     name = "drafter"
     target_layers: Tuple[int, ...] = ()  # target hidden states this drafter reads (layer inputs)
+    # How many tokens ahead the drafter's model was trained to propose; None: no training to
+    # follow (prompt lookup, the target itself)
+    trained_depth: Optional[int] = None
+
+    @property
+    def default_depth(self) -> int:
+        """The chain length and tree depth used when none is asked for."""
+        return self.trained_depth or UNTRAINED_DEPTH
 
     def start(self) -> None:
         """Reset per-sequence state."""
@@ -72,7 +83,7 @@ def grow_tree(root_logprobs: torch.Tensor, widths: Sequence[int], expand: Expand
     parents: List[int] = []
     cumulative: List[torch.Tensor] = []
     logprobs = root_logprobs[None]  # (rows, V), one row per frontier node
-    scores = torch.zeros(1)
+    scores = root_logprobs.new_zeros(1)
     frontier = [-1]  # node id of each row; the root is -1
     for d, width in enumerate(widths):
         total = (scores[:, None] + logprobs).flatten()

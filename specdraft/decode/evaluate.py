@@ -1,6 +1,6 @@
 """`specdraft eval`: tau, acceptance per position and speedup of a draft export on a prompt file.
 
-    report = evaluate("runs/x", "prompts.jsonl", gamma=5)          # newest runs/x/step_<N>/
+    report = evaluate("runs/x", "prompts.jsonl")      # newest runs/x/step_<N>/, gamma: as trained
     print(format_report(report))                                     # specdraft.decode.report
 
 Methods: "draft" (the exported draft), "untrained" (a freshly built draft of the same dims),
@@ -11,6 +11,7 @@ Speedup is against plain target decoding of the same prompts, measured in the sa
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -29,6 +30,7 @@ from specdraft.errors import SpecdraftError
 METHODS = ("draft", "untrained", "prompt_lookup", "self")
 NEEDS_DRAFT = ("draft", "untrained")
 STEP_DIR = re.compile(r"step_(\d+)")
+log = logging.getLogger(__name__)
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 
 
@@ -131,6 +133,20 @@ def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None) -> 
 
 # -- running ---------------------------------------------------------------------------------
 
+def resolve_device(name: Optional[str]) -> torch.device:
+    """The device to evaluate on: `name`, or the GPU when torch sees one, else the CPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SpecdraftError(f"device {name!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdraftError(f"device {name!r}: this torch sees no CUDA device "
+                             f"(torch {torch.__version__}, a CPU build or no GPU visible)")
+    return device
+
+
 def make_drafter(method: str, target: nn.Module, draft: Optional[Draft] = None) -> Drafter:
     if method in NEEDS_DRAFT:
         if draft is None:
@@ -153,7 +169,7 @@ def run_plain(target: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_to
 
 
 def run_speculative(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                    gamma: int = 5, tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
+                    gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
                     temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
                     record_tv: bool = False) -> List[Generation]:
     speculative_generate(target, drafter, prompts[0], max_new_tokens=2, gamma=gamma, tree=tree)  # warm-up
@@ -164,7 +180,7 @@ def run_speculative(target: nn.Module, drafter: Drafter, prompts: Sequence[Seque
             for p in prompts]
 
 
-def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *, gamma: int = 5,
+def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *, gamma: Optional[int] = None,
             tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
             seed: int = 0, stop: Sequence[int] = (),
             baseline: Optional[List[Generation]] = None, record_tv: bool = False) -> Dict[str, Any]:
@@ -174,7 +190,9 @@ def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]
     record_tv: also report mean TV(p, q) over the checked chain positions (one (gamma, V)
     reduction per round inside the timed loop: well under 1% of a verification pass).
     """
+    gamma = drafter.default_depth if gamma is None else gamma
     _check_shape(gamma, tree)
+    _warn_if_deeper_than_trained(drafter, len(tree) if tree else gamma, "tree depth" if tree else "gamma")
     if baseline is None:
         baseline = run_plain(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                              seed=seed, stop=stop)
@@ -193,20 +211,31 @@ def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]
     return report
 
 
-def _check_shape(gamma: int, tree: Optional[Sequence[int]]) -> None:
+def _warn_if_deeper_than_trained(drafter: Drafter, depth: int, what: str) -> None:
+    trained = drafter.trained_depth
+    if trained is not None and depth > trained:
+        log.warning(f"specdraft: warning: {what} {depth} drafts deeper than the {trained} tokens ahead "
+                    f"the draft was trained for; positions past {trained} run where training never went")
+
+
+def _check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
     if tree is not None:
         if not tree or any(int(w) < 1 for w in tree):
             raise SpecdraftError(f"tree widths must be positive integers, got {list(tree)}")
-    elif gamma < 1:
+    elif gamma is not None and gamma < 1:
         raise SpecdraftError(f"gamma must be >= 1, got {gamma}")
 
 
-def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
+def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
              tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
-             record_tv: bool = False) -> Dict[str, Any]:
+             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto") -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
-    methods — a target model dir, on a jsonl prompt file. Returns the report dict."""
+    methods — a target model dir, on a jsonl prompt file. Returns the report dict.
+
+    gamma None: the depth the draft was trained for. device None: CUDA when there is one.
+    dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
+    """
     from specdraft.target.model import load_frozen_target
 
     if method not in METHODS:
@@ -222,15 +251,19 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
                              f"needs a run or export directory")
     tokenizer = load_tokenizer(export_dir, target_dir)
     prompts = read_prompts(prompts_file, tokenizer, max_prompts)
-    target = load_frozen_target(str(target_dir), "fp32")
+    target = load_frozen_target(str(target_dir), dtype, resolve_device(device))
+    weight = next(target.parameters())
     draft = None
     if method == "draft":
-        draft, _ = load_exported_draft(export_dir)
+        draft, _ = load_exported_draft(export_dir, weight.dtype)
     elif method == "untrained":
-        draft = draft_from_export_config(read_export_config(export_dir)).eval()
+        draft = draft_from_export_config(read_export_config(export_dir)).to(weight.dtype).eval()
+    if draft is not None:
+        draft = draft.to(weight.device)
     torch.manual_seed(seed)
     report = {"method": method, "draft": str(export_dir) if draft is not None else None,
-              "target": str(target_dir), "prompts_file": str(prompts_file)}
+              "target": str(target_dir), "prompts_file": str(prompts_file),
+              "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", "")}
     report.update(compare(target, make_drafter(method, target, draft), prompts, gamma=gamma, tree=tree,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                           stop=stop_tokens(target, tokenizer), record_tv=record_tv))
@@ -243,14 +276,15 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: int = 5,
 
 @torch.no_grad()
 def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
-                gamma: int = 4, max_new_tokens: int = 32, temperature: float = 0.0,
+                gamma: Optional[int] = None, max_new_tokens: int = 32, temperature: float = 0.0,
                 seed: int = 0) -> Dict[str, Any]:
     """Chain tau of a (plain, non-DeepSpeed) draft module: for the training loop's evals.
 
     Greedy at temperature 0; at temperature > 0 speculative sampling from a generator seeded with
     `seed` (the same on every rank), and mean TV(p, q) over the checked positions is reported too.
     prompts: user messages (wrapped with the chat template) or token id lists. The draft is put
-    in eval mode for the measurement and its train/eval mode restored afterwards.
+    in eval mode for the measurement and its train/eval mode restored afterwards. gamma None:
+    the depth the draft was trained for.
     """
     ids = [encode_messages(tokenizer, [{"role": "user", "content": p}]) if isinstance(p, str) else list(p)
            for p in prompts]
@@ -258,6 +292,7 @@ def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequenc
     draft.eval()
     try:
         drafter = make_drafter("draft", target, draft)
+        gamma = drafter.default_depth if gamma is None else gamma
         stop = stop_tokens(target, tokenizer)
         generator = torch.Generator().manual_seed(seed)
         generations = [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,

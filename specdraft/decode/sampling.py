@@ -58,7 +58,7 @@ def verify_token(p: torch.Tensor, q: torch.Tensor, token: int,
     return False, residual / total
 
 
-def one_hot(token: int, vocab_size: int) -> torch.Tensor:
-    q = torch.zeros(vocab_size)
+def one_hot(token: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    q = torch.zeros(vocab_size, device=device)
     q[token] = 1.0
     return q

@@ -58,7 +58,7 @@ def _cut(new_tokens: List[int], max_new_tokens: int, stop: frozenset) -> List[in
 
 @torch.no_grad()
 def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequence[int], *,
-                         max_new_tokens: int, gamma: int = 5, tree: Optional[Sequence[int]] = None,
+                         max_new_tokens: int, gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None,
                          temperature: float = 0.0, generator: Optional[torch.Generator] = None,
                          stop_tokens: Iterable[int] = (), record_tv: bool = False) -> Generation:
     """Generate with `drafter` proposing a chain of `gamma` tokens, or a tree of `tree` widths.
@@ -69,6 +69,8 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
     record_tv (chains): also record TV(target p, draft q) at every position the target checked.
     """
     stop = frozenset(stop_tokens)
+    gamma = drafter.default_depth if gamma is None else gamma
+    device = next(target.parameters()).device
     t0 = time.perf_counter()
     prompt = _prompt_tensor(prompt_ids)
     cache = new_cache(target)

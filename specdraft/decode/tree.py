@@ -69,22 +69,26 @@ def chain(tokens: Sequence[int], q: Optional[torch.Tensor] = None) -> DraftTree:
     return DraftTree(torch.tensor(list(tokens), dtype=torch.long), torch.arange(n) - 1, q)
 
 
-def verification_inputs(tree: DraftTree, root_token: int,
-                        cache_length: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The target's verification pass over [root, nodes...]: (ids (1+N,), positions (1+N,), visible).
+def verification_inputs(tree: DraftTree, root_token: int, cache_length: int,
+                        device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The target's verification pass over [root, nodes...], on `device` (the target's):
+    (ids (1+N,), positions (1+N,), visible).
 
     visible is None for a chain (plain causal attention) and otherwise the (1+N, cache_length+1+N)
     bool mask: every query sees the whole cache, its ancestors in the tree, the root and itself.
     """
-    ids = torch.cat([torch.tensor([root_token]), tree.tokens])
-    positions = cache_length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+    # the tree's structure is host bookkeeping (small); only the results go to the device
+    ids = torch.cat([torch.tensor([root_token]), tree.tokens]).to(device)
+    positions = (cache_length + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])).to(device)
     if tree.is_chain:
         return ids, positions, None
     n = len(tree)
     in_tree = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()  # root row/column; rest replaced
     in_tree[1:, 1:] = tree.ancestors()
     in_tree[0, 1:] = False
-    visible = torch.cat([torch.ones(n + 1, cache_length, dtype=torch.bool), in_tree], dim=1)
+    # the cache-wide block is the big one: made where it is used
+    visible = torch.cat([torch.ones(n + 1, cache_length, dtype=torch.bool, device=device),
+                         in_tree.to(device)], dim=1)
     return ids, positions, visible
 
 
@@ -120,7 +124,7 @@ def accept_path(tree: DraftTree, target_probs: torch.Tensor,
         p = target_probs[node + 1]
         for child in tree.children(node):
             token = int(tree.tokens[child])
-            q = tree.q[child] if tree.q is not None else one_hot(token, vocab)
+            q = tree.q[child] if tree.q is not None else one_hot(token, vocab, p.device)
             accepted, p = verify_token(p, q, token, generator)
             if accepted:
                 path.append(child)

@@ -115,6 +115,12 @@ class Draft(nn.Module, ABC):
 
     # -- decoding --------------------------------------------------------------------------
 
+    @property
+    @abstractmethod
+    def trained_depth(self) -> int:
+        """How many tokens ahead the draft was trained to propose: the default chain length and
+        tree depth at inference (deeper positions run where training never went)."""
+
     @abstractmethod
     def make_drafter(self, target: nn.Module):
         """A specdraft.decode Drafter that drafts with this model against `target` (the causal LM)."""

@@ -509,5 +509,10 @@ class DFlashDraft(Draft):
 
     # -- decoding ---------------------------------------------------------------------------------
 
+    @property
+    def trained_depth(self) -> int:
+        # one block drafts block_size - 1 tokens (block_size with sample_from_anchor)
+        return int(self.layout.predictions)
+
     def make_drafter(self, target) -> DFlashDrafter:
         return DFlashDrafter(self, target)

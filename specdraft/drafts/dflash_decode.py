@@ -30,6 +30,7 @@ class DFlashDrafter(Drafter):
 
     def __init__(self, draft, target: nn.Module):
         self.draft = draft
+        self.trained_depth = draft.trained_depth
         self.layout = draft.layout
         self.embed_tokens = target.get_input_embeddings()
         self.rotary_emb = target.model.rotary_emb

@@ -49,7 +49,7 @@ AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 class Eagle3Options:
     """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults)."""
 
-    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
+    target_layers: Optional[List[int]] = None  # layer inputs (vLLM ids); None or [] = [2, L//2, L-3]
     draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
     ttt_steps: int = 7  # training-time-test unroll
     ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k
@@ -204,7 +204,7 @@ class Eagle3Draft(Draft):
             fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
         if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
             fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
-        layers = list(draft_cfg.target_layers)
+        layers = list(draft_cfg.target_layers or [])
         if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
             fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
         if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
@@ -227,7 +227,7 @@ class Eagle3Draft(Draft):
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
         text = getattr(target_config, "text_config", None) or target_config
         heads = text.num_attention_heads
-        layers = list(draft_cfg.target_layers)
+        layers = list(draft_cfg.target_layers or [])
         if not layers:
             layers, why = default_target_layers(text.num_hidden_layers)
             log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
@@ -381,6 +381,11 @@ class Eagle3Draft(Draft):
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
 
     # -- decoding --------------------------------------------------------------------------
+
+    @property
+    def trained_depth(self) -> int:
+        # training-time test unrolled the chain ttt_steps tokens ahead
+        return int(self.dims.ttt_steps)
 
     def make_drafter(self, target: nn.Module) -> Eagle3Drafter:
         return Eagle3Drafter(self, target)

@@ -30,6 +30,7 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, draft: nn.Module, target: nn.Module):
         self.draft = draft
+        self.trained_depth = draft.trained_depth
         self.target_layers = tuple(draft.dims.target_layers)
         self.embed_tokens = target.get_input_embeddings()
         weight = next(draft.parameters())

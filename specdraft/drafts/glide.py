@@ -175,6 +175,12 @@ class GlideDraft(Draft):
     def export_config(self) -> Dict[str, Any]:
         return {"architecture": self.architecture, "dims": dict(self.dims.__dict__)}
 
+    @property
+    def trained_depth(self) -> int:
+        # drafting token j after the last verified one reads the target at lag j; training drew
+        # lags in [1, max_lag]
+        return self.dims.max_lag
+
     # -- the layer -------------------------------------------------------------------------
 
     def forward(self, input_embeds, cos, sin, target_keys, target_values, cross_limit, index,

@@ -68,6 +68,7 @@ class GlideDrafter(Drafter):
 
     def __init__(self, draft: nn.Module, target: nn.Module):
         self.draft = draft
+        self.trained_depth = draft.trained_depth
         self.embed_tokens = target.get_input_embeddings()
         self.rotary_emb = target.model.rotary_emb
         weight = next(draft.parameters())

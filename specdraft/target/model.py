@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from specdraft.errors import SpecdraftError
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+AUTO_DTYPE = "auto"  # the checkpoint's own torch_dtype (config.json)
 
 
 def load_target_config(target_dir: str):
@@ -27,10 +29,20 @@ def load_target_config(target_dir: str):
     return config
 
 
-def load_frozen_target(target_dir: str, precision: str = "fp32") -> nn.Module:
-    """AutoModelForCausalLM from a local directory, every parameter requires_grad=False."""
+def load_frozen_target(target_dir: str, precision: str = "fp32",
+                       device: Optional[torch.device] = None) -> nn.Module:
+    """AutoModelForCausalLM from a local directory, every parameter requires_grad=False.
+
+    precision: fp32 / bf16 / fp16, or "auto" for the checkpoint's own dtype. device None: left on
+    the CPU (a training engine moves it).
+    """
     load_target_config(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[precision])
+    if precision != AUTO_DTYPE and precision not in DTYPES:
+        raise SpecdraftError(f"dtype {precision!r}: choose one of {AUTO_DTYPE}, {', '.join(DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=AUTO_DTYPE if precision == AUTO_DTYPE else DTYPES[precision])
+    if device is not None:
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -19,18 +19,18 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft.config import config_hash
 from specdraft.errors import SpecdraftError
+from specdraft.train.collectives import any_rank, broadcast_error
+from specdraft.train.rng import rng_state, set_rng_state
 
 CKPT_DIR = "ckpt"
 SLOT_PREFIX = "step_"
@@ -130,23 +130,6 @@ def verify_slot(slot_dir: Path) -> dict:
 
 # -- what DeepSpeed does not save -----------------------------------------------------------------
 
-def _rng_state() -> dict:
-    """Python / numpy / torch RNG of this rank, in types torch.load(weights_only=True) accepts."""
-    version, mt, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(mt), gauss], "numpy": [kind, torch.from_numpy(keys.astype(np.int64)),
-                                                          pos, has_gauss, cached],
-            "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-
-
 def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
     """Per-tensor (sum, sum of squares) of the draft's weights. Saved with each slot and compared
     after a load: proof that the draft came back."""
@@ -171,8 +154,6 @@ class CheckpointManager:
         Returns the committed slot; raises on every rank if any rank failed."""
         import torch.distributed as dist
 
-        from specdraft.train.engine import any_rank
-
         slot_dir = self.ckpt_dir / slot_name(step)
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +161,7 @@ class CheckpointManager:
                 shutil.rmtree(slot_dir)
         dist.barrier()
         rng = [None] * self.world_size
-        dist.all_gather_object(rng, _rng_state())
+        dist.all_gather_object(rng, rng_state())
         state = {CLIENT_KEY: dict(client_state, rng=rng, config_hash=config_hash(self.cfg))}
         error = None
         try:
@@ -263,8 +244,6 @@ class CheckpointManager:
         """Load the slot into the engine; returns our client state (step, sampler, ...)."""
         import torch.distributed as dist
 
-        from specdraft.train.engine import broadcast_error
-
         record = broadcast_error(lambda: verify_slot(slot_dir), self.rank)
         self._check_compatible(slot_dir, record)
         load_path, client_state = engine.load_checkpoint(
@@ -278,7 +257,7 @@ class CheckpointManager:
         loaded = gather_draft_state_dict(engine)
         broadcast_error(lambda: _check_fingerprint(slot_dir, loaded, record), self.rank)
         ours = client_state[CLIENT_KEY]
-        _set_rng_state(ours["rng"][self.rank])
+        set_rng_state(ours["rng"][self.rank])
         dist.barrier()
         return ours
 

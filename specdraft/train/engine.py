@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 from typing import Tuple
@@ -30,14 +31,19 @@ def init_distributed() -> Tuple[int, int]:
     if "RANK" not in os.environ:  # plain `python -m specdraft`: a world of one, no MPI discovery
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if get_accelerator().device_name() == "cpu":
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
         # DeepSpeed's shared-memory allreduce compiles a C++ op for ~40 s on first use; gloo alone
         # is plenty for a draft's gradients on CPU.
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__ = {}
+    else:
+        # Before any collective: NCCL runs on the current device, and ranks all left on device 0
+        # would collide there (the engine sets it too, but data preparation comes first).
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         # One group per process: DeepSpeed caches its groups, so a destroyed group cannot be
         # re-created in the same process. It is torn down once, at exit.
         atexit.register(close_distributed)
@@ -142,33 +148,6 @@ def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (failures surface everywhere, no hang)."""
-    import torch.distributed as dist
-
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value)
-    return bool(value.item())
-
-
-def broadcast_error(check, rank: int):
-    """Run `check` on rank 0 only; its result, or its SpecdraftError, reaches every rank."""
-    import torch.distributed as dist
-
-    from specdraft.errors import SpecdraftError
-
-    box = [None, None]
-    if rank == 0:
-        try:
-            box[0] = check()
-        except SpecdraftError as err:
-            box[1] = str(err)
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise SpecdraftError(box[1])
-    return box[0]
-
-
 def gathered(params: list):
     """Context in which `params` are whole on every rank: ZeRO-3 gathers them (a collective,
     every rank must enter); at other stages they already are, and this does nothing."""
@@ -176,3 +155,30 @@ def gathered(params: list):
 
     zero3 = any(hasattr(p, "ds_id") for p in params)
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3)
+
+
+@contextlib.contextmanager
+def steps_of_their_own(engine, modules: list):
+    """Context in which each call of `modules` is a ZeRO-3 step of its own, as a call of
+    engine.module is.
+
+    ZeRO-3 records the order of module calls between two calls of engine.module and prefetches
+    along it. Calls made outside engine.module (decoding for the in-training tau) would otherwise
+    all land in one step: a trace of thousands of calls that the next training step records and
+    then matches quadratically. At stages 0-2 this does nothing.
+    """
+    offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3's hook manager
+    if offload is None:
+        yield
+        return
+    coordinator = offload.get_param_coordinator()
+    # prepend: the step resets before ZeRO-3's own pre-hooks fetch the module's parameters
+    hooks = [m.register_forward_pre_hook(lambda *_: coordinator.reset_step(), prepend=True) for m in modules]
+    coordinator.reset_step()
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        coordinator.reset_step()  # training re-records its own trace from here
+

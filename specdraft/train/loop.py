@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager
-from specdraft.train.engine import (any_rank, build_engine, draft_parameter_count, gathered, init_distributed,
+from specdraft.train.collectives import all_reduce, any_rank
+from specdraft.train.engine import (build_engine, draft_parameter_count, gathered, init_distributed, steps_of_their_own,
                                     resolve_target_placement)
 from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
 from specdraft.train.metrics import MetricsLogger
@@ -41,7 +42,7 @@ class TrainState:
 @dataclass
 class TrainResult:
     steps: int
-    losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks
+    losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks (read at log time)
     tokens_per_second: float = 0.0
     export_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
@@ -53,7 +54,6 @@ def train(cfg: DictConfig, log=print) -> TrainResult:
 
 
 def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
-    import torch.distributed as dist
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -111,14 +111,14 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             state.samples_seen += cfg.per_device_batch_size * world_size
             state.tokens_seen += batch["input_ids"].numel() * world_size
         state.step += 1
-        step_loss = window.reduce_step(dist)
-        result.losses.append(step_loss)
+        window.end_step()
         progress.update(1)
         last = state.step == total_steps
 
         if state.step % cfg.logging_steps == 0 or last:
             elapsed = time.perf_counter() - started
-            values = window.reduce_log(dist)
+            step_losses, values = window.reduce()  # the loop's one host sync per log interval
+            result.losses.extend(step_losses)
             values.update(lr=engine.get_lr()[0], tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
                           samples_seen=state.samples_seen)
             metrics.log(state.step, values)
@@ -180,7 +180,6 @@ def model_inputs(batch: dict, document_mask: bool) -> dict:
 
 
 EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
-EVAL_GAMMA = 4  # chain length of the in-training tau
 EVAL_NEW_TOKENS = 32
 
 
@@ -205,7 +204,7 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
 
     module = engine.module
     with gathered(list(module.parameters())):
-        stats = measure_tau(target, module.draft_model, tokenizer, prompts, gamma=EVAL_GAMMA,
+        stats = measure_tau(target, module.draft_model, tokenizer, prompts, 
                             max_new_tokens=EVAL_NEW_TOKENS, temperature=temperature, seed=seed)
     values = {"eval/tau": stats["tau"]}
     if stats.get("mean_tv") is not None:
@@ -259,47 +258,44 @@ def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, 
 
 class LossWindow:
     """Token-weighted loss / accuracy sums and the draft's own metrics, kept as tensors on the
-    loss's device (no host sync per micro-batch) and reduced across ranks per step and per log
-    window."""
+    loss's device as they come and reduced across ranks once per logging interval: one all-reduce
+    and one host read per log, none per micro-batch (reading a CUDA value stalls the host)."""
 
     def __init__(self):
-        self.step_sum = self.step_tokens = None  # 0-dim float64, this optimizer step
-        self.log_sum = self.log_tokens = 0.0  # floats, the log window so far
-        self.log_correct = None
-        self.metrics = {}  # name -> [numerator, denominator]
+        self._open: Optional[torch.Tensor] = None  # (3,) float64: loss sum, tokens, correct of this step
+        self._steps: List[torch.Tensor] = []  # one (3,) per optimizer step since the last reduce
+        self.metrics = {}  # name -> [numerator, denominator], 0-dim tensors
 
     def add(self, out: DraftLoss) -> None:
-        loss_sum = out.loss.detach().double() * out.tokens
         tokens = out.tokens.double()
-        self.step_sum = loss_sum if self.step_sum is None else self.step_sum + loss_sum
-        self.step_tokens = tokens if self.step_tokens is None else self.step_tokens + tokens
-        self.log_correct = out.correct if self.log_correct is None else self.log_correct + out.correct
+        sums = torch.stack([out.loss.detach().double() * tokens, tokens, out.correct.double()])
+        self._open = sums if self._open is None else self._open + sums
         for name, (numerator, denominator) in out.metrics.items():
             pair = self.metrics.setdefault(name, [0.0, 0.0])
             pair[0] = pair[0] + numerator.detach().double()
             pair[1] = pair[1] + denominator.detach().double()
 
-    def reduce_step(self, dist) -> float:
-        totals = torch.stack([self.step_sum, self.step_tokens])
-        dist.all_reduce(totals)
-        self.log_sum += float(totals[0])
-        self.log_tokens += float(totals[1])
-        self.step_sum = self.step_tokens = None
-        return float(totals[0] / max(float(totals[1]), 1.0))
+    def end_step(self) -> None:
+        self._steps.append(self._open)
+        self._open = None
 
-    def reduce_log(self, dist) -> dict:
+    def reduce(self) -> Tuple[List[float], dict]:
+        """Every rank: (the mean loss of each step since the last reduce, the window's metrics)."""
         names = sorted(self.metrics)  # the same names on every rank: one family, one loss
-        values = [self.log_correct.double()] + [torch.as_tensor(v, dtype=torch.float64, device=self.log_correct.device)
-                                                for name in names for v in self.metrics[name]]
-        totals = torch.stack(values)
-        dist.all_reduce(totals)
-        tokens = max(self.log_tokens, 1.0)
-        logged = {"loss": self.log_sum / tokens, "accuracy": float(totals[0]) / tokens,
-                  "perplexity": math.exp(min(self.log_sum / tokens, 50.0))}
+        steps = torch.stack(self._steps)  # (steps, 3)
+        extra = [torch.as_tensor(v, dtype=torch.float64, device=steps.device).reshape(())
+                 for name in names for v in self.metrics[name]]
+        flat = torch.cat([steps.flatten(), torch.stack(extra)]) if extra else steps.flatten()
+        flat = all_reduce(flat).tolist()  # the one host sync
+        n = steps.shape[0]
+        totals = [flat[3 * i:3 * i + 3] for i in range(n)]
+        rest = flat[3 * n:]
+        self._steps, self.metrics = [], {}
+        loss_sum = sum(row[0] for row in totals)
+        tokens = max(sum(row[1] for row in totals), 1.0)
+        correct = sum(row[2] for row in totals)
+        values = {"loss": loss_sum / tokens, "accuracy": correct / tokens,
+                  "perplexity": math.exp(min(loss_sum / tokens, 50.0))}
         for i, name in enumerate(names):
-            numerator, denominator = float(totals[1 + 2 * i]), float(totals[2 + 2 * i])
-            logged[name] = numerator / max(denominator, 1.0)
-        self.log_sum = self.log_tokens = 0.0
-        self.log_correct = None
-        self.metrics = {}
-        return logged
+            values[name] = rest[2 * i] / max(rest[2 * i + 1], 1.0)
+        return [s / max(t, 1.0) for s, t, _ in totals], values

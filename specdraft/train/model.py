@@ -34,6 +34,11 @@ class TargetWithDraft(nn.Module):
         for param in [self.lm_head.weight, *self.draft_model.external_parameters()]:
             deepspeed.zero.register_external_parameter(self, param)
 
+    def decoding_parameters(self) -> list:
+        """What decoding reads outside module calls, so ZeRO-3's hooks would not gather it: the
+        draft (its drafter may read weights directly) and the lm_head weight the drafter copies."""
+        return [*self.draft_model.parameters(), self.lm_head.weight]
+
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, **options) -> DraftLoss:

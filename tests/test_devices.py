@@ -1,0 +1,386 @@
+"""Device discipline, proven without a GPU.
+
+The meta device stands in for a second device: a non-scalar CPU tensor that meets a meta tensor
+raises, so a tensor made without `device=` on the training or decoding path fails these tests.
+Meta cannot catch 0-dim CPU tensors or host syncs: those have a targeted test each below.
+
+A draft family joins the harness by adding a builder to DRAFT_BUILDERS.
+"""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import specdraft
+from specdraft.config import DraftConfig
+from specdraft.decode.drafters import GlideDrafter, ModelDrafter, PromptLookupDrafter
+from specdraft.decode.speculative import generate_plain, speculative_generate
+from specdraft.drafts import GlideDraft
+from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.target.model import load_frozen_target, target_features
+from specdraft.train import collectives
+from specdraft.train.loop import LossWindow
+from specdraft.train.model import TargetWithDraft
+
+META = torch.device("meta")
+SPECDRAFT_DIR = str(Path(specdraft.__file__).resolve().parent)
+
+
+def glide(target_config):
+    # anchor_offset on: its per-batch position ids are the one tensor option GLIDE draws on the CPU
+    cfg = OmegaConf.structured(DraftConfig(anchor_offset=True, max_position_offset=100))
+    return GlideDraft.from_target_config(target_config, cfg)
+
+
+DRAFT_BUILDERS = {"glide": glide}  # family -> (target config -> a fresh draft)
+
+
+@pytest.fixture(scope="module")
+def cpu_target(tiny_target_dir):
+    return load_frozen_target(str(tiny_target_dir))
+
+
+@pytest.fixture(scope="module")
+def meta_target(tiny_target_dir):
+    return load_frozen_target(str(tiny_target_dir)).to(META)
+
+
+@contextlib.contextmanager
+def meta_nonzero():
+    """Boolean-mask selection on meta (data-dependent size) as if every entry were True."""
+    import torch.fx.experimental._config as fx_config
+
+    saved = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    try:
+        yield
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = saved
+
+
+@contextlib.contextmanager
+def meta_host_reads(monkeypatch):
+    """Decoding picks tokens on the host: a meta value read there answers 0 (True for a
+    condition), so the loop's control flow runs while every tensor op stays on meta."""
+    def patch(name, fake):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            return fake(self) if self.is_meta else original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    patch("item", lambda t: 0)
+    patch("__bool__", lambda t: True)
+    patch("__int__", lambda t: 0)
+    patch("__float__", lambda t: 0.0)
+    patch("tolist", lambda t: torch.zeros(t.shape, dtype=torch.long).tolist())
+    with meta_nonzero():
+        yield
+
+
+# -- the harness: training, capture, decoding on meta ------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(DRAFT_BUILDERS))
+def test_training_loss_through_target_with_draft_runs_on_meta(family, meta_target):
+    draft = DRAFT_BUILDERS[family](meta_target.config).to(META)
+    model = TargetWithDraft(meta_target, draft, loss_chunk_size=16)
+    B, T = 2, 24
+    input_ids = torch.zeros(B, T, dtype=torch.long, device=META)
+    loss_mask = torch.ones(B, T, dtype=torch.long, device=META)
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)  # drawn on the CPU
+    with meta_nonzero():  # no host reads allowed here: a meta value read on the host raises
+        out = model(input_ids, loss_mask, **options)
+        out.loss.backward()
+    assert out.loss.device == META and out.tokens.device == META and out.correct.device == META
+    assert out.tokens.dim() == 0 and out.correct.dim() == 0 and out.tokens.dtype == torch.long
+    assert all(p.grad is not None and p.grad.device == META for p in draft.parameters())
+
+
+def test_target_capture_runs_on_meta(meta_target):
+    T = 12
+    ids = torch.zeros(1, T, dtype=torch.long, device=META)
+    features = target_features(meta_target.model, ids, torch.arange(T, device=META)[None])
+    heads, head_dim = meta_target.config.num_key_value_heads, meta_target.config.head_dim
+    for tensor in (features.input_embeds, features.cos, features.sin, features.last_keys, features.last_values):
+        assert tensor.device == META
+    assert features.last_keys.shape == (1, heads, T, head_dim)
+
+
+def drafters(meta_target):
+    """Every drafter kind, on the meta target."""
+    made = {f"{family}": GlideDrafter(build(meta_target.config).to(META).eval(), meta_target)
+            for family, build in DRAFT_BUILDERS.items()}
+    made.update(self=ModelDrafter(meta_target, name="self"), prompt_lookup=PromptLookupDrafter())
+    return made
+
+
+@pytest.mark.parametrize("shape", [dict(gamma=3), dict(tree=[2, 3])], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", [*sorted(DRAFT_BUILDERS), "self", "prompt_lookup"])
+def test_a_decoding_round_runs_on_meta(kind, shape, meta_target, monkeypatch):
+    drafter = drafters(meta_target)[kind]
+    rounds = []
+    original = drafter.propose_tree if "tree" in shape else drafter.propose_chain
+
+    def counted(*args, **kwargs):
+        tree = original(*args, **kwargs)
+        rounds.append(tree)
+        return tree
+
+    monkeypatch.setattr(drafter, "propose_tree" if "tree" in shape else "propose_chain", counted)
+    with meta_host_reads(monkeypatch):
+        result = speculative_generate(meta_target, drafter, [1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=2, **shape)
+        generate_plain(meta_target, [1, 2, 3], max_new_tokens=2)
+    assert rounds and result.target_forwards >= 1  # a full round: draft, verify, accept, keep
+    if kind != "prompt_lookup":  # model drafters keep their distributions on the model's device
+        assert rounds[0].q is None or rounds[0].q.device == META
+
+
+# -- what meta cannot catch: 0-dim tensors and host syncs ----------------------------------------
+
+def test_cross_entropy_counts_its_hits_on_the_device_of_its_inputs():
+    # a 0-dim CPU accumulator meeting a meta value passes silently; on CUDA it raises
+    hidden = torch.zeros(6, 8, device=META, requires_grad=True)
+    weight, labels = torch.zeros(16, 8, device=META), torch.zeros(6, dtype=torch.long, device=META)
+    total, correct = chunked_cross_entropy(hidden, weight, labels, chunk_size=4)
+    assert total.device == META and correct.device == META
+    _, correct = chunked_cross_entropy(hidden[:0], weight, labels[:0])  # an all-masked batch
+    assert correct.device == META
+
+
+class HostSyncCounter:
+    """Counts host reads of tensor values made from specdraft's own code (not torch's or
+    DeepSpeed's): each is a device->host sync on a GPU."""
+
+    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in self.READS:
+            self._wrap(monkeypatch, name)
+
+    def _wrap(self, monkeypatch, name):
+        original = getattr(torch.Tensor, name)
+        calls = self.calls
+
+        def read(tensor, *args, **kwargs):
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.startswith(SPECDRAFT_DIR):
+                calls.append(f"{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+            return original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+
+def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(cpu_target, monkeypatch):
+    torch.manual_seed(0)
+    draft = glide(cpu_target.config)
+    model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
+    window = LossWindow()
+    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
+    batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]
+    options = [draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for i in range(4)]
+    counter = HostSyncCounter(monkeypatch)
+    outs = []
+    for ids, opts in zip(batches, options):  # 2 optimizer steps of 2 micro-batches
+        out = model(ids, torch.ones_like(ids), **opts)
+        out.loss.backward()
+        window.add(out)
+        assert counter.calls == []
+        outs.append(out)
+        if len(outs) % 2 == 0:
+            window.end_step()
+    losses, values = window.reduce()
+    assert len(counter.calls) == 1, counter.calls  # the one read of the whole window
+    monkeypatch.undo()
+    # and what it read is what the micro-batches computed, token-weighted per step
+    sums = [(o.loss.item() * o.tokens.item(), o.tokens.item(), o.correct.item()) for o in outs]
+    step = [(sums[0][0] + sums[1][0]) / (sums[0][1] + sums[1][1]),
+            (sums[2][0] + sums[3][0]) / (sums[2][1] + sums[3][1])]
+    assert losses == pytest.approx(step, rel=1e-12)
+    tokens = sum(s[1] for s in sums)
+    assert values["loss"] == pytest.approx(sum(s[0] for s in sums) / tokens, rel=1e-12)
+    assert values["accuracy"] == pytest.approx(sum(s[2] for s in sums) / tokens, rel=1e-12)
+
+
+# -- collectives go where the backend needs them ------------------------------------------------
+
+class FakeAccelerator:
+    def __init__(self, device_name="meta", count=0):
+        self.device = device_name
+        self.count = count
+        self.saved, self.restored = [], []
+
+    def device_name(self, index=None):
+        return self.device
+
+    def current_device_name(self):
+        return self.device
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return self.count
+
+    def get_rng_state(self, index=None):
+        self.saved.append(index)
+        return torch.tensor([index, 7], dtype=torch.uint8)
+
+    def set_rng_state(self, state, index=None):
+        self.restored.append((index, state.tolist()))
+
+
+class _Reduced(Exception):
+    pass
+
+
+@pytest.fixture
+def nccl_on_meta(monkeypatch):
+    """A backend like NCCL whose collectives need tensors on the accelerator (here: meta); the
+    fake all_reduce records the device each collective was handed."""
+    import deepspeed.accelerator
+    import torch.distributed as dist
+
+    seen = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise _Reduced  # a meta tensor has no value to hand back
+
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: FakeAccelerator("meta"))
+    return seen
+
+
+def test_collective_device_follows_the_backend(nccl_on_meta, monkeypatch):
+    import torch.distributed as dist
+
+    assert collectives.collective_device() == META
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
+    assert collectives.collective_device() == torch.device("cpu")
+
+
+def test_any_rank_and_the_loss_window_reduce_on_the_backends_device(nccl_on_meta):
+    with pytest.raises(_Reduced):
+        collectives.any_rank(True)
+    assert nccl_on_meta == [META]
+    window = LossWindow()
+    window.add(type("Out", (), dict(loss=torch.tensor(2.0), tokens=torch.tensor(3), correct=torch.tensor(1)))())
+    window.end_step()
+    with pytest.raises(_Reduced):
+        window.reduce()
+    assert nccl_on_meta == [META, META]
+
+
+# -- device RNGs in the checkpoint ----------------------------------------------------------------
+
+def test_rng_state_carries_every_device_generator_through_the_accelerator(monkeypatch):
+    import deepspeed.accelerator
+
+    from specdraft.train.rng import rng_state, set_rng_state
+
+    accelerator = FakeAccelerator("cuda", count=2)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
+    state = rng_state()
+    assert accelerator.saved == [0, 1]
+    assert [t.tolist() for t in state["devices"]] == [[0, 7], [1, 7]]
+    before = torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), before)  # the CPU generator still comes back too
+    assert accelerator.restored == [(0, [0, 7]), (1, [1, 7])]
+    # the state goes through torch.save / torch.load(weights_only=True) as the checkpoint does
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert [t.tolist() for t in torch.load(buffer, weights_only=True)["devices"]] == [[0, 7], [1, 7]]
+
+
+def test_rng_state_on_the_cpu_accelerator_holds_no_device_generators():
+    from specdraft.train.rng import rng_state
+
+    assert rng_state()["devices"] == []  # the CPU accelerator's "device" RNG is torch's CPU one
+
+
+# -- eval on a device and dtype ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny_target_dir, tmp_path_factory):
+    from safetensors.torch import save_file
+
+    target = load_frozen_target(str(tiny_target_dir))
+    cfg = OmegaConf.structured(DraftConfig(max_lag=3))
+    draft = GlideDraft.from_target_config(target.config, cfg)
+    export = tmp_path_factory.mktemp("export")
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(export / "model.safetensors"))
+    (export / "config.json").write_text(json.dumps(dict(draft.export_config(), target={"path": str(tiny_target_dir)})))
+    return export
+
+
+def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(tiny_target_dir, tiny_data, tiny_export,
+                                                                            capsys):
+    from specdraft.cli import main
+    from specdraft.decode.evaluate import read_prompts, load_tokenizer
+    from specdraft.drafts.io import load_exported_draft
+
+    assert main(["eval", str(tiny_export), "--prompts", str(tiny_data.prompts_file), "--dtype", "bf16",
+                 "--device", "cpu", "--max-new-tokens", "16", "--max-prompts", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["dtype"], report["device"], report["gamma"]) == ("bfloat16", "cpu", 3)  # gamma: max_lag
+    assert report["matches_target"] is True
+    # the same decoding, held against transformers' own greedy generate of the bf16 target
+    target = load_frozen_target(str(tiny_target_dir), "bf16")
+    draft, _ = load_exported_draft(tiny_export, torch.bfloat16)
+    drafter = GlideDrafter(draft, target)
+    assert drafter.lm_head.dtype == torch.bfloat16
+    prompts = read_prompts(tiny_data.prompts_file, load_tokenizer(None, Path(tiny_target_dir)), max_prompts=3)
+    for prompt in prompts:
+        ours = speculative_generate(target, drafter, prompt, max_new_tokens=16).tokens
+        ids = torch.tensor([prompt])
+        reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                    min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        assert ours == reference.tolist()
+
+
+def test_eval_dtype_auto_is_the_targets_own_and_a_missing_gpu_is_one_line(tiny_target_dir, tiny_data, tiny_export,
+                                                                          tmp_path, capsys):
+    import shutil
+
+    from specdraft.cli import main
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(dict(config, dtype="bfloat16")))
+    assert main(["eval", str(target), "--method", "prompt_lookup", "--prompts", str(tiny_data.prompts_file),
+                 "--max-new-tokens", "4", "--max-prompts", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["gamma"] == 5  # no draft: the untrained default
+    if not torch.cuda.is_available():
+        assert report["device"] == "cpu"
+        assert main(["eval", str(tiny_export), "--prompts", str(tiny_data.prompts_file), "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "device 'cuda'" in err and len(err.splitlines()) == 1
+
+
+def test_eval_warns_once_when_asked_deeper_than_the_draft_was_trained(tiny_data, tiny_export, capsys, caplog):
+    from specdraft.decode.evaluate import evaluate
+
+    with caplog.at_level("WARNING"):
+        evaluate(tiny_export, tiny_data.prompts_file, gamma=3, max_new_tokens=4, max_prompts=1, device="cpu")
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        report = evaluate(tiny_export, tiny_data.prompts_file, tree=[2, 2, 2, 2], max_new_tokens=4, max_prompts=1,
+                          device="cpu")
+    assert report["tree"] == [2, 2, 2, 2]
+    [record] = caplog.records
+    assert "tree depth 4" in record.getMessage() and "3 tokens ahead" in record.getMessage()
