@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 
 import specdraft
 from specdraft.config import DraftConfig
-from specdraft.decode.drafters import GlideDrafter, ModelDrafter, PromptLookupDrafter
+from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
+from specdraft.drafts.glide_decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import GlideDraft
 from specdraft.drafts.loss import chunked_cross_entropy

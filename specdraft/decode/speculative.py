@@ -88,7 +88,7 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
             draft = drafter.propose_chain(tokens, cache, gamma, temperature, generator)
         else:
             draft = drafter.propose_tree(tokens, cache, tree)
-        ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n)
+        ids, positions, visible = verification_inputs(draft, int(tokens[-1]), n, device)
         logits, hidden = forward_with_hidden(target, cache, ids, positions, visible, layers=layers)
         target_probs = probabilities(logits, temperature)
         path, next_token = accept_path(draft, target_probs, generator)
