@@ -1,4 +1,5 @@
 # `make demo`: venv + install + the offline CPU demo.   `make test`: venv + install + pytest.
+# `make mutation`: semantic mutants of drafts/ and decode/ against the tests (slow; see README).
 VENV   ?= .venv
 PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench mutation clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+mutation: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python tests/mutation/run.py
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/target_weights.py
