@@ -17,9 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import specdraft.drafts.glide as glide_module
 from specdraft.config import DraftConfig
 from specdraft.decode.cache import cache_length, forward, new_cache
-from specdraft.decode.drafters import GlideDrafter
+from specdraft.drafts.glide_decode import GlideDrafter
 from specdraft.drafts import build_draft
-from specdraft.target.model import target_features
+from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 
 torch.set_num_threads(1)
@@ -58,23 +58,18 @@ def features(target, ids, positions=None):
     """What the target hands the draft for (B, T) ids at (T,) positions."""
     B, T = ids.shape
     positions = torch.arange(T) if positions is None else positions
-    return target_features(target.model, ids, positions.expand(B, T))
+    return capture(target.model, ids, positions.expand(B, T), CaptureRequest(last_layer_kv=True))
 
 
 def draft_hidden(draft, feats, lag):
     """The draft's training forward at one lag: hidden states (B, T, H) at every position."""
-    T = feats.input_embeds.shape[1]
-    index = torch.arange(T)
-    return draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
-                 cross_limit=index - lag, index=index)
+    return draft.forward_sequence(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, lag)
 
 
 def draft_hidden_kv(draft, feats, lag, keys, values, embeds=None):
     """draft_hidden with the target K/V (and optionally the input embeddings) replaced."""
-    T = feats.input_embeds.shape[1]
-    index = torch.arange(T)
     embeds = feats.input_embeds if embeds is None else embeds
-    return draft(embeds, feats.cos, feats.sin, keys, values, cross_limit=index - lag, index=index)
+    return draft.forward_sequence(embeds, feats.cos, feats.sin, keys, values, lag)
 
 
 def training_loss(draft, target, ids, loss_mask, lag, positions=None, chunk_size=5):
@@ -107,12 +102,12 @@ def training_predictions(monkeypatch, draft, target, ids, loss_mask, lag, positi
 
 def loss_given_hidden(draft, feats, ids, loss_mask, lag, hidden):
     """The training loss with the draft's hidden states replaced by `hidden` (B, T, H)."""
-    original = draft.forward
-    draft.forward = lambda *args, **kwargs: hidden
+    original = draft.forward_sequence
+    draft.forward_sequence = lambda *args, **kwargs: hidden
     try:
         return draft.training_loss(feats, LM_HEAD_IDENTITY, ids, loss_mask, chunk_size=3, lag=lag)
     finally:
-        draft.forward = original
+        draft.forward_sequence = original
 
 
 def make_drafter(draft, target):
