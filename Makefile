@@ -1,4 +1,5 @@
 # `make demo`: venv + install + the offline CPU demo.   `make test`: both venvs + pytest.
+# `make mutation`: semantic mutants of drafts/ and decode/ against the tests (slow; see README).
 VENV   ?= .venv
 PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.
@@ -12,7 +13,7 @@ SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test venv speculators-venv bench clean
+.PHONY: demo test venv speculators-venv bench mutation clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,9 @@ demo: $(STAMP)
 
 test: $(STAMP) $(SPECULATORS_STAMP)
 	SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+mutation: $(STAMP) $(SPECULATORS_STAMP)
+	OMP_NUM_THREADS=1 SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python tests/mutation/run.py
 
 # Every bench script, then one summary table of their key=value last lines.
 bench: $(STAMP)

@@ -61,38 +61,8 @@ def test_future_tokens_never_change_the_output(target, lag):
         assert not torch.allclose(out[0, t + 1:], base[0, t + 1:])  # the perturbation is real
 
 
-@pytest.mark.parametrize("lag", [1, 2, 4])
-def test_target_kv_beyond_t_minus_lag_is_invisible(target, lag):
-    draft = make_draft(target, window=T)
-    feats = features(target, torch.randint(0, 128, (1, T)))
-    base = draft_outputs(draft, feats, lag)
-    for t in (lag, 10, T - 1):
-        keys, values = feats.last_keys.clone(), feats.last_values.clone()
-        keys[:, :, t - lag + 1:] += torch.randn_like(keys[:, :, t - lag + 1:])
-        values[:, :, t - lag + 1:] += torch.randn_like(values[:, :, t - lag + 1:])
-        index = torch.arange(T)
-        out = draft(feats.input_embeds, feats.cos, feats.sin, keys, values, index - lag, index)
-        torch.testing.assert_close(out[0, t], base[0, t], rtol=0, atol=1e-6)
-        if t < T - 1:  # the last query reads up to T-1-lag >= the perturbed start: it does change
-            assert not torch.allclose(out[0, T - 1], base[0, T - 1])
-
-
-def test_self_attention_window_bounds_what_a_query_sees(target):
-    window = 4
-    draft = make_draft(target, window=window)
-    feats = features(target, torch.randint(0, 128, (1, T)))
-    index = torch.arange(T)
-    no_cross = torch.full((T,), -1)  # isolate self-attention: no target context at all
-    base = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
-    t = 15
-    embeds = feats.input_embeds.clone()
-    embeds[0, t - window] += 5.0  # just outside the window of query t
-    out = draft(embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
-    torch.testing.assert_close(out[0, t], base[0, t], rtol=0, atol=1e-6)
-    embeds = feats.input_embeds.clone()
-    embeds[0, t - window + 1] += 5.0  # the oldest position inside it
-    out = draft(embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, no_cross, index)
-    assert not torch.allclose(out[0, t], base[0, t])
+# Visibility at the exact boundaries (target K/V at t - lag vs t - lag + 1, the window edge) is
+# pinned in test_glide_semantics.py.
 
 
 def test_incremental_decoding_with_sliding_cache_matches_full_pass(target):

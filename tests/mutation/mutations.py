@@ -1,0 +1,398 @@
+"""Semantic mutations the test suite must kill, one list per family / module.
+
+A mutation replaces one exact snippet of one file. The snippet must occur exactly once: when a
+refactor moves or rewrites it, `make mutation` (and tests/test_mutation_list.py, part of `make
+test`) says "snippet not found" instead of silently skipping the mutation — update the entry to the
+new code then. `tests` are pytest arguments, run in order with -x: put the fastest killer first.
+
+To add a family: write its list below and add it to MUTATIONS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str  # unique across all lists
+    file: str  # relative to the repository root
+    original: str  # exact snippet, occurring once in `file`
+    replacement: str
+    tests: Tuple[str, ...]  # pytest arguments (files, node ids, -k ...)
+    why: str = ""  # the wrong behaviour it stands for
+
+
+SEMANTICS = "tests/test_glide_semantics.py"
+GLIDE_UNIT = "tests/test_glide.py"
+DECODE = "tests/test_decode.py"
+DECODE_FAST = (DECODE, "--deselect",
+               f"{DECODE}::test_speculative_sampling_matches_the_target_distribution_end_to_end",
+               "--deselect", f"{DECODE}::test_evaluate_reports_tau_acceptance_and_speedup")
+GLIDE_TRAIN = (SEMANTICS, GLIDE_UNIT)
+GLIDE_DECODE = (f"{SEMANTICS}::test_chain_drafting_logits_equal_training_logits_at_lag_j",
+                f"{SEMANTICS}::test_tree_drafting_logits_equal_training_logits_at_lag_depth") + DECODE_FAST
+SAMPLING = (f"{DECODE}::test_rejection_rule_reproduces_the_target_distribution",
+            f"{DECODE}::test_speculative_sampling_matches_the_target_distribution_end_to_end")
+
+GLIDE_PY = "specdraft/drafts/glide.py"
+GLIDE_DECODE_PY = "specdraft/drafts/glide_decode.py"
+LAYERS_PY = "specdraft/drafts/layers.py"
+CAPTURE_PY = "specdraft/target/capture.py"
+
+GLIDE: List[Mutation] = [
+    # labels and the counted positions
+    Mutation("glide/label-is-current-token", GLIDE_PY,
+             "labels = input_ids[:, 1:][counted]", "labels = input_ids[:, :-1][counted]", GLIDE_TRAIN,
+             "the draft learns to repeat the current token"),
+    Mutation("glide/label-two-ahead", GLIDE_PY,
+             "labels = input_ids[:, 1:][counted]", "labels = input_ids.roll(-2, dims=1)[:, :-1][counted]",
+             GLIDE_TRAIN, "the draft learns the token after next"),
+    Mutation("glide/prediction-shift", GLIDE_PY,
+             "predictions = hidden[:, :-1][counted]", "predictions = hidden[:, 1:][counted]", GLIDE_TRAIN,
+             "hidden[t+1] trained on token t+1"),
+    Mutation("glide/loss-mask-shift", GLIDE_PY,
+             "counted = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)",
+             "counted = loss_mask[:, :-1].bool() & (index[None, :-1] >= lag)", GLIDE_TRAIN,
+             "the mask of the current token instead of the predicted one"),
+    Mutation("glide/count-from-lag-minus-1", GLIDE_PY,
+             "(index[None, :-1] >= lag)", "(index[None, :-1] >= lag - 1)", GLIDE_TRAIN,
+             "a position without target context is trained"),
+    Mutation("glide/count-from-lag-plus-1", GLIDE_PY,
+             "(index[None, :-1] >= lag)", "(index[None, :-1] > lag)", GLIDE_TRAIN,
+             "the first position with context is dropped"),
+    Mutation("glide/loss-normaliser", GLIDE_PY,
+             "loss=total / tokens.clamp_min(1)", "loss=total / (tokens + 1).clamp_min(1)", GLIDE_TRAIN),
+    # lag in training
+    # The training path has no cross_limit any more: GlideCrossAttention passes `lag` to
+    # layers.lagged_cross_attention (queries [lag:] over keys [:T-lag]); the lag it is given is
+    # shifted by one while the counted positions keep the drawn lag.
+    Mutation("glide/train-lag-plus-1", GLIDE_PY,
+             "target_values.to(q.dtype), lag, documents)", "target_values.to(q.dtype), lag - 1, documents)",
+             GLIDE_TRAIN, "query t sees target K/V one position further than inference gives it (the "
+             "training cross-attention is called with lag - 1; was cross_limit=index - lag + 1)"),
+    Mutation("glide/train-lag-minus-1", GLIDE_PY,
+             "target_values.to(q.dtype), lag, documents)", "target_values.to(q.dtype), lag + 1, documents)",
+             GLIDE_TRAIN, "query t sees one target position less than inference gives it (the training "
+             "cross-attention is called with lag + 1; was cross_limit=index - lag - 1)"),
+    Mutation("glide/lagged-keys-not-shifted", LAYERS_PY,
+             "q, k, v = q[:, :, lag:], k[:, :, :T - lag], v[:, :, :T - lag]",
+             "q, k, v = q[:, :, lag:], k[:, :, lag:], v[:, :, lag:]", GLIDE_TRAIN,
+             "lagged_cross_attention: query t reads target keys up to t instead of t - lag"),
+    Mutation("glide/cross-limit-exclusive", GLIDE_PY,
+             "torch.arange(S, device=x.device)[None, :] <= limit[:, None]",
+             "torch.arange(S, device=x.device)[None, :] < limit[:, None]", GLIDE_TRAIN),
+    Mutation("glide/no-context-rows-not-zeroed", GLIDE_PY,
+             "out = out * has_context[None, None, :, None].to(out.dtype)", "out = out", GLIDE_TRAIN,
+             "rows without target context attend to position 0"),
+    Mutation("glide/lag-never-max", GLIDE_PY,
+             "torch.randint(1, self.dims.max_lag + 1,", "torch.randint(1, self.dims.max_lag,", GLIDE_TRAIN),
+    Mutation("glide/lag-zero-drawn", GLIDE_PY,
+             "torch.randint(1, self.dims.max_lag + 1,", "torch.randint(0, self.dims.max_lag + 1,", GLIDE_TRAIN,
+             "lag 0: query t reads the target's own state at t"),
+    # the self-attention window
+    Mutation("glide/window-plus-1", GLIDE_PY,
+             "(distance < self.d.sliding_window)", "(distance <= self.d.sliding_window)", GLIDE_TRAIN),
+    Mutation("glide/window-minus-1", GLIDE_PY,
+             "(distance < self.d.sliding_window)", "(distance < self.d.sliding_window - 1)", GLIDE_TRAIN),
+    Mutation("glide/train-window-plus-1", LAYERS_PY,
+             "visible = ((distance >= 0) & (distance < window))[None, None]",
+             "visible = ((distance >= 0) & (distance <= window))[None, None]", GLIDE_TRAIN,
+             "sliding_window_attention (one band mask, T <= 2 window): a query sees one key too many"),
+    Mutation("glide/train-window-minus-1", LAYERS_PY,
+             "visible = ((distance >= 0) & (distance < window))[None, None]",
+             "visible = ((distance >= 0) & (distance < window - 1))[None, None]", GLIDE_TRAIN,
+             "sliding_window_attention (one band mask, T <= 2 window): a query misses its oldest key"),
+    Mutation("glide/train-blocked-window-plus-1", LAYERS_PY,
+             "band = (distance >= 0) & (distance < window)", "band = (distance >= 0) & (distance <= window)",
+             GLIDE_TRAIN, "sliding_window_attention (blocks, T > 2 window): a query sees one key too many"),
+    Mutation("glide/self-attention-sees-next", GLIDE_PY,
+             "(distance >= 0) &", "(distance >= -1) &", GLIDE_TRAIN, "a query sees the next draft token"),
+    Mutation("glide/cache-window-plus-1", GLIDE_DECODE_PY,
+             "(keys[:, :, -self.window:], values[:, :, -self.window:],\n"
+             "                                              index[-self.window:])",
+             "(keys[:, :, -self.window - 1:], values[:, :, -self.window - 1:],\n"
+             "                                              index[-self.window - 1:])", GLIDE_DECODE,
+             "the inference cache keeps one entry more than the window (memory bound broken)"),
+    Mutation("glide/cache-window-minus-1", GLIDE_DECODE_PY,
+             "(keys[:, :, -self.window:], values[:, :, -self.window:],\n"
+             "                                              index[-self.window:])",
+             "(keys[:, :, 1 - self.window:], values[:, :, 1 - self.window:],\n"
+             "                                              index[1 - self.window:])", GLIDE_DECODE,
+             "the inference cache drops the oldest entry the window still sees"),
+    Mutation("glide/cache-crop-keeps-rejected", GLIDE_DECODE_PY,
+             "keep = self.index < length", "keep = self.index <= length", GLIDE_DECODE),
+    # what the layer reads
+    Mutation("glide/target-keys-values-swapped", GLIDE_PY,
+             "lagged_cross_attention(q, target_keys.to(q.dtype), target_values.to(q.dtype), lag, documents)",
+             "lagged_cross_attention(q, target_values.to(q.dtype), target_keys.to(q.dtype), lag, documents)",
+             GLIDE_TRAIN, "training cross-attention reads target values as keys"),
+    Mutation("glide/decode-target-keys-values-swapped", GLIDE_PY,
+             "attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)",
+             "attend(q, target_values.to(q.dtype), target_keys.to(q.dtype), visible)", GLIDE_DECODE,
+             "inference cross-attention (cross_limit path) reads target values as keys"),
+    Mutation("glide/cross-query-without-rope", GLIDE_PY,
+             "q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)\n"
+             "        if limit is None:",
+             "q = self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)\n"
+             "        if limit is None:", GLIDE_TRAIN),
+    Mutation("glide/final-norm-ignored", GLIDE_PY,
+             "documents=documents)\n"
+             "        x = x + self.mlp(self.post_attention_layernorm(x))\n"
+             "        return self.norm(x) if self.norm is not None else x",
+             "documents=documents)\n"
+             "        x = x + self.mlp(self.post_attention_layernorm(x))\n"
+             "        return x", GLIDE_TRAIN, "forward_sequence (training) skips the final norm"),
+    Mutation("glide/anchor-sinks-off-by-one", GLIDE_PY,
+             "positions[sinks:] += offset", "positions[sinks + 1:] += offset", GLIDE_TRAIN),
+    # the shared loss and the target's features
+    Mutation("loss/no-onehot-in-gradient", "specdraft/drafts/loss.py",
+             "probs[rows, y] -= 1.0", "probs[rows, y] -= 0.0", GLIDE_TRAIN),
+    Mutation("loss/wrong-label-logit", "specdraft/drafts/loss.py",
+             "label_logit = logits[rows, y]", "label_logit = logits[:, 0]", GLIDE_TRAIN),
+    Mutation("target/first-layer-kv", CAPTURE_PY,
+             "_LastLayerKV(base_model.config, num_layers - 1,", "_LastLayerKV(base_model.config, 0,", GLIDE_TRAIN,
+             "GLIDE reads the target's first layer instead of its last"),
+    Mutation("target/keys-values-swapped", CAPTURE_PY,
+             "features.last_keys, features.last_values = cache.keys, cache.values",
+             "features.last_keys, features.last_values = cache.values, cache.keys", GLIDE_TRAIN),
+]
+
+DRAFTERS_PY = "specdraft/decode/drafters.py"  # the shared tree growth; GLIDE's drafter is in GLIDE_DECODE_PY
+
+# Not listed, because they are equivalent: the drafter's cross limit n - 1 -> n (the target cache
+# holds positions 0..n-1, so both read all of it), and the catch-up's `index - 1` -> `index` (only
+# x_n's output is used, for which the same holds).
+GLIDE_DRAFTER: List[Mutation] = [
+    Mutation("glide-drafter/chain-lag-plus-1", GLIDE_DECODE_PY,
+             "torch.tensor([n + j]), torch.tensor([n - 1]),", "torch.tensor([n + j]), torch.tensor([n - 2]),",
+             GLIDE_DECODE, "drafted token j+1 reads one target position less than in training (lag j+1)"),
+    Mutation("glide-drafter/tree-lag-plus-1", GLIDE_DECODE_PY,
+             "torch.tensor([n + depth]), torch.tensor([n - 1]),",
+             "torch.tensor([n + depth]), torch.tensor([n - 2]),", GLIDE_DECODE),
+    Mutation("glide-drafter/catch-up-lag-plus-1", GLIDE_DECODE_PY,
+             "index, index - 1, target_cache, self.cache)", "index, index - 2, target_cache, self.cache)",
+             GLIDE_DECODE, "the first drafted token is predicted at lag 2"),
+    Mutation("glide-drafter/chain-position", GLIDE_DECODE_PY,
+             "torch.tensor([[token]]), torch.tensor([n + j]),", "torch.tensor([[token]]), torch.tensor([n + j - 1]),",
+             GLIDE_DECODE, "a drafted token fed at its parent's index (RoPE and window)"),
+    Mutation("glide-drafter/tree-position", GLIDE_DECODE_PY,
+             "self._logits(new_tokens[:, None], torch.tensor([n + depth]),",
+             "self._logits(new_tokens[:, None], torch.tensor([n + depth - 1]),", GLIDE_DECODE),
+    Mutation("glide-drafter/no-fork", GLIDE_DECODE_PY,
+             "fork = copy.copy(self.cache)", "fork = self.cache", GLIDE_DECODE,
+             "drafted tokens written into the verified window"),
+    Mutation("glide-drafter/tree-rows-not-reordered", GLIDE_DECODE_PY,
+             "rows.keys, rows.values = rows.keys[parent_rows], rows.values[parent_rows]",
+             "rows.keys, rows.values = rows.keys[parent_rows.flip(0)], rows.values[parent_rows.flip(0)]",
+             GLIDE_DECODE, "a tree node continues another node's path"),
+    Mutation("glide-drafter/rollback-keeps-length", GLIDE_DECODE_PY,
+             "self.length = min(self.length, length)", "self.length = self.length", GLIDE_DECODE),
+    Mutation("glide-drafter/window-plus-1", GLIDE_DECODE_PY,
+             "SlidingWindowCache(self.draft.dims.sliding_window)",
+             "SlidingWindowCache(self.draft.dims.sliding_window + 1)", GLIDE_DECODE),
+    Mutation("drafters/tree-parent", DRAFTERS_PY,
+             "parents += [frontier[r] for r in rows.tolist()]", "parents += [frontier[0] for r in rows.tolist()]",
+             GLIDE_DECODE),
+]
+
+DECODING: List[Mutation] = [
+    Mutation("sampling/residual-forgets-q", "specdraft/decode/sampling.py",
+             "residual = (p - q).clamp_min(0.0)", "residual = p.clamp_min(0.0)", SAMPLING,
+             "a rejected token is resampled from p instead of norm(max(0, p - q))"),
+    Mutation("sampling/residual-reversed", "specdraft/decode/sampling.py",
+             "residual = (p - q).clamp_min(0.0)", "residual = (q - p).clamp_min(0.0)", SAMPLING),
+    Mutation("sampling/acceptance-inverted", "specdraft/decode/sampling.py",
+             "if u * q[token] < p[token]:", "if u * p[token] < q[token]:", SAMPLING),
+    Mutation("sampling/acceptance-deterministic", "specdraft/decode/sampling.py",
+             "if u * q[token] < p[token]:", "if q[token] <= p[token]:", SAMPLING,
+             "accept iff p >= q, no coin"),
+    Mutation("tree/parent-only-mask", "specdraft/decode/tree.py",
+             "seen[i] |= seen[parent]", "seen[i, parent] = True", DECODE_FAST,
+             "a node sees its parent but not the rest of its path"),
+    Mutation("tree/root-sees-nodes", "specdraft/decode/tree.py",
+             "in_tree[0, 1:] = False", "in_tree[0, 1:] = True", DECODE_FAST),
+    Mutation("tree/node-positions", "specdraft/decode/tree.py",
+             "torch.zeros(1, dtype=torch.long), tree.depth])", "torch.zeros(1, dtype=torch.long), tree.depth + 1])",
+             DECODE_FAST),
+    Mutation("cache/prefix-keeps-one-less", "specdraft/decode/cache.py",
+             "layer.keys[..., :len(keep), :], layer.values[..., :len(keep), :]",
+             "layer.keys[..., :len(keep) - 1, :], layer.values[..., :len(keep) - 1, :]", DECODE_FAST),
+    Mutation("cache/always-prefix", "specdraft/decode/cache.py",
+             "prefix = bool((keep == torch.arange(len(keep))).all())", "prefix = True", DECODE_FAST,
+             "an accepted tree branch is kept as if it were the first nodes"),
+    Mutation("cache/last-layer-is-first", "specdraft/decode/cache.py",
+             "layer = cache.layers[-1]", "layer = cache.layers[0]", GLIDE_DECODE,
+             "the drafter reads another layer than the one it was trained on"),
+    Mutation("speculative/keep-positions-shift", "specdraft/decode/speculative.py",
+             "[0] + [1 + node for node in path]", "[0] + [node for node in path]",
+             DECODE_FAST, "the cache keeps the root's neighbour instead of the accepted node"),
+]
+
+# EAGLE-3 (from notes/eagle3-mutations.py)
+E3 = "specdraft/drafts/eagle3.py"
+E3_DECODE = "specdraft/drafts/eagle3_decode.py"
+E3_VOCAB = "specdraft/drafts/vocab.py"
+E3_TRAIN = ("tests/test_eagle3.py",)
+E3_SPEC = ("tests/test_eagle3_export.py",)
+
+EAGLE3: List[Mutation] = [
+    Mutation("eagle3/d2t-off-by-one", E3_VOCAB,
+             "return torch.arange(d2t.numel(), device=d2t.device) + d2t",
+             "return torch.arange(d2t.numel(), device=d2t.device) + d2t + 1", E3_TRAIN,
+             "draft id i mapped to the next target id"),
+    Mutation("eagle3/d2t-not-relative", E3_VOCAB,
+             "d2t = torch.from_numpy(used - np.arange(draft_vocab_size))", "d2t = torch.from_numpy(used)",
+             E3_TRAIN, "d2t stores target ids instead of offsets"),
+    Mutation("eagle3/ttt-token-shift", E3,
+             "embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}", "embeds = shift_left(input_embeds, 1)",
+             E3_TRAIN, "every TTT step embeds x_{t+1} instead of x_{t+1+k}"),
+    Mutation("eagle3/ttt-position-shift", E3,
+             "index + 1 + k, keys, values,", "index + 1, keys, values,", E3_TRAIN + E3_SPEC,
+             "RoPE positions not advanced per TTT step"),
+    Mutation("eagle3/ttt-label-shift", E3,
+             "counted = loss_mask[:, 2 + k:].bool()  # (B, span)", "counted = loss_mask[:, 1 + k:-1].bool()  # (B, span)",
+             E3_TRAIN, "the mask of the input token instead of the predicted one"),
+    Mutation("eagle3/ttt-teacher-shift", E3,
+             "teacher = features.final_hidden[:, 1 + k:1 + k + span][counted]",
+             "teacher = features.final_hidden[:, k:k + span][counted]", E3_TRAIN,
+             "the teacher one position early"),
+    Mutation("eagle3/decay-ignored", E3,
+             "weighted = step_loss * self.dims.ttt_decay ** k", "weighted = step_loss", E3_TRAIN),
+    Mutation("eagle3/decay-off-by-one", E3,
+             "weighted = step_loss * self.dims.ttt_decay ** k", "weighted = step_loss * self.dims.ttt_decay ** (k + 1)",
+             E3_TRAIN),
+    Mutation("eagle3/visibility-no-diagonal", E3,
+             "return torch.cat([causal] + [diagonal] * step, dim=1)",
+             "return torch.cat([causal] + [torch.zeros_like(diagonal)] * step, dim=1)", E3_TRAIN),
+    Mutation("eagle3/visibility-causal-later-steps", E3,
+             "return torch.cat([causal] + [diagonal] * step, dim=1)",
+             "return torch.cat([causal] + [causal] * step, dim=1)", E3_TRAIN,
+             "step k sees earlier positions of later steps"),
+    Mutation("eagle3/hidden-not-fed-back", E3,
+             "hidden, head_in, new_k, new_v = self.step(embeds, hidden,",
+             "_, head_in, new_k, new_v = self.step(embeds, hidden,", E3_TRAIN,
+             "every step reads the target's states instead of the draft's own output"),
+    Mutation("eagle3/layer-ids-output-convention", "specdraft/target/capture.py",
+             "module = base_model.norm if layer_id == num_layers else base_model.layers[layer_id]",
+             "module = base_model.norm if layer_id + 1 == num_layers else base_model.layers[layer_id + 1]",
+             ("tests/test_capture.py", "tests/test_eagle3.py"), "SpecForge's output-of-layer ids instead of vLLM's"),
+    Mutation("eagle3/default-layers", E3,
+             "layers = [2, num_layers // 2, num_layers - 3]", "layers = [1, num_layers // 2, num_layers - 2]",
+             E3_TRAIN),
+    Mutation("eagle3/residual-flag-inverted", E3,
+             "residual = normed if self.norm_before_residual else hidden",
+             "residual = hidden if self.norm_before_residual else normed", E3_TRAIN + E3_SPEC),
+    Mutation("eagle3/drafter-position", E3_DECODE,
+             "positions = torch.arange(start + 1, n + 1, device=self.device)",
+             "positions = torch.arange(start, n, device=self.device)", E3_TRAIN,
+             "inference RoPE positions one off the training ones"),
+]
+
+# DFlash (from notes/dflash_mutations.py)
+DFLASH_PY = "specdraft/drafts/dflash.py"
+DFLASH_DECODE_PY = "specdraft/drafts/dflash_decode.py"
+DFLASH_SPEC_PY = "specdraft/drafts/dflash_speculators.py"
+DFLASH_TESTS = ("tests/test_dflash.py",)
+DFLASH_REF = ("tests/test_dflash.py::test_vectorised_forward_loss_and_grads_equal_the_reference",)
+DFLASH_EXPORT = ("tests/test_dflash_export.py",)  # needs the speculators venv for the logits check
+
+DFLASH: List[Mutation] = [
+    Mutation('dflash/context-includes-anchor', DFLASH_PY,
+             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]',
+             'before_anchor = kv <= self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]', DFLASH_TESTS, "the anchor's own target state leaks in"),
+    Mutation('dflash/context-misses-last', DFLASH_PY,
+             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]',
+             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)] - 1', DFLASH_TESTS, 'the last verified position is dropped'),
+    Mutation('dflash/sees-other-blocks', DFLASH_PY,
+             'same_block = (kv - self.context_len) // self.block_size == block',
+             'same_block = kv >= self.context_len', DFLASH_TESTS, 'a block attends to other blocks'),
+    Mutation('dflash/causal-in-block', DFLASH_PY,
+             'same_block = (kv - self.context_len) // self.block_size == block',
+             'same_block = ((kv - self.context_len) // self.block_size == block) & (kv - self.context_len <= q)', DFLASH_TESTS, 'causal instead of bidirectional inside the block'),
+    Mutation('dflash/label-offset-plus-1', DFLASH_PY,
+             'label_pos = anchors[..., None] + 1 + torch.arange(',
+             'label_pos = anchors[..., None] + 2 + torch.arange(', DFLASH_TESTS, 'block predicts one token too far'),
+    Mutation('dflash/label-offset-0', DFLASH_PY,
+             'label_pos = anchors[..., None] + 1 + torch.arange(',
+             'label_pos = anchors[..., None] + 0 + torch.arange(', DFLASH_TESTS, 'the anchor is its own label'),
+    Mutation('dflash/loss-ignores-first-slot', DFLASH_PY,
+             'hidden[:, :, first + j][counted]',
+             'hidden[:, :, j][counted]', DFLASH_TESTS, 'the anchor slot trained on anchor+1 when it should not'),
+    Mutation('dflash/layout-swapped', DFLASH_PY,
+             'return 0 if self.sample_from_anchor else 1',
+             'return 1 if self.sample_from_anchor else 0', DFLASH_TESTS),
+    Mutation('dflash/anchor-needs-own-mask', DFLASH_PY,
+             'candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()',
+             'candidate[:, 1:last + 1] = loss_mask[:, 1:last + 1].bool()', DFLASH_TESTS),
+    Mutation('dflash/anchor-0-allowed', DFLASH_PY,
+             'candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()',
+             'candidate[:, 0:last + 1] = loss_mask[:, 1:last + 2].bool()', DFLASH_TESTS, 'a block without context'),
+    Mutation('dflash/padding-anchors-valid', DFLASH_PY,
+             'valid = top >= 0',
+             'valid = top >= -1', DFLASH_TESTS),
+    Mutation('dflash/padding-anchors-counted', DFLASH_PY,
+             '.view_as(label_pos).bool() & valid[..., None]',
+             '.view_as(label_pos).bool()', DFLASH_TESTS),
+    Mutation('dflash/block-positions-shift', DFLASH_PY,
+             'return self.anchors[..., None] + torch.arange(self.block_size',
+             'return self.anchors[..., None] + 1 + torch.arange(self.block_size', DFLASH_TESTS),
+    Mutation('dflash/weights-from-1', DFLASH_PY,
+             'return torch.exp(-torch.arange(layout.predictions, dtype=torch.float32, device=device) / gamma)',
+             'return torch.exp(-(1 + torch.arange(layout.predictions, dtype=torch.float32, device=device)) / gamma)', DFLASH_TESTS),
+    Mutation('dflash/weights-ignored', DFLASH_PY,
+             'total = total + float(weights[j]) * ce_sum',
+             'total = total + ce_sum', DFLASH_REF),
+    Mutation('dflash/loss-normaliser', DFLASH_PY,
+             'loss=total / tokens.clamp_min(1)',
+             'loss=total / (tokens + 1)', DFLASH_REF),
+    Mutation('dflash/no-hidden-norm', DFLASH_PY,
+             'return self.hidden_norm(self.fc(stacked.to(self.fc.weight.dtype)))',
+             'return self.fc(stacked.to(self.fc.weight.dtype))', DFLASH_REF + DFLASH_EXPORT),
+    Mutation('dflash/mask-delta-ignored', DFLASH_PY,
+             'mask = (mask_embed.to(self.mask_delta.dtype) + self.mask_delta)',
+             'mask = (mask_embed.to(self.mask_delta.dtype) + 0 * self.mask_delta)', DFLASH_TESTS),
+    Mutation('dflash/no-k-norm', DFLASH_PY,
+             'k = apply_rope(self.k_norm(self._heads(self.k_proj(x))), cos, sin)',
+             'k = apply_rope(self._heads(self.k_proj(x)), cos, sin)', DFLASH_REF + DFLASH_EXPORT),
+    Mutation('dflash/no-final-norm', DFLASH_PY,
+             '        return self.norm(x)\n',
+             '        return x\n', DFLASH_REF + DFLASH_EXPORT),
+    Mutation('dflash/drafter-positions-shift', DFLASH_DECODE_PY,
+             'torch.arange(n, n + self.layout.block_size)',
+             'torch.arange(n + 1, n + 1 + self.layout.block_size)', DFLASH_TESTS),
+    Mutation('dflash/drafter-reads-anchor-slot', DFLASH_DECODE_PY,
+             'return self.block_logits(anchor_token, n)[self.layout.first_slot:]',
+             'return self.block_logits(anchor_token, n)[1:]', DFLASH_TESTS, 'sample_from_anchor=True drafts one too far'),
+    Mutation('dflash/tree-wrong-slot', DFLASH_DECODE_PY,
+             'logprobs[depth].expand(len(new_tokens), -1)',
+             'logprobs[depth - 1].expand(len(new_tokens), -1)', DFLASH_TESTS),
+    Mutation('dflash/context-positions-from-0', DFLASH_DECODE_PY,
+             'positions = torch.arange(start, start + context.shape[1])',
+             'positions = torch.arange(context.shape[1])', DFLASH_TESTS),
+    Mutation('dflash/export-mask-id', DFLASH_SPEC_PY,
+             '"mask_token_id": dims.mask_token_id,',
+             '"mask_token_id": dims.mask_token_id - 1,', DFLASH_EXPORT),
+    Mutation('dflash/export-layers-reversed', DFLASH_SPEC_PY,
+             '"aux_hidden_state_layer_ids": list(dims.target_layers),',
+             '"aux_hidden_state_layer_ids": list(reversed(dims.target_layers)),', DFLASH_EXPORT),
+    Mutation('dflash/export-speculative-tokens', DFLASH_SPEC_PY,
+             '"speculative_tokens": draft.layout.predictions,',
+             '"speculative_tokens": dims.block_size,', DFLASH_EXPORT),
+    Mutation('dflash/export-trained-mask', DFLASH_SPEC_PY,
+             'if bool((delta != 0).any()):',
+             'if False:', DFLASH_EXPORT),
+]
+
+MUTATIONS: Dict[str, List[Mutation]] = {
+    "glide": GLIDE,
+    "glide-drafter": GLIDE_DRAFTER,
+    "decoding": DECODING,
+    "eagle3": EAGLE3,
+    "dflash": DFLASH,
+}
+
+
+def all_mutations() -> List[Mutation]:
+    return [m for group in MUTATIONS.values() for m in group]

@@ -1,0 +1,150 @@
+"""`make mutation`: apply each semantic mutation to a temporary copy of the tree, run its tests.
+
+    python tests/mutation/run.py                 every mutation (tests/mutation/mutations.py)
+    python tests/mutation/run.py -k glide/label  only names containing a substring (repeatable)
+    python tests/mutation/run.py --list          the mutations, no run
+
+The working tree is never written: the files git tracks (plus untracked, not ignored ones) are
+copied to a temporary directory, each mutant is written there and the original put back after
+its run, and pytest runs with that copy first on PYTHONPATH. The tests each mutation names first
+run unmutated (a failing baseline would make every mutant look killed). Exit status 1 when a
+mutation survives, its snippet is not found exactly once, or a baseline fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mutations import Mutation, all_mutations  # noqa: E402
+
+
+def copy_tree(destination: Path) -> None:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():  # deleted-but-tracked files are skipped
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def run_tests(tree: Path, args: Tuple[str, ...], timeout: int) -> Tuple[str, float, str]:
+    """-> ("passed" | "failed" | "timeout", seconds, last lines of output)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+               DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - start, ""
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    detail = failed[0] if failed else "\n".join(lines[-3:])
+    return ("passed" if done.returncode == 0 else "failed"), time.perf_counter() - start, detail
+
+
+def check_snippet(tree: Path, mutation: Mutation) -> str:
+    """'' when the mutation applies; otherwise what is wrong with it."""
+    path = tree / mutation.file
+    if not path.is_file():
+        return f"file not found: {mutation.file}"
+    count = path.read_text().count(mutation.original)
+    if count != 1:
+        return f"snippet {'not found' if count == 0 else f'found {count} times'} in {mutation.file}"
+    if mutation.original == mutation.replacement:
+        return "replacement equals the original"
+    return ""
+
+
+def run_mutation(tree: Path, mutation: Mutation, timeout: int) -> Tuple[str, float, str]:
+    problem = check_snippet(tree, mutation)
+    if problem:
+        return "error", 0.0, problem
+    path = tree / mutation.file
+    original = path.read_text()
+    try:
+        path.write_text(original.replace(mutation.original, mutation.replacement))
+        outcome, seconds, tail = run_tests(tree, mutation.tests, timeout)
+    finally:
+        path.write_text(original)
+    # a failing (or hanging) test run kills the mutant; passing tests let it survive
+    return ("survived" if outcome == "passed" else "killed"), seconds, tail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", dest="select", action="append", default=[],
+                        help="only mutations whose name contains this (repeatable: any of them)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per test run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    args = parser.parse_args(argv)
+
+    mutations = [m for m in all_mutations() if not args.select or any(k in m.name for k in args.select)]
+    names = [m.name for m in all_mutations()]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        print(f"duplicate mutation names: {sorted(duplicates)}")
+        return 1
+    if args.list:
+        for m in mutations:
+            print(f"{m.name:45s} {m.file}  {m.why}")
+        return 0
+
+    started = time.perf_counter()
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="specdraft-mutation-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        if not args.no_baseline:
+            baselines: Dict[Tuple[str, ...], str] = {}
+            for m in mutations:
+                if m.tests not in baselines:
+                    outcome, seconds, tail = run_tests(tree, m.tests, args.timeout)
+                    baselines[m.tests] = outcome
+                    print(f"baseline {outcome:8s} {seconds:6.1f}s  {' '.join(m.tests)[:100]}", flush=True)
+                    if outcome != "passed":
+                        print(tail)
+                        failures += 1
+            if failures:
+                print("the unmutated tests do not pass: fix them before judging mutants")
+                return 1
+
+        results: List[Tuple[Mutation, str, float]] = []
+        for m in mutations:
+            status, seconds, detail = run_mutation(tree, m, args.timeout)
+            results.append((m, status, seconds))
+            line = f"{status:8s} {seconds:6.1f}s  {m.name}"
+            if status == "killed":
+                line += f"  by {detail.split(' - ')[0].replace('FAILED ', '')[:110]}"
+            else:
+                line += f"  <- {detail or m.why or 'no test fails'}"
+            print(line, flush=True)
+
+    survived = [m.name for m, status, _ in results if status == "survived"]
+    errors = [m.name for m, status, _ in results if status == "error"]
+    killed = sum(status == "killed" for _, status, _ in results)
+    print(f"\n{killed}/{len(results)} killed, {len(survived)} survived, {len(errors)} not applicable; "
+          f"{time.perf_counter() - started:.0f}s in all")
+    for name in survived:
+        print(f"  SURVIVED: {name}")
+    for name in errors:
+        print(f"  SNIPPET:  {name}")
+    return 1 if survived or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
