@@ -23,7 +23,8 @@ from specdraft.drafts.glide_decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import GlideDraft
 from specdraft.drafts.loss import chunked_cross_entropy
-from specdraft.target.model import load_frozen_target, target_features
+from specdraft.target.capture import CaptureRequest, capture
+from specdraft.target.model import load_frozen_target
 from specdraft.train import collectives
 from specdraft.train.loop import LossWindow
 from specdraft.train.model import TargetWithDraft
@@ -39,6 +40,15 @@ def glide(target_config):
 
 
 DRAFT_BUILDERS = {"glide": glide}  # family -> (target config -> a fresh draft)
+
+
+@pytest.fixture(autouse=True)
+def keep_transformers_masks(monkeypatch):
+    """transformers asks on the host whether our all-ones padding mask may be skipped (a read it
+    makes on a GPU too, not ours); meta cannot answer it, so the mask is kept: same attention."""
+    from transformers import masking_utils
+
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,7 @@ def test_training_loss_through_target_with_draft_runs_on_meta(family, meta_targe
 def test_target_capture_runs_on_meta(meta_target):
     T = 12
     ids = torch.zeros(1, T, dtype=torch.long, device=META)
-    features = target_features(meta_target.model, ids, torch.arange(T, device=META)[None])
+    features = capture(meta_target.model, ids, torch.arange(T, device=META)[None], CaptureRequest(last_layer_kv=True))
     heads, head_dim = meta_target.config.num_key_value_heads, meta_target.config.head_dim
     for tensor in (features.input_embeds, features.cos, features.sin, features.last_keys, features.last_values):
         assert tensor.device == META
@@ -274,7 +284,7 @@ def test_any_rank_and_the_loss_window_reduce_on_the_backends_device(nccl_on_meta
         collectives.any_rank(True)
     assert nccl_on_meta == [META]
     window = LossWindow()
-    window.add(type("Out", (), dict(loss=torch.tensor(2.0), tokens=torch.tensor(3), correct=torch.tensor(1)))())
+    window.add(type("Out", (), dict(loss=torch.tensor(2.0), tokens=torch.tensor(3), correct=torch.tensor(1), metrics={}))())
     window.end_step()
     with pytest.raises(_Reduced):
         window.reduce()

@@ -82,4 +82,4 @@ def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor
     with record_layer_inputs(model.model, layers) as hidden:
         out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
                     attention_mask=mask, past_key_values=cache, use_cache=True)
-    return out.logits[0].float().cpu(), {layer: h[0] for layer, h in hidden.items()}
+    return out.logits[0].float(), {layer: h[0] for layer, h in hidden.items()}

@@ -85,7 +85,7 @@ class DFlashDrafter(Drafter):
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size))
         hidden = self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
                             list(zip(self.keys, self.values)), None)  # (1, S, H)
-        return self.draft.head_logits(hidden, self.lm_head)[0].float().cpu()
+        return self.draft.head_logits(hidden, self.lm_head)[0].float()
 
     def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
         """(P, V): row j = logits of the token at n + 1 + j, given x_n (one forward)."""

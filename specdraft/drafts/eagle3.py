@@ -49,7 +49,7 @@ AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 class Eagle3Options:
     """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults)."""
 
-    target_layers: Optional[List[int]] = None  # layer inputs (vLLM ids); None or [] = [2, L//2, L-3]
+    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
     draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
     ttt_steps: int = 7  # training-time-test unroll
     ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k

@@ -66,7 +66,7 @@ class Eagle3Drafter(Drafter):
         """(..., N) draft logits -> (..., V) on the target vocab, -inf outside the draft vocab."""
         full = logits.new_full(logits.shape[:-1] + (self.vocab_size,), float("-inf"))
         full[..., self.draft_ids] = logits
-        return full.float().cpu()
+        return full.float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self.device, self.dtype)

@@ -98,7 +98,7 @@ class GlideDrafter(Drafter):
         keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
         hidden = self.draft(embeds, cos.to(self.dtype), sin.to(self.dtype), keys, values,
                             cross_limit, index, cache)
-        return self.draft.logits(hidden, self.lm_head).float().cpu()
+        return self.draft.logits(hidden, self.lm_head).float()
 
     def _catch_up(self, tokens: torch.Tensor, target_cache) -> torch.Tensor:
         """Feed the verified tokens the draft has not seen, up to and including x_n: -> (V,) logits."""
