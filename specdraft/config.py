@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 
@@ -206,9 +207,9 @@ def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
 
 
 def config_hash(cfg: DictConfig) -> str:
-    """Identity of what a checkpoint depends on: target, draft architecture and data layout."""
+    """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
+    identified by its content, see target.weights.target_identity, not by its path.)"""
     identity = {
-        "target": os.path.abspath(cfg.target),
         "draft": OmegaConf.to_container(cfg.draft),
         "max_seq_length": cfg.max_seq_length,
     }
@@ -216,7 +217,4 @@ def config_hash(cfg: DictConfig) -> str:
 
 
 def save_config(cfg: DictConfig, path: Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    OmegaConf.save(cfg, tmp, resolve=True)
-    os.replace(tmp, path)
+    write_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))

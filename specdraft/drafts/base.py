@@ -50,6 +50,15 @@ class Draft(nn.Module, ABC):
     def export_config(self) -> Dict[str, Any]:
         """The JSON-able description written next to exported weights (rebuilds the draft)."""
 
+    def extra_state(self) -> Dict[str, torch.Tensor]:
+        """State besides the trainable weights (e.g. EAGLE-3's vocab maps), saved in every
+        checkpoint's client state: a universal (elastic) load restores parameters only."""
+        return {}
+
+    def load_extra_state(self, state: Dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} holds no extra state, got {sorted(state)}")
+
 
 @dataclass
 class DraftLoss:

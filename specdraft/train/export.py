@@ -1,4 +1,5 @@
-"""Draft-only exports: the draft's weights without the target, in files a user can ship.
+"""Draft-only exports: the draft's weights without the target, in files a user can ship; and the
+offline commands that make them from a run's checkpoint (`specdraft export`, `consolidate`).
 
 step_<N>/
   draft_model_weights.pth    state dict, `draft_model.` prefix stripped (LongSpec's layout)
@@ -22,28 +23,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
+from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash
 from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
+from specdraft.train.checkpoint import config_file, consolidated_file, offline_export_dir, run_slot
 from specdraft.train.model import DRAFT_PREFIX
 
 
 def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX) -> "OrderedDict[str, torch.Tensor]":
     """Keep the keys under `prefix`, with the prefix stripped."""
     return OrderedDict((key[len(prefix):], value) for key, value in state_dict.items() if key.startswith(prefix))
-
-
-def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
-    """The draft's full weights (CPU copies, no prefix) on rank 0, None elsewhere; every rank
-    must call. Under ZeRO-3 only the draft's parameters are gathered, never the target's."""
-    import torch.distributed as dist
-
-    from specdraft.train.engine import gathered
-
-    draft = engine.module.draft_model
-    with gathered(list(draft.parameters())):
-        if dist.get_rank() != 0:
-            return None
-        return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}
 
 
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
@@ -74,18 +63,8 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
-    _fsync_tree(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    publish_dir(tmp, out_dir)
     return out_dir
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
 
 
 class BackgroundExporter:
@@ -114,3 +93,52 @@ class BackgroundExporter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+
+
+# -- offline: from a run's checkpoint ---------------------------------------------------------------
+
+def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
+    """fp32 draft weights (prefix stripped) from a verified slot, via DeepSpeed's zero_to_fp32."""
+    if record["zero_stage"] == 0:  # zero_to_fp32 does not handle stage 0: the module is saved whole
+        states = torch.load(slot_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        full = states["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        full = get_fp32_state_dict_from_zero_checkpoint(str(slot_dir.parent), tag=slot_dir.name,
+                                                        exclude_frozen_parameters=True)
+    return {k: v.float() for k, v in extract_and_rename(full).items()}
+
+
+def consolidate_run(run_dir, slot: Optional[str] = None) -> Path:
+    from safetensors.torch import save_file
+
+    slot_dir, record = run_slot(run_dir, slot=slot)
+    state_dict = consolidated_draft_state_dict(slot_dir, record)
+    out = consolidated_file(run_dir, slot_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp)))
+    return out
+
+
+def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "safetensors",
+                    out_dir: Optional[str] = None, with_target_heads: bool = False) -> Path:
+    from transformers import AutoTokenizer
+
+    from specdraft.drafts import draft_from_export_config
+
+    slot_dir, record = run_slot(run_dir, step=step)
+    state_dict = consolidated_draft_state_dict(slot_dir, record)
+    draft = draft_from_export_config(record["draft"])
+    draft.load_state_dict(state_dict, strict=True)
+    cfg = OmegaConf.load(config_file(run_dir))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target) if Path(cfg.target).is_dir() else None
+    out = Path(out_dir) if out_dir else offline_export_dir(run_dir, record["step"])
+    heads = None
+    if with_target_heads:  # two tensors straight from the target's files: the target is never built
+        from specdraft.target.weights import load_target_head_weights
+
+        read = load_target_head_weights(cfg.target, dtype=torch.float32,
+                                        expected_hidden=record["draft"]["dims"]["hidden_size"])
+        heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
+    return write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=(fmt,), target_heads=heads)
