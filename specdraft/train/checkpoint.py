@@ -410,9 +410,13 @@ class CheckpointManager:
             try:
                 self._commit(slot_dir, step, manifests, draft_fingerprint(draft_weights),
                              engine.module.draft_model.export_config())
-                self._prune()
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
+            try:
+                self._prune()
+            except OSError as err:
+                raise SpecdraftError(f"{err.filename or self.ckpt_dir}: deleting an old checkpoint slot failed "
+                                     f"({err.strerror or err}); {slot_dir} is committed") from err
 
         run_shared(commit)
         run_shared(lambda: self._expect_visible(slot_dir / COMMITTED), on_rank=None)
@@ -625,13 +629,13 @@ class CheckpointManager:
             for param_state in engine.optimizer.optimizer.state.values():
                 if torch.is_tensor(param_state.get("step")):
                     param_state["step"] = param_state["step"].clone()
-        # Frozen params were excluded, so the load was non-strict: prove the draft came back.
-        loaded = gather_draft_state_dict(engine)
-        run_shared(lambda: _check_fingerprint(slot_dir, loaded, record))
         ours = client_state[CLIENT_KEY]
         # A universal load restores parameters only: buffers and such come from our client state.
         draft = engine.module.draft_model
         draft.load_extra_state({k: v.to(engine.device) for k, v in ours.get("draft_extra_state", {}).items()})
+        # Frozen params were excluded, so the load was non-strict: prove the draft came back.
+        loaded = gather_draft_state_dict(engine)
+        run_shared(lambda: _check_fingerprint(slot_dir, loaded, record))
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
             _set_rng_state(ours["rng"][self.rank])
         dist.barrier()

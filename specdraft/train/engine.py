@@ -126,8 +126,8 @@ def any_rank(flag: bool) -> bool:
 def raise_everywhere(error: Optional[BaseException]) -> None:
     """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
     the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
-    one-line user error everywhere), anything else reaches the other ranks as a RuntimeError
-    with the same text. Costs one small all_reduce when nothing failed."""
+    one-line user error everywhere), anything else becomes the same RuntimeError on every rank
+    (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
     import torch.distributed as dist
 
     from specdraft.errors import SpecdraftError
@@ -139,10 +139,12 @@ def raise_everywhere(error: Optional[BaseException]) -> None:
                                        if not isinstance(error, SpecdraftError) else str(error))
     dist.all_gather_object(reports, mine)
     failing = next(rank for rank, report in enumerate(reports) if report is not None)
-    if failing == dist.get_rank():
-        raise error
     user_error, message = reports[failing]
-    raise SpecdraftError(message) if user_error else RuntimeError(f"rank {failing} failed: {message}")
+    if user_error:
+        if failing == dist.get_rank():
+            raise error
+        raise SpecdraftError(message)
+    raise RuntimeError(f"rank {failing} failed: {message}") from error
 
 
 def run_shared(fn, on_rank: Optional[int] = 0):

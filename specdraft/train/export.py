@@ -26,6 +26,7 @@ from specdraft import __version__
 from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash
 from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
+from specdraft.errors import SpecdraftError
 from specdraft.train.checkpoint import config_file, consolidated_file, offline_export_dir, run_slot
 from specdraft.train.model import DRAFT_PREFIX
 
@@ -42,10 +43,20 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     target_heads: optional {"embed_tokens.weight", "lm_head.weight"} from the target, written to
     their own file so the draft's weights still load strictly on their own.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    try:
+        _write_export_files(tmp, state_dict, draft, cfg, tokenizer, formats, target_heads)
+        publish_dir(tmp, out_dir)
+    except OSError as err:  # a full disk: one line; earlier exports are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({err.strerror or err})") from err
+    return out_dir
+
+
+def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, target_heads) -> None:
+    from safetensors.torch import save_file
+
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # save_file refuses tensors sharing memory: give each its own contiguous storage
@@ -63,8 +74,6 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
-    publish_dir(tmp, out_dir)
-    return out_dir
 
 
 class BackgroundExporter:
