@@ -410,6 +410,15 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
 
 
 
+def _free_port() -> int:
+    """A base port for the trainers (port + trial): not a fixed one another checkout may be using."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_dir, data_dir, tmp_path):
     run_dir = tmp_path / "crashy"
     args = run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1,
@@ -419,7 +428,7 @@ def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_d
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_script.py"), tmp_path / "overrides.json",
-                           run_dir, "10", "29700"], env=env, capture_output=True, text=True, timeout=400)
+                           run_dir, "10", str(_free_port())], env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(report["trials"]) == 10 and all(t["killed"] for t in report["trials"])

@@ -42,7 +42,7 @@ def resolve_export(path) -> Tuple[Optional[Path], Path]:
         steps = [d for d in exports(path) if (d / CONFIG_NAME).is_file()]
         if not steps:
             raise SpecdraftError(f"{path}: neither a draft export (no {CONFIG_NAME}) nor a run "
-                                 f"directory (no draft exports)")
+                                 f"directory (no step_<N>/ exports)")
         path = steps[-1]
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
