@@ -294,13 +294,11 @@ def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, d
     every directory removal must find its COMMITTED already gone (and the unlink fsynced)."""
     import shutil
 
-    from specdraft.train import checkpoint
-
-    removed, synced_dirs = [], []
-    real_rmtree, real_fsync_dir = shutil.rmtree, checkpoint.fsync_dir
+    removed, synced = [], []
+    real_rmtree, real_fsync = shutil.rmtree, os.fsync
     monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (
-        removed.append((str(path), (Path(path) / COMMITTED).exists(), list(synced_dirs))), real_rmtree(path, *a, **k)))
-    monkeypatch.setattr(checkpoint, "fsync_dir", lambda path: (synced_dirs.append(str(path)), real_fsync_dir(path)))
+        removed.append((str(path), (Path(path) / COMMITTED).exists(), list(synced))), real_rmtree(path, *a, **k)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
                                           save_steps=6, keep_last=1, resume=victim / "ckpt" / "step_6")), **quiet)
     slots = [entry for entry in removed if Path(entry[0]).parent == victim / "ckpt"]
