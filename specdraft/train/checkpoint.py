@@ -427,6 +427,8 @@ class CheckpointManager:
         reason = _write_failure(err)
         if reason is None:
             return err
+        if (slot_dir / COMMITTED).is_file():  # only the `latest` hint failed
+            return SpecdraftError(f"{self.ckpt_dir / LATEST}: writing it failed: {reason}; {slot_dir} is committed")
         kept = ", ".join(p.name for p in committed_slots(self.ckpt_dir)) or "none"
         return SpecdraftError(f"{slot_dir}: saving step {step} failed: {reason}; this save is discarded, the "
                               f"committed slots ({kept}) and the exports are untouched")

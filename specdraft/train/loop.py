@@ -94,6 +94,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 
     def log_metrics(step: int, values: dict) -> None:  # rank 0 writes; its failure stops every rank
         run_shared(lambda: metrics.log(step, values))
+
     eval_prompts = load_eval_prompts(cfg, tokenizer)
     progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
     result = TrainResult(steps=total_steps, run_dir=run_dir)
