@@ -51,7 +51,7 @@ DEFAULT_NUM_TARGET_LAYERS = 5
 class DFlashOptions:
     """The `draft.` keys DFlash reads."""
 
-    target_layers: Optional[List[int]] = None  # target layer ids read (input of layer i); None: 5 evenly spaced
+    target_layers: List[int] = field(default_factory=list)  # layer inputs read (vLLM ids); []: 5 evenly spaced
     num_layers: int = 5  # draft decoder layers, each shaped like a target layer
     block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
     sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
@@ -338,7 +338,7 @@ class DFlashDraft(Draft):
     @classmethod
     def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
         layers = draft_cfg.target_layers
-        if layers is None:
+        if not layers:
             return default_target_layers(cls._text_config(target_config).num_hidden_layers)
         # concatenated in increasing id order, the order vLLM collects its aux hidden states in
         return sorted(int(x) for x in layers)
@@ -349,9 +349,7 @@ class DFlashDraft(Draft):
             raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
 
         layers = draft_cfg.target_layers
-        if layers is not None:
-            if len(layers) == 0:
-                fail("target_layers", "must name at least one target layer (or be null for the default)")
+        if layers:
             if len(set(layers)) != len(layers):
                 fail("target_layers", f"{list(layers)} repeats a layer")
         if draft_cfg.num_layers < 1:
