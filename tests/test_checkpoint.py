@@ -398,7 +398,7 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
         def load_extra_state(self, state, source="checkpoint"):
             self.vocab_map.copy_(state["vocab_map"])
 
-    monkeypatch.setitem(drafts.DRAFTS, "glide", MarkedGlide)
+    monkeypatch.setitem(drafts.FAMILIES, "glide", MarkedGlide)
     run(tiny_target_dir, data_dir, tmp_path, "marked", zero_stage=2, max_steps=2, save_steps=2)
     mark["value"] = 0.0  # a fresh build no longer knows the map
     run(tiny_target_dir, data_dir, tmp_path, "marked3", zero_stage=3, max_steps=3, save_steps=3,
