@@ -50,7 +50,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from specdraft.train.checkpoint import export_from_run
+    from specdraft.train.export import export_from_run
 
     out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out,
                           with_target_heads=args.with_target_heads)
@@ -59,7 +59,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_consolidate(args) -> int:
-    from specdraft.train.checkpoint import consolidate_run
+    from specdraft.train.export import consolidate_run
 
     out = consolidate_run(args.run_dir, slot=args.slot)
     print(f"fp32 draft weights written to {out}")

@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from specdraft.drafts import DraftConfig, draft_family
 from specdraft.drafts.objectives import validate_objective_options
+from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_target_config
@@ -224,9 +225,9 @@ def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
 
 
 def config_hash(cfg: DictConfig) -> str:
-    """Identity of what a checkpoint depends on: target, draft architecture and data layout."""
+    """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
+    identified by its content, see target.weights.target_identity, not by its path.)"""
     identity = {
-        "target": os.path.abspath(cfg.target),
         "draft": OmegaConf.to_container(cfg.draft),
         "max_seq_length": cfg.max_seq_length,
     }
@@ -234,7 +235,4 @@ def config_hash(cfg: DictConfig) -> str:
 
 
 def save_config(cfg: DictConfig, path: Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    OmegaConf.save(cfg, tmp, resolve=True)
-    os.replace(tmp, path)
+    write_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))

@@ -51,3 +51,69 @@ def torchrun(script: Path, *args, port: int, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# -- optimizer state, for the elastic-resume tests ----------------------------------------------
+
+MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def full_optimizer_state(engine) -> dict:
+    """{draft param name: {fp32, exp_avg, exp_avg_sq}} as whole flat tensors, gathered from a live
+    engine's optimizer partitions (every rank must call)."""
+    names = {param: name for name, param in engine.module.draft_model.named_parameters()}
+    if engine.zero_optimization_stage() == 3:  # DeepSpeed's accessors gather ZeRO-3 partitions
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        return {name: {"fp32": safe_get_full_fp32_param(p).detach().cpu().reshape(-1).clone(),
+                       **{k: safe_get_full_optimizer_state(p, k).detach().cpu().reshape(-1).clone()
+                          for k in MOMENTS[1:]}} for p, name in names.items()}
+    import torch
+    import torch.distributed as dist
+
+    # ZeRO-1/2: each rank holds an equal slice of every group's flat buffer, params in order
+    opt, state = engine.optimizer, {}
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        partition = opt.single_partition_of_fp32_groups[i]
+        for key in MOMENTS:
+            local = partition if key == "fp32" else opt.optimizer.state[partition][key]
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local.detach().contiguous())
+            flat, offset = torch.cat(parts), 0
+            for param in params:
+                state.setdefault(names[param], {})[key] = flat[offset:offset + param.numel()].cpu().clone()
+                offset += param.numel()
+    return state
+
+
+def universal_optimizer_state(universal_dir) -> dict:
+    """The same, read from a universal checkpoint's zero/draft_model.<name>/<key>.pt files."""
+    import torch
+
+    state = {}
+    for param_dir in sorted((Path(universal_dir) / "zero").glob("draft_model.*")):
+        name = param_dir.name[len("draft_model."):]
+        state[name] = {key: torch.load(param_dir / f"{key}.pt", weights_only=True)["param"].reshape(-1)
+                       for key in MOMENTS}
+    return state
+
+
+def capturing_save(original, step: int):
+    """A CheckpointManager.save that, after saving `step`, has rank 0 write the engine's full
+    optimizer state next to the run: state_file(run_dir, step)."""
+    import torch
+    import torch.distributed as dist
+
+    def save(self, engine, at_step, *args, **kwargs):
+        slot = original(self, engine, at_step, *args, **kwargs)
+        if at_step == step:
+            state = full_optimizer_state(engine)
+            if dist.get_rank() == 0:
+                torch.save(state, state_file(self.run_dir, step))
+        return slot
+
+    return save
+
+
+def state_file(run_dir, step: int) -> Path:
+    return Path(run_dir).parent / f"{Path(run_dir).name}.optimizer_state_{step}.pt"

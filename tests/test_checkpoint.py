@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,16 +231,40 @@ def test_manifest_mismatch_is_refused(tiny_target_dir, data_dir, tmp_path, victi
     assert "sha256 does not match" in message
 
 
-def test_checkpoint_from_a_different_target_is_refused(tiny_target_dir, data_dir, tmp_path, victim):
+def test_a_moved_target_resumes_and_swapped_weights_at_the_same_path_do_not(tiny_target_dir, data_dir, tmp_path,
+                                                                             victim):
     import shutil
 
-    other = tmp_path / "other_target"
-    shutil.copytree(tiny_target_dir, other)
+    from safetensors.torch import save_file
+
+    moved = tmp_path / "moved_target"
+    shutil.copytree(tiny_target_dir, moved)
+    resumed = train(load_config(None, run_overrides(moved, data_dir, victim, tmp_path / "cache", max_steps=13,
+                                                    save_steps=6)), **quiet)
+    assert len(resumed.losses) == 1  # step 12 -> 13 with the target at its new path
+    # same path, same shapes and file size, other values (a fine-tuned target swapped in)
+    weights = sorted(moved.glob("*.safetensors"))[-1]
+    size = weights.stat().st_size
+    tensors = load_file(str(weights))
+    save_file({k: v + 1e-3 for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    assert weights.stat().st_size == size
     before = _snapshot(victim)
-    cfg = load_config(None, run_overrides(other, data_dir, victim, tmp_path / "cache", max_steps=14, save_steps=6))
-    with pytest.raises(SpecdraftError, match="this run's target/draft/max_seq_length differ"):
+    cfg = load_config(None, run_overrides(moved, data_dir, victim, tmp_path / "cache", max_steps=14, save_steps=6))
+    with pytest.raises(SpecdraftError, match="trained against another target than .*moved_target") as err:
         train(cfg, **quiet)
+    assert "\n" not in str(err.value)
     assert _snapshot(victim) == before  # config.yaml, slots, exports: untouched
+
+
+@pytest.mark.parametrize("change", ["precision=bf16", "seed=4"])
+def test_a_checkpoint_resumes_only_with_its_precision_and_seed(tiny_target_dir, data_dir, tmp_path, victim, change):
+    key, value = change.split("=")
+    before = _snapshot(victim)
+    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, victim, tmp_path / "cache", max_steps=14,
+                                          save_steps=6, **{key: value}))
+    with pytest.raises(SpecdraftError, match=f"this run has {key}={value}"):
+        train(cfg, **quiet)
+    assert _snapshot(victim) == before
 
 
 def test_cli_reports_resume_errors_as_one_line(tiny_target_dir, data_dir, tmp_path, capsys):
@@ -253,6 +278,145 @@ def test_cli_reports_resume_errors_as_one_line(tiny_target_dir, data_dir, tmp_pa
 
 # -- crash safety -------------------------------------------------------------------------------
 
+def test_the_highest_committed_step_wins_over_a_stale_latest(tiny_target_dir, data_dir, work, victim):
+    """A crash between step_12's marker and the `latest` rename leaves latest -> step_6."""
+    (victim / "ckpt" / LATEST).write_text("step_6")
+    before = _snapshot(victim / "ckpt" / "step_12")
+    logs = []
+    again = train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
+                                                  save_steps=6)), log=logs.append)
+    assert again.losses == [] and any("resumed from" in line and line.endswith("at step 12") for line in logs)
+    assert _snapshot(victim / "ckpt" / "step_12") == before
+
+
+def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, data_dir, work, victim, monkeypatch):
+    """Resuming step_6 by path re-saves step_12 over a committed step_12, and keep_last=1 prunes:
+    every directory removal must find its COMMITTED already gone (and the unlink fsynced)."""
+    import shutil
+
+    removed, synced = [], []
+    real_rmtree, real_fsync = shutil.rmtree, os.fsync
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (
+        removed.append((str(path), (Path(path) / COMMITTED).exists(), list(synced))), real_rmtree(path, *a, **k)))
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
+                                          save_steps=6, keep_last=1, resume=victim / "ckpt" / "step_6")), **quiet)
+    slots = [entry for entry in removed if Path(entry[0]).parent == victim / "ckpt"]
+    assert {Path(p).name for p, _, _ in slots} >= {"step_12", "step_6"}
+    for path, still_committed, synced in slots:
+        assert not still_committed and path in synced, path
+    assert [s.name for s in committed_slots(victim / "ckpt")] == ["step_12"]
+
+
+def test_auto_resume_moves_a_damaged_newest_slot_aside_and_uses_the_previous(tiny_target_dir, data_dir, work,
+                                                                            zero_runs, victim):
+    full, _ = zero_runs[2]
+    optim = next((victim / "ckpt" / "step_12").glob("*optim_states.pt"))
+    damaged = optim.read_bytes()[:100]
+    optim.write_bytes(damaged)
+    logs = []
+    again = train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", zero_stage=2,
+                                                  max_steps=12, save_steps=6)), log=logs.append)
+    assert again.losses == full.losses[6:]  # resumed from step_6, bit-identical
+    rejected = victim / "ckpt" / "step_12.rejected"
+    assert (rejected / optim.name).read_bytes() == damaged and (rejected / COMMITTED).is_file()  # kept, not deleted
+    skipped = [line for line in logs if line.startswith("resume: skipped")]
+    assert len(skipped) == 1 and "step_12" in skipped[0] and "truncated" in skipped[0] and str(rejected) in skipped[0]
+    assert [s.name for s in committed_slots(victim / "ckpt")] == ["step_6", "step_12"]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny_target_dir, data_dir, work,
+                                                                            victim, monkeypatch):
+    import errno
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    real_save, calls = TorchCheckpointEngine.save, []
+
+    def save(self, state_dict, path):  # the second file of the step-18 save hits a full disk
+        calls.append(path)
+        if "step_18" in str(path) and len([c for c in calls if "step_18" in str(c)]) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(self, state_dict, path)
+
+    monkeypatch.setattr(TorchCheckpointEngine, "save", save)
+    committed = {name: _snapshot(victim / "ckpt" / name) for name in ("step_6", "step_12")}
+    exports = {name: _snapshot(victim / name) for name in ("step_6", "step_12")}
+    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=18, save_steps=6))
+    with pytest.raises(SpecdraftError) as err:
+        train(cfg, **quiet)
+    message = str(err.value)
+    assert "\n" not in message and "saving step 18 failed: no space left on device" in message
+    assert "committed slots (step_6, step_12)" in message
+    assert {name: _snapshot(victim / "ckpt" / name) for name in committed} == committed
+    assert {name: _snapshot(victim / name) for name in exports} == exports
+    assert not (victim / "ckpt" / "step_18").exists() and not (victim / "step_18").exists()
+    assert (victim / "ckpt" / LATEST).read_text() == "step_12"
+
+
+def test_layout_and_file_writes_live_in_one_place():
+    """`step_` and the run layout: checkpoint.py only; renames into place: specdraft/atomic.py only
+    (config.yaml included); the offline commands live in export.py."""
+    import re
+
+    from specdraft.train import checkpoint, export
+
+    package = REPO / "specdraft"
+    for path in package.rglob("*.py"):
+        code = path.read_text()
+        if path.name != "checkpoint.py":
+            assert not re.search(r"""["']step_""", code), path
+            assert not re.search(r"""["']config\.yaml""", code), path
+        if path.name != "atomic.py" and path.parent.name != "demo":
+            assert "os.replace(" not in code and ".rename(" not in code.replace("os.rename(slot", ""), path
+    assert hasattr(export, "export_from_run") and hasattr(export, "consolidate_run")
+    assert not hasattr(checkpoint, "export_from_run") and not hasattr(checkpoint, "consolidate_run")
+
+
+def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_dir, data_dir, work, zero_runs,
+                                                                  monkeypatch, tmp_path):
+    """Same world size, another ZeRO stage: through the universal format. Registered buffers are
+    not in it; the draft's extra state comes back from the client state."""
+    from specdraft import drafts
+    from specdraft.drafts.glide import GlideDraft
+
+    full, _ = zero_runs[2]
+    resumed = run(tiny_target_dir, data_dir, work, "two_to_three", zero_stage=3, max_steps=12, save_steps=6,
+                  resume=work / "full2" / "ckpt" / "step_6")
+    assert max(abs(a - b) for a, b in zip(resumed.losses, full.losses[6:])) <= 1e-5  # see test_distributed.py
+
+    mark = {"value": 7.0}
+
+    class MarkedGlide(GlideDraft):  # stands in for EAGLE-3's d2t/t2d
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_buffer("vocab_map", torch.full((5,), mark["value"]))
+
+        def extra_state(self):
+            return {"vocab_map": self.vocab_map}
+
+        def load_extra_state(self, state, source="checkpoint"):
+            self.vocab_map.copy_(state["vocab_map"])
+
+    monkeypatch.setitem(drafts.FAMILIES, "glide", MarkedGlide)
+    run(tiny_target_dir, data_dir, tmp_path, "marked", zero_stage=2, max_steps=2, save_steps=2)
+    mark["value"] = 0.0  # a fresh build no longer knows the map
+    run(tiny_target_dir, data_dir, tmp_path, "marked3", zero_stage=3, max_steps=3, save_steps=3,
+        resume=tmp_path / "marked" / "ckpt" / "step_2")
+    exported = load_file(str(tmp_path / "marked3" / "step_3" / "model.safetensors"))
+    assert torch.equal(exported["vocab_map"], torch.full((5,), 7.0))
+
+
+
+def _free_port() -> int:
+    """A base port for the trainers (port + trial): not a fixed one another checkout may be using."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_dir, data_dir, tmp_path):
     run_dir = tmp_path / "crashy"
     args = run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1,
@@ -262,7 +426,7 @@ def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_d
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_script.py"), tmp_path / "overrides.json",
-                           run_dir, "10", "29700"], env=env, capture_output=True, text=True, timeout=400)
+                           run_dir, "10", str(_free_port())], env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(report["trials"]) == 10 and all(t["killed"] for t in report["trials"])

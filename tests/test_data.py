@@ -74,7 +74,7 @@ def test_packed_cache_round_trips_and_is_memory_mapped(tokenizer, tmp_path):
 
 def test_sampler_shards_are_disjoint_and_resume_exactly():
     ranks = [ShardedBatchSampler(103, 4, r, 2, seed=7) for r in range(2)]
-    epoch0 = [np.concatenate([s.next_batch() for _ in range(s.batches_per_epoch)]) for s in ranks]
+    epoch0 = [np.concatenate([s.next_batch() for _ in range(s.steps_per_epoch)]) for s in ranks]
     assert not set(epoch0[0]) & set(epoch0[1])
     straight = ShardedBatchSampler(103, 4, 0, 2, seed=7)
     seen = [straight.next_batch() for _ in range(20)]  # crosses into epoch 1
@@ -112,3 +112,31 @@ def test_packed_batches_carry_document_ids_and_per_document_positions(tokenizer,
             expected_pos.append(pos)
             pos += 1
         assert docs == expected_docs and positions == expected_pos, row
+def _steps(samplers, accumulation, steps):
+    """The sequences of each optimizer step, all ranks, in micro-batch order."""
+    out = []
+    for _ in range(steps):
+        batches = [[s.next_batch() for s in samplers] for _ in range(accumulation)]
+        out.append([int(i) for micro in batches for batch in micro for i in batch])
+    return out
+
+
+@pytest.mark.parametrize("new_world,new_accumulation", [(1, 4), (4, 1)])
+def test_sampler_position_carries_over_to_another_world_size(new_world, new_accumulation):
+    """Global batch 12 = 2 ranks x 3 x 2 accumulation: stop after 5 steps, resume at another world
+    size with the same global batch. Every step sees the sequences a straight run's step sees,
+    in the same micro-batches; across the epoch none is repeated or skipped."""
+    straight = _steps([ShardedBatchSampler(100, 3, r, 2, seed=5, accumulation=2) for r in range(2)], 2, 8)
+    before_samplers = [ShardedBatchSampler(100, 3, r, 2, seed=5, accumulation=2) for r in range(2)]
+    before = _steps(before_samplers, 2, 5)
+    after_samplers = [ShardedBatchSampler(100, 3, r, new_world, seed=5, accumulation=new_accumulation)
+                      for r in range(new_world)]
+    for sampler in after_samplers:
+        sampler.load_state_dict(before_samplers[0].state_dict())
+    after = _steps(after_samplers, new_accumulation, 3)
+    assert before + after == straight
+    seen = [i for step in before + after for i in step]
+    assert len(seen) == len(set(seen)) == 96  # 8 whole global batches of 12; the 4 left over are dropped
+    mismatched = ShardedBatchSampler(100, 3, 0, 3, seed=5)
+    with pytest.raises(SpecdraftError, match="global batch is 12"):
+        mismatched.load_state_dict(before_samplers[0].state_dict())

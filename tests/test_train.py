@@ -109,8 +109,8 @@ def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir,
     engines = {}
     original = loop.build_engine
 
-    def spy(cfg, model, total_steps, placement):
-        engines[placement] = engine = original(cfg, model, total_steps, placement)
+    def spy(cfg, model, total_steps, placement, **kwargs):
+        engines[placement] = engine = original(cfg, model, total_steps, placement, **kwargs)
         return engine
 
     monkeypatch.setattr(loop, "build_engine", spy)

@@ -24,6 +24,7 @@ from typing import Callable, List
 import numpy as np
 import torch
 
+from specdraft.atomic import publish_dir
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
@@ -88,7 +89,7 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
         meta = dict(stats, sequences=sequences, max_seq_length=max_seq_length, files=files,
                     format=CACHE_FORMAT)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, out_dir)
+        publish_dir(tmp, out_dir)
         log(f"data: {stats['conversations']} conversations, {stats['tokens']} tokens "
             f"({stats['assistant_tokens']} assistant) -> {sequences} sequences of {max_seq_length}")
     finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -26,10 +25,10 @@ from specdraft.drafts import Draft, draft_from_export_config
 from specdraft.drafts.io import CONFIG_NAME, load_exported_draft, read_export_config
 from specdraft.data.sources import iter_jsonl_records
 from specdraft.errors import SpecdraftError
+from specdraft.train.checkpoint import exports
 
 METHODS = ("draft", "untrained", "prompt_lookup", "self")
 NEEDS_DRAFT = ("draft", "untrained")
-STEP_DIR = re.compile(r"step_(\d+)")
 log = logging.getLogger(__name__)
 ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 
@@ -42,12 +41,11 @@ def resolve_export(path) -> Tuple[Optional[Path], Path]:
     if not path.exists():
         raise SpecdraftError(f"{path}: not found")
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
-        steps = [d for d in path.iterdir() if d.is_dir() and STEP_DIR.fullmatch(d.name)
-                 and (d / CONFIG_NAME).is_file()]
+        steps = [d for d in exports(path) if (d / CONFIG_NAME).is_file()]
         if not steps:
             raise SpecdraftError(f"{path}: neither a draft export (no {CONFIG_NAME}) nor a run "
                                  f"directory (no step_<N>/ exports)")
-        path = max(steps, key=lambda d: int(STEP_DIR.fullmatch(d.name).group(1)))
+        path = steps[-1]
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -80,8 +80,8 @@ def restricted_soft_cross_entropy(student_hidden: torch.Tensor, student_head: to
     -sum p * log_softmax(student), student argmax (M,)). Each chunk is recomputed in backward
     (activation checkpointing), so at most one (chunk x N) logits tensor is alive.
     """
-    if chunk_size <= 0:
-        chunk_size = 1024
+    if chunk_size <= 0:  # the config's 0: sized from the (sub-)vocab
+        chunk_size = default_chunk_size(student_head.shape[0])
     total = student_hidden.new_zeros((), dtype=torch.float32)
     argmax = []
     teacher_rows = teacher_rows.detach()

@@ -225,6 +225,10 @@ class _ChunkedObjective(torch.autograd.Function):
         grad_weight = (torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
                        if ctx.needs_input_grad[1] else None)
         with_grad = grad_hidden is not None or grad_weight is not None
+        if chunk_size <= 0:  # the config's 0: sized from the vocab
+            from specdraft.drafts.loss import default_chunk_size
+
+            chunk_size = default_chunk_size(student_weight.shape[0])
         for start in range(0, student_hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h = student_hidden[rows]

@@ -7,6 +7,7 @@ tensor, headers give shapes and dtypes, and only those two tensors are read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import struct
@@ -277,6 +278,42 @@ def _first_line(error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ checkpoint files
+
+
+IDENTITY_BLOCKS = 16  # blocks read per weight file for its identity ...
+IDENTITY_BLOCK_BYTES = 4096  # ... of this size: ~64 KiB per file, whatever the model's size
+
+
+def target_identity(target_dir) -> str:
+    """A cheap fingerprint of a target's content: config.json's bytes, and per weight file its
+    name, size and IDENTITY_BLOCKS blocks spread over it (header included).
+
+    A moved or copied directory keeps it; weights swapped at the same path change it (new values
+    change every block, even where shapes, headers and sizes are the same).
+    """
+    target_dir = _require_directory(target_dir)
+    config = target_dir / "config.json"
+    if not config.is_file():
+        raise SpecdraftError(f"{config}: missing (not a Hugging Face model directory)")
+    digest = hashlib.sha256(config.read_bytes())
+    for path in _weight_files(target_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as file:
+            for i in range(IDENTITY_BLOCKS):
+                file.seek(size * i // IDENTITY_BLOCKS)
+                digest.update(file.read(IDENTITY_BLOCK_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _weight_files(target_dir: Path) -> list[Path]:
+    """The files of the first weights layout present (an index and its shards, or one file)."""
+    for name in (SAFETENSORS_INDEX, SAFETENSORS_FILE, PYTORCH_INDEX, PYTORCH_FILE):
+        path = target_dir / name
+        if path.is_file():
+            shards = set(_read_index(path).values()) if name.endswith(".index.json") else set()
+            return [path, *sorted(shards)]
+    raise SpecdraftError(f"{target_dir}: no weight files")
 
 
 def _open_checkpoint(target_dir: Path):

@@ -6,12 +6,13 @@ import atexit
 import contextlib
 import os
 import socket
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig
 
 from specdraft.target.model import hold_weights_as_buffers
+from specdraft.train.collectives import any_rank
 from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_peak, reduce_bucket_elements
 from specdraft.train.model import TargetWithDraft
 
@@ -124,7 +125,10 @@ def device_memory_bytes():
     return accelerator.total_memory()
 
 
-def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, target_placement: str = "partitioned"):
+def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, target_placement: str = "partitioned",
+                 load_universal: bool = False):
+    """load_universal: the engine will load a universal checkpoint (resume at another world size
+    or ZeRO stage)."""
     import deepspeed
 
     if cfg.zero_stage == 3 and target_placement == "replicated":
@@ -132,10 +136,13 @@ def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, targ
         hold_weights_as_buffers(model.lm_head)
     elif cfg.zero_stage == 3:
         model.register_external_parameters_for_zero3()
+    config = deepspeed_config(cfg, total_steps, draft_parameter_count(model))
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=optimizer_groups(model, cfg.weight_decay),
-        config=deepspeed_config(cfg, total_steps, draft_parameter_count(model)),
+        config=config,
     )
     return engine
 
@@ -146,6 +153,45 @@ def draft_parameter_count(model: TargetWithDraft) -> int:
 
 def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
+
+
+def raise_everywhere(error: Optional[BaseException]) -> None:
+    """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
+    the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
+    one-line user error everywhere), anything else becomes the same RuntimeError on every rank
+    (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
+    import torch.distributed as dist
+
+    from specdraft.errors import SpecdraftError
+
+    if not any_rank(error is not None):
+        return
+    reports = [None] * dist.get_world_size()
+    mine = None if error is None else (isinstance(error, SpecdraftError), f"{type(error).__name__}: {error}"
+                                       if not isinstance(error, SpecdraftError) else str(error))
+    dist.all_gather_object(reports, mine)
+    failing = next(rank for rank, report in enumerate(reports) if report is not None)
+    user_error, message = reports[failing]
+    if user_error:
+        if failing == dist.get_rank():
+            raise error
+        raise SpecdraftError(message)
+    raise RuntimeError(f"rank {failing} failed: {message}") from error
+
+
+def run_shared(fn, on_rank: Optional[int] = 0):
+    """Run `fn` on one rank (every rank when on_rank is None); its failure reaches every rank
+    (raise_everywhere). Returns fn's result where it ran, None elsewhere."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    if on_rank is None or dist.get_rank() == on_rank:
+        try:
+            result = fn()
+        except Exception as err:
+            error = err
+    raise_everywhere(error)
+    return result
 
 
 def gathered(params: list):
@@ -182,3 +228,14 @@ def steps_of_their_own(engine, modules: list):
             hook.remove()
         coordinator.reset_step()  # training re-records its own trace from here
 
+
+def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
+    """The draft's full weights (CPU copies, no prefix) on rank 0, None elsewhere; every rank
+    must call. Under ZeRO-3 only the draft's parameters are gathered, never the target's."""
+    import torch.distributed as dist
+
+    draft = engine.module.draft_model
+    with gathered(list(draft.parameters())):
+        if dist.get_rank() != 0:
+            return None
+        return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}

@@ -1,4 +1,5 @@
-"""Draft-only exports: the draft's weights without the target, in files a user can ship.
+"""Draft-only exports: the draft's weights without the target, in files a user can ship; and the
+offline commands that make them from a run's checkpoint (`specdraft export`, `consolidate`).
 
 step_<N>/
   draft_model_weights.pth    state dict, `draft_model.` prefix stripped (LongSpec's layout)
@@ -26,29 +27,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
+from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash
 from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
 from specdraft.errors import SpecdraftError
+from specdraft.train.checkpoint import config_file, consolidated_file, offline_export_dir, run_slot
 from specdraft.train.model import DRAFT_PREFIX
 
 
 def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX) -> "OrderedDict[str, torch.Tensor]":
     """Keep the keys under `prefix`, with the prefix stripped."""
     return OrderedDict((key[len(prefix):], value) for key, value in state_dict.items() if key.startswith(prefix))
-
-
-def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
-    """The draft's full weights (CPU copies, no prefix) on rank 0, None elsewhere; every rank
-    must call. Under ZeRO-3 only the draft's parameters are gathered, never the target's."""
-    import torch.distributed as dist
-
-    from specdraft.train.engine import gathered
-
-    draft = engine.module.draft_model
-    with gathered(list(draft.parameters())):
-        if dist.get_rank() != 0:
-            return None
-        return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}
 
 
 NATIVE_FILES = ("pth", "safetensors")
@@ -70,8 +59,6 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     {"embed_tokens.weight", "lm_head.weight"} from the target, written to their own file so the
     draft's weights still load strictly on their own.
     """
-    from safetensors.torch import save_file
-
     serving = serving_formats(draft, cfg) if serving is None else serving
     for name in serving:  # checked before anything is written
         if name not in draft.serving_formats:
@@ -79,6 +66,18 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
                                  f"(it has: {', '.join(['native', *draft.serving_formats])})")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    try:
+        _write_export_files(tmp, state_dict, draft, cfg, tokenizer, formats, target_heads, serving)
+        publish_dir(tmp, out_dir)
+    except OSError as err:  # a full disk: one line; earlier exports are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({err.strerror or err})") from err
+    return out_dir
+
+
+def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, target_heads, serving) -> None:
+    from safetensors.torch import save_file
+
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # save_file refuses tensors sharing memory: give each its own contiguous storage
@@ -89,8 +88,8 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
     if target_heads is not None:
         save_file({k: v.contiguous().clone() for k, v in target_heads.items()}, str(tmp / TARGET_HEADS_NAME))
-    for name, writer in draft.serving_formats.items():  # e.g. speculators/ for vLLM
-        writer(draft, tensors, tmp / name, os.path.abspath(cfg.target))
+    for name in serving:  # e.g. speculators/ for vLLM
+        draft.serving_formats[name](draft, tensors, tmp / name, str(cfg.target))
     description = dict(draft.export_config(), specdraft_version=__version__,
                        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
                        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))
@@ -98,20 +97,6 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
-    for name in serving:
-        draft.serving_formats[name](draft, tensors, tmp / name, str(cfg.target))
-    _fsync_tree(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
 
 
 class BackgroundExporter:
@@ -140,3 +125,66 @@ class BackgroundExporter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+
+
+# -- offline: from a run's checkpoint ---------------------------------------------------------------
+
+def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
+    """fp32 draft weights (prefix stripped) from a verified slot, via DeepSpeed's zero_to_fp32."""
+    if record["zero_stage"] == 0:  # zero_to_fp32 does not handle stage 0: the module is saved whole
+        states = torch.load(slot_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        full = states["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        full = get_fp32_state_dict_from_zero_checkpoint(str(slot_dir.parent), tag=slot_dir.name,
+                                                        exclude_frozen_parameters=True)
+    return {k: v.float() for k, v in extract_and_rename(full).items()}
+
+
+def consolidate_run(run_dir, slot: Optional[str] = None) -> Path:
+    from safetensors.torch import save_file
+
+    slot_dir, record = run_slot(run_dir, slot=slot)
+    state_dict = consolidated_draft_state_dict(slot_dir, record)
+    out = consolidated_file(run_dir, slot_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp)))
+    return out
+
+
+EXPORT_FORMATS = ("native", "pth", "safetensors")  # plus each family's serving formats
+
+
+def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
+                    out_dir: Optional[str] = None, with_target_heads: bool = False) -> Path:
+    """Write a draft export from a committed slot: `native` (both weight files + config.json), one
+    native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
+    directory that engine loads)."""
+    from transformers import AutoTokenizer
+
+    from specdraft.drafts import draft_from_export_config
+
+    slot_dir, record = run_slot(run_dir, step=step)
+    draft = draft_from_export_config(record["draft"])
+    if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
+        raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
+                             f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
+    # load_state_dict casts into the draft's own dtypes (zero_to_fp32 returns buffers as float too)
+    draft.load_state_dict(consolidated_draft_state_dict(slot_dir, record), strict=True)
+    state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    cfg = OmegaConf.load(config_file(run_dir))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target) if Path(cfg.target).is_dir() else None
+    out = Path(out_dir) if out_dir else offline_export_dir(run_dir, record["step"])
+    heads = None
+    if with_target_heads:  # two tensors straight from the target's files: the target is never built
+        from specdraft.target.weights import load_target_head_weights
+
+        read = load_target_head_weights(cfg.target, dtype=torch.float32,
+                                        expected_hidden=record["draft"]["dims"]["hidden_size"])
+        heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
+    serving = [fmt] if fmt in draft.serving_formats else []
+    files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES
+    written = write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=files, target_heads=heads,
+                                 serving=serving)
+    return written / fmt if serving else written

@@ -23,11 +23,11 @@ from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
-from specdraft.train.checkpoint import CheckpointManager
+from specdraft.train.checkpoint import CheckpointManager, config_file, export_dir
 from specdraft.train.collectives import all_reduce, any_rank
-from specdraft.train.engine import (build_engine, draft_parameter_count, gathered, init_distributed, steps_of_their_own,
-                                    resolve_target_placement)
-from specdraft.train.export import BackgroundExporter, gather_draft_state_dict, write_draft_export
+from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
+                                    init_distributed, resolve_target_placement, run_shared, steps_of_their_own)
+from specdraft.train.export import BackgroundExporter, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 
@@ -61,29 +61,35 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
     checkpoints = CheckpointManager(run_dir, cfg, rank, world_size)
-    resume_from = checkpoints.slot_to_resume()  # a bad `resume:` fails before anything is written
+    # A bad `resume:` fails before anything is written. The plan may change
+    # gradient_accumulation_steps: the global batch is the checkpoint's.
+    plan = checkpoints.plan_resume(log)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
-    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed)
+    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed,
+                                  cfg.gradient_accumulation_steps)
     total_steps = planned_steps(cfg, sampler)
 
     target = load_frozen_target(cfg.target, cfg.precision)
-    # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot:
-    # it is never derived from the data again.
-    draft = build_draft(cfg.draft, target.config, data=None if resume_from is not None else data)
+    # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot's
+    # client state (CheckpointManager.resume): it is never derived from the data again.
+    draft = build_draft(cfg.draft, target.config, data=None if plan is not None else data)
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     placement = resolve_target_placement(cfg, target.config, world_size)
-    engine = build_engine(cfg, model, total_steps, placement)
+    engine = build_engine(cfg, model, total_steps, placement, load_universal=plan is not None and plan.universal)
     state = TrainState()
-    if resume_from is not None:
-        restored = checkpoints.resume(engine, resume_from)
+    if plan is not None:
+        restored = checkpoints.resume(engine, plan, log)
         state = TrainState(**restored["train_state"])
-        engine.module.draft_model.load_extra_state(restored.get("draft_extra", {}), source=str(resume_from))
         sampler.load_state_dict(restored["sampler"])
-        log(f"resumed from {resume_from} at step {state.step}")
-    if rank == 0:
+        log(f"resumed from {plan.slot} at step {state.step}")
+
+    def write_config():
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, config_file(run_dir))
+
+    run_shared(write_config)
+    checkpoints.check_shared()
     if draft.describe():
         log(f"specdraft: {cfg.draft.type} draft: {draft.describe()}")
     log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
@@ -91,7 +97,11 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         f"ZeRO-{cfg.zero_stage}{f' (target {placement})' if cfg.zero_stage == 3 else ''}, {cfg.precision}, "
         f"{world_size} rank(s)")
 
-    metrics = MetricsLogger(run_dir, cfg, enabled=rank == 0)
+    metrics = run_shared(lambda: MetricsLogger(run_dir, cfg, enabled=rank == 0), on_rank=None)
+
+    def log_metrics(step: int, values: dict) -> None:  # rank 0 writes; its failure stops every rank
+        run_shared(lambda: metrics.log(step, values))
+
     eval_prompts = load_eval_prompts(cfg, tokenizer)
     progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
     result = TrainResult(steps=total_steps, run_dir=run_dir)
@@ -105,7 +115,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         for micro in range(cfg.gradient_accumulation_steps):
             batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
             options = engine.module.draft_model.sample_batch_options(
-                batch_generator(cfg.seed, state.step, micro, rank), cfg.max_seq_length)
+                batch_generator(cfg.seed, state.step, micro * world_size + rank), cfg.max_seq_length)
             out = forward_step(engine, batch, options)
             window.add(out)
             state.samples_seen += cfg.per_device_batch_size * world_size
@@ -121,35 +131,35 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
             result.losses.extend(step_losses)
             values.update(lr=engine.get_lr()[0], tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
                           samples_seen=state.samples_seen)
-            metrics.log(state.step, values)
+            log_metrics(state.step, values)
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if eval_prompts and (state.step % cfg.eval_steps == 0 or last):
             tau = measure_draft_tau(engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
-            metrics.log(state.step, tau)
+            log_metrics(state.step, tau)
             log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
         if state.step % cfg.save_steps == 0 or last:
+            run_shared(exporter.wait)  # the previous export's failure (rank 0) stops every rank here
             draft_weights = gather_draft_state_dict(engine)  # rank 0; CPU copies, safe to write later
-            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict(),
-                                                  "draft_extra": engine.module.draft_model.extra_state()},
+            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()},
                              draft_weights)
-            result.export_dir = run_dir / f"step_{state.step}"
+            result.export_dir = export_dir(run_dir, state.step)
             if rank == 0:  # written on the export thread, off the training path
                 exporter.submit(write_draft_export, result.export_dir, draft_weights, engine.module.draft_model,
                                 cfg, tokenizer)
 
     # -- summary -----------------------------------------------------------------------------
-    exporter.close()  # the last export is on disk before train() returns
+    run_shared(exporter.close)  # the last export is on disk before train() returns
     progress.close()
-    metrics.close()
+    run_shared(metrics.close)
     elapsed = time.perf_counter() - started
     result.tokens_per_second = _rate(state, start_step, cfg, world_size, elapsed)
     if result.losses:
         log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
             f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
     else:  # resumed a finished run: say so instead of silently doing nothing
-        result.export_dir = run_dir / f"step_{state.step}"
+        result.export_dir = export_dir(run_dir, state.step)
         log(f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
             f"its draft is in {result.export_dir} (resume=no or another output_dir to train anew)")
     return result
@@ -235,13 +245,14 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
 def planned_steps(cfg: DictConfig, sampler: ShardedBatchSampler) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps
-    return max(1, cfg.num_train_epochs * sampler.batches_per_epoch // cfg.gradient_accumulation_steps)
+    return max(1, cfg.num_train_epochs * sampler.steps_per_epoch)
 
 
-def batch_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    """Per-batch randomness (lag, position offsets) from a pure function of where we are:
-    nothing to save for exact resume."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_007 + micro * 101 + rank)
+def batch_generator(seed: int, step: int, micro_batch: int) -> torch.Generator:
+    """Per-batch randomness (lag, position offsets) from a pure function of where we are: nothing
+    to save for exact resume. micro_batch = micro_step x world_size + rank, the sampler's index of
+    the micro-batch within the step, so a batch draws the same options at any world size."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_007 + micro_batch)
 
 
 def seed_everything(seed: int) -> None:
