@@ -205,16 +205,18 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
     """Chain tau of the current draft on held-out prompts, logged beside the loss: greedy, or
     sampled at `temperature` (then also eval/tv, TV(target p, draft q) at the checked positions).
 
-    Every rank runs it in lockstep (identical work: the sampler is seeded alike). Under ZeRO-3 the decoding loop's
-    order of module calls differs from training's, which ZeRO-3's prefetcher cannot follow: the
-    parameters are gathered for the measurement instead (the full target, transiently, on each rank).
+    Every rank runs it in lockstep (identical work: the sampler is seeded alike). Under ZeRO-3 only
+    the draft and the lm_head it reads as a tensor are gathered for the whole measurement; the
+    target's layers are gathered one module at a time by ZeRO-3's own hooks as decoding calls them,
+    so no rank ever holds the whole target. Each target / draft forward is a ZeRO-3 step of its
+    own, so decoding never lands in the trace ZeRO-3 prefetches training along.
     `target` is the causal LM whose decoder stack and lm_head the engine's module holds.
     """
     from specdraft.decode.evaluate import measure_tau
 
     module = engine.module
-    with gathered(list(module.parameters())):
-        stats = measure_tau(target, module.draft_model, tokenizer, prompts, 
+    with gathered(module.decoding_parameters()), steps_of_their_own(engine, [target, module.draft_model]):
+        stats = measure_tau(target, module.draft_model, tokenizer, prompts,
                             max_new_tokens=EVAL_NEW_TOKENS, temperature=temperature, seed=seed)
     values = {"eval/tau": stats["tau"]}
     if stats.get("mean_tv") is not None:
