@@ -94,7 +94,8 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
         assert all(1.0 <= t <= 5.0 for _, t in taus[stage])  # gamma = max_lag 4: tau in [1, gamma + 1]
         # what tau gathers (for the whole measurement under ZeRO-3): the draft and lm_head, never
         # the target's layers (those come one module at a time through ZeRO-3's hooks)
-        names = {id(p): name for name, p in engines[-1].module.named_parameters()}
+        module = engines[-1].module  # a replicated target holds its weights as buffers
+        names = {id(t): name for name, t in [*module.named_parameters(), *module.named_buffers()]}
         assert len(gathered) == 2 and all(len(params) > 0 for params in gathered)
         assert {names[id(p)] for params in gathered for p in params} == \
             {n for n in names.values() if n.startswith("draft_model.")} | {"lm_head.weight"}

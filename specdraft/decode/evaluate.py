@@ -250,7 +250,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     tokenizer = load_tokenizer(export_dir, target_dir)
     prompts = read_prompts(prompts_file, tokenizer, max_prompts)
     target = load_frozen_target(str(target_dir), dtype, resolve_device(device))
-    weight = next(target.parameters())
+    weight = target.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
     draft = None
     if method == "draft":
         draft, _ = load_exported_draft(export_dir, weight.dtype)

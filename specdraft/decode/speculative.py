@@ -70,7 +70,7 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
     """
     stop = frozenset(stop_tokens)
     gamma = drafter.default_depth if gamma is None else gamma
-    device = next(target.parameters()).device
+    device = target.get_input_embeddings().weight.device  # a parameter, or a buffer when held outside ZeRO-3
     t0 = time.perf_counter()
     prompt = _prompt_tensor(prompt_ids)
     cache = new_cache(target)
