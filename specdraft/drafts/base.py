@@ -49,6 +49,15 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
 
+    def init_linear_weights(self, std: float) -> None:
+        """Every Linear weight ~ N(0, std), from a fixed seed: the same init on every rank,
+        whatever the global RNG."""
+        generator = torch.Generator().manual_seed(0)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+
     # -- construction ----------------------------------------------------------------------
 
     @classmethod

@@ -319,15 +319,7 @@ class DFlashDraft(Draft):
         self.mask_delta = nn.Parameter(torch.zeros(dims.hidden_size), requires_grad=dims.train_mask_embedding)
         if dims.train_mask_embedding:  # speculators cannot carry a trained MASK row: native export only
             self.serving_formats = {}
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        generator = torch.Generator().manual_seed(0)  # same init on every rank, whatever the RNG
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator)
-                                        * self.dims.initializer_range)
+        self.init_linear_weights(self.dims.initializer_range)
 
     # -- building ---------------------------------------------------------------------------------
 

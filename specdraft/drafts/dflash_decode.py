@@ -68,7 +68,7 @@ class DFlashDrafter(Drafter):
         if start != self.length:
             raise RuntimeError(f"DFlash context holds positions < {self.length}; got states from {start}")
         context = self.draft.context({k: h.to(self.device)[None] for k, h in hidden.items()})
-        positions = torch.arange(start, start + context.shape[1])
+        positions = torch.arange(start, start + context.shape[1], device=self.device)
         cos, sin = self._rotary(positions)
         for i, (k, v) in enumerate(self.draft.context_keys_values(context, cos, sin)):
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)

@@ -179,15 +179,7 @@ class Eagle3Draft(Draft):
         # the vocabulary maps: set once (counted, or loaded from a checkpoint / export), never rebuilt
         self.register_buffer("d2t", torch.zeros(dims.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        generator = torch.Generator().manual_seed(0)  # same init on every rank, whatever the RNG
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator)
-                                        * self.dims.initializer_range)
+        self.init_linear_weights(self.dims.initializer_range)
 
     # -- construction ----------------------------------------------------------------------
 

@@ -127,15 +127,7 @@ class GlideDraft(Draft):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.mlp = GatedMLP(dims.hidden_size, dims.intermediate_size)
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if dims.final_norm else None
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        generator = torch.Generator().manual_seed(0)  # same init on every rank, whatever the RNG
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator)
-                                        * self.dims.initializer_range)
+        self.init_linear_weights(self.dims.initializer_range)
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
