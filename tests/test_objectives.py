@@ -143,7 +143,9 @@ def test_ce_objective_equals_the_existing_chunked_cross_entropy():
     total, correct = chunked_cross_entropy(h, weight, labels, chunk_size=4)
     total.backward()
     assert torch.equal(out.loss, total.detach()) and int(out.correct) == int(correct)
-    assert torch.equal(grad, h.grad)
+    # the CE's in-place gradient (softmax - onehot, computed in its buffer) orders its float ops
+    # differently from the objective's: equal up to the last bit of fp32
+    torch.testing.assert_close(grad, h.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_restricted_vocab_teacher_is_the_target_distribution_renormalised_over_the_draft_vocab():
