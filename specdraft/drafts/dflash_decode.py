@@ -82,7 +82,7 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
                                f"the decoding loop must pass the target's hidden states to observe_target()")
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
-        cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size))
+        cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size, device=self.device))
         hidden = self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
                             list(zip(self.keys, self.values)), None)  # (1, S, H)
         return self.draft.head_logits(hidden, self.lm_head)[0].float()
