@@ -21,7 +21,7 @@ from specdraft.config import DraftConfig
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.drafts.glide_decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import GlideDraft
+from specdraft.drafts import GlideDraft, HostBatch, build_draft
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target
@@ -33,13 +33,25 @@ META = torch.device("meta")
 SPECDRAFT_DIR = str(Path(specdraft.__file__).resolve().parent)
 
 
-def glide(target_config):
+def glide(target_config, **keys):
     # anchor_offset on: its per-batch position ids are the one tensor option GLIDE draws on the CPU
-    cfg = OmegaConf.structured(DraftConfig(anchor_offset=True, max_position_offset=100))
+    cfg = OmegaConf.structured(DraftConfig(anchor_offset=True, max_position_offset=100, **keys))
     return GlideDraft.from_target_config(target_config, cfg)
 
 
-DRAFT_BUILDERS = {"glide": glide}  # family -> (target config -> a fresh draft)
+def eagle3(target_config, **keys):
+    cfg = OmegaConf.structured(DraftConfig(type="eagle3", draft_vocab_size=64, ttt_steps=2, **keys))
+    return build_draft(cfg, target_config)
+
+
+def dflash(target_config, **keys):
+    cfg = OmegaConf.structured(DraftConfig(type="dflash", num_layers=1, block_size=4, max_anchors=4, **keys))
+    return build_draft(cfg, target_config)
+
+
+DRAFT_BUILDERS = {"glide": glide, "eagle3": eagle3, "dflash": dflash}  # family -> (target config -> a fresh draft)
+# each family once more with a distillation objective: the teacher's final hidden state on the device too
+OBJECTIVE_CASES = [(family, loss) for family in sorted(DRAFT_BUILDERS) for loss in (None, "0.5*tv + 0.5*ce")]
 
 
 @pytest.fixture(autouse=True)
@@ -97,20 +109,36 @@ def meta_host_reads(monkeypatch):
 
 # -- the harness: training, capture, decoding on meta ------------------------------------------
 
-@pytest.mark.parametrize("family", sorted(DRAFT_BUILDERS))
-def test_training_loss_through_target_with_draft_runs_on_meta(family, meta_target):
-    draft = DRAFT_BUILDERS[family](meta_target.config).to(META)
+@pytest.mark.parametrize("family,loss", OBJECTIVE_CASES)
+def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, meta_target):
+    """No boolean-mask selection on the device either: meta cannot size a nonzero (it raises), so
+    the counted rows must come from the host batch, as the training loop hands it over."""
+    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss).to(META)
     model = TargetWithDraft(meta_target, draft, loss_chunk_size=16)
     B, T = 2, 24
     input_ids = torch.zeros(B, T, dtype=torch.long, device=META)
     loss_mask = torch.ones(B, T, dtype=torch.long, device=META)
+    host = HostBatch(torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long))
     options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)  # drawn on the CPU
-    with meta_nonzero():  # no host reads allowed here: a meta value read on the host raises
-        out = model(input_ids, loss_mask, **options)
-        out.loss.backward()
+    out = model(input_ids, loss_mask, host=host, **options)  # a meta value read on the host raises
+    out.loss.backward()
     assert out.loss.device == META and out.tokens.device == META and out.correct.device == META
     assert out.tokens.dim() == 0 and out.correct.dim() == 0 and out.tokens.dtype == torch.long
-    assert all(p.grad is not None and p.grad.device == META for p in draft.parameters())
+    assert all(num.device == META and den.device == META for num, den in out.metrics.values())
+    assert all(p.grad is not None and p.grad.device == META for p in draft.parameters() if p.requires_grad)
+    if loss is not None:
+        assert {"objective/tv", "objective/ce"} <= set(out.metrics)
+
+
+def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
+    """The harness catches what it claims: without the host batch the loss copies the device
+    tensors to the host, which meta refuses."""
+    draft = glide(meta_target.config).to(META)
+    ids = torch.zeros(1, 8, dtype=torch.long, device=META)
+    with pytest.raises(NotImplementedError):
+        TargetWithDraft(meta_target, draft)(ids, torch.ones_like(ids), lag=1)
+    with pytest.raises(Exception):
+        ids[ids.bool()]
 
 
 def test_target_capture_runs_on_meta(meta_target):
@@ -125,7 +153,7 @@ def test_target_capture_runs_on_meta(meta_target):
 
 def drafters(meta_target):
     """Every drafter kind, on the meta target."""
-    made = {f"{family}": GlideDrafter(build(meta_target.config).to(META).eval(), meta_target)
+    made = {family: build(meta_target.config).to(META).eval().make_drafter(meta_target)
             for family, build in DRAFT_BUILDERS.items()}
     made.update(self=ModelDrafter(meta_target, name="self"), prompt_lookup=PromptLookupDrafter())
     return made
@@ -188,9 +216,10 @@ class HostSyncCounter:
         monkeypatch.setattr(torch.Tensor, name, read)
 
 
-def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(cpu_target, monkeypatch):
+@pytest.mark.parametrize("family,loss", OBJECTIVE_CASES)
+def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, cpu_target, monkeypatch):
     torch.manual_seed(0)
-    draft = glide(cpu_target.config)
+    draft = DRAFT_BUILDERS[family](cpu_target.config, loss=loss)
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
     window = LossWindow()
     monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
@@ -200,7 +229,7 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(cpu_target
     counter = HostSyncCounter(monkeypatch)
     outs = []
     for ids, opts in zip(batches, options):  # 2 optimizer steps of 2 micro-batches
-        out = model(ids, torch.ones_like(ids), **opts)
+        out = model(ids, torch.ones_like(ids), host=HostBatch(ids, torch.ones_like(ids)), **opts)  # as forward_step
         out.loss.backward()
         window.add(out)
         assert counter.calls == []

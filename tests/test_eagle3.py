@@ -182,9 +182,9 @@ def test_which_token_each_position_predicts_at_each_step(target, monkeypatch):
     seen = []
     real = eagle3_module.ttt_step_loss
 
-    def spy(student, head, teacher, rows, chunk):
+    def spy(student, head, teacher, rows, labels, objective, chunk):
         seen.append((student.detach().clone(), teacher.clone()))
-        return real(student, head, teacher, rows, chunk)
+        return real(student, head, teacher, rows, labels, objective, chunk)
 
     monkeypatch.setattr(eagle3_module, "ttt_step_loss", spy)
     feats = features_of(target, draft, ids)
@@ -358,3 +358,46 @@ def test_vocab_maps_that_disagree_are_refused(target):
     fresh = build_draft(OmegaConf.structured(DraftConfig(type="eagle3", draft_vocab_size=DRAFT_VOCAB)), target.config)
     fresh.load_extra_state(draft.extra_state())  # a draft built without data takes the saved maps
     assert torch.equal(fresh.d2t, draft.d2t) and torch.equal(fresh.t2d, draft.t2d)
+
+
+# -- draft.loss: EAGLE-3's own soft CE is one objective among the others ---------------------------
+
+def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target):
+    """`0.5*tv + 0.5*ce` at T=0.7: TV against the target restricted to the draft vocab, and CE on
+    x_{t+2+k} as a draft-vocab label, skipped (no term, no gradient) where x_{t+2+k} is outside the
+    draft vocab; both summed over step k's counted rows, over all of them divided."""
+    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7)
+    assert draft.capture_request().final_hidden
+    assert not eagle3_for(target, loss="ce").capture_request().final_hidden  # no teacher read, none captured
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[:, 3:6] = 0
+    used = draft_to_target_ids(draft.d2t)
+    assert not bool(torch.isin(ids, used).all())  # some labels fall outside the draft vocab
+    feats = features_of(target, draft, ids)
+    out = TargetWithDraft(target, draft, loss_chunk_size=5)(ids, mask)
+    grads = torch.autograd.grad(out.loss, list(draft.parameters()), allow_unused=True)
+
+    heads = draft.unroll(draft.aux_hidden(feats), feats.input_embeds, 3)
+    to_draft = {int(t): i for i, t in enumerate(used)}
+    full = feats.final_hidden @ target.lm_head.weight.t()  # (B, T, V) the target's own logits
+    ref = 0.0
+    for k, head in enumerate(heads):
+        counted = torch.zeros_like(mask, dtype=torch.bool)
+        counted[:, :T - 2 - k] = mask[:, 2 + k:].bool()
+        z = draft.logits(head)[counted] / 0.7
+        p = torch.softmax(full[:, 1 + k:][counted[:, :T - 1 - k]][:, used] / 0.7, dim=-1)  # target at t+1+k
+        tv = 0.5 * (p - torch.softmax(z, -1)).abs().sum()
+        labels = ids[:, 2 + k:][counted[:, :T - 2 - k]]
+        inside = [(r, to_draft[int(y)]) for r, y in enumerate(labels) if int(y) in to_draft]
+        ce = sum(F.cross_entropy(draft.logits(head)[counted][r], torch.tensor(y)) for r, y in inside)
+        ref = ref + 0.8 ** k * (0.5 * tv + 0.5 * ce) / counted.sum()
+        assert int(out.metrics[f"ttt_{k}/loss"][1]) == int(counted.sum())
+    ref_grads = torch.autograd.grad(ref, list(draft.parameters()), allow_unused=True)
+    torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert {"objective/tv", "objective/ce"} <= set(out.metrics)

@@ -10,7 +10,7 @@ import dataclasses
 import typing
 from typing import Any, Dict, Optional, Type
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures
 from specdraft.drafts.dflash import DFlashDraft
 from specdraft.drafts.eagle3 import Eagle3Draft
 from specdraft.drafts.glide import GlideDraft
@@ -64,5 +64,5 @@ def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = Non
     return ARCHITECTURES[architecture].from_export_config(config)
 
 
-__all__ = ["CaptureRequest", "Draft", "DraftConfig", "DraftLoss", "TargetFeatures", "FAMILIES",
+__all__ = ["CaptureRequest", "Draft", "DraftConfig", "DraftLoss", "HostBatch", "TargetFeatures", "FAMILIES",
            "DEFAULT_FAMILY", "build_draft", "draft_family", "draft_from_export_config"]

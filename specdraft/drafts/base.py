@@ -11,7 +11,7 @@ weights and ZeRO-3 never has to gather them twice.
     Family.from_export_config(config)                           rebuilt from an export / slot
     draft.capture_request()          what the frozen target must produce per batch
     draft.sample_batch_options(generator, seq_len)              per-batch randomness
-    draft.training_loss(features, lm_head_weight, ids, mask, chunk, **options) -> DraftLoss
+    draft.training_loss(features, lm_head_weight, ids, mask, chunk, host=..., **options) -> DraftLoss
     draft.extra_state() / load_extra_state(state)               state besides the weights
     draft.make_drafter(target)       a decode Drafter (chain and tree decoding)
     Family.serving_formats           {format name: writer}; "native" is written for every family
@@ -41,6 +41,33 @@ class DraftLoss:
     # name -> (numerator, denominator), 0-dim tensors summed over micro-batches and ranks; the
     # loop logs numerator / denominator per log interval (e.g. "ttt_2/accuracy": (hits, tokens))
     metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class HostBatch:
+    """The batch as the data loader made it, on the host: what a loss picks its counted rows
+    from. A boolean index of a device tensor asks the device how many rows there are (a
+    device->host sync per micro-batch); indices made here are copied to the device instead."""
+
+    input_ids: torch.Tensor  # (B, T)
+    loss_mask: torch.Tensor  # (B, T)
+    documents: Optional[torch.Tensor] = None  # (B, T) document ids of packed data, or None
+
+    @classmethod
+    def of(cls, input_ids, loss_mask, documents=None, host: Optional["HostBatch"] = None) -> "HostBatch":
+        """`host` when the caller has it (the training loop does); else a host copy of the device
+        tensors (one sync, for direct callers such as tests and benches)."""
+        if host is not None:
+            return host
+        return cls(input_ids.cpu(), loss_mask.cpu(), None if documents is None else documents.cpu())
+
+
+def rows_where(mask: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A host bool mask (B, T, ...) -> (flat indices of its True entries, their count as a 0-dim
+    long), both on `device`, without a device sync: index a tensor flattened alike with them."""
+    rows = mask.flatten().nonzero().squeeze(1)
+    count = torch.full((), rows.numel(), dtype=torch.long, device=device)
+    return rows.to(device, non_blocking=True), count
 
 
 class Draft(nn.Module, ABC):
@@ -100,8 +127,9 @@ class Draft(nn.Module, ABC):
     @abstractmethod
     def training_loss(self, features: TargetFeatures, lm_head_weight: torch.Tensor,
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_size: int,
-                      **options) -> DraftLoss:
-        """Loss of the draft's predictions on the loss-masked tokens."""
+                      host: Optional[HostBatch] = None, **options) -> DraftLoss:
+        """Loss of the draft's predictions on the loss-masked tokens. Which rows count is read
+        from `host` (HostBatch.of), never from the device tensors."""
 
     def external_parameters(self) -> List[nn.Parameter]:
         """The draft's parameters it reads outside their own module's forward (ZeRO-3 must be told

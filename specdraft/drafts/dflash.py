@@ -37,19 +37,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import RMSNorm, apply_rope
-from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, objective_from_options, shared_head_objective
 from specdraft.errors import SpecdraftError
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 
 
 @dataclass
-class DFlashOptions:
-    """The `draft.` keys DFlash reads."""
+class DFlashOptions(ObjectiveOptions):
+    """The `draft.` keys DFlash reads (draft.loss defaults to ce, DFlash's own objective)."""
 
     target_layers: List[int] = field(default_factory=list)  # layer inputs read (vLLM ids); []: 5 evenly spaced
     num_layers: int = 5  # draft decoder layers, each shaped like a target layer
@@ -255,11 +255,17 @@ class TrainingBlocks:
     labels: torch.Tensor  # (B, A, P) the token at anchor + 1 + j
     counted: torch.Tensor  # (B, A, P) bool: valid anchor and a loss-masked label
 
+    block_size: int = 0
+
     @property
     def positions(self) -> torch.Tensor:  # (B, A, S) position of each block slot
         return self.anchors[..., None] + torch.arange(self.block_size, device=self.anchors.device)
 
-    block_size: int = 0
+    def to(self, device) -> "TrainingBlocks":
+        """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return TrainingBlocks(move(self.anchors), move(self.valid), move(self.labels), move(self.counted),
+                              self.block_size)
 
 
 def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
@@ -292,9 +298,10 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size)
 
 
-def loss_weights(layout: BlockLayout, gamma: float, device=None) -> torch.Tensor:
-    """(P,) exp(-j / gamma) for the j-th predicted token (anchor + 1 + j) of a block."""
-    return torch.exp(-torch.arange(layout.predictions, dtype=torch.float32, device=device) / gamma)
+def loss_weights(layout: BlockLayout, gamma: float) -> List[float]:
+    """exp(-j / gamma) for the j-th predicted token (anchor + 1 + j) of a block: Python floats,
+    constants of the step (no tensor to read back)."""
+    return [math.exp(-j / gamma) for j in range(layout.predictions)]
 
 
 # -- the draft -------------------------------------------------------------------------------------
@@ -305,10 +312,11 @@ class DFlashDraft(Draft):
     options = DFlashOptions
     serving_formats = {"speculators": write_speculators_export}
 
-    def __init__(self, dims: DFlashDims):
+    def __init__(self, dims: DFlashDims, objective: Objective = CE):
         super().__init__()
         self.dims = dims
         self.layout = dims.layout
+        self.objective = objective  # what training_loss minimises (a training setting, not exported)
         # speculators' names: the native state dict is the speculators export minus mask_delta
         self.fc = nn.Linear(len(dims.target_layers) * dims.target_hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -396,7 +404,7 @@ class DFlashDraft(Draft):
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
             initializer_range=getattr(text, "initializer_range", 0.02),
-        ))
+        ), objective=objective_from_options(draft_cfg, default="ce"))
 
     @classmethod
     def from_export_config(cls, config: Dict[str, Any]) -> "DFlashDraft":
@@ -407,7 +415,7 @@ class DFlashDraft(Draft):
 
     def capture_request(self) -> CaptureRequest:
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),
-                              token_embeddings=(self.dims.mask_token_id,))
+                              token_embeddings=(self.dims.mask_token_id,), final_hidden=self.objective.needs_teacher)
 
     # -- the backbone: block embeddings + context -> block hidden states ---------------------------
 
@@ -466,35 +474,46 @@ class DFlashDraft(Draft):
         return hidden.view(B, A, self.layout.block_size, -1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, anchor_seed: int = 0, **_) -> DraftLoss:
-        blocks = self.training_blocks(input_ids, loss_mask, anchor_seed)
-        if blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
+                      chunk_size: int, anchor_seed: int = 0, host: Optional[HostBatch] = None, **_) -> DraftLoss:
+        host = HostBatch.of(input_ids, loss_mask, None, host)
+        host_blocks = self.training_blocks(host.input_ids, host.loss_mask, anchor_seed)  # on the host
+        if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
             metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
                        for name in ("loss", "accuracy")}  # the same names as every other batch
             return DraftLoss(loss=self.fc.weight.sum() * 0.0, tokens=none, correct=none.clone(), metrics=metrics)
+        blocks = host_blocks.to(input_ids.device)
         hidden = self.training_hidden(features, blocks)
-        return self.block_loss(hidden, blocks, lm_head_weight, chunk_size)
+        return self.block_loss(hidden, blocks, host_blocks.counted, lm_head_weight, chunk_size, features.final_hidden)
 
-    def block_loss(self, hidden, blocks: TrainingBlocks, lm_head_weight, chunk_size: int) -> DraftLoss:
-        """Weighted CE of each block's predictions: sum_j w_j * CE_j / counted tokens (speculators'
-        normalisation). hidden (B, A, S, H)."""
+    def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, lm_head_weight, chunk_size: int,
+                   final_hidden: Optional[torch.Tensor] = None) -> DraftLoss:
+        """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
+        (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
+        final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
+        teacher of the token at anchor + 1 + j is the target's output at anchor + j)."""
+        B, A = blocks.anchors.shape
         first = self.layout.first_slot
         weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
+        device = hidden.device
+        if final_hidden is not None:  # each block's anchor as a row of final_hidden.flatten(0, 1)
+            anchor_rows = (torch.arange(B, device=device)[:, None] * final_hidden.shape[1] + blocks.anchors).flatten()
         total = hidden.new_zeros((), dtype=torch.float32)
-        tokens = torch.zeros((), dtype=torch.long, device=hidden.device)
-        correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+        tokens = torch.zeros((), dtype=torch.long, device=device)
+        correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for j in range(self.layout.predictions):
-            counted = blocks.counted[..., j]
-            ce_sum, hits = chunked_cross_entropy(hidden[:, :, first + j][counted], lm_head_weight,
-                                                 blocks.labels[..., j][counted], chunk_size)
-            hits = hits.to(hidden.device)
-            n = counted.sum()
-            total = total + float(weights[j]) * ce_sum
-            tokens, correct = tokens + n, correct + hits
-            metrics[f"block_{j + 1}/loss"] = (ce_sum.detach(), n)  # (numerator, denominator)
-            metrics[f"block_{j + 1}/accuracy"] = (hits, n)
+            rows, n = rows_where(counted[..., j], device)  # over the (B * A) blocks
+            teacher = None if final_hidden is None else final_hidden.flatten(0, 1)[anchor_rows[rows] + j]
+            out = shared_head_objective(hidden[:, :, first + j].flatten(0, 1)[rows], lm_head_weight, teacher,
+                                        blocks.labels[..., j].flatten()[rows], self.objective, chunk_size)
+            total = total + weights[j] * out.loss
+            tokens, correct = tokens + n, correct + out.correct
+            metrics[f"block_{j + 1}/loss"] = (out.loss.detach(), n)  # (numerator, denominator)
+            metrics[f"block_{j + 1}/accuracy"] = (out.correct, n)
+            for name, value in out.terms.items():  # each term's mean over every block position
+                term_sum, count = metrics.get(f"objective/{name}", (0.0, 0))
+                metrics[f"objective/{name}"] = (term_sum + value, count + n)
         return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
 
     # -- decoding ---------------------------------------------------------------------------------

@@ -73,11 +73,11 @@ class DFlashDrafter(Drafter):
         for i, (k, v) in enumerate(self.draft.context_keys_values(context, cos, sin)):
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
             self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
-        self.length = int(positions[-1]) + 1
+        self.length = start + context.shape[1]  # from shapes: no read of a device value
 
     @torch.no_grad()
     def block_logits(self, anchor_token: int, n: int) -> torch.Tensor:
-        """One draft forward of the block anchored at x_n -> (S, V) float logits on the CPU."""
+        """One draft forward of the block anchored at x_n -> (S, V) float logits on the draft's device."""
         if self.length != n:
             raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
                                f"the decoding loop must pass the target's hidden states to observe_target()")

@@ -15,7 +15,9 @@ Training-time test (TTT), step k = 0 .. ttt_steps-1 (vectorised over all positio
     draft's own output of step k-1 at t; step 0 attends causally to step-0 keys <= t, step k adds
     the keys of steps 1..k at t itself (the diagonal); it predicts x_{t+2+k}, taught by the target's
     distribution at position t+1+k restricted to the draft vocab, counted where x_{t+2+k} is
-    loss-masked. Loss = sum_k ttt_decay^k * mean soft CE of step k.
+    loss-masked. Loss = sum_k ttt_decay^k * mean objective of step k: `draft.loss` (default
+    soft_ce against that restricted distribution; `ce` reads x_{t+2+k} as a draft-vocab label and
+    skips the rows whose label is outside the draft vocab).
 At inference step k is the k-th drafted token: the same keys are the verified tokens' entries
 plus the entries of the tokens drafted before it, at the same positions.
 """
@@ -31,11 +33,11 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
-from specdraft.drafts.loss import restricted_soft_cross_entropy
+from specdraft.drafts.objectives import Objective, ObjectiveOptions, ObjectiveSums, chunked_objective, objective_from_options, parse_objective
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 
@@ -46,8 +48,9 @@ AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 
 
 @dataclass
-class Eagle3Options:
-    """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults)."""
+class Eagle3Options(ObjectiveOptions):
+    """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults; draft.loss
+    defaults to soft_ce against the target restricted to the draft vocab)."""
 
     target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
     draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
@@ -158,15 +161,19 @@ def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.cat([x[:, shift:], pad], dim=1)
 
 
+SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
+
+
 class Eagle3Draft(Draft):
     family = "eagle3"
     architecture = "Eagle3Draft"
     options = Eagle3Options
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
 
-    def __init__(self, dims: Eagle3Dims):
+    def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE):
         super().__init__()
         self.dims = dims
+        self.objective = objective  # what training_loss minimises (a training setting, not exported)
         aux = len(dims.target_layers) * dims.target_hidden_size
         self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
         self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
@@ -246,7 +253,7 @@ class Eagle3Draft(Draft):
             norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=bool(draft_cfg.norm_output),
             initializer_range=getattr(text, "initializer_range", 0.02),
-        ))
+        ), objective=objective_from_options(draft_cfg, default="soft_ce"))
         if data is not None:
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
                                              draft.dims.draft_vocab_size))
@@ -337,7 +344,8 @@ class Eagle3Draft(Draft):
     # -- training --------------------------------------------------------------------------
 
     def capture_request(self) -> CaptureRequest:
-        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=True)
+        # the final hidden state only when the objective reads the target's distribution
+        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
 
     def external_parameters(self) -> List[nn.Parameter]:
         return [self.lm_head.weight]  # the chunked loss reads the head's weight directly
@@ -346,31 +354,46 @@ class Eagle3Draft(Draft):
         return torch.cat([features.hidden[layer] for layer in self.dims.target_layers], dim=-1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, **_) -> DraftLoss:
+                      chunk_size: int, host: Optional[HostBatch] = None, **_) -> DraftLoss:
         B, T = input_ids.shape
         dtype = self.fc.weight.dtype
         heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
                             self.dims.ttt_steps)
+        host = HostBatch.of(input_ids, loss_mask, None, host)
         draft_ids = self.draft_to_target()
-        teacher_rows = lm_head_weight.index_select(0, draft_ids)  # (N, H): never the full vocab
+        # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
+        teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
+        to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
+        ids, final = input_ids.flatten(), None
+        if self.objective.needs_teacher:
+            final = features.final_hidden.flatten(0, 1)
         loss = None
-        metrics = {}
+        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
-            span = T - 2 - k  # indices t whose label x_{t+2+k} exists
-            counted = loss_mask[:, 2 + k:].bool()  # (B, span)
-            labels = input_ids[:, 2 + k:][counted]
-            teacher = features.final_hidden[:, 1 + k:1 + k + span][counted]  # target at t+1+k
-            total, best = ttt_step_loss(head_in[:, :span][counted], self.lm_head.weight, teacher,
-                                        teacher_rows, chunk_size)
-            tokens = counted.sum()
-            hits = (draft_ids[best] == labels).sum()
-            step_loss = total / tokens.clamp_min(1)
-            weighted = step_loss * self.dims.ttt_decay ** k
+            # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
+            counted = torch.zeros(B, T, dtype=torch.bool)
+            counted[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
+            rows, tokens = rows_where(counted, input_ids.device)
+            labels = ids[rows + 2 + k]
+            out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
+                                None if final is None else final[rows + 1 + k], teacher_rows,
+                                None if to_draft is None else to_draft[labels], self.objective, chunk_size)
+            hits = (draft_ids[out.argmax] == labels).sum()
+            weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k
             loss = weighted if loss is None else loss + weighted
-            metrics[f"ttt_{k}/loss"] = (total.detach(), tokens)
+            metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
+            for name, value in out.terms.items():  # each term's mean over every step's rows
+                total, count = metrics.get(f"objective/{name}", (0.0, 0))
+                metrics[f"objective/{name}"] = (total + value, count + tokens)
         first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+
+    def target_to_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """(vocab,) long: the draft id of each target token, -1 outside the draft vocab (a CE
+        label the objective skips)."""
+        index = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
+        return index.index_copy_(0, draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -383,7 +406,10 @@ class Eagle3Draft(Draft):
         return Eagle3Drafter(self, target)
 
 
-def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, chunk_size):
-    """EAGLE-3's objective for one TTT step: soft CE against the target distribution restricted
-    to the draft vocab (teacher_rows: the target lm_head's rows of the draft vocab)."""
-    return restricted_soft_cross_entropy(student_hidden, student_head, teacher_hidden, teacher_rows, chunk_size)
+def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective: Objective,
+                  chunk_size: int) -> ObjectiveSums:
+    """One TTT step's objective over its counted rows: the draft's own head over the draft vocab
+    against the target restricted to it (teacher_rows: the target lm_head's rows of the draft
+    vocab) and/or draft-vocab labels."""
+    return chunked_objective(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective,
+                             chunk_size)

@@ -20,11 +20,10 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, TargetFeatures
+from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
-from specdraft.drafts.loss import chunked_cross_entropy
-from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, chunked_objective, objective_from_options
+from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, objective_from_options, shared_head_objective
 from specdraft.errors import SpecdraftError
 
 
@@ -219,33 +218,37 @@ class GlideDraft(Draft):
         return options
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, lag: int = 1, documents: Optional[torch.Tensor] = None, **_) -> DraftLoss:
+                      chunk_size: int, lag: int = 1, documents: Optional[torch.Tensor] = None,
+                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
         """documents (B, T) or None: packed documents; attention and labels stay inside each one."""
-        T = input_ids.shape[1]
-        index = torch.arange(T, device=input_ids.device)
         hidden = self.forward_sequence(features.input_embeds, features.cos, features.sin, features.last_keys,
                                        features.last_values, lag, documents)
-        # hidden at t predicts token t+1; t had target context only if t - lag is in its document
-        if documents is None:
-            counted = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)
-        else:
-            starts = torch.ones_like(documents, dtype=torch.bool)
-            starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-            start_index = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T) its document's first token
-            has_context = index - lag >= start_index
-            counted = loss_mask[:, 1:].bool() & has_context[:, :-1] & ~starts[:, 1:]  # label in the same document
-        predictions = hidden[:, :-1][counted]
-        labels = input_ids[:, 1:][counted]
-        tokens = counted.sum()
-        if not self.objective.needs_teacher:
-            total, correct = chunked_cross_entropy(predictions, lm_head_weight, labels, chunk_size)
-            return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct)
+        host = HostBatch.of(input_ids, loss_mask, documents, host)
+        rows, tokens = rows_where(counted_predictions(host.loss_mask, host.documents, lag), input_ids.device)
+        predictions = hidden.flatten(0, 1)[rows]  # row b*T + t predicts token t+1 of row b
+        labels = input_ids.flatten()[rows + 1]
         # the teacher: the target's own next-token distribution at t, from its final hidden state
-        teacher = features.final_hidden[:, :-1][counted]
-        out = chunked_objective(predictions, lm_head_weight, teacher, lm_head_weight, labels, self.objective,
-                                chunk_size)
+        teacher = features.final_hidden.flatten(0, 1)[rows] if self.objective.needs_teacher else None
+        out = shared_head_objective(predictions, lm_head_weight, teacher, labels, self.objective, chunk_size)
         return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=out.correct,
                          metrics={f"objective/{name}": (value, tokens) for name, value in out.terms.items()})
+
+
+def counted_predictions(loss_mask: torch.Tensor, documents: Optional[torch.Tensor], lag: int) -> torch.Tensor:
+    """(B, T) bool: the positions t whose prediction of token t+1 the loss counts. Token t+1 is
+    loss-masked and in t's document, and t had target context: t - lag is in its document."""
+    B, T = loss_mask.shape
+    index = torch.arange(T, device=loss_mask.device)
+    counted = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
+    if documents is None:
+        counted[:, :-1] = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)
+        return counted
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    start_index = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T) its document's first token
+    has_context = index - lag >= start_index
+    counted[:, :-1] = loss_mask[:, 1:].bool() & has_context[:, :-1] & ~starts[:, 1:]  # label in the same document
+    return counted
 
 
 def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,

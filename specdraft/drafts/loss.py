@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk; sets the default chunk size
@@ -67,37 +66,3 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if chunk_size <= 0:
         chunk_size = default_chunk_size(weight.shape[0])
     return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size)
-
-
-def restricted_soft_cross_entropy(student_hidden: torch.Tensor, student_head: torch.Tensor,
-                                  teacher_hidden: torch.Tensor, teacher_rows: torch.Tensor,
-                                  chunk_size: int = 1024) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Soft CE against the target restricted to a sub-vocabulary, in chunks of rows.
-
-    student_hidden (M, H) through the draft's own head (N, H) (trainable); teacher_hidden (M, H)
-    through teacher_rows (N, H): the target lm_head's rows of the same N tokens, so the teacher
-    p = softmax(target logits[sub-vocab]) is never a full-vocab tensor. Returns (sum over rows of
-    -sum p * log_softmax(student), student argmax (M,)). Each chunk is recomputed in backward
-    (activation checkpointing), so at most one (chunk x N) logits tensor is alive.
-    """
-    if chunk_size <= 0:  # the config's 0: sized from the (sub-)vocab
-        chunk_size = default_chunk_size(student_head.shape[0])
-    total = student_hidden.new_zeros((), dtype=torch.float32)
-    argmax = []
-    teacher_rows = teacher_rows.detach()
-    for start in range(0, student_hidden.shape[0], chunk_size):
-        part, best = checkpoint(_soft_ce_chunk, student_hidden[start:start + chunk_size], student_head,
-                                teacher_hidden[start:start + chunk_size], teacher_rows, use_reentrant=False)
-        total = total + part
-        argmax.append(best)
-    if not argmax:  # nothing counted: zero loss, graph still connected to the head
-        return (student_head.sum() * 0.0).float(), torch.zeros(0, dtype=torch.long, device=student_hidden.device)
-    return total, torch.cat(argmax)
-
-
-def _soft_ce_chunk(student_hidden, student_head, teacher_hidden, teacher_rows):
-    with torch.no_grad():
-        teacher = torch.softmax((teacher_hidden.to(teacher_rows.dtype) @ teacher_rows.t()).float(), dim=-1)
-    logits = (student_hidden @ student_head.t()).float()  # (C, N)
-    loss = -(teacher * torch.log_softmax(logits, dim=-1)).sum()
-    return loss, logits.detach().argmax(dim=-1)

@@ -6,7 +6,8 @@
     out.loss / n  -> backward;  out.terms["tv"] / n  -> log
 
 Per row, with z = student logits, t = teacher logits, q = softmax(z / T), p = softmax(t / T):
-    ce       -log softmax(z)[label]              hard label, at temperature 1 (LongSpec's loss)
+    ce       -log softmax(z)[label]              hard label, at temperature 1 (LongSpec's loss);
+                                                  0 for a label < 0 (none in the student's vocab)
     soft_ce  -sum p log q                        cross-entropy against the teacher's distribution
     kl       sum p (log p - log q)               = soft_ce - H(p): same gradient, 0 when q = p
     tv       1/2 sum |p - q|                     speculative sampling at T accepts with 1 - tv
@@ -30,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from specdraft.drafts.loss import chunked_cross_entropy, default_chunk_size
 from specdraft.errors import SpecdraftError
 
 OBJECTIVES = ("ce", "soft_ce", "kl", "tv")
@@ -165,12 +167,15 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
             grad.add_(term, alpha=weight)
 
     if objective.needs_labels:
+        # a label < 0 has no CE (EAGLE-3: a target token outside the draft vocab); no sync to ask
+        has_label = labels >= 0
+        labels = labels.clamp_min(0)
         log_z = torch.logsumexp(z, dim=-1)  # (C,)
-        sums["ce"] = (log_z - z.gather(1, labels[:, None]).squeeze(1)).sum()
+        sums["ce"] = ((log_z - z.gather(1, labels[:, None]).squeeze(1)) * has_label).sum()
         if with_grad:
             probs = z.sub(log_z[:, None]).exp_()
             probs[torch.arange(len(labels), device=z.device), labels] -= 1.0  # softmax - onehot
-            accumulate(probs, objective.weight("ce"))
+            accumulate(probs.mul_(has_label[:, None]), objective.weight("ce"))
     if teacher_logits is not None:
         T = objective.temperature
         log_q = torch.log_softmax(z / T if T != 1.0 else z, dim=-1)  # (C, V)
@@ -208,7 +213,7 @@ class ObjectiveSums:
     loss: torch.Tensor  # weighted sum over rows (differentiable): divide by the counted rows
     correct: torch.Tensor  # 0-dim long: student argmax == label (teacher argmax without labels)
     terms: Dict[str, torch.Tensor]  # name -> 0-dim float32 sum over rows of that term (detached)
-    argmax: torch.Tensor  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
+    argmax: Optional[torch.Tensor]  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
 
 
 class _ChunkedObjective(torch.autograd.Function):
@@ -226,8 +231,6 @@ class _ChunkedObjective(torch.autograd.Function):
                        if ctx.needs_input_grad[1] else None)
         with_grad = grad_hidden is not None or grad_weight is not None
         if chunk_size <= 0:  # the config's 0: sized from the vocab
-            from specdraft.drafts.loss import default_chunk_size
-
             chunk_size = default_chunk_size(student_weight.shape[0])
         for start in range(0, student_hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -290,3 +293,16 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
     total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
                                                    teacher_weight, labels, objective, chunk_size, term_names)
     return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)}, argmax)
+
+
+def shared_head_objective(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                          teacher_hidden: Optional[torch.Tensor], labels: torch.Tensor, objective: Objective,
+                          chunk_size: int) -> ObjectiveSums:
+    """The objective of a draft that reads the target's own frozen lm_head (GLIDE, DFlash): the
+    teacher is the target's final hidden state through that same head. Plain CE takes the
+    in-place chunked CE, the cheapest path (it logs no terms and no argmax)."""
+    if objective == CE:
+        total, correct = chunked_cross_entropy(student_hidden, lm_head_weight, labels, chunk_size)
+        return ObjectiveSums(total, correct, {}, argmax=None)
+    return chunked_objective(student_hidden, lm_head_weight, teacher_hidden, lm_head_weight, labels, objective,
+                             chunk_size)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from specdraft.config import resolve_data_files, save_config
 from specdraft.data.packing import PackedData, build_packed_cache, cache_key, open_packed_cache
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.drafts import DraftLoss, build_draft
+from specdraft.drafts import DraftLoss, HostBatch, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager, config_file, export_dir
@@ -169,7 +169,8 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
     updates at the gradient-accumulation boundary)."""
     inputs = {key: value.to(engine.device) for key, value in batch.items()}
-    out: DraftLoss = engine(**inputs, **options)
+    host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+    out: DraftLoss = engine(**inputs, host=host, **options)
     engine.backward(out.loss)
     engine.step()
     return out

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdraft.drafts import Draft, DraftLoss
+from specdraft.drafts import Draft, DraftLoss, HostBatch
 from specdraft.target.capture import capture, target_attention_mask
 
 DRAFT_PREFIX = "draft_model."
@@ -41,10 +41,12 @@ class TargetWithDraft(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, **options) -> DraftLoss:
+                position_ids: Optional[torch.Tensor] = None, host: Optional[HostBatch] = None,
+                **options) -> DraftLoss:
         """document_positions / document_ids (B, T): each token's position inside its document and
         its document (packed data); None: one document per row. position_ids (T,): a draft's
-        position map (Anchor-Offset) from a position in the document to the position used."""
+        position map (Anchor-Offset) from a position in the document to the position used.
+        host: the same batch on the host, where the loss reads which rows count (no device sync)."""
         B, T = input_ids.shape
         if document_positions is None:
             document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -54,7 +56,7 @@ class TargetWithDraft(nn.Module):
         features = capture(self.model, input_ids, document_positions.expand(B, T),
                            self.draft_model.capture_request(), attention_mask)
         return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
-                                              self.loss_chunk_size, documents=document_ids, **options)
+                                              self.loss_chunk_size, documents=document_ids, host=host, **options)
 
     def train(self, mode: bool = True):
         # The target stays in eval mode whatever the engine asks (no dropout in a frozen model).
