@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import specdraft.drafts.glide as glide_module
+import specdraft.drafts.objectives as objectives_module  # GLIDE's CE goes through shared_head_objective
 from specdraft.config import DraftConfig
 from specdraft.decode.cache import cache_length, forward, new_cache
 from specdraft.drafts.glide_decode import GlideDrafter
@@ -92,10 +92,10 @@ class _Recorder:
 
 def training_predictions(monkeypatch, draft, target, ids, loss_mask, lag, positions=None):
     """What the training loss trains on: (hidden (N, H), labels (N,)) in the loss's row order."""
-    recorder = _Recorder(glide_module.chunked_cross_entropy)
-    monkeypatch.setattr(glide_module, "chunked_cross_entropy", recorder)
+    recorder = _Recorder(objectives_module.chunked_cross_entropy)
+    monkeypatch.setattr(objectives_module, "chunked_cross_entropy", recorder)
     training_loss(draft, target, ids, loss_mask, lag, positions)
-    monkeypatch.setattr(glide_module, "chunked_cross_entropy", recorder.original)
+    monkeypatch.setattr(objectives_module, "chunked_cross_entropy", recorder.original)
     assert len(recorder.calls) == 1
     return recorder.calls[0]
 

@@ -70,6 +70,23 @@ def rows_where(mask: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
     return rows.to(device, non_blocking=True), count
 
 
+def target_text_config(target_config):
+    """The decoder's config: the `text_config` of a multimodal target (Gemma 3), else itself."""
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def target_layer_shape(target_config) -> Dict[str, Any]:
+    """What a draft layer shaped like one of the target's layers takes from the target's config:
+    the dims every family shares (keyword arguments of each family's dims)."""
+    text = target_text_config(target_config)
+    heads = text.num_attention_heads
+    return dict(hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_heads=heads,
+                num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+                initializer_range=getattr(text, "initializer_range", 0.02))
+
+
 class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"

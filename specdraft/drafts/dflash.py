@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
+                                   target_layer_shape, target_text_config)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import RMSNorm, apply_rope
@@ -331,9 +332,7 @@ class DFlashDraft(Draft):
 
     # -- building ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _text_config(target_config):
-        return getattr(target_config, "text_config", None) or target_config
+    _text_config = staticmethod(target_text_config)
 
     @classmethod
     def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
@@ -381,15 +380,9 @@ class DFlashDraft(Draft):
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
         text = cls._text_config(target_config)
-        heads = text.num_attention_heads
         mask_id = draft_cfg.mask_token_id
         return cls(DFlashDims(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            **target_layer_shape(target_config),
             hidden_act=getattr(text, "hidden_act", "silu"),
             vocab_size=text.vocab_size,
             target_hidden_size=text.hidden_size,
@@ -403,7 +396,6 @@ class DFlashDraft(Draft):
             train_mask_embedding=bool(draft_cfg.train_mask_embedding),
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
-            initializer_range=getattr(text, "initializer_range", 0.02),
         ), objective=objective_from_options(draft_cfg, default="ce"))
 
     @classmethod

@@ -33,7 +33,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
+                                   target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
@@ -224,8 +225,7 @@ class Eagle3Draft(Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
-        text = getattr(target_config, "text_config", None) or target_config
-        heads = text.num_attention_heads
+        text = target_text_config(target_config)
         layers = list(draft_cfg.target_layers or [])
         if not layers:
             layers, why = default_target_layers(text.num_hidden_layers)
@@ -233,12 +233,7 @@ class Eagle3Draft(Draft):
         rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
                                                            "rope_theta": getattr(text, "rope_theta", 10000.0)}
         draft = cls(Eagle3Dims(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            **target_layer_shape(target_config),
             vocab_size=text.vocab_size,
             draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
             target_hidden_size=text.hidden_size,
@@ -252,7 +247,6 @@ class Eagle3Draft(Draft):
             fc_norm=bool(draft_cfg.fc_norm),
             norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=bool(draft_cfg.norm_output),
-            initializer_range=getattr(text, "initializer_range", 0.02),
         ), objective=objective_from_options(draft_cfg, default="soft_ce"))
         if data is not None:
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),

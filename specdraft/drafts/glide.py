@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
+                                   target_layer_shape)
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
 from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, objective_from_options, shared_head_objective
@@ -138,25 +139,16 @@ class GlideDraft(Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "GlideDraft":
-        text = getattr(target_config, "text_config", None) or target_config
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        shape = target_layer_shape(target_config)
         return cls(GlideDims(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            target_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            **shape,
+            target_kv_heads=shape["num_kv_heads"],
             sliding_window=int(draft_cfg.sliding_window),
             max_lag=int(draft_cfg.max_lag),
             final_norm=bool(draft_cfg.final_norm),
             anchor_offset=bool(draft_cfg.anchor_offset),
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
-            initializer_range=getattr(text, "initializer_range", 0.02),
         ), objective=objective_from_options(draft_cfg, default="ce"))
 
     @classmethod
