@@ -160,7 +160,7 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
 
     def engine_step(step):
         batch = loop.model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
-        options = engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
+        options = engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0), shape.seq)
         loop.forward_step(engine, batch, options)
 
     times = {"a": [], "b": [], "c": [], "capture": []}
@@ -169,7 +169,7 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
         batch = loop.model_inputs(data.batch(peek.next_batch()), cfg.document_mask)
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         documents = batch.get("document_ids")
-        options = plain_draft.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
+        options = plain_draft.sample_batch_options(loop.batch_generator(0, step, 0), shape.seq)
         positions = batch.get("document_positions", torch.arange(shape.seq).expand(shape.batch, shape.seq))
         sample = {
             "a": timed(lambda: target_forward(ids, positions)),
