@@ -14,10 +14,23 @@ Each round times (a), (b), (c) back to back on the same batch, so load from othe
 falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
 
     OMP_NUM_THREADS=1 python bench/step_efficiency.py [--shapes demo,large] [--zero 0,2] [--rounds 5]
+        [--objectives ce,"0.9*tv + 0.1*ce"] [--distill-temperature 1.0]
+
+--objectives adds GLIDE steps with distillation objectives (`draft.loss`): each gets its own
+target, draft and engine (the same seeded weights), and in every round each objective's (a), (b),
+(c) run on the same batch, the objectives in an order rotated round by round. For them (a)
+includes lm_head (the teacher's logits, every position; printed apart as 'lm_head ms'), the
+capture keeps the final hidden state (every layer runs to its end), and (b) includes the loss's
+own teacher matmul on the counted positions: the second vocab-sized matmul per token. So the
+floor (a) + (b) counts the teacher logits twice over (all rows in (a), counted rows in (b)); subtract
+'lm_head ms' from (a) for the tighter floor. Also printed per objective: c/c_ce and b/b_ce, its
+(c) and (b) over the CE step's. CE is always measured and gives `ratio=` as without the option.
 
 Shapes: "demo" is the demo target (specdraft.demo preset "demo": Llama, 4 layers, hidden 256,
 vocab 4096) at batch 8 x 256; "large" is a random Llama of 8 layers, hidden 512, vocab 32000 at
-batch 2 x 1024. The last line, `ratio=<x>`, is the larger shape's worst ratio over the ZeRO stages.
+batch 2 x 1024. The last line, `ratio=<x>`, is the larger shape's worst ratio over the ZeRO stages
+(of the CE step); with distillation objectives it adds `distill_ratio=`, `distill_step_ratio=`
+(c/c_ce) and `distill_draft_ratio=` (b/b_ce), each the larger shape's worst over stages and objectives.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import List, Optional, Sequence
 
 warnings.filterwarnings("ignore")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -48,6 +62,7 @@ from specdraft.data.packing import open_packed_cache  # noqa: E402
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.demo.presets import get_preset  # noqa: E402
 from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.drafts.objectives import parse_objective  # noqa: E402
 from specdraft.target.capture import capture, target_attention_mask  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
@@ -134,63 +149,112 @@ def timed(fn) -> float:
     return time.process_time() - start
 
 
-def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path, document_mask: bool) -> dict:
-    cfg = run_config(shape, zero_stage, document_mask)
-    target = random_target(shape)
-    draft = build_draft(cfg.draft, target.config)
-    plain_draft = copy.deepcopy(draft)  # (b) runs outside the engine: no ZeRO hooks on its grads
-    model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
-    engine = build_engine(cfg, model, total_steps=1000)
-    reads_distribution = False  # GLIDE: hard-label CE on data tokens, never the target's softmax
-    data = packed_data(shape, rows=shape.batch * (rounds + warmup), out=work / f"{shape.name}-{zero_stage}")
-    sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
+class StepBench:
+    """One objective's target, draft, engine and batch streams; round() times (a), (b), (c) once."""
 
-    def target_forward(ids, positions):
+    def __init__(self, shape: Shape, zero_stage: int, document_mask: bool, spec: Optional[str],
+                 temperature: float, data):
+        cfg = run_config(shape, zero_stage, document_mask)
+        if spec is not None:  # None: the family's default objective (GLIDE: ce), as before
+            cfg.draft.loss = spec
+            cfg.draft.distill_temperature = temperature
+        self.shape, self.cfg, self.data = shape, cfg, data
+        self.target = random_target(shape)  # seeded: every objective gets the same target and draft
+        draft = build_draft(cfg.draft, self.target.config)
+        self.plain_draft = copy.deepcopy(draft)  # (b) runs outside the engine: no ZeRO hooks on its grads
+        self.model = TargetWithDraft(self.target, draft, cfg.loss_chunk_size)
+        self.engine = build_engine(cfg, self.model, total_steps=1000)
+        self.objective = draft.objective
+        # GLIDE's hard-label CE never reads the target's softmax; a distillation objective does
+        self.reads_distribution = self.objective.needs_teacher
+        self.sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
+        self.peek = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)  # (c)'s, ahead
+
+    def target_forward(self, ids, positions) -> float:
+        """(a); returns the CPU seconds of its lm_head part (0 without)."""
         # per-document positions, no mask: transformers infers the same document borders itself
         with torch.no_grad():
-            hidden = target.model(input_ids=ids, position_ids=positions).last_hidden_state
-            if reads_distribution:
-                target.lm_head(hidden)
+            hidden = self.target.model(input_ids=ids, position_ids=positions).last_hidden_state
+            if self.reads_distribution:
+                return timed(lambda: self.target.lm_head(hidden))
+        return 0.0
 
-    def draft_step(features, ids, loss_mask, documents, options):
-        out = plain_draft.training_loss(features, target.lm_head.weight, ids, loss_mask, cfg.loss_chunk_size,
-                                        documents=documents, **options)
+    def draft_step(self, features, ids, loss_mask, documents, options):
+        out = self.plain_draft.training_loss(features, self.target.lm_head.weight, ids, loss_mask,
+                                             self.cfg.loss_chunk_size, documents=documents, **options)
         out.loss.backward()
-        plain_draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
+        self.plain_draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
 
-    def engine_step(step):
-        batch = loop.model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
-        options = engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
-        loop.forward_step(engine, batch, options)
+    def engine_step(self, step):
+        batch = loop.model_inputs(self.data.batch(self.sampler.next_batch()), self.cfg.document_mask)
+        options = self.engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0),
+                                                                      self.shape.seq)
+        loop.forward_step(self.engine, batch, options)
 
-    times = {"a": [], "b": [], "c": [], "capture": []}
-    peek = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)  # (c)'s batches, ahead
-    for step in range(rounds + warmup):
-        batch = loop.model_inputs(data.batch(peek.next_batch()), cfg.document_mask)
+    def round(self, step: int) -> dict:
+        shape = self.shape
+        batch = loop.model_inputs(self.data.batch(self.peek.next_batch()), self.cfg.document_mask)
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         documents = batch.get("document_ids")
-        options = plain_draft.sample_batch_options(loop.batch_generator(0, step, 0, 0), shape.seq)
+        options = self.plain_draft.sample_batch_options(loop.batch_generator(0, step, 0), shape.seq)
         positions = batch.get("document_positions", torch.arange(shape.seq).expand(shape.batch, shape.seq))
+        lm_head = []
         sample = {
-            "a": timed(lambda: target_forward(ids, positions)),
-            "capture": timed(lambda: model_capture(model, ids, positions, documents)),
+            "a": timed(lambda: lm_head.append(self.target_forward(ids, positions))),
+            "capture": timed(lambda: model_capture(self.model, ids, positions, documents)),
         }
-        features = model_capture(model, ids, positions, documents)
-        sample["b"] = timed(lambda: draft_step(features, ids, loss_mask, documents, options))
-        sample["c"] = timed(lambda: engine_step(step))
-        if step >= warmup:
-            for key, value in sample.items():
-                times[key].append(value)
-    medians = {key: statistics.median(values) for key, values in times.items()}
-    medians["ratio"] = medians["c"] / (medians["a"] + medians["b"])
-    medians["lm_head_in_a"] = reads_distribution
-    return medians
+        sample["lm_head"] = lm_head[0]
+        features = model_capture(self.model, ids, positions, documents)
+        sample["b"] = timed(lambda: self.draft_step(features, ids, loss_mask, documents, options))
+        sample["c"] = timed(lambda: self.engine_step(step))
+        return sample
+
+
+def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path, document_mask: bool,
+            objectives: Sequence[Optional[str]] = (None,), temperature: float = 1.0) -> List[dict]:
+    """Medians per objective (in `objectives` order; None: the default ce). The objectives' steps
+    are interleaved round by round (their order rotated each round), each on the same batch."""
+    data = packed_data(shape, rows=shape.batch * (rounds + warmup), out=work / f"{shape.name}-{zero_stage}")
+    benches = [StepBench(shape, zero_stage, document_mask, spec, temperature, data) for spec in objectives]
+    times = [{"a": [], "b": [], "c": [], "capture": [], "lm_head": []} for _ in benches]
+    for step in range(rounds + warmup):
+        turn = step % len(benches)
+        for i in [*range(turn, len(benches)), *range(turn)]:
+            sample = benches[i].round(step)
+            if step >= warmup:
+                for key, value in sample.items():
+                    times[i][key].append(value)
+    results = []
+    for bench, samples in zip(benches, times):
+        medians = {key: statistics.median(values) for key, values in samples.items()}
+        medians["ratio"] = medians["c"] / (medians["a"] + medians["b"])
+        medians["lm_head_in_a"] = bench.reads_distribution
+        medians["objective"] = bench.objective
+        results.append(medians)
+    base = results[0]  # the CE step
+    for medians in results:
+        medians["c_rel"] = medians["c"] / base["c"]
+        medians["b_rel"] = medians["b"] / base["b"]
+    return results
 
 
 def model_capture(model: TargetWithDraft, ids, positions, documents):
     """What the training step runs in the target (the capture GLIDE asks for)."""
     return capture(model.model, ids, positions, model.draft_model.capture_request(),
                    target_attention_mask(model.model, ids, documents))
+
+
+def objective_specs(arg: str) -> List[Optional[str]]:
+    """--objectives -> draft.loss values, CE first as None (the default, measured as before);
+    CE is measured whether named or not: the distillation steps are compared with it."""
+    specs: List[Optional[str]] = [None]
+    for spec in (part.strip() for part in arg.split(",")):
+        objective = parse_objective(spec, where=f"--objectives {spec!r}")  # one-line error if bad
+        if objective.needs_teacher:
+            specs.append(spec)
+        elif objective.names != ("ce",) or objective.weight("ce") != 1.0:
+            raise SystemExit(f"--objectives {spec!r}: without a teacher only plain 'ce' (always measured)")
+    return list(dict.fromkeys(specs))
 
 
 def main() -> None:
@@ -201,24 +265,53 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-document-mask", dest="document_mask", action="store_false",
                         help="windows as one stream (positions 0..T-1, no document borders)")
+    parser.add_argument("--objectives", default="ce",
+                        help="comma-separated draft.loss values, e.g. 'ce,0.9*tv + 0.1*ce' (ce always runs)")
+    parser.add_argument("--distill-temperature", type=float, default=1.0,
+                        help="draft.distill_temperature of the distillation objectives")
     args = parser.parse_args()
+    specs = objective_specs(args.objectives)
+    distill = len(specs) > 1
     init_distributed()
     work = Path(tempfile.mkdtemp(prefix="specdraft-bench-step-"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); (a) = model.model under no_grad "
-          f"without lm_head (GLIDE's objective reads data labels, not the target's distribution); "
+    if distill:
+        what = ("(a) = model.model under no_grad, plus lm_head for a distillation objective (it reads the "
+                "target's distribution; 'lm_head ms' is that part of (a)); c/c_ce, b/b_ce: (c), (b) over the "
+                "CE step's on the same batches, interleaved round by round")
+    else:
+        what = ("(a) = model.model under no_grad without lm_head (GLIDE's objective reads data labels, not the "
+                "target's distribution)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {what}; "
           f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)")
+    extra = f" {'lm_head ms':>10} {'c/c_ce':>7} {'b/b_ce':>7}  objective" if distill else ""
     print(f"{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
-          f"{'capture ms':>10} {'(c)/(a+b)':>9}")
+          f"{'capture ms':>10} {'(c)/(a+b)':>9}{extra}")
     worst = {}
+    worst_distill = {}  # shape -> (ratio, c/c_ce, b/b_ce), each the worst over stages and objectives
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for stage in map(int, args.zero.split(",")):
-            m = measure(shape, stage, args.rounds, args.warmup, work, args.document_mask)
-            worst[name] = max(worst.get(name, 0.0), m["ratio"])
-            print(f"{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} {m['b'] * 1e3:8.1f} "
-                  f"{m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}", flush=True)
+            results = measure(shape, stage, args.rounds, args.warmup, work, args.document_mask, specs,
+                              args.distill_temperature)
+            for m in results:
+                line = (f"{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
+                        f"{m['b'] * 1e3:8.1f} {m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}")
+                if distill:
+                    line += (f" {m['lm_head'] * 1e3:10.1f} {m['c_rel']:7.3f} {m['b_rel']:7.3f}  "
+                             f"{m['objective']}")
+                print(line, flush=True)
+                if not m["objective"].needs_teacher:
+                    worst[name] = max(worst.get(name, 0.0), m["ratio"])
+                else:
+                    old = worst_distill.get(name, (0.0, 0.0, 0.0))
+                    worst_distill[name] = tuple(max(x, y) for x, y in zip(old, (m["ratio"], m["c_rel"],
+                                                                                 m["b_rel"])))
     last = "large" if "large" in worst else next(iter(worst))
-    print(f"ratio={worst[last]:.3f}")
+    tail = ""
+    if distill:
+        ratio, step, draft = worst_distill[last]
+        tail = f" distill_ratio={ratio:.3f} distill_step_ratio={step:.3f} distill_draft_ratio={draft:.3f}"
+    print(f"ratio={worst[last]:.3f}{tail}")
 
 
 if __name__ == "__main__":
