@@ -1,6 +1,8 @@
 """Training objectives (ce, soft_ce, kl, tv, mixtures): each equals a plain-PyTorch reference, in
 loss and gradients, chunked or not; zero exactly at q = p; finite in bf16; config parsing."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,3 +326,23 @@ def test_glide_distills_the_targets_own_next_token_distribution():
     torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for name, p in draft.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("metrics, perplexity", [
+    ({}, math.exp(2.0)),  # plain CE: exp(loss)
+    ({"objective/ce": (torch.tensor(3.0), torch.tensor(4)), "objective/tv": (torch.tensor(1.0), torch.tensor(4))},
+     math.exp(0.75)),  # a mixture: exp(its CE term), not exp(0.9 tv + 0.1 ce)
+    ({"objective/tv": (torch.tensor(1.0), torch.tensor(4))}, None),  # no CE at all: no perplexity
+])
+def test_perplexity_is_exp_of_a_cross_entropy_or_absent(monkeypatch, metrics, perplexity):
+    from types import SimpleNamespace
+
+    from specdraft.train.loop import LossWindow
+
+    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone())  # a world of one
+    window = LossWindow()
+    window.add(SimpleNamespace(loss=torch.tensor(2.0), tokens=torch.tensor(4), correct=torch.tensor(1),
+                               metrics=metrics))
+    window.end_step()
+    _, values = window.reduce()
+    assert values.get("perplexity") == (None if perplexity is None else pytest.approx(perplexity, rel=1e-12))

@@ -308,8 +308,13 @@ class LossWindow:
         loss_sum = sum(row[0] for row in totals)
         tokens = max(sum(row[1] for row in totals), 1.0)
         correct = sum(row[2] for row in totals)
-        values = {"loss": loss_sum / tokens, "accuracy": correct / tokens,
-                  "perplexity": math.exp(min(loss_sum / tokens, 50.0))}
+        values = {"loss": loss_sum / tokens, "accuracy": correct / tokens}
         for i, name in enumerate(names):
             values[name] = rest[2 * i] / max(rest[2 * i + 1], 1.0)
+        # perplexity is exp(CE): the loss itself when it is CE, its CE term under a distillation
+        # objective (none without one)
+        distilled = any(name.startswith("objective/") for name in names)
+        ce = values.get("objective/ce") if distilled else values["loss"]
+        if ce is not None:
+            values["perplexity"] = math.exp(min(ce, 50.0))
         return [s / max(t, 1.0) for s, t, _ in totals], values
