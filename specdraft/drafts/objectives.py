@@ -17,9 +17,10 @@ softmax(logits / T); no T^2 factor, so each term is exactly the quantity named.
 Teacher logits are t = teacher_hidden @ teacher_weight.T: the target's final hidden state through
 its lm_head for GLIDE, through the lm_head rows of a restricted draft vocabulary for EAGLE-3 (whose
 student head then spans that vocabulary too): one code path. Neither student nor teacher logits
-ever exist for all rows at once: the forward pass computes loss and gradient one chunk of rows at
-a time and keeps only the (rows x hidden) gradient (and a (vocab x hidden) one when the student's
-head is trained).
+ever exist for all rows at once: with a frozen head (GLIDE, DFlash) the forward pass computes loss
+and gradient one chunk of rows at a time and keeps only the (rows x hidden) gradient; a trained
+head (EAGLE-3, one call per TTT step) keeps only the inputs, and backward recomputes the chunks for
+both gradients, so no (vocab x hidden) gradient waits from forward to backward.
 """
 
 # (no `from __future__ import annotations`: ObjectiveOptions' field types must be real types, the
@@ -216,52 +217,72 @@ class ObjectiveSums:
     argmax: Optional[torch.Tensor]  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
 
 
+def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, objective: Objective,
+                      chunk_size: int, term_names: Tuple[str, ...], grad_hidden=None, grad_weight=None):
+    """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
+    argmax (N,)); fills grad_hidden (N, H) / grad_weight (V, H) fp32 with d(weighted sum) when given.
+    student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
+    teacher_weight (V, Ht) or None, labels (N,) or None."""
+    device = student_hidden.device
+    sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    argmax = torch.empty(student_hidden.shape[0], dtype=torch.long, device=device)
+    with_grad = grad_hidden is not None or grad_weight is not None
+    for start in range(0, student_hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = student_hidden[rows]
+        z = (h @ student_weight.t()).float()  # (C, V): with t, the only vocab-sized tensors alive
+        t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
+                                                 @ teacher_weight.t()).float()
+        y = None if labels is None else labels[rows]
+        terms, grad = objective_terms(z, t, y, objective, with_grad)
+        sums += torch.stack([terms[name] for name in term_names])
+        argmax[rows] = z.argmax(dim=-1)
+        correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
+        if grad_hidden is not None:
+            grad_hidden[rows] = (grad.to(student_weight.dtype) @ student_weight).to(student_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight.addmm_(grad.t(), h.float())  # (V, H) += (V, C) @ (C, H)
+    return sums, correct, argmax
+
+
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
                 objective: Objective, chunk_size: int, term_names: Tuple[str, ...]):
-        # student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
-        # teacher_weight (V, Ht) or None, labels (N,) or None
-        device = student_hidden.device
-        sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
-        correct = torch.zeros((), dtype=torch.long, device=device)
-        argmax = torch.empty(student_hidden.shape[0], dtype=torch.long, device=device)
-        grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
-                       if ctx.needs_input_grad[1] else None)
-        with_grad = grad_hidden is not None or grad_weight is not None
         if chunk_size <= 0:  # the config's 0: sized from the vocab
             chunk_size = default_chunk_size(student_weight.shape[0])
-        for start in range(0, student_hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            h = student_hidden[rows]
-            z = (h @ student_weight.t()).float()  # (C, V): with t, the only vocab-sized tensors alive
-            t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
-                                                     @ teacher_weight.t()).float()
-            y = None if labels is None else labels[rows]
-            terms, grad = objective_terms(z, t, y, objective, with_grad)
-            sums += torch.stack([terms[name] for name in term_names])
-            argmax[rows] = z.argmax(dim=-1)
-            correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
-            if grad_hidden is not None:
-                grad_hidden[rows] = (grad.to(student_weight.dtype) @ student_weight).to(student_hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.t(), h.float())  # (V, H) += (V, C) @ (C, H)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = student_weight.dtype
+        inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
+        ctx.recompute = ctx.needs_input_grad[1]
+        if ctx.recompute:
+            # A trained head (EAGLE-3's) has a (V, H) gradient, which would be held from here to
+            # backward once per call (per TTT step): keep the inputs and recompute the chunks there.
+            sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names)
+            ctx.save_for_backward(*inputs)
+            ctx.options = (objective, chunk_size, term_names)
+        else:  # a frozen head: the (N, H) gradient is made here, in the same pass as the loss
+            grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
+            sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names, grad_hidden)
+            ctx.save_for_backward(grad_hidden)
         weights = torch.tensor([objective.weight(name) for name in term_names], dtype=torch.float32,
-                               device=device)
+                               device=student_hidden.device)
         total = (sums * weights).sum()
         ctx.mark_non_differentiable(correct, sums, argmax)
         return total, correct, sums, argmax
 
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.recompute:
+            inputs = ctx.saved_tensors
+            student_hidden, student_weight = inputs[:2]
+            grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
+            _objective_chunks(*inputs, *ctx.options, grad_hidden, grad_weight)
+            grad_weight = (grad_weight * grad_total).to(student_weight.dtype)
+        else:
+            (grad_hidden,), grad_weight = ctx.saved_tensors, None
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
