@@ -5,6 +5,10 @@ PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# Where this machine keeps the CPU torch wheel, pip prefers it to PyPI's CUDA build of the same
+# version (a user config's find-links is not always there, e.g. under another HOME).
+TORCH_WHEELS ?= /opt/wheels
+FIND_LINKS   := $(if $(wildcard $(TORCH_WHEELS)/torch-*.whl),--find-links $(TORCH_WHEELS))
 # vLLM's `speculators` package pins torch/transformers apart from ours, so the tests that load our
 # exports with its classes run it from a venv of its own.
 SPECULATORS_VENV  ?= .venv-speculators
@@ -19,14 +23,14 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	# One pip command with torch pinned, so pip never swaps in a multi-GB CUDA build; the other
 	# packages at the exact versions the suite passes with (pyproject.toml only declares ranges).
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt "$(TORCH)" -e ".[test]"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints.txt "$(TORCH)" -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 $(SPECULATORS_STAMP): constraints-speculators.txt Makefile
 	$(PYTHON) -m venv $(SPECULATORS_VENV)
-	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-speculators.txt torch==2.13.0 speculators==0.9.0
+	$(SPECULATORS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints-speculators.txt torch==2.13.0 speculators==0.9.0
 	# The torchvision/torchaudio wheels it pulls in do not load against the CPU torch and break
 	# the transformers import.
 	$(SPECULATORS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -453,3 +454,32 @@ def test_relaunching_a_finished_run_trains_nothing_and_changes_nothing(tiny_targ
     again = run(tiny_target_dir, data_dir, work, "full1", zero_stage=1, max_steps=12, save_steps=6)
     assert again.losses == [] and again.export_dir == work / "full1" / "step_12"
     assert _snapshot(work / "full1" / "ckpt") == before
+
+
+class _EnumByName:
+    """What Python 3.11.0-3.11.4 write for ZeroStageEnum.gradients (later versions call the class)."""
+
+    def __reduce__(self):
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        return getattr, (ZeroStageEnum, "gradients")
+
+
+def test_the_universal_optimizer_state_loads_an_enum_pickled_by_name_and_nothing_callable(tmp_path):
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from specdraft.train.checkpoint import load_universal_optimizer_state
+
+    path = tmp_path / "optimizer_state.pt"
+    torch.save({"zero_stage": _EnumByName(), "step": torch.tensor(6)}, path)
+    assert load_universal_optimizer_state(path)["zero_stage"] is ZeroStageEnum.gradients
+    torch.save({"evil": _Call()}, path)  # any other global is still refused
+    with pytest.raises(pickle.UnpicklingError):
+        load_universal_optimizer_state(path)
+
+
+class _Call:
+    def __reduce__(self):
+        import os
+
+        return getattr(os, "system"), ("true",)

@@ -274,6 +274,18 @@ def convert_to_universal(slot_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(tmp_parent)
 
 
+def load_universal_optimizer_state(path: Path) -> dict:
+    """zero/optimizer_state.pt of a universal copy this process just wrote from a verified slot.
+    Python 3.11.0-3.11.4 pickle an int Enum member as getattr(ZeroStageEnum, "gradients") (later
+    ones as ZeroStageEnum(2)), so getattr is allowed for this load; weights_only still refuses to
+    call anything outside the list."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, getattr]):
+        return torch.load(path, weights_only=True)
+
+
 def _serve_every_stage(out: Path) -> None:
     """ds_to_universal writes a ZeRO-1/2 slot and a ZeRO-3 slot differently, and each stage's loader
     reads only its own form: fill in what the other stage reads, so the copy loads at any stage 1-3.
@@ -284,16 +296,13 @@ def _serve_every_stage(out: Path) -> None:
     - zero/<param>/*.pt: ZeRO-1/2 reads {"param": tensor} and a step.pt, ZeRO-3 writes bare tensors.
     """
     import deepspeed
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
 
     present = [name for name in MODEL_STATES_BY_STAGE.values() if (out / name).is_file()]
     for name in MODEL_STATES_BY_STAGE.values():
         if not (out / name).is_file():
             shutil.copyfile(out / present[0], out / name)
     zero = out / "zero"
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
-        optim = torch.load(zero / "optimizer_state.pt", weights_only=True)
+    optim = load_universal_optimizer_state(zero / "optimizer_state.pt")
     params = sorted(p for p in zero.iterdir() if p.is_dir())
     if "optimizer_state_dict" in optim:  # from ZeRO-3
         step = optim["optimizer_state_dict"]["state"][0]["step"]
