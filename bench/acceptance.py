@@ -117,8 +117,9 @@ def measure(target, method, draft, prompts, baseline, shape, settings) -> dict:
         # compare() starts with a 2-token greedy warm-up generation: the same one, counted alone
         speculative_generate(target, drafter, prompts[0], max_new_tokens=2, **shape)
         warmup = counter["calls"]
-        report = compare(target, drafter, prompts, baseline=baseline, record_tv="gamma" in shape,
-                         **shape, **settings)
+        # TV(p, q) of sampled chains only: greedy p and q are one-hot, their TV is just "rejected"
+        report = compare(target, drafter, prompts, baseline=baseline,
+                         record_tv="gamma" in shape and settings["temperature"] > 0, **shape, **settings)
         forwards = counter["calls"] - 2 * warmup
     produced = report["accepted_tokens"] + report["target_forwards"]
     return dict(report, draft_forwards_per_token=forwards / produced if produced else 0.0)
