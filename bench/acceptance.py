@@ -1,36 +1,51 @@
-"""Acceptance benchmark: GLIDE and EAGLE-3 trained on the demo target with the same data and
-steps, against prompt lookup (no model).
+"""Acceptance benchmark: draft families and training objectives trained the same way, side by side,
+against prompt lookup (no model), greedy and sampled.
 
-    python bench/acceptance.py                      # demo preset (builds it the first time)
-    python bench/acceptance.py --preset tiny        # a quick run
-    python bench/acceptance.py --draft GLIDE=runs/glide --draft EAGLE-3=runs/e3   # existing runs / exports
+    python bench/acceptance.py                                  # demo preset: GLIDE, EAGLE-3, DFlash
+    python bench/acceptance.py --preset tiny                    # a quick run
+    python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0" \\
+        --gamma 4 --tree "" --answer-temperature 0.7            # one GLIDE per objective, sampled answers
+    python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
 
-Every number comes from this one run: tau, acceptance per position and tokens/s of each drafter,
-chain (gamma) and tree, against plain target decoding of the same prompts measured once here.
-Greedy decoding must be token-identical to the target's ("lossless"). Prints a markdown table and
-each draft's tau / prompt-lookup tau.
+Training: each family with its demo config (configs/demo.yaml, demo-eagle3.yaml, demo-dflash.yaml)
+for --train-steps on the same data with the same seed; GLIDE once per --objectives entry
+('SPEC[@T]': a draft.loss value and its draft.distill_temperature). The data is the preset's demo
+set: the target's greedy answers, or with --answer-temperature T its answers sampled at T (a
+dataset of its own, cached beside the greedy one); the held-out eval prompts are the same.
+
+Every number comes from this one run. Per temperature, plain target decoding of the prompts is
+measured once; then every drafter x shape (chain gamma; a block drafter's whole block as the chain;
+tree) reports tau (tokens per target forward: accepted + 1), acceptance per position, mean TV(target
+p, draft q) over the checked chain positions (T > 0), draft forward passes per generated token,
+tok/s and speedup, and whether greedy output is token-identical to the target's ("lossless").
+Prints a markdown table, tau ratios, and a last line of key=value pairs (bench/summary.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 from specdraft.decode.evaluate import (compare, load_tokenizer, make_drafter, read_prompts,  # noqa: E402
                                        resolve_export, run_plain, stop_tokens)
-from specdraft.drafts.io import load_exported_draft  # noqa: E402
+from specdraft.decode.speculative import speculative_generate  # noqa: E402
+from specdraft.drafts import draft_from_export_config  # noqa: E402
+from specdraft.drafts.io import load_exported_draft, read_export_config  # noqa: E402
+from specdraft.drafts.objectives import parse_objective  # noqa: E402
 
-# The families trained here, and the `draft.` keys each gets on top of the shared schedule.
-FAMILIES = {"GLIDE": ["draft.type=glide", "draft.sliding_window=128", "draft.max_lag=4"],
-            "EAGLE-3": ["draft.type=eagle3"]}
+CONFIGS = {"glide": "demo.yaml", "eagle3": "demo-eagle3.yaml", "dflash": "demo-dflash.yaml"}
+LABELS = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
 def parse_args(argv=None):
@@ -38,113 +53,210 @@ def parse_args(argv=None):
     parser.add_argument("--preset", default="demo", choices=["demo", "tiny"], help="demo assets to use")
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
+    parser.add_argument("--families", default="glide,eagle3,dflash", help="draft families to train")
+    parser.add_argument("--objectives", nargs="+", default=["ce"],
+                        help="train one GLIDE per objective 'SPEC[@T]', e.g. ce '0.9*tv + 0.1*ce@0.7'")
     parser.add_argument("--draft", action="append", default=[],
-                        help="LABEL=run or export dir of an existing draft (repeatable; default: train GLIDE "
-                             "and EAGLE-3 now)")
-    parser.add_argument("--data", help="training data glob for the drafts (default: the preset's)")
+                        help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)")
+    parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser.add_argument("--answer-temperature", type=float, default=0.0,
+                        help="train on the demo target's answers sampled at this temperature (default 0: greedy)")
     parser.add_argument("--train-steps", type=int, default=300)
-    parser.add_argument("--ttt-steps", type=int, default=7, help="EAGLE-3's training-time-test unroll")
-    parser.add_argument("--gamma", type=int, default=None, help="default: the depth each draft was trained for")
-    parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth")
+    parser.add_argument("--gamma", type=int, default=5, help="chain length of every drafter")
+    parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth ('' for chains only)")
+    parser.add_argument("--temperatures", default="0,0.7", help="comma-separated sampling temperatures")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
     parser.add_argument("--out", default="runs/bench-acceptance", help="where the trained drafts and results go")
     return parser.parse_args(argv)
 
 
-def train_draft(target_dir, data_glob, out_dir: Path, steps: int, draft_keys) -> Path:
-    """The same data, schedule and seed for every family; only the `draft.` keys differ."""
+# -- training ----------------------------------------------------------------------------------
+
+def split_objective(text: str):
+    """'0.9*tv + 0.1*ce@0.7' -> (draft.loss, draft.distill_temperature, label); validated like the config."""
+    spec, _, temperature = text.partition("@")
+    objective = parse_objective(spec, float(temperature or 1.0), where=f"--objectives {text!r}")
+    return spec.strip(), objective.temperature, str(objective)
+
+
+def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=()) -> Path:
+    """The family's demo config on this target and data, `steps` steps, one export at the end."""
     from specdraft.config import load_config
     from specdraft.train.loop import train
 
-    cfg = load_config(None, [f"target={target_dir}", f"data_files={data_glob}", f"output_dir={out_dir}",
-                             f"max_steps={steps}", "max_seq_length=256", "per_device_batch_size=8",
-                             "learning_rate=2e-3", "warmup_steps=20", f"save_steps={steps}",
-                             "logging_steps=25", "zero_stage=0", "resume=no", "seed=0", *draft_keys])
-    result = train(cfg)
-    return Path(result.export_dir)
+    cfg = load_config(str(ROOT / "configs" / CONFIGS[family]),
+                      [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
+                       f"output_dir={out_dir}", f"max_steps={steps}", f"save_steps={steps}", "eval_steps=0",
+                       "logging_steps=50", "resume=no", "seed=0", *overrides])
+    return Path(train(cfg).export_dir)
 
+
+# -- measuring ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def counting_forwards(draft):
+    """Counts draft forward passes: calls of its first layer (of the draft itself when it has no
+    `layers`, as GLIDE's single block). None (prompt lookup) counts nothing."""
+    counter = {"calls": 0}
+    module = None if draft is None else (draft.layers[0] if hasattr(draft, "layers") else draft)
+    handle = None if module is None else module.register_forward_pre_hook(
+        lambda *_: counter.__setitem__("calls", counter["calls"] + 1))
+    try:
+        yield counter
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def measure(target, method, draft, prompts, baseline, shape, settings) -> dict:
+    """compare() plus draft forwards per generated token (accepted + one per target forward)."""
+    drafter = make_drafter(method, target, draft)
+    with counting_forwards(draft) as counter:
+        # compare() starts with a 2-token greedy warm-up generation: the same one, counted alone
+        speculative_generate(target, drafter, prompts[0], max_new_tokens=2, **shape)
+        warmup = counter["calls"]
+        # TV(p, q) of sampled chains only: greedy p and q are one-hot, their TV is just "rejected"
+        report = compare(target, drafter, prompts, baseline=baseline,
+                         record_tv="gamma" in shape and settings["temperature"] > 0, **shape, **settings)
+        forwards = counter["calls"] - 2 * warmup
+    produced = report["accepted_tokens"] + report["target_forwards"]
+    return dict(report, draft_forwards_per_token=forwards / produced if produced else 0.0)
+
+
+def slug(label: str) -> str:
+    """A key for the last line: 'EAGLE-3' -> 'eagle_3'."""
+    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+
+
+# -- the run -----------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = Path(args.out) / args.preset
-    tree = [int(w) for w in args.tree.split(",")]
+    tree = [int(w) for w in args.tree.split(",")] if args.tree else None
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    objectives = [split_objective(text) for text in args.objectives]
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(CONFIGS))
+    if unknown:
+        sys.exit(f"--families: unknown {unknown}; choose from {sorted(CONFIGS)}")
+    if args.data and args.answer_temperature > 0:
+        sys.exit("--data and --answer-temperature: give one (the latter builds its own data set)")
+    out = Path(args.out) / (args.preset if args.answer_temperature <= 0
+                            else f"{args.preset}-answers-T{args.answer_temperature:g}")
 
-    # -- assets: target, prompts, trained drafts -----------------------------------------------
+    # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
     if target_dir is None or prompts_file is None or (not args.draft and data_glob is None):
         from specdraft.demo import ensure_demo_assets
 
-        demo_target, demo_data = ensure_demo_assets(preset=args.preset)
+        demo_target, demo_data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
         target_dir = target_dir or str(demo_target)
         prompts_file = prompts_file or str(demo_data.prompts_file)
         data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "train-*.jsonl")
-    exports, train_seconds = {}, {}
-    if args.draft:
-        for item in args.draft:
-            label, _, path = item.partition("=")
-            exports[label] = resolve_export(path)[0]
-    else:
-        for label, keys in FAMILIES.items():
-            t0 = time.perf_counter()
-            extra = [f"draft.ttt_steps={args.ttt_steps}"] if label == "EAGLE-3" else []
-            exports[label] = train_draft(target_dir, data_glob, out / label.lower(), args.train_steps, keys + extra)
-            train_seconds[label] = time.perf_counter() - t0
-            print(f"[bench] trained {label} for {args.train_steps} steps in {train_seconds[label]:.0f}s: "
-                  f"{exports[label]}")
+    exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
+    for item in args.draft:
+        label, _, path = item.rpartition("=")
+        export = resolve_export(path)[0]
+        label = label or LABELS[draft_from_export_config(read_export_config(export)).family]
+        exports[label], keys[label] = export, slug(label)
+    if not args.draft:
+        for family in families:
+            variants = objectives if family == "glide" else [(None, None, None)]
+            for i, (loss, distill_temperature, name) in enumerate(variants):
+                label = LABELS[family] + (f" {name}" if len(variants) > 1 else "")
+                keys[label] = family + (f"_objective{i}" if i else "")
+                overrides = [] if loss is None else [f"draft.loss={loss}",
+                                                     f"draft.distill_temperature={distill_temperature}"]
+                t0 = time.perf_counter()
+                exports[label] = train_draft(family, target_dir, data_glob, prompts_file,
+                                             out / (family + (f"-{i}" if i else "")), args.train_steps, overrides)
+                train_seconds[label] = time.perf_counter() - t0
+                print(f"[bench] trained {label} for {args.train_steps} steps in {train_seconds[label]:.0f}s: "
+                      f"{exports[label]}", flush=True)
 
     from specdraft.target.model import load_frozen_target
 
     target = load_frozen_target(str(target_dir), "fp32")
-    tokenizer = load_tokenizer(next(iter(exports.values())), Path(target_dir))
+    tokenizer = load_tokenizer(next(iter(exports.values()), None), Path(target_dir))
     prompts = read_prompts(prompts_file, tokenizer, args.max_prompts)
     stop = stop_tokens(target, tokenizer)
-
-    # -- one baseline, then every drafter x shape --------------------------------------------
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=stop)
-    baseline = run_plain(target, prompts, **settings)
-    drafters = {f"{label} (trained)": ("draft", load_exported_draft(path)[0]) for label, path in exports.items()}
+    drafters = {label: ("draft", load_exported_draft(export)[0]) for label, export in exports.items()}
     drafters["prompt lookup"] = ("prompt_lookup", None)
-    rows = []
-    for label, (method, draft) in drafters.items():
-        # one γ for every drafter: the trained draft's depth unless asked otherwise
-        gamma = args.gamma  # None: each drafter's trained depth
-        for shape in (dict(gamma=gamma), dict(tree=tree)):
-            report = compare(target, make_drafter(method, target, draft), prompts, baseline=baseline,
-                             **shape, **settings)
-            rows.append(dict(report, label=label, method=method))
+    if args.untrained and exports:
+        label, export = next(iter(exports.items()))
+        drafters[f"{label} (untrained)"] = ("untrained", draft_from_export_config(read_export_config(export)).eval())
+
+    # -- per temperature: one baseline, then every drafter x shape ------------------------------
+    rows, plain_speed = [], {}
+    for temperature in temperatures:
+        settings = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, stop=stop)
+        baseline = run_plain(target, prompts, **settings)
+        for label, (method, draft) in drafters.items():
+            shapes = [dict(gamma=args.gamma)]
+            block = getattr(getattr(draft, "layout", None), "predictions", None)  # a block drafter
+            if block is not None and block != args.gamma:
+                shapes.append(dict(gamma=block))
+            shapes += [dict(tree=tree)] if tree else []
+            for shape in shapes:
+                report = measure(target, method, draft, prompts, baseline, shape, settings)
+                rows.append(dict(report, label=label, method=method, whole_block=shape.get("gamma") == block))
+                print(f"[bench] T={temperature:g} {label} {shape}: tau {report['tau']:.2f}", flush=True)
+        plain_speed[temperature] = rows[-1]["baseline_tokens_per_second"]
 
     # -- report --------------------------------------------------------------------------------
+    trained = ", ".join(f"{label} {s:.0f}s" for label, s in train_seconds.items())
     lines = [f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
-             f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, temperature {args.temperature}, "
-             f"drafts trained {args.train_steps} steps on the same data "
-             + ", ".join(f"({label}: {s:.0f}s)" for label, s in train_seconds.items())
-             + f", plain decoding {rows[0]['baseline_tokens_per_second']:.1f} tok/s",
+             f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+             + (f"drafts trained {args.train_steps} steps on {data_glob} ({trained}); " if trained
+                else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; ")
+             + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
              "",
-             "| drafter | shape | τ | acceptance per position | tok/s | speedup | lossless |",
-             "|---|---|---|---|---|---|---|"]
+             "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | tok/s | speedup "
+             "| lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        shape = f"tree {','.join(map(str, r['tree']))}" if r["tree"] else f"chain γ={r['gamma']}"
+        shape = (f"tree {','.join(map(str, r['tree']))}" if r["tree"]
+                 else f"chain γ={r['gamma']}" + (" (its whole block)" if r["whole_block"] else ""))
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        tv = "-" if r.get("mean_tv") is None else f"{r['mean_tv']:.3f}"
         lossless = "-" if r["matches_target"] is None else ("yes" if r["matches_target"] else "NO")
-        lines.append(f"| {r['label']} | {shape} | {r['tau']:.2f} | {acc} | {r['tokens_per_second']:.1f} | "
-                     f"{r['speedup']:.2f}x | {lossless} |")
-    by = {(r["label"], bool(r["tree"])): r for r in rows}
-    ratios = {}
-    lines.append("")
+        lines.append(f"| {r['label']} | {shape} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {tv} | "
+                     f"{r['draft_forwards_per_token']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x "
+                     f"| {lossless} |")
+
+    def tau(label, temperature, is_tree=False):
+        """τ of a drafter's chain γ (or its tree) at a temperature."""
+        return next(r["tau"] for r in rows if r["label"] == label and r["temperature"] == temperature
+                    and bool(r["tree"]) == is_tree and r["gamma"] in (args.gamma, None))
+
+    # ratios: each draft ÷ prompt lookup (greedy); each GLIDE objective ÷ the first one (per T)
+    comparisons, headline = [], []  # (what, τ, reference τ); the last line's key=value pairs
     for label in exports:
-        for is_tree, name in ((False, "chain"), (True, "tree")):
-            ours, lookup = by[(f"{label} (trained)", is_tree)]["tau"], by[("prompt lookup", is_tree)]["tau"]
-            ratios[f"{label} {name}"] = ours / lookup
-            lines.append(f"{label} τ ÷ prompt-lookup τ ({name}): {ours:.2f} / {lookup:.2f} = {ours / lookup:.2f}")
+        headline += [f"tau_{keys[label]}_T{t:g}".replace(".", "") + f"={tau(label, t):.2f}" for t in temperatures]
+        if 0.0 in temperatures:
+            for is_tree in (False, True)[:2 if tree else 1]:
+                shape = "tree" if is_tree else f"chain γ={args.gamma}"
+                comparisons.append((f"{label} ÷ prompt lookup ({shape}, T=0)", tau(label, 0.0, is_tree),
+                                    tau("prompt lookup", 0.0, is_tree)))
+            headline.append(f"lookup_ratio_{keys[label]}={tau(label, 0.0) / tau('prompt lookup', 0.0):.2f}")
+    glides = [label for label in exports if label.startswith("GLIDE ")] if len(objectives) > 1 else []
+    for label in glides[1:]:
+        for t in temperatures:
+            ours, ref = tau(label, t), tau(glides[0], t)
+            comparisons.append((f"{label} ÷ {glides[0]} (chain γ={args.gamma}, T={t:g})", ours, ref))
+            headline.append(f"ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={ours / ref:.2f}")
+    lines.append("")
+    lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
+    ratios = {what: ours / ref for what, ours, ref in comparisons}
     text = "\n".join(lines)
     print(text)
-    print(f"tau_ratio_chain={ratios['chain']:.2f} tau_ratio_tree={ratios['tree']:.2f}")
+    print(" ".join(headline))
     out.mkdir(parents=True, exist_ok=True)
     results = {"rows": rows, "ratios": ratios, "exports": {k: str(v) for k, v in exports.items()},
-               "target": str(target_dir), "train_seconds": train_seconds}
+               "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds}
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
     (out / "acceptance.md").write_text(text + "\n")
     return results

@@ -31,7 +31,7 @@ def _cmd_demo(args) -> int:
     from specdraft.demo import ensure_demo_assets
     from specdraft.train.loop import train
 
-    target_dir, data = ensure_demo_assets(preset=args.preset)
+    target_dir, data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
     overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
                  f"eval_prompts={data.prompts_file}", *args.overrides]
     config = args.config or str(DEMO_CONFIG)
@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
     p.add_argument("--config", default=None,
                    help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
+    p.add_argument("--answer-temperature", type=float, default=0.0,
+                   help="train on the target's answers sampled at this temperature (a separate cached "
+                        "dataset); default 0: its greedy answers")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(run=_cmd_demo)
 

@@ -9,10 +9,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdraft.demo import PRESETS, build_target, ensure_demo_assets
-from specdraft.demo.assets import SEED
-from specdraft.demo.cache import STAMP, building
+from specdraft.demo.assets import SEED, _matches
+from specdraft.demo.cache import STAMP, building, read_stamp
 from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
-from specdraft.demo.dataset import chat_prompt
+from specdraft.demo.dataset import chat_prompt, data_inputs, regenerate
 from specdraft.errors import SpecdraftError
 
 
@@ -130,6 +130,47 @@ def test_answers_are_the_targets_own_greedy_continuation(tiny_data, model, token
         new = out[0, ids.shape[1]:].tolist()
         cut = next((k for k, t in enumerate(new) if t in special), len(new))
         assert tokenizer.decode(new[:cut]) == assistant
+
+
+def test_sampled_answers_are_seeded_and_differ_from_greedy(tiny_data, model, tokenizer):
+    prompts = [row["conversations"][0]["content"] for row in _rows(tiny_data.train_files[0])[:8]]
+    p = PRESETS["tiny"]
+
+    def answers(temperature, seed=SEED):
+        return regenerate(model, tokenizer, prompts, p.max_new_tokens, p.generate_batch, log=lambda m: None,
+                          temperature=temperature, seed=seed)
+
+    rng = torch.get_rng_state()
+    sampled = answers(0.7)
+    assert torch.equal(torch.get_rng_state(), rng)  # its own seeded generator state, the caller's untouched
+    assert answers(0.7) == sampled  # the same seed: the same answers
+    assert answers(0.7, seed=SEED + 1) != sampled
+    greedy = answers(0.0)
+    assert sum(s != g for s, g in zip(sampled, greedy)) >= len(prompts) // 2
+
+
+def test_sampled_answers_are_a_dataset_of_their_own(tiny_target_dir, tiny_data, tmp_path):
+    greedy_stamp = read_stamp(tiny_data.prompts_file.parent)
+    target_stamp = read_stamp(tiny_target_dir)
+    greedy_key, sampled_key = data_inputs("tiny", SEED, target_stamp), data_inputs("tiny", SEED, target_stamp, 0.7)
+    assert _matches(greedy_stamp, greedy_key) and not _matches(greedy_stamp, sampled_key)
+    assert not _matches({**greedy_stamp, **sampled_key}, greedy_key)
+
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "target").symlink_to(tiny_target_dir)  # the session's target, not rebuilt
+    messages = []
+    target_dir, data = ensure_demo_assets(tmp_path, preset="tiny", log=messages.append, answer_temperature=0.7)
+    assert data.prompts_file.parent == tmp_path / "tiny" / "data-T0.7"
+    assert read_stamp(data.prompts_file.parent)["answer_temperature"] == 0.7
+    assert data.prompts_file.read_text() == tiny_data.prompts_file.read_text()  # the same held-out prompts
+    sampled = [row for path in data.train_files for row in _rows(path)]
+    greedy = [row for path in tiny_data.train_files for row in _rows(path)]
+    assert sampled != greedy
+    with pytest.raises(SpecdraftError, match="answer temperature"):
+        ensure_demo_assets(tmp_path, preset="tiny", answer_temperature=-1)
+    messages.clear()
+    assert ensure_demo_assets(tmp_path, preset="tiny", log=messages.append, answer_temperature=0.7)[1] == data
+    assert sum("reusing" in m for m in messages) == 2
 
 
 # --- caching ---------------------------------------------------------------------------------

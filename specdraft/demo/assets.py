@@ -10,20 +10,27 @@ from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
 from specdraft.demo.presets import get_preset
 from specdraft.demo.target import build_target, target_inputs
+from specdraft.errors import SpecdraftError
 
 SEED = 0  # the demo is one fixed build; tests and users get the same target for a preset
 
 
-def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr) -> tuple[Path, DemoData]:
+def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
+                       answer_temperature: float = 0.0) -> tuple[Path, DemoData]:
     """(target_dir, data) under `home/<preset>/{target,data}`, built on first use.
 
     `home` defaults to `$SPECDRAFT_HOME` (or ~/.cache/specdraft). A directory is reused when its
     stamp says it was built from the current preset, seed and Python (the corpus is its stdlib);
     otherwise it is rebuilt. A rebuilt target also rebuilds the dataset (its answers come from it).
+    answer_temperature > 0: a dataset of answers sampled at that temperature instead of greedy
+    ones, in `data-T<temperature>/` beside `data/` (the same held-out prompts).
     """
     get_preset(preset)  # an unknown preset fails before anything is touched
+    if answer_temperature < 0:
+        raise SpecdraftError(f"answer temperature must be >= 0, got {answer_temperature}")
     root = Path(home) if home is not None else specdraft_home()
-    target_dir, data_dir = root / preset / "target", root / preset / "data"
+    data_name = f"data-T{answer_temperature:g}" if answer_temperature > 0 else "data"
+    target_dir, data_dir = root / preset / "target", root / preset / data_name
 
     t0 = time.perf_counter()
     target_stamp = read_stamp(target_dir)
@@ -34,11 +41,11 @@ def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr) -> tuple
         build_target(target_dir, preset, SEED, log)
         target_stamp = read_stamp(target_dir)
 
-    if _matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp)):
+    if _matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp, answer_temperature)):
         log(f"[demo] reusing cached dataset {data_dir}")
     else:
         remove_stale(data_dir, log)
-        build_dataset(target_dir, data_dir, preset, SEED, log)
+        build_dataset(target_dir, data_dir, preset, SEED, log, answer_temperature)
     log(f"[demo] {preset} assets ready in {time.perf_counter() - t0:.1f}s")
     return target_dir, DemoData.from_dir(data_dir)
 

@@ -3,7 +3,9 @@
 Draft models are trained on the target's *own* outputs (self-distillation): a draft that imitates
 the target's greedy continuation is what speculative decoding accepts. So the original function
 bodies are only a source of prompts; every assistant turn written here is the target's greedy
-answer. Held-out prompts (functions absent from the training files) go to `prompts.jsonl`.
+answer — or, with `answer_temperature` > 0, one sampled from it at that temperature (seeded), the
+data for drafts served with sampling. Held-out prompts (functions absent from the training files)
+go to `prompts.jsonl`; they do not depend on the answers.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ class DemoData:
 
 
 def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
-                  log=log_stderr) -> DemoData:
-    """Write `out_dir/train-*.jsonl` (target-regenerated chats) and `out_dir/prompts.jsonl`."""
+                  log=log_stderr, answer_temperature: float = 0.0) -> DemoData:
+    """Write `out_dir/train-*.jsonl` (target-regenerated chats) and `out_dir/prompts.jsonl`.
+
+    answer_temperature 0: greedy answers; > 0: answers sampled at that temperature with `seed`."""
     p = get_preset(preset)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -50,7 +54,7 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
 
     names = [f"train-{i:05d}-of-{p.train_files:05d}.jsonl" for i in range(p.train_files)]
-    stamp = {**data_inputs(preset, seed, read_stamp(target_dir)), "train_files": names}
+    stamp = {**data_inputs(preset, seed, read_stamp(target_dir), answer_temperature), "train_files": names}
     with building(out_dir, stamp, log) as tmp:
         functions = extract_functions(read_corpus(p.corpus_bytes, seed))
         prompt_lens = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(
@@ -64,7 +68,8 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
                                  f"{preset!r} demo needs more than {p.prompt_rows}")
 
         t0 = time.perf_counter()
-        answers = regenerate(model, tokenizer, train, p.max_new_tokens, p.generate_batch, log)
+        answers = regenerate(model, tokenizer, train, p.max_new_tokens, p.generate_batch, log,
+                             temperature=answer_temperature, seed=seed)
         rows = [{"conversations": [{"role": "user", "content": q},
                                    {"role": "assistant", "content": a}]}
                 for q, a in zip(train, answers) if a.strip()]
@@ -80,10 +85,15 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
     return DemoData.from_dir(out_dir)
 
 
-def data_inputs(preset: str, seed: int, target_stamp: dict | None) -> dict:
-    """What a dataset build depends on (its cache key): the answers come from that target."""
+def data_inputs(preset: str, seed: int, target_stamp: dict | None,
+                answer_temperature: float = 0.0) -> dict:
+    """What a dataset build depends on (its cache key): the answers come from that target, greedy
+    (answer_temperature None; stamps written before sampled answers existed lack the key, which
+    reads the same) or sampled at that temperature."""
+    if answer_temperature < 0:
+        raise SpecdraftError(f"answer temperature must be >= 0, got {answer_temperature}")
     return {"kind": "data", "preset": get_preset(preset).fingerprint(), "seed": seed,
-            "target": target_stamp}
+            "target": target_stamp, "answer_temperature": float(answer_temperature) or None}
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:
@@ -94,9 +104,13 @@ def chat_prompt(tokenizer, user_message: str) -> str:
 
 @torch.inference_mode()
 def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
-               log=log_stderr) -> list[str]:
-    """The target's greedy answer to each user prompt, cut before its first special token
-    (normally <|im_end|>; at most `max_new_tokens` tokens). Batched with left padding."""
+               log=log_stderr, temperature: float = 0.0, seed: int = 0) -> list[str]:
+    """The target's answer to each user prompt, cut before its first special token (normally
+    <|im_end|>; at most `max_new_tokens` tokens). Batched with left padding.
+
+    temperature 0: greedy. > 0: sampled from softmax(logits / temperature), no top-k / top-p (as
+    speculative sampling verifies), from a torch RNG seeded with `seed` (the caller's RNG state is
+    left as it was); the same prompts, batch size and seed give the same answers."""
     encoded = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(
         [chat_prompt(tokenizer, q) for q in prompts], add_special_tokens=False)]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # little padding per batch
@@ -104,24 +118,28 @@ def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_
     answers: list[str] = [""] * len(prompts)
     t0, new_tokens = time.perf_counter(), 0
     log_every = max(1, len(order) // batch_size // 8)  # about 8 progress lines
-    for b in range(0, len(order), batch_size):
-        rows = order[b:b + batch_size]
-        width = max(len(encoded[i]) for i in rows)
-        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (B, T), left-padded
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, i in enumerate(rows):
-            input_ids[j, width - len(encoded[i]):] = torch.tensor(encoded[i])
-            attention_mask[j, width - len(encoded[i]):] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                             max_new_tokens=max_new_tokens, do_sample=False)
-        for j, i in enumerate(rows):
-            ids = _until_special(out[j, width:].tolist(), special)
-            answers[i] = tokenizer.decode(ids)
-            new_tokens += len(ids)
-        done = min(b + batch_size, len(order))
-        if (b // batch_size) % log_every == 0 or done == len(order):
-            log(f"[demo data] regenerated {done}/{len(order)} answers, "
-                f"{new_tokens / (time.perf_counter() - t0):.0f} answer tok/s")
+    decoding = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for b in range(0, len(order), batch_size):
+            rows = order[b:b + batch_size]
+            width = max(len(encoded[i]) for i in rows)
+            input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (B, T), left-padded
+            attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for j, i in enumerate(rows):
+                input_ids[j, width - len(encoded[i]):] = torch.tensor(encoded[i])
+                attention_mask[j, width - len(encoded[i]):] = 1
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                 max_new_tokens=max_new_tokens, **decoding)
+            for j, i in enumerate(rows):
+                ids = _until_special(out[j, width:].tolist(), special)
+                answers[i] = tokenizer.decode(ids)
+                new_tokens += len(ids)
+            done = min(b + batch_size, len(order))
+            if (b // batch_size) % log_every == 0 or done == len(order):
+                log(f"[demo data] regenerated {done}/{len(order)} answers, "
+                    f"{new_tokens / (time.perf_counter() - t0):.0f} answer tok/s")
     return answers
 
 
