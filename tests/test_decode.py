@@ -188,6 +188,17 @@ def chi2_critical(dof: int) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
+def three_token_joint(target, prompt: list, V: int) -> torch.Tensor:
+    """(V**3,) the exact joint p(x1, x2, x3 | prompt) of a vocab-V target, from full forwards."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        logits = target(pairs).logits
+        p2 = torch.softmax(logits[::V, -2], -1)  # (V, V): p(x2 | x1)
+        p3 = torch.softmax(logits[:, -1], -1).view(V, V, V)  # p(x3 | x1, x2)
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
 def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor) -> tuple:
     """Pearson chi-square of observed counts vs expected probs; cells expected < 5 are pooled."""
     total = counts.sum()
@@ -282,13 +293,7 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(drafter
     drafter = SAMPLED_DRAFTERS[drafter_name](target)
     prompt = [1, 5, 2, 1, 5]  # repeats itself: prompt lookup finds continuations
     temperature = 1.0
-    with torch.no_grad():  # exact joint p(x1, x2, x3 | prompt) from full forwards
-        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
-        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        logits = target(pairs).logits
-        p2 = torch.softmax(logits[::V, -2], -1)  # (V, V): p(x2 | x1)
-        p3 = torch.softmax(logits[:, -1], -1).view(V, V, V)  # p(x3 | x1, x2)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+    joint = three_token_joint(target, prompt, V)
 
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(V ** 3)

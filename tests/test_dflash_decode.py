@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash import DFlashDraft
-from test_decode import chi2_critical, chi2_statistic
+from test_decode import chi2_critical, chi2_statistic, three_token_joint
 
 torch.set_num_threads(1)
 
@@ -74,13 +74,7 @@ def test_dflash_sampling_matches_the_target_distribution_end_to_end():
     V = 8
     target = tiny_target(V, layers=1, seed=3)
     prompt = [1, 5, 2]
-    with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
-        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        logits = target(pairs).logits
-        p2 = torch.softmax(logits[::V, -2], -1)
-        p3 = torch.softmax(logits[:, -1], -1).view(V, V, V)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+    joint = three_token_joint(target, prompt, V)
     generator = torch.Generator().manual_seed(0)
     drafter = dflash_for(target, seed=4, target_layers=[1]).make_drafter(target)
     for shape in (dict(gamma=2), dict(tree=[2, 2])):

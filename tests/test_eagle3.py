@@ -309,19 +309,13 @@ def test_eagle3_greedy_is_token_identical_to_target_greedy(target, shape):
 def test_eagle3_sampling_follows_the_target_distribution():
     """Rejection sampling with a draft vocab smaller than the target's: the tokens outside it still
     come out with the target's probabilities (through the residual)."""
-    from test_decode import chi2_critical, chi2_statistic
+    from test_decode import chi2_critical, chi2_statistic, three_token_joint
 
     V = 8
     target = llama(layers=2, vocab=V, hidden=32, init=0.5, seed=3)
     draft = eagle3_for(target, seed=4, draft_vocab=5, ttt_steps=2)
     prompt = [1, 5, 2]
-    with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
-        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        logits = target(pairs).logits
-        p2 = torch.softmax(logits[::V, -2], -1)
-        p3 = torch.softmax(logits[:, -1], -1).view(V, V, V)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+    joint = three_token_joint(target, prompt, V)
     generator = torch.Generator().manual_seed(0)
     for shape in (dict(gamma=2), dict(tree=[2, 2])):
         counts = torch.zeros(V ** 3)

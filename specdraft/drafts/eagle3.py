@@ -365,7 +365,7 @@ class Eagle3Draft(Draft):
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
-            counted = torch.zeros(B, T, dtype=torch.bool)
+            counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host
             counted[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
             rows, tokens = rows_where(counted, input_ids.device)
             labels = ids[rows + 2 + k]

@@ -248,7 +248,7 @@ def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,
     """Anchor-Offset position ids: s sink positions 0..s-1, the rest shifted by a random offset."""
     sinks = int(torch.randint(0, max_sink + 1, (1,), generator=generator))
     offset = int(torch.randint(0, max_offset + 1, (1,), generator=generator))
-    positions = torch.arange(seq_len)
+    positions = torch.arange(seq_len, device="cpu")  # drawn on the host; TargetWithDraft moves it
     positions[sinks:] += offset
     return positions
 
