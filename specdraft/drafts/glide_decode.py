@@ -105,7 +105,7 @@ class GlideDrafter(Drafter):
         n = cache_length(target_cache)
         if self.length > n:  # proposed before in this round: x_n's entry is there, refeed it
             self.rollback(n)
-        index = torch.arange(self.length, n + 1)
+        index = torch.arange(self.length, n + 1, device=self.device)
         # only x_n's output is used. The others just fill the self-attention cache, whose K/V
         # come from the token embeddings alone (one layer), so their cross limit does not matter.
         # Tokens accepted last round are fed here again (their drafted entries were in the fork).
