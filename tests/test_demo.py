@@ -166,8 +166,9 @@ def test_sampled_answers_are_a_dataset_of_their_own(tiny_target_dir, tiny_data, 
     sampled = [row for path in data.train_files for row in _rows(path)]
     greedy = [row for path in tiny_data.train_files for row in _rows(path)]
     assert sampled != greedy
-    with pytest.raises(SpecdraftError, match="answer temperature"):
-        ensure_demo_assets(tmp_path, preset="tiny", answer_temperature=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(SpecdraftError, match="answer temperature"):
+            ensure_demo_assets(tmp_path, preset="tiny", answer_temperature=bad)
     messages.clear()
     assert ensure_demo_assets(tmp_path, preset="tiny", log=messages.append, answer_temperature=0.7)[1] == data
     assert sum("reusing" in m for m in messages) == 2

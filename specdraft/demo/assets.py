@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -26,8 +27,8 @@ def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
     ones, in `data-T<temperature>/` beside `data/` (the same held-out prompts).
     """
     get_preset(preset)  # an unknown preset fails before anything is touched
-    if answer_temperature < 0:
-        raise SpecdraftError(f"answer temperature must be >= 0, got {answer_temperature}")
+    if not (answer_temperature >= 0 and math.isfinite(answer_temperature)):  # nan and inf too
+        raise SpecdraftError(f"answer temperature must be a finite number >= 0, got {answer_temperature}")
     root = Path(home) if home is not None else specdraft_home()
     data_name = f"data-T{answer_temperature:g}" if answer_temperature > 0 else "data"
     target_dir, data_dir = root / preset / "target", root / preset / data_name
