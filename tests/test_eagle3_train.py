@@ -106,3 +106,16 @@ def test_exporting_a_glide_run_to_speculators_is_one_line(tiny_target_dir, data_
     err = capsys.readouterr().err.strip()
     assert err == ("specdraft: error: --format speculators: a glide draft exports as native, pth, safetensors")
     assert not (tmp_path / "glide" / "export_step_1").exists()
+
+
+def test_eagle3_trains_at_zero3_with_the_losses_of_zero2(tiny_target_dir, data_dir, tmp_path):
+    """ZeRO-3 releases the draft's head after forward and the TTT loss reads it again in backward
+    (its chunks are recomputed there): ZeRO-3 must re-gather it, which it does only for the
+    parameters of a module whose output it can see into (DraftLoss is a NamedTuple for that)."""
+    losses = {}
+    for stage in (2, 3):
+        args = overrides(tiny_target_dir, data_dir, tmp_path, f"zero{stage}", max_steps=4, save_steps=100,
+                         zero_stage=stage, eval_steps=0)
+        losses[stage] = train(load_config(None, args), log=lambda *a: None).losses
+    assert len(losses[3]) == 4 and losses[3][-1] < losses[3][0]
+    assert losses[3] == pytest.approx(losses[2], rel=1e-5)

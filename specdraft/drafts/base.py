@@ -22,7 +22,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,14 +34,17 @@ from specdraft.target.capture import CaptureRequest, TargetFeatures
 ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
 
 
-@dataclass
-class DraftLoss:
+class DraftLoss(NamedTuple):
+    """What a training step returns. A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of a
+    module's output only in tuples, lists and dicts, and through them re-gathers in backward the
+    parameters the forward read directly (EAGLE-3's head, recomputed there chunk by chunk)."""
+
     loss: torch.Tensor  # mean over counted tokens (what backward sees)
     tokens: torch.Tensor  # 0-dim long: how many tokens the loss counted (on the loss's device)
     correct: torch.Tensor  # 0-dim long: top-1 hits among them
     # name -> (numerator, denominator), 0-dim tensors summed over micro-batches and ranks; the
     # loop logs numerator / denominator per log interval (e.g. "ttt_2/accuracy": (hits, tokens))
-    metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = MappingProxyType({})  # read-only default
 
 
 @dataclass
