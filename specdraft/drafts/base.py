@@ -20,7 +20,7 @@ weights and ZeRO-3 never has to gather them twice.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
