@@ -123,7 +123,8 @@ class GlideDrafter(Drafter):
             drafted.append(token)
             qs.append(q)
             if j < gamma:  # token j sits at index n + j and reads the cache up to n - 1
-                logits = self._logits(torch.tensor([[token]]), torch.tensor([n + j]), torch.tensor([n - 1]),
+                index = torch.tensor([n + j, n - 1], device=self.device)  # token index, cross limit
+                logits = self._logits(torch.tensor([[token]], device=self.device), index[:1], index[1:],
                                       target_cache, fork)[0, -1]
         return chain(drafted, torch.stack(qs))
 
@@ -134,8 +135,8 @@ class GlideDrafter(Drafter):
 
         def expand(parent_rows, new_tokens, depth):
             rows.keys, rows.values = rows.keys[parent_rows], rows.values[parent_rows]
-            logits = self._logits(new_tokens[:, None], torch.tensor([n + depth]), torch.tensor([n - 1]),
-                                  target_cache, rows)
+            index = torch.tensor([n + depth, n - 1], device=self.device)  # token index, cross limit
+            logits = self._logits(new_tokens[:, None], index[:1], index[1:], target_cache, rows)
             return F.log_softmax(logits[:, -1], dim=-1)
 
         return grow_tree(F.log_softmax(root, dim=-1), widths, expand)
