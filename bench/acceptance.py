@@ -3,13 +3,14 @@ against prompt lookup (no model), greedy and sampled.
 
     python bench/acceptance.py                                  # demo preset: GLIDE, EAGLE-3, DFlash
     python bench/acceptance.py --preset tiny                    # a quick run
-    python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0" \\
-        --gamma 4 --tree "" --answer-temperature 0.7            # one GLIDE per objective, sampled answers
+    python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0:all" \\
+        --gamma 4 --tree ""                                     # one GLIDE per objective
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
 
 Training: each family with its demo config (configs/demo.yaml, demo-eagle3.yaml, demo-dflash.yaml)
 for --train-steps on the same data with the same seed; GLIDE once per --objectives entry
-('SPEC[@T]': a draft.loss value and its draft.distill_temperature). The data is the preset's demo
+('SPEC[@T][:all]': a draft.loss value, its draft.distill_temperature and, with ':all',
+draft.distill_tokens=all: the teacher terms on every token). The data is the preset's demo
 set: the target's greedy answers, or with --answer-temperature T its answers sampled at T (a
 dataset of its own, cached beside the greedy one); the held-out eval prompts are the same.
 
@@ -42,7 +43,8 @@ from specdraft.decode.evaluate import (compare, load_tokenizer, make_drafter, re
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.drafts import draft_from_export_config  # noqa: E402
 from specdraft.drafts.io import load_exported_draft, read_export_config  # noqa: E402
-from specdraft.drafts.objectives import parse_objective  # noqa: E402
+from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
 
 CONFIGS = {"glide": "demo.yaml", "eagle3": "demo-eagle3.yaml", "dflash": "demo-dflash.yaml"}
 LABELS = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
@@ -55,7 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
     parser.add_argument("--families", default="glide,eagle3,dflash", help="draft families to train")
     parser.add_argument("--objectives", nargs="+", default=["ce"],
-                        help="train one GLIDE per objective 'SPEC[@T]', e.g. ce '0.9*tv + 0.1*ce@0.7'")
+                        help="train one GLIDE per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' kl:all")
     parser.add_argument("--draft", action="append", default=[],
                         help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)")
     parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
@@ -75,10 +77,21 @@ def parse_args(argv=None):
 # -- training ----------------------------------------------------------------------------------
 
 def split_objective(text: str):
-    """'0.9*tv + 0.1*ce@0.7' -> (draft.loss, draft.distill_temperature, label); validated like the config."""
-    spec, _, temperature = text.partition("@")
-    objective = parse_objective(spec, float(temperature or 1.0), where=f"--objectives {text!r}")
-    return spec.strip(), objective.temperature, str(objective)
+    """'0.9*tv + 0.1*ce@0.7:all' -> the draft.loss, draft.distill_temperature and
+    draft.distill_tokens overrides, and a label; validated like the config (one line, exit 2)."""
+    from omegaconf import OmegaConf
+
+    body, _, tokens = text.partition(":")
+    spec, _, temperature = body.partition("@")
+    try:
+        keys = dict(loss=spec.strip(), distill_temperature=float(temperature or 1.0),
+                    distill_tokens=tokens.strip() or "answers")
+    except ValueError:
+        raise SpecdraftError(f"--objectives {text!r}: the temperature after '@' must be a number") from None
+    draft_cfg = OmegaConf.create(keys)
+    validate_objective_options(draft_cfg, f"--objectives {text!r}")
+    overrides = [f"draft.{key}={value}" for key, value in keys.items()]
+    return overrides, str(objective_from_options(draft_cfg, "ce"))
 
 
 def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=()) -> Path:
@@ -137,7 +150,11 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    objectives = [split_objective(text) for text in args.objectives]
+    try:
+        objectives = [split_objective(text) for text in args.objectives]
+    except SpecdraftError as err:
+        print(f"bench/acceptance.py: {err}", file=sys.stderr)
+        sys.exit(2)
     families = [f for f in args.families.split(",") if f]
     unknown = sorted(set(families) - set(CONFIGS))
     if unknown:
@@ -164,12 +181,10 @@ def main(argv=None) -> dict:
         exports[label], keys[label] = export, slug(label)
     if not args.draft:
         for family in families:
-            variants = objectives if family == "glide" else [(None, None, None)]
-            for i, (loss, distill_temperature, name) in enumerate(variants):
+            variants = objectives if family == "glide" else [([], None)]
+            for i, (overrides, name) in enumerate(variants):
                 label = LABELS[family] + (f" {name}" if len(variants) > 1 else "")
                 keys[label] = family + (f"_objective{i}" if i else "")
-                overrides = [] if loss is None else [f"draft.loss={loss}",
-                                                     f"draft.distill_temperature={distill_temperature}"]
                 t0 = time.perf_counter()
                 exports[label] = train_draft(family, target_dir, data_glob, prompts_file,
                                              out / (family + (f"-{i}" if i else "")), args.train_steps, overrides)

@@ -50,8 +50,17 @@ def dflash(target_config, **keys):
 
 
 DRAFT_BUILDERS = {"glide": glide, "eagle3": eagle3, "dflash": dflash}  # family -> (target config -> a fresh draft)
-# each family once more with a distillation objective: the teacher's final hidden state on the device too
-OBJECTIVE_CASES = [(family, loss) for family in sorted(DRAFT_BUILDERS) for loss in (None, "0.5*tv + 0.5*ce")]
+# each family once more with a distillation objective (the teacher's final hidden state on the
+# device too), on answer tokens and on every token (CE labels masked on the device)
+OBJECTIVE_CASES = [(family, loss, tokens) for family in sorted(DRAFT_BUILDERS)
+                   for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))]
+
+
+def prompt_then_answer(B: int, T: int, prompt: int = 6) -> torch.Tensor:
+    """A host loss mask: `prompt` tokens that are not labels, then answer tokens."""
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, :prompt] = 0
+    return mask
 
 
 @pytest.fixture(autouse=True)
@@ -109,16 +118,16 @@ def meta_host_reads(monkeypatch):
 
 # -- the harness: training, capture, decoding on meta ------------------------------------------
 
-@pytest.mark.parametrize("family,loss", OBJECTIVE_CASES)
-def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, meta_target):
+@pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
+def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, tokens, meta_target):
     """No boolean-mask selection on the device either: meta cannot size a nonzero (it raises), so
     the counted rows must come from the host batch, as the training loop hands it over."""
-    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss).to(META)
+    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss, distill_tokens=tokens).to(META)
     model = TargetWithDraft(meta_target, draft, loss_chunk_size=16)
     B, T = 2, 24
     input_ids = torch.zeros(B, T, dtype=torch.long, device=META)
     loss_mask = torch.ones(B, T, dtype=torch.long, device=META)
-    host = HostBatch(torch.zeros(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.long))
+    host = HostBatch(torch.zeros(B, T, dtype=torch.long), prompt_then_answer(B, T))
     options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)  # drawn on the CPU
     out = model(input_ids, loss_mask, host=host, **options)  # a meta value read on the host raises
     out.loss.backward()
@@ -216,10 +225,10 @@ class HostSyncCounter:
         monkeypatch.setattr(torch.Tensor, name, read)
 
 
-@pytest.mark.parametrize("family,loss", OBJECTIVE_CASES)
-def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, cpu_target, monkeypatch):
+@pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
+def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, monkeypatch):
     torch.manual_seed(0)
-    draft = DRAFT_BUILDERS[family](cpu_target.config, loss=loss)
+    draft = DRAFT_BUILDERS[family](cpu_target.config, loss=loss, distill_tokens=tokens)
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
     window = LossWindow()
     monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
@@ -229,7 +238,8 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
     counter = HostSyncCounter(monkeypatch)
     outs = []
     for ids, opts in zip(batches, options):  # 2 optimizer steps of 2 micro-batches
-        out = model(ids, torch.ones_like(ids), host=HostBatch(ids, torch.ones_like(ids)), **opts)  # as forward_step
+        mask = prompt_then_answer(*ids.shape)
+        out = model(ids, mask, host=HostBatch(ids, mask), **opts)  # as forward_step
         out.loss.backward()
         window.add(out)
         assert counter.calls == []

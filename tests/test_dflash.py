@@ -339,14 +339,17 @@ def test_one_block_gives_the_chain_and_the_tree(target, sample_from_anchor):
 
 # -- draft.loss: distillation for block drafts ------------------------------------------------------
 
-def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(target):
+@pytest.mark.parametrize("distill_tokens", ["answers", "all"])
+def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(target, distill_tokens):
     """Prediction j of a block (the token at anchor + 1 + j) is taught by the target's own
-    distribution at anchor + j; each j's term weighs exp(-j / gamma), all over the counted labels."""
+    distribution at anchor + j; each j's term weighs exp(-j / gamma), all over the counted labels.
+    'all': anchors and labels among every token; KL over all of slot j's labels, CE the mean over
+    its answer labels standing for all of them."""
     import torch.nn.functional as F
 
     from specdraft.train.model import TargetWithDraft
 
-    draft = make_draft(target, loss="0.7*kl + 0.3*ce", distill_temperature=0.5)
+    draft = make_draft(target, loss="0.7*kl + 0.3*ce", distill_temperature=0.5, distill_tokens=distill_tokens)
     assert draft.capture_request().final_hidden and not make_draft(target).capture_request().final_hidden
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(5))
     mask = (torch.rand(2, T, generator=torch.Generator().manual_seed(6)) < 0.8).long()
@@ -355,17 +358,21 @@ def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(ta
     grads = torch.autograd.grad(out.loss, [p for p in draft.parameters() if p.requires_grad])
 
     feats = features(target, draft, ids)
-    blocks = draft.training_blocks(ids, mask, options["anchor_seed"])
+    taught = mask if distill_tokens == "answers" else torch.ones_like(mask)
+    blocks = draft.training_blocks(ids, taught, options["anchor_seed"])
+    label_is_answer = mask.gather(1, blocks.label_positions.flatten(1)).view_as(blocks.counted).bool()
+    assert (distill_tokens == "all") == bool((blocks.counted & ~label_is_answer).any())
     hidden = draft.training_hidden(feats, blocks)
     full = target(ids).logits  # (B, T, V) from a plain forward
     ref, tokens = 0.0, 0
     for j in range(draft.layout.predictions):
         counted = blocks.counted[..., j]
+        answer = label_is_answer[..., j][counted]
         z = (hidden[:, :, draft.layout.first_slot + j] @ target.lm_head.weight.t())[counted]
         t = full.gather(1, (blocks.anchors + j)[..., None].expand(-1, -1, VOCAB))[counted]
         kl = F.kl_div(F.log_softmax(z / 0.5, -1), F.log_softmax(t / 0.5, -1), log_target=True, reduction="sum")
-        ce = F.cross_entropy(z, blocks.labels[..., j][counted], reduction="sum")
-        ref = ref + math.exp(-j / draft.dims.loss_decay_gamma) * (0.7 * kl + 0.3 * ce)
+        ce = F.cross_entropy(z[answer], blocks.labels[..., j][counted][answer], reduction="sum")
+        ref = ref + math.exp(-j / draft.dims.loss_decay_gamma) * (0.7 * kl + 0.3 * ce * len(answer) / answer.sum())
         tokens += int(counted.sum())
     ref = ref / tokens
     ref_grads = torch.autograd.grad(ref, [p for p in draft.parameters() if p.requires_grad])

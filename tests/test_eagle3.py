@@ -356,11 +356,13 @@ def test_vocab_maps_that_disagree_are_refused(target):
 
 # -- draft.loss: EAGLE-3's own soft CE is one objective among the others ---------------------------
 
-def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target):
+@pytest.mark.parametrize("distill_tokens", ["answers", "all"])
+def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, distill_tokens):
     """`0.5*tv + 0.5*ce` at T=0.7: TV against the target restricted to the draft vocab, and CE on
     x_{t+2+k} as a draft-vocab label, skipped (no term, no gradient) where x_{t+2+k} is outside the
-    draft vocab; both summed over step k's counted rows, over all of them divided."""
-    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7)
+    draft vocab. 'answers': both over step k's answer rows. 'all': TV over every row of step k
+    (x_{t+2+k} a prompt token too), CE still the mean over the answer rows."""
+    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7, distill_tokens=distill_tokens)
     assert draft.capture_request().final_hidden
     assert not eagle3_for(target, loss="ce").capture_request().final_hidden  # no teacher read, none captured
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(8))
@@ -377,16 +379,20 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target):
     full = feats.final_hidden @ target.lm_head.weight.t()  # (B, T, V) the target's own logits
     ref = 0.0
     for k, head in enumerate(heads):
-        counted = torch.zeros_like(mask, dtype=torch.bool)
-        counted[:, :T - 2 - k] = mask[:, 2 + k:].bool()
+        answer = torch.zeros_like(mask, dtype=torch.bool)
+        answer[:, :T - 2 - k] = mask[:, 2 + k:].bool()
+        counted = answer.clone()
+        if distill_tokens == "all":
+            counted[:, :T - 2 - k] = True
         z = draft.logits(head)[counted] / 0.7
         p = torch.softmax(full[:, 1 + k:][counted[:, :T - 1 - k]][:, used] / 0.7, dim=-1)  # target at t+1+k
         tv = 0.5 * (p - torch.softmax(z, -1)).abs().sum()
-        labels = ids[:, 2 + k:][counted[:, :T - 2 - k]]
+        labels = ids[:, 2 + k:][answer[:, :T - 2 - k]]
         inside = [(r, to_draft[int(y)]) for r, y in enumerate(labels) if int(y) in to_draft]
-        ce = sum(F.cross_entropy(draft.logits(head)[counted][r], torch.tensor(y)) for r, y in inside)
-        ref = ref + 0.8 ** k * (0.5 * tv + 0.5 * ce) / counted.sum()
+        ce = sum(F.cross_entropy(draft.logits(head)[answer][r], torch.tensor(y)) for r, y in inside)
+        ref = ref + 0.8 ** k * (0.5 * tv / counted.sum() + 0.5 * ce / answer.sum())
         assert int(out.metrics[f"ttt_{k}/loss"][1]) == int(counted.sum())
+        assert (distill_tokens == "all") == bool(counted.sum() > answer.sum())
     ref_grads = torch.autograd.grad(ref, list(draft.parameters()), allow_unused=True)
     torch.testing.assert_close(out.loss.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, ref_grads):

@@ -249,6 +249,8 @@ def test_parse_objective_rejects_with_one_line(spec, temperature, message):
     ("draft.loss={tv: 0.9, ce: -0.1}", "key 'draft.loss': weight of 'ce' must be >= 0, got -0.1"),
     ("draft.distill_temperature=0", "key 'draft.distill_temperature': must be > 0, got 0.0"),
     ("eval_temperature=-0.5", "key 'eval_temperature': must be >= 0, got -0.5"),
+    ("draft.distill_tokens=prompts", "key 'draft.distill_tokens': must be one of answers, all, got 'prompts'"),
+    ("draft.loss=ce", None),  # valid alone; with distill_tokens=all below it is not
 ])
 def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, override, expected):
     from specdraft.cli import main
@@ -258,10 +260,37 @@ def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, 
     config = tmp_path / "run.yaml"
     config.write_text(f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/d.jsonl\n"
                       f"output_dir: {tmp_path / 'out'}\ndraft:\n  loss: {{tv: 0.9, ce: 0.1}}\n")
-    assert main(["train", str(config), override]) == 2
+    overrides = [override] if expected else [override, "draft.distill_tokens=all"]
+    expected = expected or "key 'draft.distill_tokens': 'all' needs a teacher term in draft.loss"
+    assert main(["train", str(config), *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and expected in err
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_tokens_all_reaches_every_family_and_needs_a_teacher_term(tmp_path):
+    """'all' moves the teacher terms onto every token; a family whose default objective has no
+    teacher (GLIDE's ce) refuses it without draft.loss, EAGLE-3's soft_ce default takes it."""
+    from specdraft.drafts.objectives import objective_from_options
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    base = [f"target={tmp_path / 'target'}", f"data_files={tmp_path}/d.jsonl", "draft.distill_tokens=all"]
+    with pytest.raises(SpecdraftError, match="'all' needs a teacher term in draft.loss .*; ce learns answers only"):
+        load_config(None, base)
+    eagle = load_config(None, base + ["draft.type=eagle3"])
+    assert objective_from_options(eagle.draft, "soft_ce").all_tokens
+    glide = load_config(None, base + ["draft.loss=0.9*tv + 0.1*ce"])
+    objective = objective_from_options(glide.draft, "ce")
+    assert objective.all_tokens and str(objective) == "0.1*ce + 0.9*tv (T=1, all tokens)"
+    assert not objective_from_options(load_config(None, base[:2] + ["draft.loss=tv"]).draft, "ce").all_tokens
+
+
+def test_over_rows_keeps_ce_the_mean_over_answer_rows():
+    objective = parse_objective("0.9*tv + 0.1*ce")
+    assert objective.over_rows(10, 4).weights == (("ce", 0.1 * 10 / 4), ("tv", 0.9))
+    assert objective.over_rows(10, 10) is objective and objective.over_rows(10, 0) is objective
+    assert parse_objective("tv").over_rows(10, 4) == parse_objective("tv")
 
 
 def test_the_config_takes_a_sum_or_a_mapping_and_a_zero_weight_drops_a_term(tmp_path):
@@ -283,10 +312,12 @@ def test_the_config_takes_a_sum_or_a_mapping_and_a_zero_weight_drops_a_term(tmp_
 
 # -- GLIDE trained with a distillation objective -------------------------------------------------
 
-def test_glide_distills_the_targets_own_next_token_distribution():
-    """The teacher of position t is the target's distribution over token t+1 (its real logits), on
-    the same counted positions as the hard-label CE; loss and every draft gradient match a
-    whole-tensor reference."""
+@pytest.mark.parametrize("distill_tokens", ["answers", "all"])
+def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
+    """The teacher of position t is the target's distribution over token t+1 (its real logits).
+    'answers': on the same counted positions as the hard-label CE. 'all': TV on every position
+    with target context, prompt tokens included, while CE stays the mean over the answer tokens.
+    Loss, logged terms, accuracy and every draft gradient match a whole-tensor reference."""
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -297,7 +328,8 @@ def test_glide_distills_the_targets_own_next_token_distribution():
     target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                           initializer_range=0.1)).eval().requires_grad_(False)
-    cfg = OmegaConf.structured(DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7))
+    cfg = OmegaConf.structured(DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7,
+                                           distill_tokens=distill_tokens))
     draft = build_draft(cfg, target.config)
     T, lag = 20, 2
     ids = torch.randint(0, 128, (2, T))
@@ -313,16 +345,20 @@ def test_glide_distills_the_targets_own_next_token_distribution():
     index = torch.arange(T)
     hidden = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
                    cross_limit=index - lag, index=index)
-    counted = mask[:, 1:].bool() & (index[None, :-1] >= lag)
-    z = (hidden @ target.lm_head.weight.t())[:, :-1][counted]
-    t = target(ids).logits[:, :-1][counted]  # the target's own logits, from a plain forward
-    terms = reference_terms(z, t, ids[:, 1:][counted], 0.7)
-    ref = (0.9 * terms["tv"] + 0.1 * terms["ce"]) / counted.sum()
+    answer = mask[:, 1:].bool() & (index[None, :-1] >= lag)  # t predicts an answer token, with context
+    taught = answer if distill_tokens == "answers" else (index[None, :-1] >= lag).expand(2, T - 1)
+    z = (hidden @ target.lm_head.weight.t())[:, :-1]
+    t = target(ids).logits[:, :-1]  # the target's own logits, from a plain forward
+    tv = reference_terms(z[taught], t[taught], ids[:, 1:][taught], 0.7)["tv"]
+    ce = reference_terms(z[answer], t[answer], ids[:, 1:][answer], 0.7)["ce"]
+    ref = 0.9 * tv / taught.sum() + 0.1 * ce / answer.sum()
     ref.backward()
-    assert int(out.tokens) == int(counted.sum())
+    assert int(out.tokens) == int(taught.sum()) and (distill_tokens == "all") == (taught.sum() > answer.sum())
+    assert int(out.correct) == int((z[taught].argmax(-1) == ids[:, 1:][taught]).sum())  # vs the data's token
     terms_mean = {name: float(num / den) for name, (num, den) in out.metrics.items()}
     assert set(terms_mean) == {"objective/ce", "objective/tv"}
-    assert terms_mean["objective/tv"] == pytest.approx(float(terms["tv"].detach() / counted.sum()), rel=1e-5)
+    assert terms_mean["objective/tv"] == pytest.approx(float(tv.detach() / taught.sum()), rel=1e-5)
+    assert terms_mean["objective/ce"] == pytest.approx(float(ce.detach() / answer.sum()), rel=1e-5)
     torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for name, p in draft.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)

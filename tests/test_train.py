@@ -127,10 +127,12 @@ def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir,
 def test_a_distillation_objective_trains_under_zero3_and_tau_is_measured_sampled(tiny_target_dir, tiny_data,
                                                                                  data_dir, tmp_path):
     """draft.loss reads the target's distribution through the captured final hidden state (lm_head
-    gathered by ZeRO-3); its terms are logged, TV falls, and eval_temperature samples the tau."""
+    gathered by ZeRO-3), here on every token (distill_tokens: all); its terms are logged, TV
+    falls, and eval_temperature samples the tau."""
     result = run(tiny_target_dir, data_dir, tmp_path, "distill", zero_stage=3, max_steps=12, save_steps=12,
                  eval_steps=12, eval_prompts=tiny_data.prompts_file, eval_temperature=0.7,
-                 **{"draft.loss": "0.9*tv + 0.1*ce", "draft.distill_temperature": 0.7})
+                 **{"draft.loss": "0.9*tv + 0.1*ce", "draft.distill_temperature": 0.7,
+                    "draft.distill_tokens": "all"})
     rows = [json.loads(l) for l in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "objective/tv" in r]
     assert len(train_rows) == 12 and all("objective/ce" in r for r in train_rows)

@@ -95,6 +95,7 @@ class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
+    default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
 
     def init_linear_weights(self, std: float) -> None:

@@ -42,7 +42,8 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import RMSNorm, apply_rope
-from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, objective_from_options, shared_head_objective
+from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
+                                        shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
 
 DEFAULT_NUM_TARGET_LAYERS = 5
@@ -262,6 +263,10 @@ class TrainingBlocks:
     def positions(self) -> torch.Tensor:  # (B, A, S) position of each block slot
         return self.anchors[..., None] + torch.arange(self.block_size, device=self.anchors.device)
 
+    @property
+    def label_positions(self) -> torch.Tensor:  # (B, A, P) position of each label: anchor + 1 + j
+        return self.anchors[..., None] + 1 + torch.arange(self.labels.shape[-1], device=self.anchors.device)
+
     def to(self, device) -> "TrainingBlocks":
         """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -396,7 +401,7 @@ class DFlashDraft(Draft):
             train_mask_embedding=bool(draft_cfg.train_mask_embedding),
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
-        ), objective=objective_from_options(draft_cfg, default="ce"))
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
 
     @classmethod
     def from_export_config(cls, config: Dict[str, Any]) -> "DFlashDraft":
@@ -468,7 +473,8 @@ class DFlashDraft(Draft):
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
                       chunk_size: int, anchor_seed: int = 0, host: Optional[HostBatch] = None, **_) -> DraftLoss:
         host = HostBatch.of(input_ids, loss_mask, None, host)
-        host_blocks = self.training_blocks(host.input_ids, host.loss_mask, anchor_seed)  # on the host
+        # on the host; anchors among every token when the teacher terms learn them all
+        host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed)
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
             metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
@@ -476,14 +482,19 @@ class DFlashDraft(Draft):
             return DraftLoss(loss=self.fc.weight.sum() * 0.0, tokens=none, correct=none.clone(), metrics=metrics)
         blocks = host_blocks.to(input_ids.device)
         hidden = self.training_hidden(features, blocks)
-        return self.block_loss(hidden, blocks, host_blocks.counted, lm_head_weight, chunk_size, features.final_hidden)
+        label_is_answer = host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(
+            host_blocks.counted).bool()
+        return self.block_loss(hidden, blocks, host_blocks.counted, lm_head_weight, chunk_size, features.final_hidden,
+                               label_is_answer)
 
     def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, lm_head_weight, chunk_size: int,
-                   final_hidden: Optional[torch.Tensor] = None) -> DraftLoss:
+                   final_hidden: Optional[torch.Tensor] = None,
+                   label_is_answer: Optional[torch.Tensor] = None) -> DraftLoss:
         """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
         (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
         final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
-        teacher of the token at anchor + 1 + j is the target's output at anchor + j)."""
+        teacher of the token at anchor + 1 + j is the target's output at anchor + j);
+        label_is_answer (B, A, P) bool on the host, or None when every label is: CE learns those."""
         B, A = blocks.anchors.shape
         first = self.layout.first_slot
         weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
@@ -495,17 +506,23 @@ class DFlashDraft(Draft):
         correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for j in range(self.layout.predictions):
-            rows, n = rows_where(counted[..., j], device)  # over the (B * A) blocks
+            slot = counted[..., j]
+            rows, n = rows_where(slot, device)  # over the (B * A) blocks
             teacher = None if final_hidden is None else final_hidden.flatten(0, 1)[anchor_rows[rows] + j]
+            labels = blocks.labels[..., j].flatten()[rows]
+            ce_labels, answers = labels, rows.numel()
+            if label_is_answer is not None:  # CE learns the answer tokens only
+                ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])
             out = shared_head_objective(hidden[:, :, first + j].flatten(0, 1)[rows], lm_head_weight, teacher,
-                                        blocks.labels[..., j].flatten()[rows], self.objective, chunk_size)
+                                        ce_labels, self.objective.over_rows(rows.numel(), answers), chunk_size)
+            hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
             total = total + weights[j] * out.loss
-            tokens, correct = tokens + n, correct + out.correct
+            tokens, correct = tokens + n, correct + hits
             metrics[f"block_{j + 1}/loss"] = (out.loss.detach(), n)  # (numerator, denominator)
-            metrics[f"block_{j + 1}/accuracy"] = (out.correct, n)
-            for name, value in out.terms.items():  # each term's mean over every block position
-                term_sum, count = metrics.get(f"objective/{name}", (0.0, 0))
-                metrics[f"objective/{name}"] = (term_sum + value, count + n)
+            metrics[f"block_{j + 1}/accuracy"] = (hits, n)
+            for name, (value, count) in term_metrics(out.terms, n, answers).items():  # over every block slot
+                term_sum, seen = metrics.get(name, (0.0, 0))
+                metrics[name] = (term_sum + value, seen + count)
         return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
 
     # -- decoding ---------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
-from specdraft.drafts.objectives import Objective, ObjectiveOptions, ObjectiveSums, chunked_objective, objective_from_options, parse_objective
+from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
+                                        objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 
@@ -168,6 +169,7 @@ SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 class Eagle3Draft(Draft):
     family = "eagle3"
     architecture = "Eagle3Draft"
+    default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
     options = Eagle3Options
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
 
@@ -247,7 +249,7 @@ class Eagle3Draft(Draft):
             fc_norm=bool(draft_cfg.fc_norm),
             norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=bool(draft_cfg.norm_output),
-        ), objective=objective_from_options(draft_cfg, default="soft_ce"))
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
         if data is not None:
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
                                              draft.dims.draft_vocab_size))
@@ -354,6 +356,7 @@ class Eagle3Draft(Draft):
         heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
                             self.dims.ttt_steps)
         host = HostBatch.of(input_ids, loss_mask, None, host)
+        taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
@@ -366,20 +369,25 @@ class Eagle3Draft(Draft):
         for k, head_in in enumerate(heads):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
             counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host
-            counted[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
+            counted[:, :max(T - 2 - k, 0)] = taught[:, 2 + k:]
+            label_is_answer = torch.zeros_like(counted)
+            label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
             rows, tokens = rows_where(counted, input_ids.device)
             labels = ids[rows + 2 + k]
+            draft_labels, answers = None, label_is_answer.nonzero().shape[0]
+            if to_draft is not None:  # CE learns the answer tokens only
+                draft_labels, answers = answer_labels(to_draft[labels], label_is_answer[counted])
             out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
-                                None if final is None else final[rows + 1 + k], teacher_rows,
-                                None if to_draft is None else to_draft[labels], self.objective, chunk_size)
+                                None if final is None else final[rows + 1 + k], teacher_rows, draft_labels,
+                                self.objective.over_rows(rows.numel(), answers), chunk_size)
             hits = (draft_ids[out.argmax] == labels).sum()
             weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k
             loss = weighted if loss is None else loss + weighted
             metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
-            for name, value in out.terms.items():  # each term's mean over every step's rows
-                total, count = metrics.get(f"objective/{name}", (0.0, 0))
-                metrics[f"objective/{name}"] = (total + value, count + tokens)
+            for name, (value, count) in term_metrics(out.terms, tokens, answers).items():  # over every step
+                total, seen = metrics.get(name, (0.0, 0))
+                metrics[name] = (total + value, seen + count)
         first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
 

@@ -24,7 +24,8 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
                                    target_layer_shape)
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
-from specdraft.drafts.objectives import CE, Objective, ObjectiveOptions, objective_from_options, shared_head_objective
+from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
+                                        shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
 
 
@@ -149,7 +150,7 @@ class GlideDraft(Draft):
             anchor_offset=bool(draft_cfg.anchor_offset),
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
-        ), objective=objective_from_options(draft_cfg, default="ce"))
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
 
     @classmethod
     def from_export_config(cls, config: Dict[str, Any]) -> "GlideDraft":
@@ -216,14 +217,20 @@ class GlideDraft(Draft):
         hidden = self.forward_sequence(features.input_embeds, features.cos, features.sin, features.last_keys,
                                        features.last_values, lag, documents)
         host = HostBatch.of(input_ids, loss_mask, documents, host)
-        rows, tokens = rows_where(counted_predictions(host.loss_mask, host.documents, lag), input_ids.device)
+        counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)
+        rows, tokens = rows_where(counted, input_ids.device)
         predictions = hidden.flatten(0, 1)[rows]  # row b*T + t predicts token t+1 of row b
         labels = input_ids.flatten()[rows + 1]
+        next_is_answer = torch.zeros_like(counted)  # on the host: is token t+1 an answer token
+        next_is_answer[:, :-1] = host.loss_mask[:, 1:].bool()
+        ce_labels, answers = answer_labels(labels, next_is_answer[counted])  # CE learns answers only
         # the teacher: the target's own next-token distribution at t, from its final hidden state
         teacher = features.final_hidden.flatten(0, 1)[rows] if self.objective.needs_teacher else None
-        out = shared_head_objective(predictions, lm_head_weight, teacher, labels, self.objective, chunk_size)
-        return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=out.correct,
-                         metrics={f"objective/{name}": (value, tokens) for name, value in out.terms.items()})
+        objective = self.objective.over_rows(rows.numel(), answers)
+        out = shared_head_objective(predictions, lm_head_weight, teacher, ce_labels, objective, chunk_size)
+        correct = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
+        return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=correct,
+                         metrics=term_metrics(out.terms, tokens, answers))
 
 
 def counted_predictions(loss_mask: torch.Tensor, documents: Optional[torch.Tensor], lag: int) -> torch.Tensor:

@@ -14,6 +14,12 @@ Per row, with z = student logits, t = teacher logits, q = softmax(z / T), p = so
 The temperature T softens teacher and student alike, because decoding at T samples both from
 softmax(logits / T); no T^2 factor, so each term is exactly the quantity named.
 
+Which tokens: CE learns the answer tokens (the loss mask), whose text is the target's output.
+The teacher terms can learn every token instead (`draft.distill_tokens: all`): the frozen target
+computes its distribution at prompt and template tokens too, and those rows show the draft
+contexts that the answers alone never reach. A loss then counts every row, CE keeps to the
+answer rows (label -1 elsewhere) and is still their mean (`Objective.over_rows`).
+
 Teacher logits are t = teacher_hidden @ teacher_weight.T: the target's final hidden state through
 its lm_head for GLIDE, through the lm_head rows of a restricted draft vocabulary for EAGLE-3 (whose
 student head then spans that vocabulary too): one code path. Neither student nor teacher logits
@@ -27,7 +33,7 @@ both gradients, so no (vocab x hidden) gradient waits from forward to backward.
 # `draft:` config schema is assembled from them in another module)
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +43,7 @@ from specdraft.errors import SpecdraftError
 
 OBJECTIVES = ("ce", "soft_ce", "kl", "tv")
 TEACHER_OBJECTIVES = ("soft_ce", "kl", "tv")  # the ones that read the target's distribution
+DISTILL_TOKENS = ("answers", "all")  # draft.distill_tokens: where the teacher terms learn
 _TERM = re.compile(r"^\s*(?:([^*]+?)\s*\*\s*)?([A-Za-z_]+)\s*$")  # "[weight *] name"
 
 
@@ -46,6 +53,7 @@ class Objective:
 
     weights: Tuple[Tuple[str, float], ...]  # in OBJECTIVES order
     temperature: float = 1.0
+    all_tokens: bool = False  # the teacher terms learn every token, not only answers (distill_tokens: all)
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -65,7 +73,23 @@ class Objective:
 
     def __str__(self) -> str:
         body = " + ".join(name if w == 1.0 else f"{w:g}*{name}" for name, w in self.weights)
-        return f"{body} (T={self.temperature:g})" if self.needs_teacher else body
+        if not self.needs_teacher:
+            return body
+        return f"{body} (T={self.temperature:g}{', all tokens' if self.all_tokens else ''})"
+
+    def taught(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The tokens a loss predicts, a mask like loss_mask (the answer tokens): every token when
+        the teacher terms learn all of them."""
+        return torch.ones_like(loss_mask) if self.all_tokens else loss_mask
+
+    def over_rows(self, rows: int, answers: int) -> "Objective":
+        """This objective for a loss of `rows` counted rows, `answers` of them with a CE label, that
+        divides its weighted sum by `rows`: CE's weight times rows / answers, so that CE stays the
+        mean over the answer rows and each teacher term the mean over all rows."""
+        if answers in (0, rows) or "ce" not in self.names:
+            return self
+        scale = rows / answers
+        return replace(self, weights=tuple((name, w * scale if name == "ce" else w) for name, w in self.weights))
 
 
 CE = Objective((("ce", 1.0),))
@@ -79,21 +103,54 @@ class ObjectiveOptions:
     # (a 0 weight drops a term); null: the family's default (GLIDE: ce)
     loss: Any = None
     distill_temperature: float = 1.0  # soft_ce / kl / tv compare softmax(logits / T) of target and draft
+    # answers | all: the tokens soft_ce / kl / tv learn; all: prompt and template tokens too (ce
+    # learns answers either way)
+    distill_tokens: str = "answers"
 
 
-def validate_objective_options(draft_cfg, source: str) -> None:
-    """One-line SpecdraftError for a bad draft.loss / draft.distill_temperature."""
+def validate_objective_options(draft_cfg, source: str, default: str = "ce") -> None:
+    """One-line SpecdraftError for a bad draft.loss / distill_temperature / distill_tokens
+    (`default`: the family's objective when draft.loss is null)."""
     temperature = draft_cfg.get("distill_temperature", 1.0)
     if not temperature > 0:
         raise SpecdraftError(f"{source}: key 'draft.distill_temperature': must be > 0, got {temperature}")
-    if draft_cfg.get("loss") is not None:
-        parse_objective(draft_cfg.loss, temperature, where=f"{source}: key 'draft.loss'")
+    tokens = draft_cfg.get("distill_tokens", "answers")
+    if tokens not in DISTILL_TOKENS:
+        raise SpecdraftError(f"{source}: key 'draft.distill_tokens': must be one of "
+                             f"{', '.join(DISTILL_TOKENS)}, got {tokens!r}")
+    spec = default if draft_cfg.get("loss") is None else draft_cfg.loss
+    objective = parse_objective(spec, temperature, where=f"{source}: key 'draft.loss'")
+    if tokens == "all" and not objective.needs_teacher:
+        raise SpecdraftError(f"{source}: key 'draft.distill_tokens': 'all' needs a teacher term in "
+                             f"draft.loss ({', '.join(TEACHER_OBJECTIVES)}); {objective} learns answers only")
 
 
 def objective_from_options(draft_cfg, default: str) -> Objective:
     """The objective a family trains on: draft.loss, or the family's `default` when it is null."""
     spec = draft_cfg.get("loss")
-    return parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0))
+    objective = parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0))
+    if draft_cfg.get("distill_tokens", "answers") == "all" and objective.needs_teacher:
+        objective = replace(objective, all_tokens=True)
+    return objective
+
+
+def term_metrics(terms: Mapping[str, torch.Tensor], rows: torch.Tensor,
+                 answers: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """{"objective/<name>": (sum, count)} of one loss call: CE a mean over its `answers` rows,
+    every teacher term over all its `rows` (a 0-dim count on the device)."""
+    metrics = {f"objective/{name}": (value, rows) for name, value in terms.items()}
+    if "ce" in terms:
+        metrics["objective/ce"] = (terms["ce"], torch.full((), answers, dtype=rows.dtype, device=rows.device))
+    return metrics
+
+
+def answer_labels(labels: torch.Tensor, is_answer: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """labels (N,) on the model's device and is_answer (N,) bool on the host -> the labels with -1
+    (no CE term) where the token is not an answer token, and how many answer rows there are."""
+    answers = is_answer.nonzero().shape[0]  # counted on the host: no tensor value is read
+    if answers == is_answer.numel():
+        return labels, answers
+    return labels.masked_fill(~is_answer.to(labels.device, non_blocking=True), -1), answers
 
 
 def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draft.loss'") -> Objective:
