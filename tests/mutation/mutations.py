@@ -393,12 +393,36 @@ DFLASH: List[Mutation] = [
              'if False:', DFLASH_EXPORT),
 ]
 
+OBJECTIVES_PY = "specdraft/drafts/objectives.py"
+OBJECTIVE_TESTS = ("tests/test_objectives.py",)
+DISTILL_TOKENS_TESTS = OBJECTIVE_TESTS + ("tests/test_eagle3.py", "tests/test_dflash.py")
+
+# draft.distill_tokens: all -- which rows the teacher terms and CE learn, and CE's normalisation
+DISTILL_TOKENS: List[Mutation] = [
+    Mutation("distill/ce-mean-over-all-rows", OBJECTIVES_PY,
+             'if answers in (0, rows) or "ce" not in self.names:', "if True:", DISTILL_TOKENS_TESTS,
+             "CE divided by every distilled row, so its weight shrinks with the prompt share"),
+    Mutation("distill/ce-on-prompt-tokens", OBJECTIVES_PY,
+             "return labels.masked_fill(~is_answer.to(labels.device, non_blocking=True), -1), answers",
+             "return labels, answers", DISTILL_TOKENS_TESTS, "CE learns the prompt's text as if the target wrote it"),
+    Mutation("distill/glide-all-tokens-ignored", GLIDE_PY,
+             "counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)",
+             "counted = counted_predictions(host.loss_mask, host.documents, lag)", OBJECTIVE_TESTS,
+             "distill_tokens: all silently trains on answers only"),
+    Mutation("distill/eagle3-all-tokens-ignored", E3,
+             "taught = self.objective.taught(host.loss_mask).bool()", "taught = host.loss_mask.bool()", E3_TRAIN),
+    Mutation("distill/dflash-anchors-among-answers-only", DFLASH_PY,
+             "self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed)",
+             "self.training_blocks(host.input_ids, host.loss_mask, anchor_seed)", DFLASH_TESTS),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
     "decoding": DECODING,
     "eagle3": EAGLE3,
     "dflash": DFLASH,
+    "distill": DISTILL_TOKENS,
 }
 
 
