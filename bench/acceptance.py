@@ -8,9 +8,9 @@ against prompt lookup (no model), greedy and sampled.
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
 
 Training: each family with its demo config (configs/demo.yaml, demo-eagle3.yaml, demo-dflash.yaml)
-for --train-steps on the same data with the same seed; GLIDE once per --objectives entry
-('SPEC[@T][:all]': a draft.loss value, its draft.distill_temperature and, with ':all',
-draft.distill_tokens=all: the teacher terms on every token). The data is the preset's demo
+for --train-steps on the same data with the same seed, with its default objective or once per
+--objectives entry ('SPEC[@T][:all]': a draft.loss value, its draft.distill_temperature and, with
+':all', draft.distill_tokens=all: the teacher terms on every token). The data is the preset's demo
 set: the target's greedy answers, or with --answer-temperature T its answers sampled at T (a
 dataset of its own, cached beside the greedy one); the held-out eval prompts are the same.
 
@@ -56,8 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
     parser.add_argument("--families", default="glide,eagle3,dflash", help="draft families to train")
-    parser.add_argument("--objectives", nargs="+", default=["ce"],
-                        help="train one GLIDE per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' kl:all")
+    parser.add_argument("--objectives", nargs="+", default=[],
+                        help="train each family once per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' "
+                             "kl:all (default: once, with the family's default objective)")
     parser.add_argument("--draft", action="append", default=[],
                         help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)")
     parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
@@ -181,9 +182,9 @@ def main(argv=None) -> dict:
         exports[label], keys[label] = export, slug(label)
     if not args.draft:
         for family in families:
-            variants = objectives if family == "glide" else [([], None)]
+            variants = objectives or [([], None)]
             for i, (overrides, name) in enumerate(variants):
-                label = LABELS[family] + (f" {name}" if len(variants) > 1 else "")
+                label = LABELS[family] + (f" {name}" if name else "")
                 keys[label] = family + (f"_objective{i}" if i else "")
                 t0 = time.perf_counter()
                 exports[label] = train_draft(family, target_dir, data_glob, prompts_file,
@@ -257,12 +258,13 @@ def main(argv=None) -> dict:
                 comparisons.append((f"{label} ÷ prompt lookup ({shape}, T=0)", tau(label, 0.0, is_tree),
                                     tau("prompt lookup", 0.0, is_tree)))
             headline.append(f"lookup_ratio_{keys[label]}={tau(label, 0.0) / tau('prompt lookup', 0.0):.2f}")
-    glides = [label for label in exports if label.startswith("GLIDE ")] if len(objectives) > 1 else []
-    for label in glides[1:]:
-        for t in temperatures:
-            ours, ref = tau(label, t), tau(glides[0], t)
-            comparisons.append((f"{label} ÷ {glides[0]} (chain γ={args.gamma}, T={t:g})", ours, ref))
-            headline.append(f"ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={ours / ref:.2f}")
+    for family in families if len(objectives) > 1 else []:  # each objective ÷ the family's first
+        trained = [label for label in exports if label.startswith(LABELS[family] + " ")]
+        for label in trained[1:]:
+            for t in temperatures:
+                ours, ref = tau(label, t), tau(trained[0], t)
+                comparisons.append((f"{label} ÷ {trained[0]} (chain γ={args.gamma}, T={t:g})", ours, ref))
+                headline.append(f"ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={ours / ref:.2f}")
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}
