@@ -240,6 +240,26 @@ def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_f
     assert not blocks.valid[3].any() and not blocks.counted[3].any()
 
 
+def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversation():
+    """Every token a label (distill_tokens: all), two conversations per row: an anchor whose first
+    label starts the next conversation is no candidate, and later labels across the border are
+    not counted."""
+    layout = BlockLayout(4, False)
+    ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
+    documents = torch.zeros(2, 30, dtype=torch.long)
+    documents[:, 12:] = 1
+    everything = torch.ones_like(ids)
+    blocks = sample_training_blocks(ids, everything, layout, max_anchors=40, seed=0, documents=documents)
+    for b in range(2):
+        chosen = blocks.anchors[b][blocks.valid[b]].tolist()
+        assert 11 not in chosen and chosen == [a for a in range(1, 30 - layout.span) if a != 11]
+        for i, a in enumerate(blocks.anchors[b].tolist()):
+            for j in range(layout.predictions):
+                same = bool(documents[b, a + 1 + j] == documents[b, a])
+                assert blocks.counted[b, i, j] == (same and bool(blocks.valid[b, i]))
+    assert blocks.counted.sum() < sample_training_blocks(ids, everything, layout, 40, seed=0).counted.sum()
+
+
 def test_a_sequence_too_short_for_a_block_gives_a_zero_loss_with_a_graph(target):
     draft = make_draft(target, block_size=4)
     ids = torch.randint(0, VOCAB, (1, 4))

@@ -199,6 +199,20 @@ def test_which_token_each_position_predicts_at_each_step(target, monkeypatch):
     assert int(out.correct) == int(top == ids[0, p])
 
 
+def test_packed_conversations_keep_each_steps_label_in_the_rows_conversation(target):
+    """Every token a label (distill_tokens: all), two conversations in the row: index t of step k
+    counts only when x_{t+2+k} is in t's conversation."""
+    draft = eagle3_for(target, loss="tv", distill_tokens="all")
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(4))
+    documents = torch.zeros_like(ids)
+    documents[0, 9:] = 1
+    mask = torch.zeros_like(ids)  # no answer token at all: the teacher terms learn every token
+    out = TargetWithDraft(target, draft)(ids, mask, document_ids=documents)
+    for k in range(3):
+        expected = sum(1 for t in range(T - 2 - k) if documents[0, t] == documents[0, t + 2 + k])
+        assert int(out.metrics[f"ttt_{k}/loss"][1]) == expected == T - 2 - k - (2 + k)
+
+
 def test_loss_weights_steps_by_decay(target):
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)

@@ -275,13 +275,14 @@ class TrainingBlocks:
 
 
 def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
-                           max_anchors: int, seed: int) -> TrainingBlocks:
+                           max_anchors: int, seed: int, documents: Optional[torch.Tensor] = None) -> TrainingBlocks:
     """Anchors drawn uniformly without replacement among the candidates of each row.
 
     A candidate anchor a has context (a >= 1), all its labels inside the row (a + span < T) and a
     counted first label (loss_mask[a + 1]): the first prediction of a block is the token right
     after the last verified one, as at inference. A is fixed by T (static shapes for the
     compiled GPU path); rows with fewer candidates are padded with invalid anchors at position 1.
+    documents (B, T) of packed data: a label counts only in its anchor's own conversation.
     """
     B, T = input_ids.shape
     device = input_ids.device
@@ -290,6 +291,8 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     candidate = torch.zeros(B, T, dtype=torch.bool, device=device)
     if last >= 1:
         candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()
+        if documents is not None:  # the first label in the anchor's conversation
+            candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]
     # per-batch randomness from the loop's seed, drawn on the CPU: the same anchors on any device
     scores = torch.rand((B, T), generator=torch.Generator().manual_seed(seed)).to(device)
     scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
@@ -301,6 +304,8 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
     counted = loss_mask.gather(1, label_pos.flatten(1)).view_as(label_pos).bool() & valid[..., None]
+    if documents is not None:
+        counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size)
 
 
@@ -452,8 +457,8 @@ class DFlashDraft(Draft):
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
         return {"anchor_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
 
-    def training_blocks(self, input_ids, loss_mask, anchor_seed: int) -> TrainingBlocks:
-        return sample_training_blocks(input_ids, loss_mask, self.layout, self.dims.max_anchors, anchor_seed)
+    def training_blocks(self, input_ids, loss_mask, anchor_seed: int, documents=None) -> TrainingBlocks:
+        return sample_training_blocks(input_ids, loss_mask, self.layout, self.dims.max_anchors, anchor_seed, documents)
 
     def training_hidden(self, features: TargetFeatures, blocks: TrainingBlocks) -> torch.Tensor:
         """The vectorised training forward: every block of every row at once -> (B, A, S, H)."""
@@ -471,10 +476,12 @@ class DFlashDraft(Draft):
         return hidden.view(B, A, self.layout.block_size, -1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, anchor_seed: int = 0, host: Optional[HostBatch] = None, **_) -> DraftLoss:
-        host = HostBatch.of(input_ids, loss_mask, None, host)
+                      chunk_size: int, anchor_seed: int = 0, documents: Optional[torch.Tensor] = None,
+                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+        host = HostBatch.of(input_ids, loss_mask, documents, host)
         # on the host; anchors among every token when the teacher terms learn them all
-        host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed)
+        host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed,
+                                           host.documents)
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
             metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)

@@ -350,12 +350,13 @@ class Eagle3Draft(Draft):
         return torch.cat([features.hidden[layer] for layer in self.dims.target_layers], dim=-1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, host: Optional[HostBatch] = None, **_) -> DraftLoss:
+                      chunk_size: int, documents: Optional[torch.Tensor] = None,
+                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
         B, T = input_ids.shape
         dtype = self.fc.weight.dtype
         heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
                             self.dims.ttt_steps)
-        host = HostBatch.of(input_ids, loss_mask, None, host)
+        host = HostBatch.of(input_ids, loss_mask, documents, host)
         taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
@@ -370,8 +371,11 @@ class Eagle3Draft(Draft):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
             counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host
             counted[:, :max(T - 2 - k, 0)] = taught[:, 2 + k:]
+            if host.documents is not None:  # packed data: x_{t+2+k} in t's own conversation
+                counted[:, :max(T - 2 - k, 0)] &= host.documents[:, 2 + k:] == host.documents[:, :max(T - 2 - k, 0)]
             label_is_answer = torch.zeros_like(counted)
             label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
+            label_is_answer &= counted
             rows, tokens = rows_where(counted, input_ids.device)
             labels = ids[rows + 2 + k]
             draft_labels, answers = None, label_is_answer.nonzero().shape[0]
