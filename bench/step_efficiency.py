@@ -14,7 +14,7 @@ Each round times (a), (b), (c) back to back on the same batch, so load from othe
 falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
 
     OMP_NUM_THREADS=1 python bench/step_efficiency.py [--shapes demo,large] [--zero 0,2] [--rounds 5]
-        [--objectives ce,"0.9*tv + 0.1*ce"] [--distill-temperature 1.0]
+        [--objectives ce,"0.9*tv + 0.1*ce",kl:all] [--distill-temperature 1.0]
 
 --objectives adds GLIDE steps with distillation objectives (`draft.loss`): each gets its own
 target, draft and engine (the same seeded weights), and in every round each objective's (a), (b),
@@ -25,6 +25,8 @@ own teacher matmul on the counted positions: the second vocab-sized matmul per t
 floor (a) + (b) counts the teacher logits twice over (all rows in (a), counted rows in (b)); subtract
 'lm_head ms' from (a) for the tighter floor. Also printed per objective: c/c_ce and b/b_ce, its
 (c) and (b) over the CE step's. CE is always measured and gives `ratio=` as without the option.
+'SPEC:all' trains with draft.distill_tokens: all (the teacher terms on prompt tokens too; the
+bench's conversations are one third prompt).
 
 Shapes: "demo" is the demo target (specdraft.demo preset "demo": Llama, 4 layers, hidden 256,
 vocab 4096) at batch 8 x 256; "large" is a random Llama of 8 layers, hidden 512, vocab 32000 at
@@ -156,8 +158,10 @@ class StepBench:
                  temperature: float, data):
         cfg = run_config(shape, zero_stage, document_mask)
         if spec is not None:  # None: the family's default objective (GLIDE: ce), as before
-            cfg.draft.loss = spec
+            loss, _, tokens = spec.partition(":")  # 'kl:all': draft.distill_tokens=all
+            cfg.draft.loss = loss
             cfg.draft.distill_temperature = temperature
+            cfg.draft.distill_tokens = tokens or "answers"
         self.shape, self.cfg, self.data = shape, cfg, data
         self.target = random_target(shape)  # seeded: every objective gets the same target and draft
         draft = build_draft(cfg.draft, self.target.config)
@@ -249,7 +253,11 @@ def objective_specs(arg: str) -> List[Optional[str]]:
     CE is measured whether named or not: the distillation steps are compared with it."""
     specs: List[Optional[str]] = [None]
     for spec in (part.strip() for part in arg.split(",")):
-        objective = parse_objective(spec, where=f"--objectives {spec!r}")  # one-line error if bad
+        loss, _, tokens = spec.partition(":")
+        objective = parse_objective(loss, where=f"--objectives {spec!r}")  # one-line error if bad
+        if tokens not in ("", "all") or (tokens and not objective.needs_teacher):
+            raise SystemExit(f"--objectives {spec!r}: after ':' only 'all' (draft.distill_tokens: all), "
+                             f"for an objective with a teacher term")
         if objective.needs_teacher:
             specs.append(spec)
         elif objective.names != ("ce",) or objective.weight("ce") != 1.0:
