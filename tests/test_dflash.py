@@ -18,7 +18,7 @@ from specdraft.drafts.dflash import (BlockLayout, BlockVisibility, DFlashDraft, 
                                      loss_weights, sample_training_blocks)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.errors import SpecdraftError
-from specdraft.target.capture import capture
+from specdraft.target.capture import TargetFeatures, capture
 
 torch.set_num_threads(1)
 VOCAB, T = 128, 24
@@ -242,8 +242,8 @@ def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_f
 
 def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversation():
     """Every token a label (distill_tokens: all), two conversations per row: an anchor whose first
-    label starts the next conversation is no candidate, and later labels across the border are
-    not counted."""
+    label starts the next conversation, or with no context in its own, is no candidate; later
+    labels across the border are not counted; each block's context starts with its conversation."""
     layout = BlockLayout(4, False)
     ids = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(2))
     documents = torch.zeros(2, 30, dtype=torch.long)
@@ -252,7 +252,8 @@ def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversatio
     blocks = sample_training_blocks(ids, everything, layout, max_anchors=40, seed=0, documents=documents)
     for b in range(2):
         chosen = blocks.anchors[b][blocks.valid[b]].tolist()
-        assert 11 not in chosen and chosen == [a for a in range(1, 30 - layout.span) if a != 11]
+        assert chosen == [a for a in range(1, 30 - layout.span) if a not in (11, 12)]
+        assert blocks.context_start[b][blocks.valid[b]].tolist() == [0 if a < 12 else 12 for a in chosen]
         for i, a in enumerate(blocks.anchors[b].tolist()):
             for j in range(layout.predictions):
                 same = bool(documents[b, a + 1 + j] == documents[b, a])
@@ -401,3 +402,27 @@ def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(ta
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert {"objective/kl", "objective/ce"} <= set(out.metrics)
+
+
+def test_a_block_of_packed_data_computes_what_its_conversation_alone_computes(target):
+    """Two conversations packed in one row, the target's features as its document mask gives them
+    (each conversation's own pass, positions from 0): a block anchored in the second sees none of
+    the first, so its hidden states equal those of the second conversation trained alone."""
+    draft = make_draft(target)
+    first, second = 10, 16
+    ids = torch.randint(0, VOCAB, (1, first + second), generator=torch.Generator().manual_seed(9))
+    parts = [features(target, draft, ids[:, :first]), features(target, draft, ids[:, first:])]
+    packed = TargetFeatures(
+        input_embeds=torch.cat([p.input_embeds for p in parts], 1), cos=torch.cat([p.cos for p in parts], 1),
+        sin=torch.cat([p.sin for p in parts], 1),
+        hidden={layer: torch.cat([p.hidden[layer] for p in parts], 1) for layer in parts[0].hidden},
+        token_embeds=parts[0].token_embeds)
+    documents = torch.zeros_like(ids)
+    documents[:, first:] = 1
+    blocks = sample_training_blocks(ids, torch.ones_like(ids), draft.layout, 40, 0, documents=documents)
+    alone = sample_training_blocks(ids[:, first:], torch.ones_like(ids[:, first:]), draft.layout, 40, 0)
+    in_second = blocks.anchors[0] >= first
+    assert (blocks.anchors[0][in_second] - first).tolist() == alone.anchors[0][alone.valid[0]].tolist()
+    got = draft.training_hidden(packed, blocks)[0][in_second]
+    want = draft.training_hidden(parts[1], alone)[0][alone.valid[0]]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -132,12 +132,14 @@ class BlockVisibility:
 
     A query of block j (anchor a_j) sees context position t iff t < a_j, and every slot of its
     own block (bidirectional); nothing of other blocks, nothing at or after its anchor in the
-    context — the anchor token itself enters only through the block's first slot.
+    context — the anchor token itself enters only through the block's first slot. With packed
+    conversations, nothing before the anchor's own conversation either (t >= context_start_j).
     """
 
     anchors: torch.Tensor  # (B, A) anchor position of each block
     context_len: int  # T
     block_size: int  # S
+    context_start: Optional[torch.Tensor] = None  # (B, A) first context position a block sees (None: 0)
     _block_mask: Any = field(default=None, repr=False)
 
     @property
@@ -149,7 +151,10 @@ class BlockVisibility:
         block = q // self.block_size
         in_context = kv < self.context_len
         # clamped: flex's kernel may evaluate indices past the end of a partial tile
-        before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]
+        block = block.clamp(max=self.anchors.shape[1] - 1)
+        before_anchor = kv < self.anchors[b, block]
+        if self.context_start is not None:
+            before_anchor = before_anchor & (kv >= self.context_start[b, block])
         same_block = (kv - self.context_len) // self.block_size == block
         return torch.where(in_context, before_anchor, same_block)
 
@@ -258,6 +263,7 @@ class TrainingBlocks:
     counted: torch.Tensor  # (B, A, P) bool: valid anchor and a loss-masked label
 
     block_size: int = 0
+    context_start: Optional[torch.Tensor] = None  # (B, A) packed data: where the anchor's conversation starts
 
     @property
     def positions(self) -> torch.Tensor:  # (B, A, S) position of each block slot
@@ -271,7 +277,7 @@ class TrainingBlocks:
         """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return TrainingBlocks(move(self.anchors), move(self.valid), move(self.labels), move(self.counted),
-                              self.block_size)
+                              self.block_size, None if self.context_start is None else move(self.context_start))
 
 
 def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
@@ -282,7 +288,8 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     counted first label (loss_mask[a + 1]): the first prediction of a block is the token right
     after the last verified one, as at inference. A is fixed by T (static shapes for the
     compiled GPU path); rows with fewer candidates are padded with invalid anchors at position 1.
-    documents (B, T) of packed data: a label counts only in its anchor's own conversation.
+    documents (B, T) of packed data: the anchor's context and every counted label lie in the
+    anchor's own conversation (context_start: where it starts), as at inference.
     """
     B, T = input_ids.shape
     device = input_ids.device
@@ -291,8 +298,9 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     candidate = torch.zeros(B, T, dtype=torch.bool, device=device)
     if last >= 1:
         candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()
-        if documents is not None:  # the first label in the anchor's conversation
+        if documents is not None:  # context and the first label in the anchor's conversation
             candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]
+            candidate[:, 1:last + 1] &= documents[:, 0:last] == documents[:, 1:last + 1]
     # per-batch randomness from the loop's seed, drawn on the CPU: the same anchors on any device
     scores = torch.rand((B, T), generator=torch.Generator().manual_seed(seed)).to(device)
     scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
@@ -304,9 +312,14 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
     counted = loss_mask.gather(1, label_pos.flatten(1)).view_as(label_pos).bool() & valid[..., None]
+    context_start = None
     if documents is not None:
         counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
-    return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size)
+        index = torch.arange(T, device=device)
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        context_start = torch.where(starts, index, 0).cummax(dim=1).values.gather(1, anchors)
+    return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
 
 
 def loss_weights(layout: BlockLayout, gamma: float) -> List[float]:
@@ -472,7 +485,7 @@ class DFlashDraft(Draft):
         index = positions[..., None].expand(B, positions.shape[1], features.cos.shape[-1])
         cos, sin = features.cos.gather(1, index), features.sin.gather(1, index)
         hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
-                      BlockVisibility(blocks.anchors, T, self.layout.block_size))
+                      BlockVisibility(blocks.anchors, T, self.layout.block_size, blocks.context_start))
         return hidden.view(B, A, self.layout.block_size, -1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
