@@ -308,11 +308,11 @@ DFLASH_EXPORT = ("tests/test_dflash_export.py",)  # needs the speculators venv f
 
 DFLASH: List[Mutation] = [
     Mutation('dflash/context-includes-anchor', DFLASH_PY,
-             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]',
-             'before_anchor = kv <= self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]', DFLASH_TESTS, "the anchor's own target state leaks in"),
+             'before_anchor = kv < self.anchors[b, block]',
+             'before_anchor = kv <= self.anchors[b, block]', DFLASH_TESTS, "the anchor's own target state leaks in"),
     Mutation('dflash/context-misses-last', DFLASH_PY,
-             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)]',
-             'before_anchor = kv < self.anchors[b, block.clamp(max=self.anchors.shape[1] - 1)] - 1', DFLASH_TESTS, 'the last verified position is dropped'),
+             'before_anchor = kv < self.anchors[b, block]',
+             'before_anchor = kv < self.anchors[b, block] - 1', DFLASH_TESTS, 'the last verified position is dropped'),
     Mutation('dflash/sees-other-blocks', DFLASH_PY,
              'same_block = (kv - self.context_len) // self.block_size == block',
              'same_block = kv >= self.context_len', DFLASH_TESTS, 'a block attends to other blocks'),
