@@ -213,6 +213,27 @@ def test_packed_conversations_keep_each_steps_label_in_the_rows_conversation(tar
         assert int(out.metrics[f"ttt_{k}/loss"][1]) == expected == T - 2 - k - (2 + k)
 
 
+def test_a_conversation_packed_after_another_computes_what_it_computes_alone(target):
+    """Packed data under document_mask: every TTT step of the second conversation sees nothing of
+    the first (and the first nothing of the second), so their heads equal each one's alone; rows
+    whose input x_{t+1+k} already lies in the next conversation are not compared (not counted)."""
+    draft = eagle3_for(target)
+    first = 9
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(12))
+    parts = [features_of(target, draft, ids[:, :first]), features_of(target, draft, ids[:, first:])]
+    aux = torch.cat([draft.aux_hidden(p) for p in parts], 1)
+    embeds = torch.cat([p.input_embeds for p in parts], 1)
+    documents = torch.zeros_like(ids)
+    documents[:, first:] = 1
+    packed = draft.unroll(aux, embeds, 3, documents)
+    alone = [draft.unroll(draft.aux_hidden(p), p.input_embeds, 3) for p in parts]
+    for k in range(3):
+        torch.testing.assert_close(packed[k][0, first:], alone[1][k][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[k][0, :first - 1 - k], alone[0][k][0, :first - 1 - k], rtol=1e-5, atol=1e-5)
+    mixed = draft.unroll(aux, embeds, 3)  # without documents the second reads the first
+    assert not torch.allclose(mixed[0][0, first:], alone[1][0][0], atol=1e-3)
+
+
 def test_loss_weights_steps_by_decay(target):
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)

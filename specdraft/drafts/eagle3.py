@@ -150,10 +150,15 @@ class Eagle3DecoderLayer(nn.Module):
         return out, k, v
 
 
-def ttt_visibility(T: int, step: int, device) -> torch.Tensor:
-    """(T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step."""
+def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step.
+    documents (B, T) of packed data -> (B, 1, T, (step+1) T): step-0 keys of the query's own
+    conversation only, as at inference."""
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(T, dtype=torch.bool, device=device)
+    if documents is not None:
+        causal = causal & (documents[:, :, None] == documents[:, None, :])  # (B, T, T)
+        return torch.cat([causal] + [diagonal.expand_as(causal)] * step, dim=-1)[:, None]
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
@@ -316,10 +321,12 @@ class Eagle3Draft(Draft):
         normed = self.norm(out)
         return (normed if self.dims.norm_output else out), normed, k, v
 
-    def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int):
+    def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int,
+               documents: Optional[torch.Tensor] = None):
         """The TTT unroll over all positions at once: aux (B, T, 3 Ht) captured target states,
         input_embeds (B, T, H) embeddings of the input ids -> per step the (B, T, H) logits input
-        (index t of step k predicts x_{t+2+k})."""
+        (index t of step k predicts x_{t+2+k}). documents (B, T): packed conversations, each
+        attending to itself only (RoPE is relative: a conversation's offset in the row is moot)."""
         T = aux.shape[1]
         index = torch.arange(T, device=aux.device)
         hidden = self.fuse(aux)
@@ -328,7 +335,7 @@ class Eagle3Draft(Draft):
         for k in range(steps):
             embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}
             hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values,
-                                                      ttt_visibility(T, k, aux.device))
+                                                      ttt_visibility(T, k, aux.device, documents))
             keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
             values = new_v if values is None else torch.cat([values, new_v], dim=2)
             heads.append(head_in)
@@ -355,7 +362,7 @@ class Eagle3Draft(Draft):
         B, T = input_ids.shape
         dtype = self.fc.weight.dtype
         heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
-                            self.dims.ttt_steps)
+                            self.dims.ttt_steps, documents)
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
