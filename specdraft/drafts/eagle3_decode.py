@@ -106,7 +106,8 @@ class Eagle3Drafter(Drafter):
             drafted.append(token)
             qs.append(q)
             if j < gamma:  # drafted token j: index n - 1 + j, position n + j
-                hidden, logits, keys, values = self._draft_step(torch.tensor([token]), hidden, keys, values, n + j)
+                hidden, logits, keys, values = self._draft_step(torch.tensor([token], device=self.device), hidden,
+                                                                keys, values, n + j)
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths):
