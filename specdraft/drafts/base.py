@@ -66,6 +66,15 @@ class HostBatch:
         return cls(input_ids.cpu(), loss_mask.cpu(), None if documents is None else documents.cpu())
 
 
+def document_starts(documents: torch.Tensor) -> torch.Tensor:
+    """documents (B, T) of packed data -> (B, T) long: the index of each token's document's first
+    token (a document begins where the id changes, and at 0)."""
+    index = torch.arange(documents.shape[1], device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def rows_where(mask: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """A host bool mask (B, T, ...) -> (flat indices of its True entries, their count as a 0-dim
     long), both on `device`, without a device sync: index a tensor flattened alike with them."""

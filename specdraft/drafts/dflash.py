@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
-                                   target_layer_shape, target_text_config)
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
+                                   rows_where, target_layer_shape, target_text_config)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import RMSNorm, apply_rope
@@ -315,10 +315,7 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     context_start = None
     if documents is not None:
         counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
-        index = torch.arange(T, device=device)
-        starts = torch.ones_like(documents, dtype=torch.bool)
-        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-        context_start = torch.where(starts, index, 0).cummax(dim=1).values.gather(1, anchors)
+        context_start = document_starts(documents).gather(1, anchors)
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
 
 
@@ -504,17 +501,16 @@ class DFlashDraft(Draft):
         hidden = self.training_hidden(features, blocks)
         label_is_answer = host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(
             host_blocks.counted).bool()
-        return self.block_loss(hidden, blocks, host_blocks.counted, lm_head_weight, chunk_size, features.final_hidden,
-                               label_is_answer)
+        return self.block_loss(hidden, blocks, host_blocks.counted, label_is_answer, lm_head_weight, chunk_size,
+                               features.final_hidden)
 
-    def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, lm_head_weight, chunk_size: int,
-                   final_hidden: Optional[torch.Tensor] = None,
-                   label_is_answer: Optional[torch.Tensor] = None) -> DraftLoss:
+    def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, label_is_answer: torch.Tensor,
+                   lm_head_weight, chunk_size: int, final_hidden: Optional[torch.Tensor] = None) -> DraftLoss:
         """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
         (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
         final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
         teacher of the token at anchor + 1 + j is the target's output at anchor + j);
-        label_is_answer (B, A, P) bool on the host, or None when every label is: CE learns those."""
+        label_is_answer (B, A, P) bool on the host: the labels CE learns (answer tokens)."""
         B, A = blocks.anchors.shape
         first = self.layout.first_slot
         weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
@@ -530,9 +526,7 @@ class DFlashDraft(Draft):
             rows, n = rows_where(slot, device)  # over the (B * A) blocks
             teacher = None if final_hidden is None else final_hidden.flatten(0, 1)[anchor_rows[rows] + j]
             labels = blocks.labels[..., j].flatten()[rows]
-            ce_labels, answers = labels, rows.numel()
-            if label_is_answer is not None:  # CE learns the answer tokens only
-                ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])
+            ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])  # CE learns answers only
             out = shared_head_objective(hidden[:, :, first + j].flatten(0, 1)[rows], lm_head_weight, teacher,
                                         ce_labels, self.objective.over_rows(rows.numel(), answers), chunk_size)
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token

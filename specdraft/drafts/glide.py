@@ -20,8 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
-                                   target_layer_shape)
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
+                                   rows_where, target_layer_shape)
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
@@ -242,11 +242,10 @@ def counted_predictions(loss_mask: torch.Tensor, documents: Optional[torch.Tenso
     if documents is None:
         counted[:, :-1] = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)
         return counted
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    start_index = torch.where(starts, index, 0).cummax(dim=1).values  # (B, T) its document's first token
+    start_index = document_starts(documents)  # (B, T) its document's first token
     has_context = index - lag >= start_index
-    counted[:, :-1] = loss_mask[:, 1:].bool() & has_context[:, :-1] & ~starts[:, 1:]  # label in the same document
+    same_document = start_index[:, 1:] == start_index[:, :-1]
+    counted[:, :-1] = loss_mask[:, 1:].bool() & has_context[:, :-1] & same_document  # label in t's document
     return counted
 
 
