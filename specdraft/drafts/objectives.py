@@ -118,17 +118,16 @@ def validate_objective_options(draft_cfg, source: str, default: str = "ce") -> N
     if tokens not in DISTILL_TOKENS:
         raise SpecdraftError(f"{source}: key 'draft.distill_tokens': must be one of "
                              f"{', '.join(DISTILL_TOKENS)}, got {tokens!r}")
-    spec = default if draft_cfg.get("loss") is None else draft_cfg.loss
-    objective = parse_objective(spec, temperature, where=f"{source}: key 'draft.loss'")
-    if tokens == "all" and not objective.needs_teacher:
+    objective = objective_from_options(draft_cfg, default, where=f"{source}: key 'draft.loss'")
+    if tokens == "all" and not objective.all_tokens:  # no teacher term to learn the other tokens
         raise SpecdraftError(f"{source}: key 'draft.distill_tokens': 'all' needs a teacher term in "
                              f"draft.loss ({', '.join(TEACHER_OBJECTIVES)}); {objective} learns answers only")
 
 
-def objective_from_options(draft_cfg, default: str) -> Objective:
+def objective_from_options(draft_cfg, default: str, where: str = "key 'draft.loss'") -> Objective:
     """The objective a family trains on: draft.loss, or the family's `default` when it is null."""
     spec = draft_cfg.get("loss")
-    objective = parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0))
+    objective = parse_objective(default if spec is None else spec, draft_cfg.get("distill_temperature", 1.0), where)
     if draft_cfg.get("distill_tokens", "answers") == "all" and objective.needs_teacher:
         objective = replace(objective, all_tokens=True)
     return objective
