@@ -27,16 +27,14 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from specdraft.config import DEMO_CONFIG, load_config
+    from specdraft.config import demo_config_path, load_config
     from specdraft.demo import ensure_demo_assets
     from specdraft.train.loop import train
 
     target_dir, data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
     overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
                  f"eval_prompts={data.prompts_file}", *args.overrides]
-    config = args.config or str(DEMO_CONFIG)
-    packaged = DEMO_CONFIG.parent / f"{config}.yaml"  # a bare name: a config shipped in the package
-    cfg = load_config(str(packaged) if packaged.is_file() else config, overrides)
+    cfg = load_config(demo_config_path(args.config), overrides)
     train(cfg)
     return 0
 

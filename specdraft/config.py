@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from specdraft.drafts import DraftConfig, draft_family
+from specdraft.drafts import DraftConfig, check_family_keys, draft_family, family_keys
 from specdraft.drafts.objectives import validate_objective_options
 from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
@@ -31,7 +31,24 @@ from specdraft.target.model import load_target_config
 if not OmegaConf.has_resolver("specdraft_home"):
     OmegaConf.register_resolver("specdraft_home", lambda: str(specdraft_home()))
 
-DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+# The demo configs live once, in the package (configs/demo*.yaml are links to them), so
+# `specdraft demo --config NAME` finds every one an installed package ships.
+PACKAGED_CONFIGS = Path(__file__).parent / "configs"
+DEMO_CONFIG = PACKAGED_CONFIGS / "demo.yaml"
+
+
+def demo_config_path(name: Optional[str]) -> str:
+    """`specdraft demo --config`: a bare name (demo-eagle3) is a packaged config, else a path."""
+    if name is None:
+        return str(DEMO_CONFIG)
+    packaged = PACKAGED_CONFIGS / f"{name}.yaml"
+    if packaged.is_file():
+        return str(packaged)
+    if not os.path.isfile(name):
+        shipped = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.yaml"))
+        raise SpecdraftError(f"--config {name}: neither a packaged demo config ({', '.join(shipped)}) "
+                             f"nor a file")
+    return name
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
@@ -104,8 +121,18 @@ def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
         raise SpecdraftError(f"{source}: {str(err).splitlines()[0]}") from None
     except TypeError as err:  # e.g. a list over a mapping of an untyped key (draft.loss)
         raise SpecdraftError(f"{source}: cannot merge the overrides into the config ({err})") from None
-    _validate(cfg, source)
+    _validate(cfg, source, given_draft_keys(layers[1:]))
     return cfg
+
+
+def given_draft_keys(layers: List[DictConfig]) -> List[str]:
+    """The `draft.` keys a YAML file or an override sets (the schema's defaults are not given)."""
+    keys: List[str] = []
+    for layer in layers:
+        draft = layer.get("draft") if isinstance(layer, DictConfig) else None
+        if isinstance(draft, DictConfig):
+            keys.extend(str(k) for k in draft.keys())
+    return list(dict.fromkeys(keys))
 
 
 def _read_yaml(path: str) -> DictConfig:
@@ -159,7 +186,7 @@ def _validation_message(err: ValidationError) -> str:
     return f"key '{err.full_key}': value {err.value!r} is not a valid {expected}"
 
 
-def _validate(cfg: DictConfig, source: str) -> None:
+def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = ()) -> None:
     def fail(key: str, why: str) -> None:
         raise SpecdraftError(f"{source}: key '{key}': {why}")
 
@@ -173,6 +200,7 @@ def _validate(cfg: DictConfig, source: str) -> None:
     if cfg.target_placement not in TARGET_PLACEMENTS:
         fail("target_placement", f"{cfg.target_placement!r} is not one of {', '.join(TARGET_PLACEMENTS)}")
     family = draft_family(cfg.draft.type, source)
+    check_family_keys(family, draft_keys, source)
     for key in ("max_seq_length", "per_device_batch_size", "gradient_accumulation_steps",
                 "logging_steps", "save_steps", "keep_last"):
         if OmegaConf.select(cfg, key) < 1:
@@ -228,11 +256,22 @@ def config_hash(cfg: DictConfig) -> str:
     """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
     identified by its content, see target.weights.target_identity, not by its path.)"""
     identity = {
-        "draft": OmegaConf.to_container(cfg.draft),
+        "draft": own_draft_keys(cfg),
         "max_seq_length": cfg.max_seq_length,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def own_draft_keys(cfg: DictConfig) -> dict:
+    """`draft.type` and the keys its family reads: another family's defaults are not part of this
+    draft (adding a key to one family leaves the others' checkpoints resumable)."""
+    own = family_keys(draft_family(cfg.draft.type))
+    draft = OmegaConf.to_container(cfg.draft, resolve=True)
+    return {key: value for key, value in draft.items() if key == "type" or key in own}
+
+
 def save_config(cfg: DictConfig, path: Path) -> None:
-    write_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))
+    """The resolved config, its `draft:` section limited to the family's own keys."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["draft"] = own_draft_keys(cfg)
+    write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(resolved)))

@@ -1,5 +1,7 @@
 """Config mistakes: one line on stderr naming the key, exit code 2, nothing written."""
 
+from pathlib import Path
+
 import pytest
 
 from specdraft.cli import main
@@ -57,8 +59,10 @@ def test_valid_config_merges_yaml_and_overrides(valid_config):
     assert cfg.zero_stage == 2 and cfg.learning_rate == 5e-4  # schema defaults (LongSpec's lr)
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "qwen3-8b-glide.yaml", "llama3.1-8b-glide.yaml", "demo-eagle3.yaml",
-                                  "qwen3-8b-eagle3.yaml"])
+SHIPPED_CONFIGS = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED_CONFIGS)
 def test_shipped_configs_are_valid(name, tmp_path):
     from helpers import REPO
 
@@ -66,9 +70,97 @@ def test_shipped_configs_are_valid(name, tmp_path):
     (tmp_path / "d.jsonl").write_text("{}\n")
     cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
                                                      "eval_prompts=null"])
-    assert cfg.draft.type == ("eagle3" if "eagle3" in name else "glide") and cfg.max_seq_length >= 256
+    family = "eagle3" if "eagle3" in name else "dflash" if "dflash" in name else "glide"
+    assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 
 def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys):
     code, err = run_cli(capsys, "train", str(valid_config), "max_stepz=1", "--local_rank=3")
     assert code == 2 and "max_stepz" in err  # parsed fine; the config error is what is reported
+
+
+def readme_yaml_blocks():
+    import re
+
+    from helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_has_yaml_blocks():
+    assert len(readme_yaml_blocks()) >= 3  # the training config and each family's draft section
+
+
+@pytest.mark.parametrize("index", range(len(readme_yaml_blocks())))
+def test_every_readme_yaml_block_is_a_valid_config(index, tmp_path):
+    """What the README shows a user to copy must load: its keys, types and values (the target and
+    data are this test's; the target has no config.json, so layer ids are checked at training)."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    block = tmp_path / "block.yaml"
+    block.write_text(readme_yaml_blocks()[index])
+    cfg = load_config(str(block), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"])
+    assert cfg.draft.type in ("glide", "eagle3", "dflash")
+
+
+@pytest.mark.parametrize("given, family, owner", [
+    ("draft.block_size=4", "glide", "dflash"),
+    ("draft.ttt_steps=3", "dflash", "eagle3"),
+    ("draft.max_lag=2", "eagle3", "glide"),
+    ("draft.target_layers=[1]", "glide", "eagle3, dflash"),
+])
+def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
+    valid_config.write_text(valid_config.read_text().replace("draft:\n  max_lag: 3\n", ""))
+    code, err = run_cli(capsys, "train", str(valid_config), f"draft.type={family}", given)
+    key = given.split("=")[0]
+    assert code == 2 and err.count("\n") == 0
+    assert f"key '{key}': not a key of draft.type '{family}' (it belongs to {owner})" in err
+    assert not (valid_config.parent / "out").exists()
+
+
+def test_a_foreign_key_in_yaml_is_refused_too(valid_config, capsys):
+    valid_config.write_text(valid_config.read_text() + "  block_size: 4\n")
+    code, err = run_cli(capsys, "train", str(valid_config))
+    assert code == 2 and "key 'draft.block_size': not a key of draft.type 'glide'" in err
+
+
+def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tmp_path):
+    """Another family's defaults are not part of a draft's identity: the hash ignores them, and
+    the saved config lists only `type` and the family's own keys (it loads back as it was)."""
+    import dataclasses
+    from omegaconf import OmegaConf
+
+    from specdraft.config import config_hash, save_config
+    from specdraft.drafts import FAMILIES
+
+    cfg = load_config(str(valid_config))
+    before = config_hash(cfg)
+    cfg.draft.block_size = cfg.draft.block_size + 1  # a DFlash key on a GLIDE config
+    assert config_hash(cfg) == before
+    cfg.draft.max_lag = 2  # GLIDE's own key
+    assert config_hash(cfg) != before
+    save_config(cfg, tmp_path / "saved.yaml")
+    saved = OmegaConf.load(tmp_path / "saved.yaml")
+    own = {f.name for f in dataclasses.fields(FAMILIES["glide"].options)}
+    assert set(saved.draft) == own | {"type"} and saved.draft.max_lag == 2
+    assert load_config(str(tmp_path / "saved.yaml")).draft.max_lag == 2
+
+
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash"])
+def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
+    from helpers import REPO
+
+    from specdraft.config import demo_config_path
+
+    packaged = demo_config_path(name)
+    assert packaged.startswith(str(REPO / "specdraft" / "configs"))
+    assert (REPO / "configs" / f"{name}.yaml").resolve() == (REPO / "specdraft" / "configs" / f"{name}.yaml")
+
+
+def test_demo_config_that_does_not_exist_is_one_line(capsys):
+    from specdraft.config import demo_config_path
+
+    with pytest.raises(Exception) as err:
+        demo_config_path("demo-nope")
+    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-eagle3" in str(err.value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Iterable, List, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures
 from specdraft.drafts.dflash import DFlashDraft
@@ -52,6 +52,21 @@ def draft_family(name: str, source: str = "config") -> Type[Draft]:
     return FAMILIES[name]
 
 
+def family_keys(family: Type[Draft]) -> List[str]:
+    """The `draft.` keys a family reads (besides `type`)."""
+    return [f.name for f in dataclasses.fields(family.options)]
+
+
+def check_family_keys(family: Type[Draft], given: Iterable[str], source: str = "config") -> None:
+    """A key of another family (draft.block_size on a GLIDE run) is a mistake, not a no-op."""
+    own = set(family_keys(family))
+    for key in given:
+        if key != "type" and key not in own:
+            owners = [name for name, cls in FAMILIES.items() if key in family_keys(cls)]
+            raise SpecdraftError(f"{source}: key 'draft.{key}': not a key of draft.type {family.family!r} "
+                                 f"(it belongs to {', '.join(owners) or 'no family'})")
+
+
 def build_draft(draft_cfg, target_config, data=None) -> Draft:
     return draft_family(draft_cfg.type).from_target_config(target_config, draft_cfg, data)
 
@@ -65,4 +80,4 @@ def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = Non
 
 
 __all__ = ["CaptureRequest", "Draft", "DraftConfig", "DraftLoss", "HostBatch", "TargetFeatures", "FAMILIES",
-           "DEFAULT_FAMILY", "build_draft", "draft_family", "draft_from_export_config"]
+           "DEFAULT_FAMILY", "build_draft", "check_family_keys", "draft_family", "family_keys", "draft_from_export_config"]
