@@ -3,18 +3,23 @@
     python tests/mutation/run.py                 every mutation (tests/mutation/mutations.py)
     python tests/mutation/run.py -k glide/label  only names containing a substring (repeatable)
     python tests/mutation/run.py --list          the mutations, no run
+    python tests/mutation/run.py --workers 1     one mutant at a time (default: one per core)
 
 The working tree is never written: the files git tracks (plus untracked, not ignored ones) are
-copied to a temporary directory, each mutant is written there and the original put back after
-its run, and pytest runs with that copy first on PYTHONPATH. The tests each mutation names first
-run unmutated (a failing baseline would make every mutant look killed). Exit status 1 when a
-mutation survives, its snippet is not found exactly once, or a baseline fails.
+copied to a temporary directory per worker, each mutant is written there and the original put
+back after its run, and pytest runs with that copy first on PYTHONPATH. The tests each mutation
+names first run unmutated (a failing baseline would make every mutant look killed). A mutant
+runs only the tests it names; one they let survive then faces the whole suite before it counts
+as survived. Exit status 1 when a mutation survives, its snippet is not found exactly once, or a
+baseline fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import threading
 import shutil
 import subprocess
 import sys
@@ -69,7 +74,12 @@ def check_snippet(tree: Path, mutation: Mutation) -> str:
     return ""
 
 
+WHOLE_SUITE = ("tests",)
+
+
 def run_mutation(tree: Path, mutation: Mutation, timeout: int) -> Tuple[str, float, str]:
+    """Its own tests first; only if they all pass, the whole suite (a survivor of its named
+    tests that the suite kills is reported as killed, naming the test that did)."""
     problem = check_snippet(tree, mutation)
     if problem:
         return "error", 0.0, problem
@@ -78,10 +88,41 @@ def run_mutation(tree: Path, mutation: Mutation, timeout: int) -> Tuple[str, flo
     try:
         path.write_text(original.replace(mutation.original, mutation.replacement))
         outcome, seconds, tail = run_tests(tree, mutation.tests, timeout)
+        if outcome == "passed" and mutation.tests != WHOLE_SUITE:
+            outcome, more, tail = run_tests(tree, WHOLE_SUITE, timeout * 4)
+            seconds += more
+            tail = f"(whole suite) {tail}"
     finally:
         path.write_text(original)
     # a failing (or hanging) test run kills the mutant; passing tests let it survive
     return ("survived" if outcome == "passed" else "killed"), seconds, tail
+
+
+def in_parallel(jobs: List, work, workers: int) -> List:
+    """work(tree, job) for every job, `workers` at a time, each worker on its own copy of the tree
+    (a mutant is written into the tree it runs in); results in the order of `jobs`."""
+    todo: "queue.Queue[int]" = queue.Queue()
+    for index in range(len(jobs)):
+        todo.put(index)
+    results: List = [None] * len(jobs)
+
+    def worker() -> None:
+        with tempfile.TemporaryDirectory(prefix="specdraft-mutation-") as tmp:
+            tree = Path(tmp)
+            copy_tree(tree)
+            while True:
+                try:
+                    index = todo.get_nowait()
+                except queue.Empty:
+                    return
+                results[index] = work(tree, jobs[index])
+
+    threads = [threading.Thread(target=worker) for _ in range(max(1, min(workers, len(jobs))))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def main(argv=None) -> int:
@@ -91,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test run")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="mutants run at once, each in its own copy of the tree (default: one per core)")
     args = parser.parse_args(argv)
 
     mutations = [m for m in all_mutations() if not args.select or any(k in m.name for k in args.select)]
@@ -105,34 +148,34 @@ def main(argv=None) -> int:
         return 0
 
     started = time.perf_counter()
-    failures = 0
-    with tempfile.TemporaryDirectory(prefix="specdraft-mutation-") as tmp:
-        tree = Path(tmp)
-        copy_tree(tree)
-        if not args.no_baseline:
-            baselines: Dict[Tuple[str, ...], str] = {}
-            for m in mutations:
-                if m.tests not in baselines:
-                    outcome, seconds, tail = run_tests(tree, m.tests, args.timeout)
-                    baselines[m.tests] = outcome
-                    print(f"baseline {outcome:8s} {seconds:6.1f}s  {' '.join(m.tests)[:100]}", flush=True)
-                    if outcome != "passed":
-                        print(tail)
-                        failures += 1
-            if failures:
-                print("the unmutated tests do not pass: fix them before judging mutants")
-                return 1
+    print_lock = threading.Lock()
 
-        results: List[Tuple[Mutation, str, float]] = []
-        for m in mutations:
-            status, seconds, detail = run_mutation(tree, m, args.timeout)
-            results.append((m, status, seconds))
-            line = f"{status:8s} {seconds:6.1f}s  {m.name}"
-            if status == "killed":
-                line += f"  by {detail.split(' - ')[0].replace('FAILED ', '')[:110]}"
-            else:
-                line += f"  <- {detail or m.why or 'no test fails'}"
+    def baseline(tree: Path, tests: Tuple[str, ...]) -> str:
+        outcome, seconds, tail = run_tests(tree, tests, args.timeout)
+        with print_lock:
+            print(f"baseline {outcome:8s} {seconds:6.1f}s  {' '.join(tests)[:100]}", flush=True)
+            if outcome != "passed":
+                print(tail)
+        return outcome
+
+    if not args.no_baseline:
+        test_sets = list(dict.fromkeys(m.tests for m in mutations))
+        if any(outcome != "passed" for outcome in in_parallel(test_sets, baseline, args.workers)):
+            print("the unmutated tests do not pass: fix them before judging mutants")
+            return 1
+
+    def judge(tree: Path, m: Mutation) -> Tuple[Mutation, str, float]:
+        status, seconds, detail = run_mutation(tree, m, args.timeout)
+        line = f"{status:8s} {seconds:6.1f}s  {m.name}"
+        if status == "killed":
+            line += f"  by {detail.split(' - ')[0].replace('FAILED ', '')[:110]}"
+        else:
+            line += f"  <- {detail or m.why or 'no test fails'}"
+        with print_lock:
             print(line, flush=True)
+        return m, status, seconds
+
+    results: List[Tuple[Mutation, str, float]] = in_parallel(mutations, judge, args.workers)
 
     survived = [m.name for m, status, _ in results if status == "survived"]
     errors = [m.name for m, status, _ in results if status == "error"]
