@@ -1,0 +1,75 @@
+"""EAGLE-3's training-time-test attention without a (T, (k+1) T) mask.
+
+At TTT step k, query t sees the step-0 keys 0..t (causal) plus one key of each step 1..k: the
+key at its own position t (the diagonal). A dense mask over the (k+1) T keys costs O(k T^2)
+compute and memory; here the causal part is one SDPA with `is_causal` (the fast kernels) and the
+diagonal part k dot products per query, merged exactly:
+
+    out_t = (Z0_t o0_t + Zd_t od_t) / (Z0_t + Zd_t)
+    o0, Z0: attention over the causal keys and its partition sum; od, Zd: the same over the diagonal keys
+
+SDPA returns o0 but not Z0, so the diagonal part enters the causal call as one extra "sink" key
+in front of every row, whose score for query t is log Zd_t (an extra q/k coordinate carries it)
+and whose value is zero, plus a value column of ones on the real keys. The call then returns
+Z0 o0 / (Z0 + Zd) in the value columns and Z0 / (Z0 + Zd) in the ones column, so
+out = those values + (1 - that weight) od. Everything is differentiable through SDPA's own backward.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _per_query_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    # (B, Hkv, T, D) -> (B, heads, T, D): the kv head each query head reads (GQA)
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
+                  documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q (B, Hq, T, D): step k's queries; keys/values: k + 1 tensors (B, Hkv, T, D), step 0 first.
+    documents (B, T) of packed data: the causal keys of the query's own conversation only.
+    -> (B, Hq, T, D), equal to SDPA over cat(keys) under ttt_visibility's dense mask."""
+    B, H, T, D = q.shape
+    gqa = H != keys[0].shape[1]
+    scale = D ** -0.5
+    if len(keys) == 1 and documents is None:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=gqa)
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=_same_document_causal(documents),
+                                              enable_gqa=gqa)
+    diag_keys = torch.stack([_per_query_heads(k, H) for k in keys[1:]], dim=-2)  # (B, H, T, k, D)
+    diag_values = torch.stack([_per_query_heads(v, H) for v in values[1:]], dim=-2)
+    diag_scores = torch.einsum("bhtd,bhtkd->bhtk", q, diag_keys) * scale  # (B, H, T, k)
+    log_zd = torch.logsumexp(diag_scores, dim=-1, keepdim=True)  # (B, H, T, 1)
+    diag_out = torch.einsum("bhtk,bhtkd->bhtd", diag_scores.softmax(dim=-1), diag_values)
+
+    # Causal keys behind one sink key: row 0 is a dummy query, so with is_causal query t (row t+1)
+    # sees the sink and the keys 0..t. Sink score = log Zd_t through the extra coordinate.
+    kv_heads = keys[0].shape[1]
+    q_ext = torch.cat([q, log_zd / scale], dim=-1)  # (B, H, T, D + 1)
+    q_ext = F.pad(q_ext, (0, 0, 1, 0))  # dummy query row in front
+    k_ext = F.pad(keys[0], (0, 1))  # real keys: 0 in the extra coordinate
+    sink_key = torch.zeros_like(k_ext[:, :, :1])
+    sink_key[..., -1] = 1.0
+    k_ext = torch.cat([sink_key, k_ext], dim=2)  # (B, Hkv, T + 1, D + 1)
+    v_ext = F.pad(values[0], (0, 1), value=1.0)  # the ones column measures the causal keys' weight
+    v_ext = torch.cat([v_ext.new_zeros(B, kv_heads, 1, v_ext.shape[-1]), v_ext], dim=2)
+    if documents is None:
+        merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        visible = F.pad(_same_document_causal(documents), (1, 0, 1, 0), value=True)  # the sink: seen by all
+        merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    merged = merged[:, :, 1:]  # drop the dummy query
+    causal_weight = merged[..., -1:]  # Z0 / (Z0 + Zd)
+    return merged[..., :-1] + (1 - causal_weight) * diag_out
+
+
+def _same_document_causal(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: key j <= query t, both in the same conversation."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
