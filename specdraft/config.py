@@ -50,7 +50,7 @@ def demo_config_path(name: Optional[str]) -> str:
                              f"nor a file")
     return name
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16")
 TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
 
 
@@ -91,7 +91,7 @@ class TrainConfig:
     keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
     resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
     seed: int = 42
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 (fp16 refused: see _validate)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     # ZeRO-3: the frozen target "replicated" on every device (no gathers), "partitioned" (for
     # targets that do not fit), or "auto": replicated when the memory model says it fits
@@ -193,6 +193,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = ()) -> None:
     for key in ("target", "data_files"):
         if OmegaConf.is_missing(cfg, key):
             fail(key, "is required")
+    if cfg.precision == "fp16":
+        # the chunked losses compute the draft's gradient in the forward pass, before DeepSpeed's
+        # fp16 loss scale exists, so small gradients would underflow to zero in fp16
+        fail("precision", "fp16 is not supported for training (the chunked losses' gradients would underflow "
+                          "before loss scaling); use bf16")
     if cfg.precision not in PRECISIONS:
         fail("precision", f"{cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.zero_stage not in (0, 1, 2, 3):

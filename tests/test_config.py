@@ -29,7 +29,9 @@ def run_cli(capsys, *argv):
     ("draft.max_lagg=2", "unknown key 'draft.max_lagg' (did you mean 'draft.max_lag'?)"),
     ("learning_rate=fast", "key 'learning_rate': value 'fast' is not a valid float"),
     ("zero_stage=4", "key 'zero_stage': 4 is not one of 0, 1, 2, 3"),
-    ("precision=fp8", "key 'precision': 'fp8' is not one of fp32, bf16, fp16"),
+    ("precision=fp8", "key 'precision': 'fp8' is not one of fp32, bf16"),
+    ("precision=fp16", "key 'precision': fp16 is not supported for training (the chunked losses' gradients "
+                       "would underflow before loss scaling); use bf16"),
     ("data_files=/no/such/file.jsonl", "key 'data_files': no file matches /no/such/file.jsonl"),
     ("target=/no/such/dir", "key 'target': directory not found: /no/such/dir"),
     ("max_steps", "override 'max_steps': expected key=value"),
