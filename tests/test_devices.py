@@ -139,6 +139,110 @@ def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, toke
         assert {"objective/tv", "objective/ce"} <= set(out.metrics)
 
 
+class PageableCopyCounter:
+    """Counts host-to-device copies from pageable (unpinned) host memory made from specdraft's
+    code: a tensor built from host data straight onto a device, or a host tensor's .to/.copy_ onto
+    one. On CUDA each is synchronous: the host waits for the GPU. Pinning is simulated (a CPU-only
+    torch cannot pin): pin_memory() marks a copy, is_pinned() reads the mark."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr("specdraft.transfer.can_pin", lambda: True)
+
+        def pin_memory(tensor, *args, **kwargs):
+            pinned = tensor.clone()
+            pinned._test_pinned = True
+            return pinned
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t, *a, **k: getattr(t, "_test_pinned", False))
+        for name in ("tensor", "as_tensor"):
+            self._wrap_factory(monkeypatch, name)
+        self._wrap_method(monkeypatch, "to", lambda t, *a, **k: torch._C._nn._parse_to(*a, **k)[0])
+        self._wrap_method(monkeypatch, "copy_", lambda t, src, *a, **k: t.device, source=lambda t, src, *a, **k: src)
+
+    def _record(self, what):
+        caller = sys._getframe(2)
+        if caller.f_code.co_filename.startswith(SPECDRAFT_DIR):
+            self.calls.append(f"{what} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+
+    def _wrap_factory(self, monkeypatch, name):
+        original = getattr(torch, name)
+
+        def factory(data, *args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu" and not isinstance(data, torch.Tensor):
+                self._record(f"torch.{name}")
+            return original(data, *args, **kwargs)
+
+        monkeypatch.setattr(torch, name, factory)
+
+    def _wrap_method(self, monkeypatch, name, destination, source=lambda t, *a, **k: t):
+        original = getattr(torch.Tensor, name)
+
+        def method(tensor, *args, **kwargs):
+            src, dst = source(tensor, *args, **kwargs), destination(tensor, *args, **kwargs)
+            if (isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst is not None
+                    and torch.device(dst).type != "cpu" and not src.is_pinned()):
+                self._record(f"Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, method)
+
+
+class MetaEngine:
+    """What forward_step asks of a DeepSpeed engine, for a module on meta."""
+
+    device = META
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, **inputs):
+        return self.module(**inputs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
+@pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
+def test_a_training_step_makes_no_pageable_host_to_device_copy(family, loss, tokens, meta_target, monkeypatch):
+    """The whole micro-batch as the loop runs it (batch copy, capture, loss), on a device: every
+    host tensor it sends there is pinned and copied asynchronously."""
+    from specdraft.train.loop import forward_step, model_inputs
+
+    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss, distill_tokens=tokens).to(META)
+    engine = MetaEngine(TargetWithDraft(meta_target, draft, loss_chunk_size=16))
+    B, T = 2, 24
+    documents = torch.tensor([[0] * 12 + [1] * 12, [0] * T])  # a border: the document path too
+    starts = torch.tensor([[0] * 12 + [12] * 12, [0] * T])
+    batch = model_inputs({"input_ids": torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(0)),
+                          "loss_mask": prompt_then_answer(B, T), "document_ids": documents,
+                          "document_positions": torch.arange(T).expand(B, T) - starts}, document_mask=True)
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
+    counter = PageableCopyCounter(monkeypatch)
+    out = forward_step(engine, batch, options)
+    assert out.loss.device == META
+    assert counter.calls == []
+
+
+def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
+    counter = PageableCopyCounter(monkeypatch)
+    host = torch.zeros(3)
+    host.to(META)  # specdraft's frames only: made through a function defined in the package
+    assert counter.calls == []
+    from specdraft import transfer
+
+    transfer.to_device(host, META)  # pinned first: not counted
+    assert counter.calls == []
+    monkeypatch.setattr("specdraft.transfer.can_pin", lambda: False)
+    transfer.to_device(host, META)
+    assert counter.calls == ["Tensor.to at transfer.py:27"]
+
+
 def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
     """The harness catches what it claims: without the host batch the loss copies the device
     tensors to the host, which meta refuses."""

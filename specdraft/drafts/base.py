@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from specdraft.target.capture import CaptureRequest, TargetFeatures
+from specdraft.transfer import to_device
 
 # writer(draft, state_dict, out_dir, target_dir): the files one serving engine loads
 ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
@@ -80,7 +81,7 @@ def rows_where(mask: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
     long), both on `device`, without a device sync: index a tensor flattened alike with them."""
     rows = mask.flatten().nonzero().squeeze(1)
     count = torch.full((), rows.numel(), dtype=torch.long, device=device)
-    return rows.to(device, non_blocking=True), count
+    return to_device(rows, device), count
 
 
 def target_text_config(target_config):

@@ -45,6 +45,7 @@ from specdraft.drafts.layers import RMSNorm, apply_rope
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
                                         shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
+from specdraft.transfer import to_device
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 
@@ -275,7 +276,7 @@ class TrainingBlocks:
 
     def to(self, device) -> "TrainingBlocks":
         """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: to_device(t, device)  # noqa: E731  pinned, asynchronous
         return TrainingBlocks(move(self.anchors), move(self.valid), move(self.labels), move(self.counted),
                               self.block_size, None if self.context_start is None else move(self.context_start))
 

@@ -40,6 +40,7 @@ import torch
 
 from specdraft.drafts.loss import chunked_cross_entropy, default_chunk_size
 from specdraft.errors import SpecdraftError
+from specdraft.transfer import to_device
 
 OBJECTIVES = ("ce", "soft_ce", "kl", "tv")
 TEACHER_OBJECTIVES = ("soft_ce", "kl", "tv")  # the ones that read the target's distribution
@@ -149,7 +150,7 @@ def answer_labels(labels: torch.Tensor, is_answer: torch.Tensor) -> Tuple[torch.
     answers = is_answer.nonzero().shape[0]  # counted on the host: no tensor value is read
     if answers == is_answer.numel():
         return labels, answers
-    return labels.masked_fill(~is_answer.to(labels.device, non_blocking=True), -1), answers
+    return labels.masked_fill(to_device(~is_answer, labels.device), -1), answers
 
 
 def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draft.loss'") -> Objective:
@@ -320,9 +321,8 @@ class _ChunkedObjective(torch.autograd.Function):
             grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
             sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names, grad_hidden)
             ctx.save_for_backward(grad_hidden)
-        weights = torch.tensor([objective.weight(name) for name in term_names], dtype=torch.float32,
-                               device=student_hidden.device)
-        total = (sums * weights).sum()
+        # Python floats: a weights tensor made here would be a host-to-device copy per call
+        total = sum(sums[i] * objective.weight(name) for i, name in enumerate(term_names))
         ctx.mark_non_differentiable(correct, sums, argmax)
         return total, correct, sums, argmax
 

@@ -157,7 +157,8 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     whole = request.needs_whole_stack(num_layers)
     features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={})
     if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
-        ids = torch.tensor(request.token_embeddings, dtype=torch.long, device=input_ids.device)
+        # filled on the device (a tensor of a Python list would be a host-to-device copy per batch)
+        ids = torch.stack([input_ids.new_full((), token) for token in request.token_embeddings])
         features.token_embeds = base_model.embed_tokens(ids)
     if not request.layers and not whole and not request.last_layer_kv:
         return features

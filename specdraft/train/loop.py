@@ -30,6 +30,7 @@ from specdraft.train.engine import (build_engine, draft_parameter_count, gather_
 from specdraft.train.export import BackgroundExporter, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
+from specdraft.transfer import to_device
 
 
 @dataclass
@@ -168,7 +169,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
     updates at the gradient-accumulation boundary)."""
-    inputs = {key: value.to(engine.device) for key, value in batch.items()}
+    inputs = {key: to_device(value, engine.device) for key, value in batch.items()}  # pinned, asynchronous
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
     out: DraftLoss = engine(**inputs, host=host, **options)
     engine.backward(out.loss)

@@ -13,6 +13,7 @@ from torch import nn
 
 from specdraft.drafts import Draft, DraftLoss, HostBatch
 from specdraft.target.capture import capture, target_attention_mask
+from specdraft.transfer import to_device
 
 DRAFT_PREFIX = "draft_model."
 
@@ -51,7 +52,7 @@ class TargetWithDraft(nn.Module):
         if document_positions is None:
             document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if position_ids is not None:
-            document_positions = position_ids.to(input_ids.device)[document_positions]
+            document_positions = to_device(position_ids, input_ids.device)[document_positions]
         attention_mask = target_attention_mask(self.model, input_ids, document_ids)
         features = capture(self.model, input_ids, document_positions.expand(B, T),
                            self.draft_model.capture_request(), attention_mask)
