@@ -13,8 +13,13 @@
 Each round times (a), (b), (c) back to back on the same batch, so load from other processes
 falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
 
-    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--shapes demo,large] [--zero 0,2] [--rounds 5]
+    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--families glide,eagle3,dflash]
+        [--shapes demo,long,large] [--zero 0,2] [--rounds 5]
         [--objectives ce,"0.9*tv + 0.1*ce",kl:all] [--distill-temperature 1.0]
+
+--families: each family with its own default objective (GLIDE ce, EAGLE-3 soft_ce, DFlash ce)
+and the demo configs' draft settings (EAGLE-3: 7 TTT steps; DFlash: 2 layers, blocks of 8, 64
+anchors per 256 tokens). The per-family ratios print as `ratio_<family>=`.
 
 --objectives adds GLIDE steps with distillation objectives (`draft.loss`): each gets its own
 target, draft and engine (the same seeded weights), and in every round each objective's (a), (b),
@@ -29,9 +34,10 @@ floor (a) + (b) counts the teacher logits twice over (all rows in (a), counted r
 bench's conversations are one third prompt).
 
 Shapes: "demo" is the demo target (specdraft.demo preset "demo": Llama, 4 layers, hidden 256,
-vocab 4096) at batch 8 x 256; "large" is a random Llama of 8 layers, hidden 512, vocab 32000 at
-batch 2 x 1024. The last line, `ratio=<x>`, is the larger shape's worst ratio over the ZeRO stages
-(of the CE step); with distillation objectives it adds `distill_ratio=`, `distill_step_ratio=`
+vocab 4096) at batch 8 x 256; "long" the same target at batch 1 x 4096; "large" is a random Llama
+of 8 layers, hidden 512, vocab 32000 at batch 2 x 1024; "tiny" (the test preset's target at 2 x 64)
+only keeps the script from rotting. The last line, `ratio=<x>`, is the last shape's worst ratio
+over the ZeRO stages and families (of each family's default objective); with distillation objectives it adds `distill_ratio=`, `distill_step_ratio=`
 (c/c_ce) and `distill_draft_ratio=` (b/b_ce), each the larger shape's worst over stages and objectives.
 """
 
@@ -85,14 +91,16 @@ class Shape:
     window: int  # the draft's sliding window (the demo config's 128, LongSpec's 512)
 
 
-def demo_shape() -> Shape:
-    p = get_preset("demo")
-    return Shape("demo", p.num_hidden_layers, p.hidden_size, p.num_attention_heads, p.num_key_value_heads,
-                 p.intermediate_size, p.vocab_size, batch=8, seq=256, window=128)
+def preset_shape(name: str, preset: str, batch: int, seq: int, window: int) -> Shape:
+    p = get_preset(preset)
+    return Shape(name, p.num_hidden_layers, p.hidden_size, p.num_attention_heads, p.num_key_value_heads,
+                 p.intermediate_size, p.vocab_size, batch=batch, seq=seq, window=window)
 
 
 SHAPES = {
-    "demo": demo_shape(),
+    "tiny": preset_shape("tiny", "tiny", batch=2, seq=64, window=32),
+    "demo": preset_shape("demo", "demo", batch=8, seq=256, window=128),
+    "long": preset_shape("long", "demo", batch=1, seq=4096, window=512),
     "large": Shape("large", layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1376, vocab=32000,
                    batch=2, seq=1024, window=512),
 }
@@ -121,7 +129,7 @@ def packed_data(shape: Shape, rows: int, out: Path):
     starts = np.zeros(count, dtype=np.uint8)
     start = 0
     while start < count:
-        length = int(rng.integers(64, 513))
+        length = int(rng.integers(min(64, shape.seq // 2), min(513, shape.seq + 1)))
         starts[start] = 1
         mask[start + length // 3:start + length] = 1
         start += length
@@ -132,13 +140,22 @@ def packed_data(shape: Shape, rows: int, out: Path):
     return open_packed_cache(out)
 
 
-def run_config(shape: Shape, zero_stage: int, document_mask: bool):
+FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per family
+    "glide": lambda shape: {"sliding_window": shape.window},
+    "eagle3": lambda shape: {"ttt_steps": 7},
+    "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
+}
+
+
+def run_config(shape: Shape, zero_stage: int, document_mask: bool, family: str = "glide"):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.document_mask = document_mask
     cfg.max_seq_length = shape.seq
     cfg.per_device_batch_size = shape.batch
     cfg.zero_stage = zero_stage
-    cfg.draft.sliding_window = shape.window
+    cfg.draft.type = family
+    for key, value in FAMILY_SETTINGS[family](shape).items():
+        cfg.draft[key] = value
     return cfg
 
 
@@ -155,14 +172,15 @@ class StepBench:
     """One objective's target, draft, engine and batch streams; round() times (a), (b), (c) once."""
 
     def __init__(self, shape: Shape, zero_stage: int, document_mask: bool, spec: Optional[str],
-                 temperature: float, data):
-        cfg = run_config(shape, zero_stage, document_mask)
+                 temperature: float, data, family: str = "glide"):
+        cfg = run_config(shape, zero_stage, document_mask, family)
+        self.family = family
         if spec is not None:  # None: the family's default objective (GLIDE: ce), as before
             loss, _, tokens = spec.partition(":")  # 'kl:all': draft.distill_tokens=all
             cfg.draft.loss = loss
             cfg.draft.distill_temperature = temperature
             cfg.draft.distill_tokens = tokens or "answers"
-        self.shape, self.cfg, self.data = shape, cfg, data
+        self.shape, self.cfg, self.data, self.spec = shape, cfg, data, spec
         self.target = random_target(shape)  # seeded: every objective gets the same target and draft
         draft = build_draft(cfg.draft, self.target.config)
         self.plain_draft = copy.deepcopy(draft)  # (b) runs outside the engine: no ZeRO hooks on its grads
@@ -215,11 +233,13 @@ class StepBench:
 
 
 def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path, document_mask: bool,
-            objectives: Sequence[Optional[str]] = (None,), temperature: float = 1.0) -> List[dict]:
-    """Medians per objective (in `objectives` order; None: the default ce). The objectives' steps
-    are interleaved round by round (their order rotated each round), each on the same batch."""
-    data = packed_data(shape, rows=shape.batch * (rounds + warmup), out=work / f"{shape.name}-{zero_stage}")
-    benches = [StepBench(shape, zero_stage, document_mask, spec, temperature, data) for spec in objectives]
+            objectives: Sequence[Optional[str]] = (None,), temperature: float = 1.0,
+            family: str = "glide") -> List[dict]:
+    """Medians per objective (in `objectives` order; None: the family's default). The objectives'
+    steps are interleaved round by round (their order rotated each round), each on the same batch."""
+    data = packed_data(shape, rows=shape.batch * (rounds + warmup),
+                       out=work / f"{shape.name}-{zero_stage}-{family}")
+    benches = [StepBench(shape, zero_stage, document_mask, spec, temperature, data, family) for spec in objectives]
     times = [{"a": [], "b": [], "c": [], "capture": [], "lm_head": []} for _ in benches]
     for step in range(rounds + warmup):
         turn = step % len(benches)
@@ -234,8 +254,10 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
         medians["ratio"] = medians["c"] / (medians["a"] + medians["b"])
         medians["lm_head_in_a"] = bench.reads_distribution
         medians["objective"] = bench.objective
+        medians["family"] = bench.family
+        medians["default_objective"] = bench.spec is None
         results.append(medians)
-    base = results[0]  # the CE step
+    base = results[0]  # the family's default objective (GLIDE, DFlash: ce)
     for medians in results:
         medians["c_rel"] = medians["c"] / base["c"]
         medians["b_rel"] = medians["b"] / base["b"]
@@ -243,7 +265,7 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
 
 
 def model_capture(model: TargetWithDraft, ids, positions, documents):
-    """What the training step runs in the target (the capture GLIDE asks for)."""
+    """What the training step runs in the target (the capture the draft asks for)."""
     return capture(model.model, ids, positions, model.draft_model.capture_request(),
                    target_attention_mask(model.model, ids, documents))
 
@@ -265,8 +287,9 @@ def objective_specs(arg: str) -> List[Optional[str]]:
     return list(dict.fromkeys(specs))
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="glide", help="comma-separated draft.type values")
     parser.add_argument("--shapes", default="demo,large")
     parser.add_argument("--zero", default="0,2")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per shape and stage")
@@ -277,7 +300,11 @@ def main() -> None:
                         help="comma-separated draft.loss values, e.g. 'ce,0.9*tv + 0.1*ce' (ce always runs)")
     parser.add_argument("--distill-temperature", type=float, default=1.0,
                         help="draft.distill_temperature of the distillation objectives")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",")]
+    unknown = [f for f in families if f not in FAMILY_SETTINGS]
+    if unknown:
+        parser.error(f"--families: unknown family {unknown[0]!r} (choose from {', '.join(FAMILY_SETTINGS)})")
     specs = objective_specs(args.objectives)
     distill = len(specs) > 1
     init_distributed()
@@ -292,34 +319,38 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {what}; "
           f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)")
     extra = f" {'lm_head ms':>10} {'c/c_ce':>7} {'b/b_ce':>7}  objective" if distill else ""
-    print(f"{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
+    print(f"{'family':<7}{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
           f"{'capture ms':>10} {'(c)/(a+b)':>9}{extra}")
     worst = {}
+    worst_family = {}  # (shape, family) -> the worst ratio of the family's default objective over stages
     worst_distill = {}  # shape -> (ratio, c/c_ce, b/b_ce), each the worst over stages and objectives
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        for stage in map(int, args.zero.split(",")):
+        for stage, family in ((stage, family) for stage in map(int, args.zero.split(",")) for family in families):
             results = measure(shape, stage, args.rounds, args.warmup, work, args.document_mask, specs,
-                              args.distill_temperature)
+                              args.distill_temperature, family)
             for m in results:
-                line = (f"{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
+                line = (f"{family:<7}{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
                         f"{m['b'] * 1e3:8.1f} {m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}")
                 if distill:
                     line += (f" {m['lm_head'] * 1e3:10.1f} {m['c_rel']:7.3f} {m['b_rel']:7.3f}  "
                              f"{m['objective']}")
                 print(line, flush=True)
-                if not m["objective"].needs_teacher:
+                if m["default_objective"]:
                     worst[name] = max(worst.get(name, 0.0), m["ratio"])
+                    worst_family[name, family] = max(worst_family.get((name, family), 0.0), m["ratio"])
                 else:
                     old = worst_distill.get(name, (0.0, 0.0, 0.0))
                     worst_distill[name] = tuple(max(x, y) for x, y in zip(old, (m["ratio"], m["c_rel"],
                                                                                  m["b_rel"])))
-    last = "large" if "large" in worst else next(iter(worst))
-    tail = ""
+    last = list(worst)[-1]
+    tail = "".join(f" ratio_{family}={worst_family[last, family]:.3f}" for family in families)
     if distill:
         ratio, step, draft = worst_distill[last]
-        tail = f" distill_ratio={ratio:.3f} distill_step_ratio={step:.3f} distill_draft_ratio={draft:.3f}"
+        tail += f" distill_ratio={ratio:.3f} distill_step_ratio={step:.3f} distill_draft_ratio={draft:.3f}"
     print(f"ratio={worst[last]:.3f}{tail}")
+    return {"ratio": worst[last], "families": {f: worst_family[last, f] for f in families},
+            "distill": worst_distill.get(last)}
 
 
 if __name__ == "__main__":
