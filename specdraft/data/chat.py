@@ -80,7 +80,8 @@ def assistant_spans(text: str, messages: List[Message], where: str):
             continue
         candidates = [(content, message.get("token_ids"))]
         if THINK_END in content:
-            candidates.append((content.split(THINK_END)[-1].lstrip("\n"), None))
+            answer = content.split(THINK_END)[-1]  # R1 keeps the newlines after </think>, Qwen3 strips them
+            candidates += [(answer, None), (answer.lstrip("\n"), None)]
         located = [(text.find(c, cursor), -len(c), c, ids) for c, ids in candidates]
         located = sorted(loc for loc in located if loc[0] >= 0)
         if not located:
