@@ -12,7 +12,6 @@ answer does not depend on which rows shared its batch, and a rerun (or a resume)
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -160,7 +159,3 @@ class HFBackend:
                                   pad_token_id=pad, temperature=None, top_p=None, top_k=None)
         return [finish_answer(self.tokenizer, out[j, width:].tolist(), stops, prompts[j][1])
                 for j in range(len(prompts))]
-
-
-def timer() -> float:
-    return time.perf_counter()
