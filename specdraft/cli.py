@@ -1,4 +1,4 @@
-"""`specdraft train|demo|inspect|export|consolidate|eval`.
+"""`specdraft train|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -77,6 +77,19 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_regenerate(args) -> int:
+    from specdraft.regenerate import load_regenerate_config, regenerate
+
+    thinking = None if args.thinking is None else args.thinking == "on"
+    values = dict(target=args.target, data=args.data, out=args.out, backend=args.backend,
+                  temperature=args.temperature, top_p=args.top_p, samples=args.samples,
+                  max_new_tokens=args.max_new_tokens, max_length=args.max_length, thinking=thinking,
+                  seed=args.seed, batch_size=args.batch_size, concurrency=args.concurrency, model=args.model,
+                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard)
+    regenerate(load_regenerate_config(args.config, values))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
@@ -145,6 +158,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_cmd_eval)
+
+    p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")
+    p.add_argument("--config", default=None, help="a YAML file with the same keys (flags override it)")
+    p.add_argument("--target", default=None, help="the target's local directory (tokenizer; hf: weights)")
+    p.add_argument("--data", action="append", default=None, help="jsonl / parquet path or glob (repeatable)")
+    p.add_argument("--out", default=None, help="output directory (shards, manifest.json, errors.jsonl)")
+    p.add_argument("--backend", default=None, choices=["hf", "openai"], help="default hf")
+    p.add_argument("--temperature", type=float, default=None, help="default 0: greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--samples", type=int, default=None, help="answers per row (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 512")
+    p.add_argument("--max-length", type=int, default=None, help="prompt + answer tokens (default 4096)")
+    p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking of the template")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="hf: rows per generate call (default 32)")
+    p.add_argument("--servers", default=None, help="openai: base URLs, comma separated (round robin)")
+    p.add_argument("--concurrency", type=int, default=None, help="openai: requests in flight (default 8)")
+    p.add_argument("--model", default=None, help="openai: the served model's name")
+    p.add_argument("--rows-per-shard", type=int, default=None, help="default 1000")
+    p.set_defaults(run=_cmd_regenerate)
     return parser
 
 

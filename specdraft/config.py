@@ -66,6 +66,9 @@ class TrainConfig:
     target: str = "???"  # local HF directory of the frozen target (weights + tokenizer)
     data_files: Any = "???"  # jsonl / parquet: a path, a glob or a list of them
     eval_prompts: Optional[str] = None  # jsonl of prompts for tau every eval_steps
+    # the chat template's enable_thinking (Qwen3-style templates) for the data and the eval prompts,
+    # as the server is run; None: the template's default
+    thinking: Optional[bool] = None
     data_cache_dir: Optional[str] = None  # tokenised + packed data; default $SPECDRAFT_HOME/data
     max_seq_length: int = 512  # tokens per packed training sequence
     # packed conversations: positions restart and attention stops at each conversation border

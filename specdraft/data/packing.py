@@ -29,7 +29,7 @@ from specdraft.data.chat import tokenize_conversation
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
 
-CACHE_FORMAT = 2  # 2: doc_start.bin
+CACHE_FORMAT = 3  # 2: doc_start.bin; 3: masks from one render, answer + end-of-turn, token_ids honoured
 TOKEN_DTYPE = np.uint32
 FLUSH_TOKENS = 1 << 20  # write to disk every ~1M tokens: bounded builder memory
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -58,8 +58,10 @@ class PackedData:
                 "document_ids": torch.from_numpy(np.cumsum(starts, axis=1) - 1)}  # (B, L) 0, 1, ... per row
 
 
-def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int) -> str:
+def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int, thinking=None) -> str:
     digest = hashlib.sha256(f"format={CACHE_FORMAT};L={max_seq_length}".encode())
+    if thinking is not None:  # (absent otherwise: existing caches keep their key)
+        digest.update(f";thinking={thinking}".encode())
     for path in files:
         stat = os.stat(path)
         digest.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
@@ -71,7 +73,7 @@ def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int) -> str:
 
 
 def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir: Path,
-                       log: Callable[[str], None] = print) -> None:
+                       log: Callable[[str], None] = print, thinking=None) -> None:
     """Stream every conversation into out_dir (created atomically); no-op if it already exists."""
     out_dir = Path(out_dir)
     if (out_dir / "meta.json").is_file():
@@ -79,7 +81,7 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        stats = _stream_tokens(files, tokenizer, tmp)
+        stats = _stream_tokens(files, tokenizer, tmp, thinking)
         sequences = stats["tokens"] // max_seq_length
         if sequences == 0:
             raise SpecdraftError(f"data_files: only {stats['tokens']} tokens in total, fewer than "
@@ -96,7 +98,7 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _stream_tokens(files, tokenizer, out: Path) -> dict:
+def _stream_tokens(files, tokenizer, out: Path, thinking=None) -> dict:
     stats = {"conversations": 0, "tokens": 0, "assistant_tokens": 0}
     ids_buf: List[int] = []
     mask_buf: List[int] = []
@@ -112,7 +114,7 @@ def _stream_tokens(files, tokenizer, out: Path) -> dict:
             start_buf.clear()
 
         for where, messages in iter_conversations(files):
-            ids, mask = tokenize_conversation(tokenizer, messages, where)
+            ids, mask = tokenize_conversation(tokenizer, messages, where, thinking)
             ids_buf.extend(ids)
             mask_buf.extend(mask)
             start_buf.extend([1] + [0] * (len(ids) - 1))

@@ -4,28 +4,37 @@ Accepted record shapes (one conversation per line / row):
     {"conversations": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
     {"messages": [...same...]}
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}   (ShareGPT)
+An assistant turn may carry "token_ids" (the ids the target generated, from `specdraft
+regenerate`); training then uses those ids for its text. `specdraft regenerate` also reads rows
+that hold only prompts: {"prompt": "..."} or a conversation without assistant turns.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from specdraft.errors import SpecdraftError
 
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
                 "system": "system"}
 
-Message = Dict[str, str]
+Message = Dict[str, Any]  # role, content, and optionally token_ids (assistant turns)
 
 
 def iter_conversations(files: List[str]) -> Iterator[Tuple[str, List[Message]]]:
     """Yield (where, messages) with where = "file:line" (jsonl) or "file: row N" (parquet)."""
+    for where, record in iter_records(files):
+        yield where, normalise_conversation(record, where)
+
+
+def iter_records(files: List[str]) -> Iterator[Tuple[str, object]]:
+    """(where, raw record) of every row of every file, streamed."""
     for path in files:
         suffix = Path(path).suffix.lower()
         if suffix in (".jsonl", ".json"):
-            yield from _iter_jsonl(path)
+            yield from iter_jsonl_records(path)
         elif suffix == ".parquet":
             yield from _iter_parquet(path)
         else:
@@ -46,12 +55,7 @@ def iter_jsonl_records(path) -> Iterator[Tuple[str, object]]:
             yield where, record
 
 
-def _iter_jsonl(path: str) -> Iterator[Tuple[str, List[Message]]]:
-    for where, record in iter_jsonl_records(path):
-        yield where, normalise_conversation(record, where)
-
-
-def _iter_parquet(path: str) -> Iterator[Tuple[str, List[Message]]]:
+def _iter_parquet(path: str) -> Iterator[Tuple[str, object]]:
     import pyarrow.parquet as pq
 
     try:
@@ -63,12 +67,17 @@ def _iter_parquet(path: str) -> Iterator[Tuple[str, List[Message]]]:
         for record in batch.to_pylist():
             where = f"{path}: row {row}"
             row += 1
-            yield where, normalise_conversation(record, where)
+            yield where, record
 
 
-def normalise_conversation(record, where: str) -> List[Message]:
+def normalise_conversation(record, where: str, require_answer: bool = True) -> List[Message]:
+    """The record's turns as messages; require_answer False also takes prompt-only rows."""
     if not isinstance(record, dict):
         raise SpecdraftError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if not require_answer and "prompt" in record and "conversations" not in record and "messages" not in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise SpecdraftError(f"{where}: 'prompt' must be a non-empty string")
+        return [{"role": "user", "content": record["prompt"]}]
     turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list) or not turns:
         raise SpecdraftError(f"{where}: expected a non-empty 'conversations' or 'messages' list")
@@ -82,7 +91,13 @@ def normalise_conversation(record, where: str) -> List[Message]:
             raise SpecdraftError(f"{where}: turn {i} has unknown role {turn.get('role', turn.get('from'))!r}")
         if not isinstance(content, str):
             raise SpecdraftError(f"{where}: turn {i} has no text 'content'")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+        message = {"role": role, "content": content}
+        if "token_ids" in turn and role == "assistant":
+            ids = turn["token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise SpecdraftError(f"{where}: turn {i} has 'token_ids' that are not a list of token ids")
+            message["token_ids"] = ids
+        messages.append(message)
+    if require_answer and not any(m["role"] == "assistant" for m in messages):
         raise SpecdraftError(f"{where}: no assistant turn (nothing to learn from)")
     return messages

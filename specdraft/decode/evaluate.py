@@ -82,10 +82,12 @@ def stop_tokens(target: nn.Module, tokenizer=None) -> List[int]:
 
 # -- prompts ---------------------------------------------------------------------------------
 
-def encode_messages(tokenizer, messages: List[Dict[str, str]]) -> List[int]:
-    """Chat template with the generation prompt; plain concatenated text without a template."""
+def encode_messages(tokenizer, messages: List[Dict[str, str]], thinking: Optional[bool] = None) -> List[int]:
+    """Chat template with the generation prompt, as a server renders it (`thinking`: the template's
+    enable_thinking, as the training data used; None: its default); plain text without a template."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {} if thinking is None else {"enable_thinking": thinking}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
 
@@ -114,7 +116,8 @@ def _prompt_messages(record, where: str) -> List[Dict[str, str]]:
     return context
 
 
-def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None) -> List[List[int]]:
+def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None,
+                 thinking: Optional[bool] = None) -> List[List[int]]:
     """Token ids of each line of a jsonl prompt file ({"prompt": ...} or {"conversations": ...})."""
     path = Path(prompts_file)
     if not path.is_file():
@@ -123,7 +126,7 @@ def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None) -> 
     for where, record in iter_jsonl_records(path):
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
-        prompts.append(encode_messages(tokenizer, _prompt_messages(record, where)))
+        prompts.append(encode_messages(tokenizer, _prompt_messages(record, where), thinking))
     if not prompts:
         raise SpecdraftError(f"{path}: no prompts")
     return prompts

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from specdraft.demo.presets import get_preset
 from specdraft.errors import SpecdraftError
 
 PROMPTS_FILE = "prompts.jsonl"
+ANSWERS = "answers"  # the regenerate output directory inside the dataset
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
     with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
 
-    names = [f"train-{i:05d}-of-{p.train_files:05d}.jsonl" for i in range(p.train_files)]
-    stamp = {**data_inputs(preset, seed, read_stamp(target_dir), answer_temperature), "train_files": names}
+    stamp = data_inputs(preset, seed, read_stamp(target_dir), answer_temperature)
     with building(out_dir, stamp, log) as tmp:
         functions = extract_functions(read_corpus(p.corpus_bytes, seed))
         prompt_lens = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(
@@ -67,20 +66,17 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
             raise SpecdraftError(f"only {len(prompts)} usable stdlib functions found; the "
                                  f"{preset!r} demo needs more than {p.prompt_rows}")
 
-        t0 = time.perf_counter()
-        answers = regenerate(model, tokenizer, train, p.max_new_tokens, p.generate_batch, log,
-                             temperature=answer_temperature, seed=seed)
-        rows = [{"conversations": [{"role": "user", "content": q},
-                                   {"role": "assistant", "content": a}]}
-                for q, a in zip(train, answers) if a.strip()]
-        log(f"[demo data] regenerated {len(rows)} answers ({len(train) - len(rows)} empty, "
-            f"dropped) in {time.perf_counter() - t0:.1f}s")
-
-        for i, name in enumerate(names):
-            _write_jsonl(tmp / name, rows[i::p.train_files])
+        # `specdraft regenerate` writes the answers (one implementation); its shards are the train files
+        _write_jsonl(tmp / "source.jsonl", [{"id": str(i), "prompt": q} for i, q in enumerate(train)])
+        summary = regenerate_rows(model, tokenizer, tmp / "source.jsonl", tmp / ANSWERS, target_dir, p,
+                                  answer_temperature, seed, rows_per_shard=-(-len(train) // p.train_files))
+        names = sorted(f"{ANSWERS}/{f.name}" for f in (tmp / ANSWERS).glob("shard-*.jsonl"))
+        stamp["train_files"] = names
+        log(f"[demo data] regenerated {summary['rows']} answers ({summary['errors']} empty, dropped) "
+            f"in {summary['seconds']:.1f}s, {summary['tok_per_s']:.0f} answer tok/s")
         _write_jsonl(tmp / PROMPTS_FILE, [{"prompt": q} for q in held_out])
-        stamp.update(rows=len(rows), prompts=len(held_out))
-    log(f"[demo data] {len(rows)} conversations in {len(names)} files, {len(held_out)} held-out "
+        stamp.update(rows=summary["rows"], prompts=len(held_out))
+    log(f"[demo data] {summary['rows']} conversations in {len(names)} files, {len(held_out)} held-out "
         f"prompts, in {out_dir}")
     return DemoData.from_dir(out_dir)
 
@@ -93,7 +89,8 @@ def data_inputs(preset: str, seed: int, target_stamp: dict | None,
     if answer_temperature < 0:
         raise SpecdraftError(f"answer temperature must be >= 0, got {answer_temperature}")
     return {"kind": "data", "preset": get_preset(preset).fingerprint(), "seed": seed,
-            "target": target_stamp, "answer_temperature": float(answer_temperature) or None}
+            "target": target_stamp, "answer_temperature": float(answer_temperature) or None,
+            "answers_by": "specdraft regenerate"}  # per-row seeded sampling, shards with token_ids
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:
@@ -102,52 +99,33 @@ def chat_prompt(tokenizer, user_message: str) -> str:
                                          add_generation_prompt=True, tokenize=False)
 
 
-@torch.inference_mode()
+def regenerate_rows(model, tokenizer, source, out_dir, target_dir, p, temperature: float, seed: int,
+                    rows_per_shard: int) -> dict:
+    """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
+    from specdraft.data.generation import HFBackend, Sampling
+    from specdraft.regenerate import RegenerateConfig
+    from specdraft.regenerate import regenerate as run_regenerate
+
+    cfg = RegenerateConfig(target=str(target_dir), data=[str(source)], out=str(out_dir), temperature=temperature,
+                           max_new_tokens=p.max_new_tokens, max_length=1 << 30, seed=seed,
+                           batch_size=p.generate_batch, rows_per_shard=rows_per_shard)
+    backend = HFBackend(model, tokenizer, cfg.sampling(), cfg.batch_size)
+    return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=False)
+
+
 def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
                log=log_stderr, temperature: float = 0.0, seed: int = 0) -> list[str]:
-    """The target's answer to each user prompt, cut before its first special token (normally
-    <|im_end|>; at most `max_new_tokens` tokens). Batched with left padding.
+    """The target's answer to each user prompt (the text before its first special token, at most
+    `max_new_tokens` tokens), by `specdraft regenerate`'s hf backend: batched with left padding;
+    temperature 0 greedy, else sampled per prompt from a generator seeded by (seed, prompt index),
+    so an answer does not depend on its batch and the caller's RNG is left as it was."""
+    from specdraft.data.generation import HFBackend, Request, Sampling
+    from specdraft.regenerate import row_seed
 
-    temperature 0: greedy. > 0: sampled from softmax(logits / temperature), no top-k / top-p (as
-    speculative sampling verifies), from a torch RNG seeded with `seed` (the caller's RNG state is
-    left as it was); the same prompts, batch size and seed give the same answers."""
-    encoded = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(
-        [chat_prompt(tokenizer, q) for q in prompts], add_special_tokens=False)]
-    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))  # little padding per batch
-    special = set(tokenizer.all_special_ids)
-    answers: list[str] = [""] * len(prompts)
-    t0, new_tokens = time.perf_counter(), 0
-    log_every = max(1, len(order) // batch_size // 8)  # about 8 progress lines
-    decoding = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
-                else dict(do_sample=False))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for b in range(0, len(order), batch_size):
-            rows = order[b:b + batch_size]
-            width = max(len(encoded[i]) for i in rows)
-            input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (B, T), left-padded
-            attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for j, i in enumerate(rows):
-                input_ids[j, width - len(encoded[i]):] = torch.tensor(encoded[i])
-                attention_mask[j, width - len(encoded[i]):] = 1
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 max_new_tokens=max_new_tokens, **decoding)
-            for j, i in enumerate(rows):
-                ids = _until_special(out[j, width:].tolist(), special)
-                answers[i] = tokenizer.decode(ids)
-                new_tokens += len(ids)
-            done = min(b + batch_size, len(order))
-            if (b // batch_size) % log_every == 0 or done == len(order):
-                log(f"[demo data] regenerated {done}/{len(order)} answers, "
-                    f"{new_tokens / (time.perf_counter() - t0):.0f} answer tok/s")
-    return answers
-
-
-def _until_special(ids: list[int], special: set[int]) -> list[int]:
-    for k, t in enumerate(ids):
-        if t in special:
-            return ids[:k]
-    return ids
+    backend = HFBackend(model, tokenizer, Sampling(temperature, 1.0, max_new_tokens, 1 << 30), batch_size)
+    requests = [Request([{"role": "user", "content": q}], row_seed(seed, str(i), 0, 0), f"prompt {i}")
+                for i, q in enumerate(prompts)]
+    return [a.text for a in backend.generate(requests)]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -200,7 +200,7 @@ def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
         return []
     from specdraft.decode.evaluate import read_prompts
 
-    return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS)
+    return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS, thinking=cfg.thinking)
 
 
 def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: float = 0.0, seed: int = 0) -> dict:
@@ -231,11 +231,11 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
     files = resolve_data_files(cfg.data_files)
     root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else specdraft_home() / "data"
-    cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length)
+    cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length, cfg.thinking)
     error = None
     if rank == 0:
         try:
-            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log)
+            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking)
         except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
             error = err
     failed = any_rank(error is not None)
