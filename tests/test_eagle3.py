@@ -262,11 +262,16 @@ def test_target_layers_are_the_captured_layer_inputs(target):
 def test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct():
     assert default_target_layers(32)[0] == [2, 16, 29]
     assert default_target_layers(28)[0] == [2, 14, 25]
-    assert default_target_layers(3)[0] == [2, 1, 0]  # still distinct: vLLM's own choice
+    assert default_target_layers(3)[0] == [0, 1, 2]  # vLLM's own [2, 1, 0], in the servers' (increasing) order
     for layers in (2, 4, 5):
         ids, why = default_target_layers(layers)
         assert len(set(ids)) == 3 and all(0 <= i <= layers for i in ids) and "not three distinct" in why
+    for layers in range(3, 40):  # increasing, distinct, and every one captured by vLLM (< L)
+        ids = default_target_layers(layers)[0]
+        assert ids == sorted(set(ids)) and len(ids) == 3 and max(ids) < layers
+        assert layers < 4 or min(ids) >= 1  # and by SGLang (it has no id for the embeddings) when it can
     assert default_target_layers(4)[0] == [1, 2, 3]
+    assert default_target_layers(2)[0] == [0, 1, 2]  # 2 layers: the last output too, native only
 
 
 # -- the draft vocabulary -------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
-from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
+from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
@@ -54,7 +54,7 @@ class Eagle3Options(ObjectiveOptions):
     """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults; draft.loss
     defaults to soft_ce against the target restricted to the draft vocab)."""
 
-    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
+    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids), any order; [] = [2, L//2, L-3]
     draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
     ttt_steps: int = 7  # training-time-test unroll
     ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k
@@ -65,11 +65,16 @@ class Eagle3Options(ObjectiveOptions):
 
 
 def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
-    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids."""
+    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids;
+    in increasing order, the order the servers concatenate them in. Ids 1..L-1 when the target
+    has them (every server captures those), else 0..L-1 (vLLM's), else 0..L (native only)."""
     layers = [2, num_layers // 2, num_layers - 3]
     if len(set(layers)) == AUX_LAYERS and min(layers) >= 0:
-        return layers, "vLLM's default [2, L//2, L-3]"
-    candidates = list(range(1, num_layers)) if num_layers >= 4 else list(range(0, num_layers + 1))
+        return sorted(layers), "vLLM's default [2, L//2, L-3]"
+    if num_layers >= AUX_LAYERS + 1:
+        candidates = list(range(1, num_layers))
+    else:
+        candidates = list(range(0, num_layers + 1))
     layers = [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
     return layers, f"[2, L//2, L-3] is not three distinct layers of a {num_layers}-layer target"
 
@@ -86,7 +91,7 @@ class Eagle3Dims:
     draft_vocab_size: int
     target_hidden_size: int
     target_num_layers: int
-    target_layers: List[int]
+    target_layers: List[int]  # increasing: the servers concatenate captured states in layer order
     rope_parameters: Dict[str, Any]
     max_position_embeddings: int
     ttt_steps: int = 7
@@ -233,7 +238,8 @@ class Eagle3Draft(Draft):
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
         text = target_text_config(target_config)
-        layers = list(draft_cfg.target_layers or [])
+        # fc's input columns follow the servers' concatenation: increasing layer order
+        layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
         if not layers:
             layers, why = default_target_layers(text.num_hidden_layers)
             log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
@@ -268,11 +274,15 @@ class Eagle3Draft(Draft):
         return {"architecture": self.architecture, "dims": asdict(self.dims)}
 
     def describe(self) -> str:
-        return (f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
-                f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps")
+        skipped = [f"no {name} export: {serving_refusal(self.dims, name)}" for name in self.serving_formats
+                   if serving_refusal(self.dims, name)]
+        return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
+                          f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
+                          *skipped])
 
     def default_serving_formats(self) -> List[str]:
-        return [name for name in self.serving_formats if name != "sglang" or not sglang_unsupported(self.dims)]
+        """The formats that can serve this draft as trained (the others are refused when asked for)."""
+        return [name for name in self.serving_formats if serving_refusal(self.dims, name) is None]
 
     # -- the vocabulary maps ---------------------------------------------------------------
 
