@@ -40,6 +40,7 @@ from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
+from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 
@@ -62,6 +63,13 @@ class Eagle3Options(ObjectiveOptions):
     fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
     norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
     norm_output: bool = False  # next TTT step reads norm(out) (EAGLE-3.1)
+    # the rows the teacher terms learn: in_vocab = where the target's top-1 (over its whole vocab)
+    # is a draft token (EAGLE-3's and SpecForge's recipe); all = every counted row, the target
+    # renormalised over the draft vocab even where its top-1 lies outside it
+    teacher_rows: str = "in_vocab"
+
+
+TEACHER_ROWS = ("in_vocab", "all")
 
 
 def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
@@ -183,10 +191,11 @@ class Eagle3Draft(Draft):
     options = Eagle3Options
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
 
-    def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE):
+    def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
         super().__init__()
         self.dims = dims
         self.objective = objective  # what training_loss minimises (a training setting, not exported)
+        self.teacher_rows = teacher_rows  # Eagle3Options.teacher_rows (a training setting, not exported)
         aux = len(dims.target_layers) * dims.target_hidden_size
         self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
         self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
@@ -214,6 +223,8 @@ class Eagle3Draft(Draft):
             fail("ttt_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
         if not draft_cfg.ttt_decay > 0:
             fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
+        if draft_cfg.teacher_rows not in TEACHER_ROWS:
+            fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
         if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
             fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
         layers = list(draft_cfg.target_layers or [])
@@ -260,7 +271,8 @@ class Eagle3Draft(Draft):
             fc_norm=bool(draft_cfg.fc_norm),
             norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=bool(draft_cfg.norm_output),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss),
+            teacher_rows=str(draft_cfg.teacher_rows))
         if data is not None:
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
                                              draft.dims.draft_vocab_size))
@@ -379,9 +391,11 @@ class Eagle3Draft(Draft):
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        ids, final = input_ids.flatten(), None
+        ids, final, in_vocab = input_ids.flatten(), None, None
         if self.objective.needs_teacher:
             final = features.final_hidden.flatten(0, 1)
+            if self.teacher_rows == "in_vocab":
+                in_vocab = self.top1_in_draft_vocab(final, lm_head_weight, chunk_size)
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
@@ -400,7 +414,8 @@ class Eagle3Draft(Draft):
                 draft_labels, answers = answer_labels(to_draft[labels], label_is_answer[counted])
             out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
                                 None if final is None else final[rows + 1 + k], teacher_rows, draft_labels,
-                                self.objective.over_rows(rows.numel(), answers), chunk_size)
+                                self.objective.over_rows(rows.numel(), answers), chunk_size,
+                                None if in_vocab is None else in_vocab[rows + 1 + k])
             hits = (draft_ids[out.argmax] == labels).sum()
             weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k
             loss = weighted if loss is None else loss + weighted
@@ -411,6 +426,15 @@ class Eagle3Draft(Draft):
                 metrics[name] = (total + value, seen + count)
         first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+
+    def top1_in_draft_vocab(self, final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """final (N, Ht) target hidden states -> (N,) bool: the target's top-1 over its whole vocab
+        is a draft token (t2d[argmax]), on the device, no sync. Chunked: one (C, V) block at a time."""
+        chunk = chunk_size if chunk_size > 0 else default_chunk_size(lm_head_weight.shape[0])
+        with torch.no_grad():
+            top1 = torch.cat([(part.to(lm_head_weight.dtype) @ lm_head_weight.t()).argmax(dim=-1)
+                              for part in final.split(chunk)])
+        return self.t2d[top1]
 
     def target_to_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """(vocab,) long: the draft id of each target token, -1 outside the draft vocab (a CE
@@ -430,9 +454,11 @@ class Eagle3Draft(Draft):
 
 
 def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective: Objective,
-                  chunk_size: int) -> ObjectiveSums:
+                  chunk_size: int, teacher_keep: Optional[torch.Tensor] = None) -> ObjectiveSums:
     """One TTT step's objective over its counted rows: the draft's own head over the draft vocab
     against the target restricted to it (teacher_rows: the target lm_head's rows of the draft
-    vocab) and/or draft-vocab labels."""
+    vocab) and/or draft-vocab labels. teacher_keep (N,) bool: the rows the teacher terms count
+    (draft.teacher_rows: in_vocab); a dropped row adds nothing, and the step's mean stays over
+    all its counted rows, as SpecForge's sum over position_mask is divided by every position."""
     return chunked_objective(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective,
-                             chunk_size)
+                             chunk_size, teacher_keep)
