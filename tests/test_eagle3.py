@@ -182,9 +182,9 @@ def test_which_token_each_position_predicts_at_each_step(target, monkeypatch):
     seen = []
     real = eagle3_module.ttt_step_loss
 
-    def spy(student, head, teacher, rows, labels, objective, chunk):
+    def spy(student, head, teacher, rows, labels, objective, chunk, keep=None):
         seen.append((student.detach().clone(), teacher.clone()))
-        return real(student, head, teacher, rows, labels, objective, chunk)
+        return real(student, head, teacher, rows, labels, objective, chunk, keep)
 
     monkeypatch.setattr(eagle3_module, "ttt_step_loss", spy)
     feats = features_of(target, draft, ids)
@@ -262,11 +262,16 @@ def test_target_layers_are_the_captured_layer_inputs(target):
 def test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct():
     assert default_target_layers(32)[0] == [2, 16, 29]
     assert default_target_layers(28)[0] == [2, 14, 25]
-    assert default_target_layers(3)[0] == [2, 1, 0]  # still distinct: vLLM's own choice
+    assert default_target_layers(3)[0] == [0, 1, 2]  # vLLM's own [2, 1, 0], in the servers' (increasing) order
     for layers in (2, 4, 5):
         ids, why = default_target_layers(layers)
         assert len(set(ids)) == 3 and all(0 <= i <= layers for i in ids) and "not three distinct" in why
+    for layers in range(3, 40):  # increasing, distinct, and every one captured by vLLM (< L)
+        ids = default_target_layers(layers)[0]
+        assert ids == sorted(set(ids)) and len(ids) == 3 and max(ids) < layers
+        assert layers < 4 or min(ids) >= 1  # and by SGLang (it has no id for the embeddings) when it can
     assert default_target_layers(4)[0] == [1, 2, 3]
+    assert default_target_layers(2)[0] == [0, 1, 2]  # 2 layers: the last output too, native only
 
 
 # -- the draft vocabulary -------------------------------------------------------------------------
@@ -391,13 +396,17 @@ def test_vocab_maps_that_disagree_are_refused(target):
 
 # -- draft.loss: EAGLE-3's own soft CE is one objective among the others ---------------------------
 
+@pytest.mark.parametrize("teacher_rows", ["in_vocab", "all"])
 @pytest.mark.parametrize("distill_tokens", ["answers", "all"])
-def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, distill_tokens):
+def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, distill_tokens, teacher_rows):
     """`0.5*tv + 0.5*ce` at T=0.7: TV against the target restricted to the draft vocab, and CE on
     x_{t+2+k} as a draft-vocab label, skipped (no term, no gradient) where x_{t+2+k} is outside the
     draft vocab. 'answers': both over step k's answer rows. 'all': TV over every row of step k
-    (x_{t+2+k} a prompt token too), CE still the mean over the answer rows."""
-    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7, distill_tokens=distill_tokens)
+    (x_{t+2+k} a prompt token too), CE still the mean over the answer rows. teacher_rows in_vocab
+    (SpecForge's position_mask = t2d[target argmax] * loss_mask): TV only on the rows whose target
+    top-1 over the whole vocab is a draft token, still divided by all counted rows."""
+    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7, distill_tokens=distill_tokens,
+                       teacher_rows=teacher_rows)
     assert draft.capture_request().final_hidden
     assert not eagle3_for(target, loss="ce").capture_request().final_hidden  # no teacher read, none captured
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(8))
@@ -412,7 +421,7 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, d
     heads = draft.unroll(draft.aux_hidden(feats), feats.input_embeds, 3)
     to_draft = {int(t): i for i, t in enumerate(used)}
     full = feats.final_hidden @ target.lm_head.weight.t()  # (B, T, V) the target's own logits
-    ref = 0.0
+    ref, kept_per_step = 0.0, []
     for k, head in enumerate(heads):
         answer = torch.zeros_like(mask, dtype=torch.bool)
         answer[:, :T - 2 - k] = mask[:, 2 + k:].bool()
@@ -420,8 +429,12 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, d
         if distill_tokens == "all":
             counted[:, :T - 2 - k] = True
         z = draft.logits(head)[counted] / 0.7
-        p = torch.softmax(full[:, 1 + k:][counted[:, :T - 1 - k]][:, used] / 0.7, dim=-1)  # target at t+1+k
-        tv = 0.5 * (p - torch.softmax(z, -1)).abs().sum()
+        teacher = full[:, 1 + k:][counted[:, :T - 1 - k]]  # (rows, V) the target at t+1+k
+        p = torch.softmax(teacher[:, used] / 0.7, dim=-1)
+        keep = torch.isin(teacher.argmax(-1), used) if teacher_rows == "in_vocab" else torch.ones(len(p), dtype=torch.bool)
+        if teacher_rows == "in_vocab":
+            kept_per_step.append(int(keep.sum()))
+        tv = 0.5 * (p - torch.softmax(z, -1)).abs().sum(-1)[keep].sum()
         labels = ids[:, 2 + k:][answer[:, :T - 2 - k]]
         inside = [(r, to_draft[int(y)]) for r, y in enumerate(labels) if int(y) in to_draft]
         ce = sum(F.cross_entropy(draft.logits(head)[answer][r], torch.tensor(y)) for r, y in inside)
@@ -436,3 +449,6 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, d
         else:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert {"objective/tv", "objective/ce"} <= set(out.metrics)
+    if teacher_rows == "in_vocab":  # the selection drops some rows and keeps others
+        counted_rows = [int(out.metrics[f"ttt_{k}/loss"][1]) for k in range(3)]
+        assert 0 < sum(kept_per_step) < sum(counted_rows), (kept_per_step, counted_rows)

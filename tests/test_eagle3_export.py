@@ -72,11 +72,11 @@ def random_eagle3(target, cfg, seed=0):
     return draft.eval()
 
 
-@pytest.mark.parametrize("draft_options", [dict(draft_vocab_size=100), dict(target_layers=[1, 3, 6]),
+@pytest.mark.parametrize("draft_options", [dict(draft_vocab_size=100), dict(target_layers=[5, 0, 3]),
                                            dict(draft_vocab_size=100, norm_before_residual=True,
                                                 fc_norm=True, norm_output=True),
                                            dict(draft_vocab_size=100, norm_before_fc=True)],
-                         ids=["vocab100", "whole-vocab-layer-L", "eagle3.1-flags", "norm_before_fc"])
+                         ids=["vocab100", "whole-vocab-unsorted-layers", "eagle3.1-flags", "norm_before_fc"])
 def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, tmp_path, draft_options):
     from transformers import AutoModelForCausalLM
 
@@ -146,14 +146,21 @@ def test_sglang_export_has_exactly_its_keys_and_config(target_dir, tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 100
     assert config["target_hidden_size"] == 64 and config["vocab_size"] == 160
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": draft.dims.target_layers,
-                                      "use_aux_hidden_state": True}
+    # SGLang captures id + 1 (set_eagle3_layers_to_capture): the inputs of layers 1, 3, 5 are its 0, 2, 4
+    assert draft.dims.target_layers == [1, 3, 5]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 4], "use_aux_hidden_state": True}
     # flags SGLang has no weights for: not written by default, refused when asked for
     cfg31 = run_cfg(target_dir, tmp_path, draft_vocab_size=100, fc_norm=True)
     draft31 = random_eagle3(target, cfg31)
     assert draft31.default_serving_formats() == ["speculators"]
     with pytest.raises(SpecdraftError, match="draft.fc_norm: SGLang"):
         write_draft_export(tmp_path / "step_2", draft31.state_dict(), draft31, cfg31, serving=["sglang"])
+    # its midlayer's residual is the un-normed hidden state: norm_before_residual is refused too
+    cfg_nbr = run_cfg(target_dir, tmp_path, draft_vocab_size=100, norm_before_residual=True)
+    draft_nbr = random_eagle3(target, cfg_nbr)
+    assert draft_nbr.default_serving_formats() == ["speculators"]
+    with pytest.raises(SpecdraftError, match="draft.norm_before_residual: SGLang"):
+        write_draft_export(tmp_path / "step_3", draft_nbr.state_dict(), draft_nbr, cfg_nbr, serving=["sglang"])
 
 
 def test_a_glide_draft_has_no_speculators_format(target_dir, tmp_path):

@@ -3,6 +3,7 @@ vocab maps counted once and carried by checkpoints and exports, resume without r
 in-training tau, `specdraft export --format`, and the one-line errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +24,38 @@ def data_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def served_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with 4 layers: 2 are too few for three layers every server captures (the
+    inputs of layers 1..L-1; layer L's output is never captured), so its default [0, 1, 2] is
+    native only. Same vocab and tokenizer; its trained layers 0, 1 repeated as 2, 3."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny4")
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    config = tiny.config
+    config.num_hidden_layers = 4
+    deeper = LlamaForCausalLM(config)
+    state = {k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
+             for k, v in tiny.state_dict().items() if ".layers." in k}
+    deeper.load_state_dict({**tiny.state_dict(), **state})
+    deeper.save_pretrained(directory)
+    for path in Path(tiny_target_dir).iterdir():
+        if "token" in path.name or path.name.endswith(".jinja"):
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
 def overrides(target, data_dir, tmp_path, name, **extra):
     values = {"draft.type": "eagle3", "draft.ttt_steps": 3, "draft.draft_vocab_size": 200, **extra}
     return run_overrides(target, data_dir, tmp_path / name, tmp_path / "cache", **values)
 
 
 def test_eagle3_trains_logs_ttt_steps_saves_maps_and_resumes_without_recounting(
-        tiny_target_dir, tiny_data, data_dir, tmp_path, monkeypatch, capsys):
+        served_target_dir, tiny_data, data_dir, tmp_path, monkeypatch, capsys):
+    tiny_target_dir = served_target_dir
     args = overrides(tiny_target_dir, data_dir, tmp_path, "run", max_steps=20, save_steps=10, eval_steps=10,
                      eval_prompts=tiny_data.prompts_file)
     result = train(load_config(None, args), log=lambda *a: None)
@@ -95,6 +121,18 @@ def test_eagle3_bad_input_is_one_line(tiny_target_dir, data_dir, tmp_path, capsy
     code, err = run("draft.type=glide", "export_formats=[speculators]")
     assert code == 2 and "'speculators' is not a serving format of draft.type 'glide'" in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_run_on_layers_no_server_captures_exports_native_only(tiny_target_dir, data_dir, tmp_path, capsys):
+    """The 2-layer tiny target's default layers [0, 1, 2] include its last output: each save writes
+    the native format only, and asking for a serving format is one line naming draft.target_layers."""
+    args = overrides(tiny_target_dir, data_dir, tmp_path, "run", max_steps=1, save_steps=1)
+    train(load_config(None, args), log=lambda *a: None)
+    assert [p.name for p in (tmp_path / "run" / "step_1").iterdir() if p.is_dir()] == []
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--format", "speculators", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars
+    assert err.startswith("specdraft: error: draft.target_layers: layer 2 is the last layer's output")
 
 
 def test_exporting_a_glide_run_to_speculators_is_one_line(tiny_target_dir, data_dir, tmp_path, capsys):

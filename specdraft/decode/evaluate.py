@@ -258,7 +258,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if method == "draft":
         draft, _ = load_exported_draft(export_dir, weight.dtype)
     elif method == "untrained":
-        draft = draft_from_export_config(read_export_config(export_dir)).to(weight.dtype).eval()
+        draft = draft_from_export_config(read_export_config(export_dir)).cast(weight.dtype).eval()
     if draft is not None:
         draft = draft.to(weight.device)
     torch.manual_seed(seed)

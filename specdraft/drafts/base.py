@@ -84,6 +84,17 @@ def rows_where(mask: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
     return to_device(rows, device), count
 
 
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast the parameters to dtype and leave every buffer as it is, as DeepSpeed's bf16/fp16
+    engine does in training (a rotary inv_freq stays fp32; `module.to(dtype)` would round it
+    to bf16 and shift every angle). Returns the module."""
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            if param is not None and param.is_floating_point():
+                param.data = param.data.to(dtype)
+    return module
+
+
 def target_text_config(target_config):
     """The decoder's config: the `text_config` of a multimodal target (Gemma 3), else itself."""
     return getattr(target_config, "text_config", None) or target_config
@@ -107,6 +118,10 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
+
+    def cast(self, dtype: torch.dtype) -> "Draft":
+        """The draft in `dtype` as training holds it: parameters cast, buffers kept (cast_parameters)."""
+        return cast_parameters(self, dtype)
 
     def init_linear_weights(self, std: float) -> None:
         """Every Linear weight ~ N(0, std), from a fixed seed: the same init on every rank,

@@ -36,10 +36,11 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
-from specdraft.drafts.eagle3_export import sglang_unsupported, write_sglang, write_speculators
+from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
+from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 
@@ -54,7 +55,7 @@ class Eagle3Options(ObjectiveOptions):
     """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults; draft.loss
     defaults to soft_ce against the target restricted to the draft vocab)."""
 
-    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids); [] = [2, L//2, L-3]
+    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids), any order; [] = [2, L//2, L-3]
     draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
     ttt_steps: int = 7  # training-time-test unroll
     ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k
@@ -62,14 +63,26 @@ class Eagle3Options(ObjectiveOptions):
     fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
     norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
     norm_output: bool = False  # next TTT step reads norm(out) (EAGLE-3.1)
+    # the rows the teacher terms learn: in_vocab = where the target's top-1 (over its whole vocab)
+    # is a draft token (EAGLE-3's and SpecForge's recipe); all = every counted row, the target
+    # renormalised over the draft vocab even where its top-1 lies outside it
+    teacher_rows: str = "in_vocab"
+
+
+TEACHER_ROWS = ("in_vocab", "all")
 
 
 def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
-    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids."""
+    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids;
+    in increasing order, the order the servers concatenate them in. Ids 1..L-1 when the target
+    has them (every server captures those), else 0..L-1 (vLLM's), else 0..L (native only)."""
     layers = [2, num_layers // 2, num_layers - 3]
     if len(set(layers)) == AUX_LAYERS and min(layers) >= 0:
-        return layers, "vLLM's default [2, L//2, L-3]"
-    candidates = list(range(1, num_layers)) if num_layers >= 4 else list(range(0, num_layers + 1))
+        return sorted(layers), "vLLM's default [2, L//2, L-3]"
+    if num_layers >= AUX_LAYERS + 1:
+        candidates = list(range(1, num_layers))
+    else:
+        candidates = list(range(0, num_layers + 1))
     layers = [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
     return layers, f"[2, L//2, L-3] is not three distinct layers of a {num_layers}-layer target"
 
@@ -86,7 +99,7 @@ class Eagle3Dims:
     draft_vocab_size: int
     target_hidden_size: int
     target_num_layers: int
-    target_layers: List[int]
+    target_layers: List[int]  # increasing: the servers concatenate captured states in layer order
     rope_parameters: Dict[str, Any]
     max_position_embeddings: int
     ttt_steps: int = 7
@@ -178,10 +191,11 @@ class Eagle3Draft(Draft):
     options = Eagle3Options
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
 
-    def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE):
+    def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
         super().__init__()
         self.dims = dims
         self.objective = objective  # what training_loss minimises (a training setting, not exported)
+        self.teacher_rows = teacher_rows  # Eagle3Options.teacher_rows (a training setting, not exported)
         aux = len(dims.target_layers) * dims.target_hidden_size
         self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
         self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
@@ -209,6 +223,8 @@ class Eagle3Draft(Draft):
             fail("ttt_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
         if not draft_cfg.ttt_decay > 0:
             fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
+        if draft_cfg.teacher_rows not in TEACHER_ROWS:
+            fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
         if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
             fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
         layers = list(draft_cfg.target_layers or [])
@@ -233,7 +249,8 @@ class Eagle3Draft(Draft):
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
         text = target_text_config(target_config)
-        layers = list(draft_cfg.target_layers or [])
+        # fc's input columns follow the servers' concatenation: increasing layer order
+        layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
         if not layers:
             layers, why = default_target_layers(text.num_hidden_layers)
             log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
@@ -254,7 +271,8 @@ class Eagle3Draft(Draft):
             fc_norm=bool(draft_cfg.fc_norm),
             norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=bool(draft_cfg.norm_output),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss),
+            teacher_rows=str(draft_cfg.teacher_rows))
         if data is not None:
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
                                              draft.dims.draft_vocab_size))
@@ -268,11 +286,15 @@ class Eagle3Draft(Draft):
         return {"architecture": self.architecture, "dims": asdict(self.dims)}
 
     def describe(self) -> str:
-        return (f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
-                f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps")
+        skipped = [f"no {name} export: {serving_refusal(self.dims, name)}" for name in self.serving_formats
+                   if serving_refusal(self.dims, name)]
+        return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
+                          f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
+                          *skipped])
 
     def default_serving_formats(self) -> List[str]:
-        return [name for name in self.serving_formats if name != "sglang" or not sglang_unsupported(self.dims)]
+        """The formats that can serve this draft as trained (the others are refused when asked for)."""
+        return [name for name in self.serving_formats if serving_refusal(self.dims, name) is None]
 
     # -- the vocabulary maps ---------------------------------------------------------------
 
@@ -369,9 +391,11 @@ class Eagle3Draft(Draft):
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        ids, final = input_ids.flatten(), None
+        ids, final, in_vocab = input_ids.flatten(), None, None
         if self.objective.needs_teacher:
             final = features.final_hidden.flatten(0, 1)
+            if self.teacher_rows == "in_vocab":
+                in_vocab = self.top1_in_draft_vocab(final, lm_head_weight, chunk_size)
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
@@ -390,7 +414,8 @@ class Eagle3Draft(Draft):
                 draft_labels, answers = answer_labels(to_draft[labels], label_is_answer[counted])
             out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
                                 None if final is None else final[rows + 1 + k], teacher_rows, draft_labels,
-                                self.objective.over_rows(rows.numel(), answers), chunk_size)
+                                self.objective.over_rows(rows.numel(), answers), chunk_size,
+                                None if in_vocab is None else in_vocab[rows + 1 + k])
             hits = (draft_ids[out.argmax] == labels).sum()
             weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k
             loss = weighted if loss is None else loss + weighted
@@ -401,6 +426,15 @@ class Eagle3Draft(Draft):
                 metrics[name] = (total + value, seen + count)
         first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+
+    def top1_in_draft_vocab(self, final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """final (N, Ht) target hidden states -> (N,) bool: the target's top-1 over its whole vocab
+        is a draft token (t2d[argmax]), on the device, no sync. Chunked: one (C, V) block at a time."""
+        chunk = chunk_size if chunk_size > 0 else default_chunk_size(lm_head_weight.shape[0])
+        with torch.no_grad():
+            top1 = torch.cat([(part.to(lm_head_weight.dtype) @ lm_head_weight.t()).argmax(dim=-1)
+                              for part in final.split(chunk)])
+        return self.t2d[top1]
 
     def target_to_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """(vocab,) long: the draft id of each target token, -1 outside the draft vocab (a CE
@@ -420,9 +454,11 @@ class Eagle3Draft(Draft):
 
 
 def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective: Objective,
-                  chunk_size: int) -> ObjectiveSums:
+                  chunk_size: int, teacher_keep: Optional[torch.Tensor] = None) -> ObjectiveSums:
     """One TTT step's objective over its counted rows: the draft's own head over the draft vocab
     against the target restricted to it (teacher_rows: the target lm_head's rows of the draft
-    vocab) and/or draft-vocab labels."""
+    vocab) and/or draft-vocab labels. teacher_keep (N,) bool: the rows the teacher terms count
+    (draft.teacher_rows: in_vocab); a dropped row adds nothing, and the step's mean stays over
+    all its counted rows, as SpecForge's sum over position_mask is divided by every position."""
     return chunked_objective(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective,
-                             chunk_size)
+                             chunk_size, teacher_keep)

@@ -12,13 +12,19 @@ SGLang (LlamaForCausalLMEagle3): a Llama config with num_hidden_layers 1, draft_
     target_hidden_size, eagle_config; the decoder layer's keys are midlayer.* instead of
     layers.0.*. SGLang skips names it does not know, silently, so flags it has no weights for are
     refused here instead.
+
+Layer ids. Ours are vLLM's: id i is the input of target layer i (0: the embeddings), captured
+before layer i runs (vLLM LlamaModel.forward), so only ids 0..L-1 exist for a server. SGLang's
+set_eagle3_layers_to_capture captures val + 1 for every id it is given, i.e. its id i is the
+output of layer i: it gets ours minus one, and cannot name the embeddings (0 would be -1).
+A layer a format cannot capture is refused in one line (serving_refusal), never written.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -48,7 +54,7 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
         "transformer_layer_config": d.transformer_layer_config(),
         "draft_vocab_size": d.draft_vocab_size,
         "target_hidden_size": d.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(d.target_layers),
+        "eagle_aux_hidden_state_layer_ids": list(d.target_layers),  # vLLM's ids: ours
         "norm_before_residual": d.norm_before_residual,  # vLLM assumes True when missing: always written
         "norm_before_fc": d.norm_before_fc,
         "fc_norm": d.fc_norm,
@@ -64,13 +70,26 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
     }
 
 
+def legacy_rope_keys(rope_parameters: Dict[str, Any]) -> Dict[str, Any]:
+    """rope_theta and rope_scaling as transformers 4 spells them: SGLang's LlamaDecoderLayer reads
+    getattr(config, "rope_theta", 10000) and getattr(config, "rope_scaling", None), not
+    rope_parameters, so without them a Llama-3.1 draft would be served at theta 10000, unscaled."""
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    else:
+        scaling.setdefault("type", scaling["rope_type"])  # older readers look for "type"
+    return {"rope_theta": rope_parameters.get("rope_theta", 10000.0), "rope_scaling": scaling}
+
+
 def sglang_config(draft) -> Dict[str, Any]:
     d = draft.dims
     config = d.transformer_layer_config()
+    config.update(legacy_rope_keys(d.rope_parameters))
     config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                   draft_vocab_size=d.draft_vocab_size, target_hidden_size=d.target_hidden_size,
                   norm_before_residual=d.norm_before_residual,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(d.target_layers),
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(d.target_layers),
                                 "use_aux_hidden_state": True})
     return config
 
@@ -96,6 +115,7 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
 
 
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+    refuse_unservable(draft, "speculators")
     tensors = speculators_state_dict(draft, state_dict)
     heads = load_target_head_weights(target_dir, dtype=state_dict["fc.weight"].dtype,
                                      expected_vocab=draft.dims.vocab_size, expected_hidden=draft.dims.hidden_size)
@@ -103,14 +123,43 @@ def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path,
     _save(Path(out_dir), speculators_config(draft, target_dir), tensors)
 
 
+def sglang_layer_ids(layers: List[int]) -> List[int]:
+    """Ours (vLLM's input of layer i) -> SGLang's: it captures layer val + 1's input."""
+    return [layer - 1 for layer in layers]
+
+
 def sglang_unsupported(dims) -> List[str]:
     """The serving flags set on this draft that SGLang's LlamaForCausalLMEagle3 does not read."""
-    return [flag for flag in ("fc_norm", "norm_before_fc", "norm_output") if getattr(dims, flag)]
+    # its midlayer takes residual = hidden_states: no norm_before_residual either
+    return [flag for flag in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")
+            if getattr(dims, flag)]
+
+
+def serving_refusal(dims, fmt: str) -> Optional[str]:
+    """Why `fmt` ("speculators" or "sglang") cannot serve this draft as trained, in one line; None
+    when it can."""
+    last = dims.target_num_layers
+    if last in dims.target_layers:  # the servers capture before each layer: never after the last
+        return (f"draft.target_layers: layer {last} is the last layer's output, which vLLM and SGLang do not "
+                f"capture (ids 0..{last - 1}: the input of each layer); export the native format, or train "
+                f"on layers below {last}")
+    if fmt == "sglang":
+        unsupported = sglang_unsupported(dims)
+        if unsupported:
+            return (f"draft.{unsupported[0]}: SGLang's LlamaForCausalLMEagle3 has no such option "
+                    f"(export --format speculators for vLLM instead)")
+        if 0 in dims.target_layers:
+            return ("draft.target_layers: layer 0 (the embeddings) has no SGLang id (SGLang captures id + 1, "
+                    "so it would need -1); export --format speculators for vLLM instead")
+    return None
+
+
+def refuse_unservable(draft, fmt: str) -> None:
+    refusal = serving_refusal(draft.dims, fmt)
+    if refusal:
+        raise SpecdraftError(refusal)
 
 
 def write_sglang(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
-    unsupported = sglang_unsupported(draft.dims)
-    if unsupported:
-        raise SpecdraftError(f"draft.{unsupported[0]}: SGLang's LlamaForCausalLMEagle3 has no such option "
-                             f"(export --format speculators for vLLM instead)")
+    refuse_unservable(draft, "sglang")
     _save(Path(out_dir), sglang_config(draft), sglang_state_dict(state_dict))

@@ -54,4 +54,4 @@ def load_exported_draft(export_dir, dtype: torch.dtype = torch.float32) -> Tuple
         draft.load_state_dict(state_dict, strict=True)
     except RuntimeError as err:
         raise SpecdraftError(f"{weights}: weights do not match config.json: {str(err).splitlines()[0]}") from None
-    return draft.to(dtype).eval(), config
+    return draft.cast(dtype).eval(), config  # buffers (rotary inv_freq) stay as in training

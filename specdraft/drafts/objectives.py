@@ -206,11 +206,13 @@ def _weight(name: str, value: Any, where: str) -> float:
 
 def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor],
                     labels: Optional[torch.Tensor], objective: Objective,
-                    with_grad: bool) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+                    with_grad: bool, teacher_keep: Optional[torch.Tensor] = None
+                    ) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
 
     student_logits / teacher_logits (C, V) float32 (consumed: teacher_logits is overwritten);
-    labels (C,) long. The gradient (C, V) float32 is None unless with_grad. Vocab-sized
+    labels (C,) long; teacher_keep (C,) bool or None: the rows the teacher terms count (the
+    others add nothing to them and get no gradient from them). The gradient (C, V) float32 is None unless with_grad. Vocab-sized
     temporaries are reused in place: this runs once per chunk on the largest tensors of the step.
     """
     z = student_logits
@@ -239,16 +241,19 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
         log_q = torch.log_softmax(z / T if T != 1.0 else z, dim=-1)  # (C, V)
         log_p = torch.log_softmax(teacher_logits.div_(T) if T != 1.0 else teacher_logits, dim=-1)
         q, p = log_q.exp(), log_p.exp()
+        keep = (lambda rows: rows) if teacher_keep is None else (lambda rows: rows * teacher_keep)
         if "soft_ce" in objective.names or "kl" in objective.names:
-            cross = torch.linalg.vecdot(p, log_q).sum()  # sum p log q
+            cross = keep(torch.linalg.vecdot(p, log_q)).sum()  # sum p log q
             sums["soft_ce"] = -cross
             if "kl" in objective.names:
                 # sum p log p - sum p log q: exactly 0 when the two rows are the same floats
-                sums["kl"] = torch.linalg.vecdot(p, log_p).sum() - cross
+                sums["kl"] = keep(torch.linalg.vecdot(p, log_p)).sum() - cross
             if "soft_ce" not in objective.names:
                 del sums["soft_ce"]
         del log_q, log_p
         diff = p.neg_().add_(q)  # q - p, in p's storage
+        if teacher_keep is not None:
+            diff.mul_(teacher_keep[:, None])  # a dropped row: no tv, no gradient from the teacher
         sums["tv"] = 0.5 * torch.linalg.vector_norm(diff, ord=1)
         if with_grad:
             # soft CE and KL differ by H(p), a constant: both have gradient (q - p) / T
@@ -274,12 +279,13 @@ class ObjectiveSums:
     argmax: Optional[torch.Tensor]  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
 
 
-def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, objective: Objective,
-                      chunk_size: int, term_names: Tuple[str, ...], grad_hidden=None, grad_weight=None):
+def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
+                      objective: Objective, chunk_size: int, term_names: Tuple[str, ...], grad_hidden=None,
+                      grad_weight=None):
     """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
     argmax (N,)); fills grad_hidden (N, H) / grad_weight (V, H) fp32 with d(weighted sum) when given.
     student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
-    teacher_weight (V, Ht) or None, labels (N,) or None."""
+    teacher_weight (V, Ht) or None, labels (N,) or None, teacher_keep (N,) bool or None."""
     device = student_hidden.device
     sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
@@ -292,7 +298,8 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
         t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
                                                  @ teacher_weight.t()).float()
         y = None if labels is None else labels[rows]
-        terms, grad = objective_terms(z, t, y, objective, with_grad)
+        keep = None if teacher_keep is None else teacher_keep[rows]
+        terms, grad = objective_terms(z, t, y, objective, with_grad, keep)
         sums += torch.stack([terms[name] for name in term_names])
         argmax[rows] = z.argmax(dim=-1)
         correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
@@ -305,11 +312,11 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
 
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
                 objective: Objective, chunk_size: int, term_names: Tuple[str, ...]):
         if chunk_size <= 0:  # the config's 0: sized from the vocab
             chunk_size = default_chunk_size(student_weight.shape[0])
-        inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels)
+        inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep)
         ctx.recompute = ctx.needs_input_grad[1]
         if ctx.recompute:
             # A trained head (EAGLE-3's) has a (V, H) gradient, which would be held from here to
@@ -339,19 +346,20 @@ class _ChunkedObjective(torch.autograd.Function):
             (grad_hidden,), grad_weight = ctx.saved_tensors, None
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                       teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
                       labels: Optional[torch.Tensor], objective: Objective,
-                      chunk_size: int = 1024) -> ObjectiveSums:
+                      chunk_size: int = 1024, teacher_keep: Optional[torch.Tensor] = None) -> ObjectiveSums:
     """Sums over rows of `objective` for student logits student_hidden @ student_weight.T.
 
     The rows are the counted positions only (select them before the call). The teacher
     (teacher_hidden, teacher_weight) is a constant and needed when objective.needs_teacher;
     labels when objective.needs_labels. student_weight receives a gradient only when it
-    requires one (a frozen shared lm_head does not).
+    requires one (a frozen shared lm_head does not). teacher_keep (N,) bool: the rows the teacher
+    terms count (None: all; the sums stay sums, the caller divides).
     """
     if objective.needs_teacher and (teacher_hidden is None or teacher_weight is None):
         raise ValueError(f"objective {objective} needs the teacher's hidden states and lm_head")
@@ -368,7 +376,8 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
         none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
         return ObjectiveSums(zero.float(), none.sum(), terms, none)
     total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
-                                                   teacher_weight, labels, objective, chunk_size, term_names)
+                                                   teacher_weight, labels, teacher_keep, objective, chunk_size,
+                                                   term_names)
     return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)}, argmax)
 
 

@@ -435,6 +435,59 @@ DISTILL_TOKENS: List[Mutation] = [
              "pass", DFLASH_TESTS),
 ]
 
+# Serving conventions (issue 19): what a server computes from our files equals what we trained
+E3_EXPORT = "specdraft/drafts/eagle3_export.py"
+CONV = "tests/test_serving_conventions.py"
+E3_TEACHER = ("tests/test_eagle3.py", "-k", "objectives_read")
+
+CONVENTIONS: List[Mutation] = [
+    Mutation("conventions/sglang-ids-unshifted", E3_EXPORT,
+             "return [layer - 1 for layer in layers]", "return list(layers)",
+             (f"{CONV}::test_sglang_gets_our_layer_ids_minus_one",), "SGLang captures one layer deeper"),
+    Mutation("conventions/layers-unsorted", E3,
+             "layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])",
+             "layers = [int(layer) for layer in draft_cfg.target_layers or []]",
+             (f"{CONV}::test_captured_states_concatenate_in_increasing_layer_order",),
+             "fc trained on a permutation of what the server concatenates"),
+    Mutation("conventions/shallow-default-unsorted", E3,
+             "return sorted(layers), \"vLLM's default [2, L//2, L-3]\"",
+             "return layers, \"vLLM's default [2, L//2, L-3]\"",
+             ("tests/test_eagle3.py::test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct",),
+             "a 3-layer target's default [2, 1, 0] kept unsorted"),
+    Mutation("conventions/last-layer-exported", E3_EXPORT,
+             "if last in dims.target_layers:", "if False:",
+             (f"{CONV}::test_a_layer_no_server_captures_is_refused_in_one_line",),
+             "layer L exported, which no server captures"),
+    Mutation("conventions/sglang-embeddings-id", E3_EXPORT,
+             "if 0 in dims.target_layers:", "if False:",
+             (f"{CONV}::test_a_layer_no_server_captures_is_refused_in_one_line",),
+             "the embeddings written as SGLang id -1"),
+    Mutation("conventions/sglang-norm-before-residual", E3_EXPORT,
+             'for flag in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")',
+             'for flag in ("fc_norm", "norm_before_fc", "norm_output")',
+             ("tests/test_eagle3_export.py::test_sglang_export_has_exactly_its_keys_and_config",),
+             "SGLang's midlayer ignores norm_before_residual: exported anyway"),
+    Mutation("conventions/inv-freq-cast", "specdraft/drafts/base.py",
+             "return cast_parameters(self, dtype)", "return self.to(dtype)",
+             (f"{CONV}::test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does",),
+             "bf16 eval rounds the rotary inv_freq that training kept fp32"),
+    Mutation("conventions/rope-scaling-ignored", E3,
+             'rope = getattr(text, "rope_parameters", None) or {',
+             'rope = {"rope_type": "default", "rope_theta": text.rope_parameters["rope_theta"]} or {',
+             (f"{CONV}::test_llama31_rope_scaling_is_the_targets_and_speculators_computes_our_logits",),
+             "the draft ignores Llama-3.1's llama3 rope scaling"),
+    Mutation("conventions/sglang-rope-keys", E3_EXPORT,
+             "config.update(legacy_rope_keys(d.rope_parameters))", "config.update()",
+             (f"{CONV}::test_sglang_config_spells_rope_as_its_llama_layer_reads_it",),
+             "SGLang reads rope_theta / rope_scaling: served at theta 10000, unscaled"),
+    Mutation("conventions/teacher-rows-ignored", E3,
+             'if self.teacher_rows == "in_vocab":', "if False:", E3_TEACHER,
+             "the recipe's rows outside the draft vocab still taught"),
+    Mutation("conventions/teacher-keep-ignored", "specdraft/drafts/objectives.py",
+             "keep = None if teacher_keep is None else teacher_keep[rows]", "keep = None", E3_TEACHER,
+             "the objective ignores the rows to drop"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
@@ -442,6 +495,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "eagle3": EAGLE3,
     "dflash": DFLASH,
     "distill": DISTILL_TOKENS,
+    "conventions": CONVENTIONS,
 }
 
 

@@ -1,0 +1,219 @@
+"""The servers' conventions, one test per row of README's "Serving conventions" table.
+
+Where the consumer runs here (speculators, through tests/speculators_env.py) the test runs its
+classes; where it does not (SGLang, vLLM's capture), the test checks our files against the rule
+its source states (cited in each docstring and in the README).
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from speculators_env import run_in_speculators
+from specdraft.drafts.eagle3_export import serving_refusal
+from specdraft.drafts.vocab import draft_to_target_ids
+from specdraft.errors import SpecdraftError
+from specdraft.target.capture import capture
+from specdraft.train.export import write_draft_export
+from test_eagle3_export import SPECULATORS_SCRIPT, STEPS, T, random_eagle3, run_cfg
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}  # small: the scaled band covers most frequencies
+
+
+def tiny_llama(layers=6, vocab=160, rope_scaling=None, max_positions=512, theta=10000.0):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         rope_theta=theta, rope_scaling=rope_scaling, initializer_range=0.2,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def llama31_dir(tmp_path_factory):
+    """A target shaped like Llama-3.1: rope_theta 500000, llama3 rope scaling, 8192 positions."""
+    directory = tmp_path_factory.mktemp("llama31")
+    tiny_llama(rope_scaling=dict(LLAMA31_ROPE), max_positions=8192, theta=500000.0).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("plain")
+    tiny_llama().save_pretrained(directory)
+    return directory
+
+
+def target_of(directory):
+    return LlamaForCausalLM.from_pretrained(directory).eval()
+
+
+# -- layer numbering and order ------------------------------------------------------------------
+
+def test_sglang_gets_our_layer_ids_minus_one(plain_dir, tmp_path):
+    """SGLang's LlamaForCausalLM.set_eagle3_layers_to_capture (python/sglang/srt/models/llama.py)
+    captures `val + 1` for each id, and LlamaModel.forward appends layer i's input before running
+    it: SGLang's id i is the output of layer i. Ours (vLLM's) are layer inputs."""
+    target = target_of(plain_dir)
+    cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[1, 3, 4])
+    draft = random_eagle3(target, cfg)
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg, serving=["sglang"])
+    ids = json.loads((export / "sglang" / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    layers_to_capture = [val + 1 for val in ids]  # SGLang's rule
+    assert layers_to_capture == draft.dims.target_layers == [1, 3, 4]
+
+
+def test_captured_states_concatenate_in_increasing_layer_order(plain_dir, tmp_path):
+    """vLLM's LlamaModel.forward (vllm/model_executor/models/llama.py) and SGLang's append the
+    captured states while looping over the layers, so fc's input is in increasing layer order
+    whatever order the config lists: an unsorted draft.target_layers is sorted."""
+    target = target_of(plain_dir)
+    draft = random_eagle3(target, run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[4, 0, 2]))
+    assert draft.dims.target_layers == [0, 2, 4]
+    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    feats = capture(target.model, ids, torch.arange(12)[None], draft.capture_request())
+    hidden = target.model(ids, output_hidden_states=True).hidden_states  # hidden[i]: input of layer i
+    torch.testing.assert_close(draft.aux_hidden(feats), torch.cat([hidden[0], hidden[2], hidden[4]], dim=-1))
+
+
+def test_duplicate_layers_are_refused_in_one_line(plain_dir, tmp_path):
+    from specdraft.drafts.eagle3 import Eagle3Draft
+
+    cfg = run_cfg(plain_dir, tmp_path, target_layers=[2, 4, 2])
+    with pytest.raises(SpecdraftError) as err:
+        Eagle3Draft.validate_config(cfg.draft, target_of(plain_dir).config, "run.yaml", 64)
+    assert "draft.target_layers" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_layer_no_server_captures_is_refused_in_one_line(plain_dir, tmp_path):
+    """vLLM and SGLang capture before each layer runs (idx < L): id L, the last layer's output,
+    is never captured. SGLang has no id for the embeddings (vLLM id 0 would be its -1)."""
+    target = target_of(plain_dir)  # 6 layers
+    last = random_eagle3(target, run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[1, 3, 6]))
+    assert last.default_serving_formats() == []  # native only
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(SpecdraftError) as err:
+            write_draft_export(tmp_path / f"last_{fmt}", last.state_dict(), last, run_cfg(plain_dir, tmp_path),
+                               serving=[fmt])
+        assert str(err.value).startswith("draft.target_layers: layer 6 is the last layer's output")
+        assert "\n" not in str(err.value) and not (tmp_path / f"last_{fmt}").exists()
+    embeddings = random_eagle3(target, run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[0, 3, 5]))
+    assert embeddings.default_serving_formats() == ["speculators"]
+    assert serving_refusal(embeddings.dims, "sglang").startswith("draft.target_layers: layer 0 (the embeddings)")
+    assert "no sglang export" in embeddings.describe()
+
+
+# -- RoPE and positions ---------------------------------------------------------------------------
+
+def test_llama31_rope_scaling_is_the_targets_and_speculators_computes_our_logits(llama31_dir, tmp_path):
+    """The draft's rotary is the target's (theta 500000, llama3 scaling): speculators'
+    Eagle3DraftModel builds its rotary from transformer_layer_config (speculators/models/eagle3/
+    core.py, Eagle3DraftModel.__init__), and its forward equals ours on a Llama-3.1-shaped target."""
+    target = target_of(llama31_dir)
+    cfg = run_cfg(llama31_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    theirs = LlamaRotaryEmbedding(target.config)
+    unscaled = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500000.0))
+    torch.testing.assert_close(draft.rotary_emb.inv_freq, theirs.inv_freq, rtol=0, atol=0)
+    assert not torch.allclose(draft.rotary_emb.inv_freq, unscaled.inv_freq)  # the scaling matters here
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    layer = json.loads((export / "speculators" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["rope_parameters"] == {**LLAMA31_ROPE, "rope_theta": 500000.0}
+    ids = torch.randint(0, 160, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = capture(target.model, ids, torch.arange(T + 1)[None], draft.capture_request())
+        aux = draft.aux_hidden(feats)
+        ours = torch.stack([draft.logits(h) for h in draft.unroll(aux, feats.input_embeds, STEPS)])[:, 0]
+    torch.save({"hidden": aux[:, :-1].contiguous(), "ids": ids[:, 1:].contiguous()}, tmp_path / "inputs.pt")
+    report = run_in_speculators(SPECULATORS_SCRIPT, export / "speculators", tmp_path / "inputs.pt",
+                                tmp_path / "logits.pt", STEPS)
+    assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"][:, 0]
+    for k in range(STEPS):
+        torch.testing.assert_close(ours[k, :T - k], logits[k, :T - k], rtol=1e-4, atol=1e-4)
+
+
+def test_sglang_config_spells_rope_as_its_llama_layer_reads_it(llama31_dir, tmp_path):
+    """SGLang's LlamaDecoderLayer (python/sglang/srt/models/llama.py) reads getattr(config,
+    "rope_theta", 10000), getattr(config, "rope_scaling", None) and max_position_embeddings."""
+    target = target_of(llama31_dir)
+    cfg = run_cfg(llama31_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg, serving=["sglang"])
+    config = json.loads((export / "sglang" / "config.json").read_text())
+    assert config["rope_theta"] == 500000.0
+    assert config["rope_scaling"] == {**LLAMA31_ROPE, "type": "llama3"}
+    assert config["max_position_embeddings"] == 8192
+
+
+def test_max_position_embeddings_is_the_targets(llama31_dir, tmp_path):
+    """A draft config left at 2048 collapsed tau on long contexts (SpecForge PR #271): every
+    export carries the target's max_position_embeddings."""
+    target = target_of(llama31_dir)
+    cfg = run_cfg(llama31_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    speculators = json.loads((export / "speculators" / "config.json").read_text())
+    assert speculators["transformer_layer_config"]["max_position_embeddings"] == 8192
+    assert json.loads((export / "sglang" / "config.json").read_text())["max_position_embeddings"] == 8192
+    assert json.loads((export / "config.json").read_text())["dims"]["max_position_embeddings"] == 8192
+
+
+# -- vocabulary, embeddings, head -----------------------------------------------------------------
+
+def test_d2t_is_an_offset_from_draft_id_to_target_id(plain_dir, tmp_path):
+    """target = draft + d2t[draft]: SGLang's LlamaForCausalLMEagle3.load_weights (hot_token_id =
+    d2t + arange), speculators' `draft_ids + self.d2t[draft_ids]`; t2d (target vocab,) bool marks
+    the draft's tokens."""
+    target = target_of(plain_dir)
+    cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    for fmt in ("speculators", "sglang"):
+        with safe_open(str(export / fmt / "model.safetensors"), "pt") as f:
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        hot_token_id = d2t + torch.arange(d2t.shape[0])  # SGLang's rule
+        assert torch.equal(hot_token_id, draft_to_target_ids(draft.d2t))
+        assert t2d.dtype == torch.bool and t2d.shape == (160,) and int(t2d.sum()) == 100
+        assert bool(t2d[hot_token_id].all())
+
+
+def test_embeddings_are_the_targets_and_the_head_is_the_drafts(plain_dir, tmp_path):
+    """speculators loads embed_tokens from the file (written: the target's); SGLang takes the
+    target's (set_embed; no key written); the head over the draft vocab is the draft's own."""
+    target = target_of(plain_dir)
+    cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    with safe_open(str(export / "speculators" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("embed_tokens.weight"), target.model.embed_tokens.weight)
+        assert torch.equal(f.get_tensor("lm_head.weight"), draft.lm_head.weight)
+    with safe_open(str(export / "sglang" / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in f.keys()
+        assert torch.equal(f.get_tensor("lm_head.weight"), draft.lm_head.weight)
+
+
+# -- dtype ------------------------------------------------------------------------------------
+
+def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path):
+    """DeepSpeed's bf16 engine casts parameters only (engine._configure_distributed_model:
+    "preserve fp32 buffers (e.g. rotary inv_freq)"); Draft.cast does the same at eval, and the
+    exported weights load into the same draft."""
+    from specdraft.drafts.io import load_exported_draft
+
+    target = target_of(plain_dir)
+    cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100)
+    draft = random_eagle3(target, cfg)
+    trained = draft.rotary_emb.inv_freq.clone()
+    export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    loaded, _ = load_exported_draft(export, torch.bfloat16)
+    for model in (loaded, random_eagle3(target, cfg).cast(torch.bfloat16)):
+        assert model.fc.weight.dtype == torch.bfloat16
+        assert model.rotary_emb.inv_freq.dtype == torch.float32
+        assert torch.equal(model.rotary_emb.inv_freq, trained)
+        assert model.d2t.dtype == torch.long and model.t2d.dtype == torch.bool
