@@ -38,6 +38,7 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
+from specdraft.drafts.ttt_attention import ttt_attention
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
@@ -132,14 +133,19 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, past_keys, past_values, visible):
-        # x (B, T, 2H); past (B, KV, S, D) or None; visible (T, S + T) -> out (B, T, H), new k, v
+        # x (B, T, 2H) -> out (B, T, H), new k, v. Decoding: past (B, KV, S, D) or None, visible
+        # (T, S + T) bool. TTT training: past = the earlier steps' (B, KV, T, D) each, visible a
+        # TTTVisibility (no (T, (k+1) T) mask is built).
         B, T, _ = x.shape
         q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)
-        keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
-        values = v if past_values is None else torch.cat([past_values, v], dim=2)
-        out = attend(q, keys, values, visible)
+        if isinstance(visible, TTTVisibility):
+            out = ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents)
+        else:
+            keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
+            values = v if past_values is None else torch.cat([past_values, v], dim=2)
+            out = attend(q, keys, values, visible)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
@@ -163,8 +169,17 @@ class Eagle3DecoderLayer(nn.Module):
         return out, k, v
 
 
+@dataclass(frozen=True)
+class TTTVisibility:
+    """The training-time test's rule (ttt_visibility) without its mask: step k's query t sees the
+    step-0 keys <= t of its own conversation (documents (B, T), None: one per row) and the key at
+    t of each step 1..k; drafts/ttt_attention.py computes it exactly."""
+
+    documents: Optional[torch.Tensor] = None
+
+
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step.
+    """The dense reference of TTTVisibility (tests), (T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step.
     documents (B, T) of packed data -> (B, 1, T, (step+1) T): step-0 keys of the query's own
     conversation only, as at inference."""
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -352,14 +367,14 @@ class Eagle3Draft(Draft):
         T = aux.shape[1]
         index = torch.arange(T, device=aux.device)
         hidden = self.fuse(aux)
-        keys = values = None
+        keys, values = [], []  # each step's (B, KV, T, D)
         heads = []
+        visible = TTTVisibility(documents)
         for k in range(steps):
             embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}
-            hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values,
-                                                      ttt_visibility(T, k, aux.device, documents))
-            keys = new_k if keys is None else torch.cat([keys, new_k], dim=2)
-            values = new_v if values is None else torch.cat([values, new_v], dim=2)
+            hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values, visible)
+            keys.append(new_k)
+            values.append(new_v)
             heads.append(head_in)
         return heads
 

@@ -235,6 +235,8 @@ E3 = "specdraft/drafts/eagle3.py"
 E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
+TTT_ATTENTION_PY = "specdraft/drafts/ttt_attention.py"
+TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
 E3_SPEC = ("tests/test_eagle3_export.py",)
 
 EAGLE3: List[Mutation] = [
@@ -275,13 +277,18 @@ EAGLE3: List[Mutation] = [
              "weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k",
              "weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** (k + 1)",
              E3_TRAIN),
-    Mutation("eagle3/visibility-no-diagonal", E3,
-             "return torch.cat([causal] + [diagonal] * step, dim=1)",
-             "return torch.cat([causal] + [torch.zeros_like(diagonal)] * step, dim=1)", E3_TRAIN),
-    Mutation("eagle3/visibility-causal-later-steps", E3,
-             "return torch.cat([causal] + [diagonal] * step, dim=1)",
-             "return torch.cat([causal] + [causal] * step, dim=1)", E3_TRAIN,
-             "step k sees earlier positions of later steps"),
+    Mutation("eagle3/visibility-no-diagonal", TTT_ATTENTION_PY,
+             "q_ext = torch.cat([q, log_zd / scale], dim=-1)",
+             "q_ext = torch.cat([q, log_zd * 0 - 1e4], dim=-1)", TTT_TESTS,
+             "step k sees only the step-0 keys, not its own and earlier steps' diagonal"),
+    Mutation("eagle3/visibility-causal-later-steps", TTT_ATTENTION_PY,
+             "merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale, enable_gqa=gqa)",
+             "merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, scale=scale, enable_gqa=gqa)", TTT_TESTS,
+             "a later step's query sees the step-0 keys after its position"),
+    Mutation("eagle3/ttt-packed-conversations-ignored", TTT_ATTENTION_PY,
+             "visible = F.pad(_same_document_causal(documents), (1, 0, 1, 0), value=True)",
+             "visible = F.pad(_same_document_causal(torch.zeros_like(documents)), (1, 0, 1, 0), value=True)",
+             TTT_TESTS, "a TTT step of a packed row attends to the conversation before it"),
     Mutation("eagle3/hidden-not-fed-back", E3,
              "hidden, head_in, new_k, new_v = self.step(embeds, hidden,",
              "_, head_in, new_k, new_v = self.step(embeds, hidden,", E3_TRAIN,
@@ -410,7 +417,7 @@ DISTILL_TOKENS: List[Mutation] = [
              'if answers in (0, rows) or "ce" not in self.names:', "if True:", DISTILL_TOKENS_TESTS,
              "CE divided by every distilled row, so its weight shrinks with the prompt share"),
     Mutation("distill/ce-on-prompt-tokens", OBJECTIVES_PY,
-             "return labels.masked_fill(~is_answer.to(labels.device, non_blocking=True), -1), answers",
+             "return labels.masked_fill(to_device(~is_answer, labels.device), -1), answers",
              "return labels, answers", DISTILL_TOKENS_TESTS, "CE learns the prompt's text as if the target wrote it"),
     Mutation("distill/glide-all-tokens-ignored", GLIDE_PY,
              "counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)",
