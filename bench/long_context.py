@@ -1,0 +1,117 @@
+"""Peak memory of one training step per family as the context grows, measured on CPU.
+
+    OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash] [--lengths 2048,4096,8192]
+
+Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
+4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
+one packed row of T tokens (conversations of 512 tokens, so the document path runs), capture +
+loss + backward, no DeepSpeed. Peak = the high-water mark of resident memory (VmHWM, reset
+after set-up through /proc/self/clear_refs) minus the resident memory at that moment; glibc
+serves allocations above 64 KiB with mmap so freed tensors leave RSS at once. Also printed:
+tokens/s of the step. The last line gives `<family>_growth=` peak(T_max) / peak(T_max / 2):
+2.0 is linear in T, 4.0 quadratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
+
+
+def measure_one(family: str, T: int) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.config import TrainConfig
+    from specdraft.demo.presets import get_preset
+    from specdraft.drafts import HostBatch, build_draft
+    from specdraft.train.model import TargetWithDraft
+
+    torch.manual_seed(0)
+    p = get_preset("demo")
+    config = LlamaConfig(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+                         num_key_value_heads=p.num_key_value_heads, max_position_embeddings=2 * T,
+                         tie_word_embeddings=False, dtype="float32")
+    target = LlamaForCausalLM(config).eval().requires_grad_(False)
+    cfg = OmegaConf.structured(TrainConfig).draft
+    cfg.type = family
+    cfg.update({"glide": {"sliding_window": 512}, "eagle3": {"ttt_steps": 7},
+                "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": T // 4}}[family])
+    model = TargetWithDraft(target, build_draft(cfg, config), loss_chunk_size=0)
+    ids = torch.randint(0, p.vocab_size, (1, T))
+    conversation = ROW_CONVERSATION or T
+    documents = (torch.arange(T) // conversation)[None] if ROW_CONVERSATION else None
+    positions = (torch.arange(T) % conversation)[None]
+    mask = (positions >= conversation // 3).long()
+    options = model.draft_model.sample_batch_options(torch.Generator().manual_seed(0), T)
+
+    def step():
+        out = model(ids, mask, document_positions=positions, document_ids=documents,
+                    host=HostBatch(ids, mask, documents),
+                    **options)
+        out.loss.backward()
+        model.draft_model.zero_grad(set_to_none=True)
+
+    step()  # warm-up: lazily made buffers, allocator state
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    return {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="glide,eagle3,dflash")
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--no-documents", action="store_true", help="one conversation per row (no borders)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
+    args = parser.parse_args()
+    if args.one:
+        family, T = args.one.split(":")
+        print(json.dumps(measure_one(family, int(T))))
+        return
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu")
+    if args.no_documents:
+        env["BENCH_CONVERSATION"] = "0"
+    lengths = [int(t) for t in args.lengths.split(",")]
+    print(f"{'family':<7} {'T':>6} {'peak GB':>8} {'tokens/s':>9}")
+    peaks = {}
+    for family in args.families.split(","):
+        for T in lengths:
+            run = subprocess.run([sys.executable, __file__, "--one", f"{family}:{T}"], env=env,
+                                 capture_output=True, text=True)
+            if run.returncode:
+                print(f"{family:<7} {T:>6} failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
+                continue
+            m = json.loads(run.stdout.strip().splitlines()[-1])
+            peaks[family, T] = m["peak_gb"]
+            print(f"{family:<7} {T:>6} {m['peak_gb']:8.2f} {m['tokens_per_s']:9.0f}", flush=True)
+    top = max(lengths)
+    print(" ".join(f"{family}_growth={peaks[family, top] / peaks[family, top // 2]:.2f}"
+                   for family in args.families.split(",") if (family, top) in peaks and (family, top // 2) in peaks))
+
+
+if __name__ == "__main__":
+    main()
