@@ -72,7 +72,7 @@ def _cmd_eval(args) -> int:
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device, dtype=args.dtype, target=args.target)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("eval", help="mean accepted length (tau) and speedup of a draft")
     p.add_argument("path", help="a run directory (its newest draft) or a draft export directory")
     p.add_argument("--prompts", required=True)
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="the target model directory; default: the path the export recorded at training")
     p.add_argument("--method", default="draft", choices=["draft", "prompt_lookup"])
     p.add_argument("--gamma", type=int, default=None,
                    help="chain length; default: the depth the draft was trained for")

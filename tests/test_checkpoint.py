@@ -127,23 +127,32 @@ def test_slot_size_with_frozen_parameters_for_contrast(tiny_target_dir, data_dir
 
 
 def test_export_files_rebuild_the_draft(zero_runs, work):
-    export = work / "full2" / "step_12"
+    """The export is the trained draft: its weights equal what DeepSpeed itself reads out of the
+    run's slot (zero_to_fp32 of the engine's fp32 master weights), and the draft rebuilt from the
+    export computes what a draft holding the slot's weights computes."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from specdraft.drafts import draft_from_export_config
+
+    export, slot = work / "full2" / "step_12", work / "full2" / "ckpt" / "step_12"
     pth = torch.load(export / "draft_model_weights.pth", weights_only=True)
     assert pth and not any(k.startswith("draft_model.") for k in pth)
     config = json.loads((export / "config.json").read_text())
     assert config["architecture"] == "GlideDraft" and config["target"]["path"]
-    draft, _ = load_exported_draft(export)
-    assert set(draft.state_dict()) == set(pth)
-    for key, value in draft.state_dict().items():
-        assert torch.equal(value, pth[key])
-    # the standalone draft computes what the trained one computed: same weights, same outputs
-    x = torch.randn(1, 5, draft.dims.hidden_size)
-    cos, sin = torch.ones(1, 5, draft.dims.head_dim), torch.zeros(1, 5, draft.dims.head_dim)
-    kv = torch.randn(1, draft.dims.target_kv_heads, 5, draft.dims.head_dim)
-    index = torch.arange(5)
+    full = get_fp32_state_dict_from_zero_checkpoint(str(slot.parent), tag=slot.name, exclude_frozen_parameters=True)
+    trained = {k[len("draft_model."):]: v for k, v in full.items() if k.startswith("draft_model.")}
+    assert set(trained) == set(pth)
+    for key, value in trained.items():
+        assert torch.equal(value, pth[key]), key
+    engine_draft = draft_from_export_config(json.loads((slot / COMMITTED).read_text())["draft"])
+    engine_draft.load_state_dict(trained, strict=True)
     rebuilt, _ = load_exported_draft(export)
-    torch.testing.assert_close(draft(x, cos, sin, kv, kv, index - 1, index),
-                               rebuilt(x, cos, sin, kv, kv, index - 1, index), rtol=0, atol=0)
+    x = torch.randn(1, 5, rebuilt.dims.hidden_size)
+    cos, sin = torch.ones(1, 5, rebuilt.dims.head_dim), torch.zeros(1, 5, rebuilt.dims.head_dim)
+    kv = torch.randn(1, rebuilt.dims.target_kv_heads, 5, rebuilt.dims.head_dim)
+    index = torch.arange(5)
+    torch.testing.assert_close(rebuilt(x, cos, sin, kv, kv, index - 1, index),
+                               engine_draft.eval()(x, cos, sin, kv, kv, index - 1, index), rtol=0, atol=0)
     assert (export / "tokenizer.json").is_file() and (export / "training_config.yaml").is_file()
 
 

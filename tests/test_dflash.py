@@ -404,6 +404,42 @@ def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(ta
     assert {"objective/kl", "objective/ce"} <= set(out.metrics)
 
 
+def packed_features(target, parts):
+    """The features of conversations packed in one row, as the document mask gives them: each
+    conversation's own pass, its positions from 0."""
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts], 1)  # noqa: E731
+    embeds = cat("input_embeds")
+    return TargetFeatures(input_embeds=embeds, cos=cat("cos"), sin=cat("sin"),
+                          hidden={layer: torch.cat([p.hidden[layer] for p in parts], 1) for layer in parts[0].hidden},
+                          token_embeds=parts[0].token_embeds, position_ids=cat("position_ids"),
+                          rotary=lambda positions: target.model.rotary_emb(embeds, positions))
+
+
+def test_a_block_crossing_into_the_next_conversation_keeps_its_own_positions(target):
+    """Slot s of a block sits at its anchor's position in the anchor's conversation + s, also
+    where token anchor + s belongs to the next packed conversation (whose positions restart at 0):
+    the block computes what it computes on its conversation alone, continued by any tokens."""
+    draft = make_draft(target)  # block_size 4
+    first, second = 10, 16
+    ids = torch.randint(0, VOCAB, (1, first + second), generator=torch.Generator().manual_seed(9))
+    packed = packed_features(target, [features(target, draft, ids[:, :first]),
+                                      features(target, draft, ids[:, first:])])
+    documents = torch.zeros_like(ids)
+    documents[:, first:] = 1
+    blocks = sample_training_blocks(ids, torch.ones_like(ids), draft.layout, 40, 0, documents=documents)
+    anchors = blocks.anchors[0].tolist()
+    crossing, inside = anchors.index(first - 2), anchors.index(first + 3)  # labels first-1 | first, first+1
+    asked, rotary = [], packed.rotary
+    packed.rotary = lambda positions: (asked.append(positions.clone()), rotary(positions))[1]
+    got = draft.training_hidden(packed, blocks)[0]
+    continued = torch.cat([ids[:, :first], torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(3))], 1)
+    want = hidden_at(draft, features(target, draft, continued), torch.tensor([[first - 2]]))[0, 0]
+    torch.testing.assert_close(got[crossing], want, rtol=1e-5, atol=1e-5)
+    slots = asked[0].view(len(anchors), 4)
+    assert slots[crossing].tolist() == [8, 9, 10, 11]  # not [8, 9, 0, 1]
+    assert slots[inside].tolist() == [3, 4, 5, 6]  # the second conversation's own positions
+
+
 def test_a_block_of_packed_data_computes_what_its_conversation_alone_computes(target):
     """Two conversations packed in one row, the target's features as its document mask gives them
     (each conversation's own pass, positions from 0): a block anchored in the second sees none of
@@ -412,11 +448,7 @@ def test_a_block_of_packed_data_computes_what_its_conversation_alone_computes(ta
     first, second = 10, 16
     ids = torch.randint(0, VOCAB, (1, first + second), generator=torch.Generator().manual_seed(9))
     parts = [features(target, draft, ids[:, :first]), features(target, draft, ids[:, first:])]
-    packed = TargetFeatures(
-        input_embeds=torch.cat([p.input_embeds for p in parts], 1), cos=torch.cat([p.cos for p in parts], 1),
-        sin=torch.cat([p.sin for p in parts], 1),
-        hidden={layer: torch.cat([p.hidden[layer] for p in parts], 1) for layer in parts[0].hidden},
-        token_embeds=parts[0].token_embeds)
+    packed = packed_features(target, parts)
     documents = torch.zeros_like(ids)
     documents[:, first:] = 1
     blocks = sample_training_blocks(ids, torch.ones_like(ids), draft.layout, 40, 0, documents=documents)

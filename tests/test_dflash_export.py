@@ -3,7 +3,7 @@ class (in its own venv) with no missing / unexpected keys and the same logits as
 
 speculators needs transformers <= 5.19, so it lives in a venv of its own: SPECDRAFT_SPECULATORS_PYTHON
 names its interpreter (default: .venv-speculators/bin/python in the repository, made by
-`make .venv-speculators`).
+`make speculators-venv`); tests/speculators_env.py skips without it, and fails under CI=true.
 """
 
 import json
@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from speculators_env import require_speculators_python
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash import DFlashDraft
 from specdraft.drafts.dflash_speculators import write_speculators_export
@@ -25,11 +26,6 @@ from specdraft.target.capture import capture
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, T = 128, 40
-
-
-def speculators_python():
-    path = os.environ.get("SPECDRAFT_SPECULATORS_PYTHON") or str(REPO / ".venv-speculators" / "bin" / "python")
-    return path if Path(path).is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +116,6 @@ def test_speculators_export_has_its_key_set_and_config(target, target_dir, tmp_p
     assert keys == expected
 
 
-@pytest.mark.skipif(speculators_python() is None, reason="no speculators venv (make .venv-speculators, "
-                                                          "or SPECDRAFT_SPECULATORS_PYTHON)")
 @pytest.mark.parametrize("block_size, sample_from_anchor", [(8, False), (5, True)])
 def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir, tmp_path, block_size,
                                                               sample_from_anchor):
@@ -134,7 +128,8 @@ def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir
     hidden_states = torch.cat([feats.hidden[i] for i in draft.dims.target_layers], dim=-1)
     torch.save({"anchors": anchors, "input_ids": ids, "hidden_states": hidden_states}, tmp_path / "in.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([speculators_python(), str(REPO / "tests" / "speculators_dflash_check.py"), str(out),
+    python = require_speculators_python()  # a failure under CI=true, never a silent skip there
+    run = subprocess.run([str(python), str(REPO / "tests" / "speculators_dflash_check.py"), str(out),
                           str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                          env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

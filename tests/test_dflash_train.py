@@ -68,3 +68,40 @@ def test_a_bad_dflash_key_stops_before_anything_is_written(tiny_target_dir, data
     with pytest.raises(SpecdraftError, match="draft.target_layers"):
         load_config(None, overrides)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export(
+        tiny_target_dir, data_dir, tmp_path, monkeypatch):
+    """DeepSpeed leaves frozen parameters out of a slot: the frozen mask_delta comes back from the
+    slot exactly (not from a fresh build) when resumed at the same stage, through the universal
+    format (ZeRO-2 -> 3), and in `specdraft export` / `consolidate`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from specdraft import drafts
+    from specdraft.cli import main
+
+    mark = {"value": 0.25}
+
+    class MarkedDFlash(DFlashDraft):  # a frozen MASK row that a fresh build does not reproduce
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            with torch.no_grad():
+                self.mask_delta.fill_(mark["value"])
+
+    monkeypatch.setitem(drafts.FAMILIES, "dflash", MarkedDFlash)
+    monkeypatch.setitem(drafts.ARCHITECTURES, "DFlashDraft", MarkedDFlash)
+    native = {"export_formats": "[]"}  # speculators cannot carry a MASK row of the draft's own
+    run(tiny_target_dir, data_dir, tmp_path, "marked", max_steps=2, save_steps=2, **native)
+    mark["value"] = 0.0
+    for name, stage in (("same", 2), ("zero3", 3)):
+        run(tiny_target_dir, data_dir, tmp_path, name, max_steps=3, save_steps=3, zero_stage=stage, **native,
+            resume=tmp_path / "marked" / "ckpt" / "step_2")
+        delta = load_file(str(tmp_path / name / "step_3" / "model.safetensors"))["mask_delta"]
+        assert torch.equal(delta, torch.full_like(delta, 0.25)), name
+    assert main(["export", str(tmp_path / "marked"), "--out", str(tmp_path / "x")]) == 0
+    assert main(["consolidate", str(tmp_path / "marked")]) == 0
+    for path in (tmp_path / "x" / "model.safetensors",
+                 tmp_path / "marked" / "consolidated" / "step_2" / "draft_fp32.safetensors"):
+        delta = load_file(str(path))["mask_delta"]
+        assert torch.equal(delta, torch.full_like(delta, 0.25)), path

@@ -35,8 +35,10 @@ ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assi
 
 # -- locating the export, the target and the tokenizer ---------------------------------------
 
-def resolve_export(path) -> Tuple[Optional[Path], Path]:
-    """(export_dir or None, target_dir) for a run dir, an export dir or a target model dir."""
+def resolve_export(path, target=None) -> Tuple[Optional[Path], Path]:
+    """(export_dir or None, target_dir) for a run dir, an export dir or a target model dir.
+    target: the target model directory to use instead of the one the export records (the
+    absolute path it was trained at, which another machine does not have)."""
     path = Path(path)
     if not path.exists():
         raise SpecdraftError(f"{path}: not found")
@@ -53,12 +55,17 @@ def resolve_export(path) -> Tuple[Optional[Path], Path]:
     if "architecture" not in config:  # a Hugging Face model directory: the target itself
         return None, path
     config = read_export_config(path)
-    target = (config.get("target") or {}).get("path")
-    if not target:
-        raise SpecdraftError(f"{path / CONFIG_NAME}: no 'target': {{'path': ...}} naming the target model")
-    if not (Path(target) / CONFIG_NAME).is_file():
-        raise SpecdraftError(f"{path / CONFIG_NAME}: target path {target} has no {CONFIG_NAME}")
-    return path, Path(target)
+    if target is not None:
+        if not (Path(target) / CONFIG_NAME).is_file():
+            raise SpecdraftError(f"--target {target}: not a model directory (no {CONFIG_NAME})")
+        return path, Path(target)
+    recorded = (config.get("target") or {}).get("path")
+    if not recorded:
+        raise SpecdraftError(f"{path / CONFIG_NAME}: names no target model; pass --target DIR")
+    if not (Path(recorded) / CONFIG_NAME).is_file():
+        raise SpecdraftError(f"{path / CONFIG_NAME}: the target it was trained with, {recorded}, is not there "
+                             f"(no {CONFIG_NAME}); pass --target DIR")
+    return path, Path(recorded)
 
 
 def load_tokenizer(export_dir: Optional[Path], target_dir: Path):
@@ -230,9 +237,11 @@ def _check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
 def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
              tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
-             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto") -> Dict[str, Any]:
+             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
+             target: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
+    target: the target model dir (default: the path the export records).
 
     gamma None: the depth the draft was trained for. device None: CUDA when there is one.
     dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
@@ -246,7 +255,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if max_new_tokens < 1:
         raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     _check_shape(gamma, tree)
-    export_dir, target_dir = resolve_export(path)
+    export_dir, target_dir = resolve_export(path, target)
     if export_dir is None and method in NEEDS_DRAFT:
         raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
                              f"needs a run or export directory")

@@ -266,9 +266,12 @@ class TrainingBlocks:
     block_size: int = 0
     context_start: Optional[torch.Tensor] = None  # (B, A) packed data: where the anchor's conversation starts
 
-    @property
-    def positions(self) -> torch.Tensor:  # (B, A, S) position of each block slot
-        return self.anchors[..., None] + torch.arange(self.block_size, device=self.anchors.device)
+    def slot_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, A, S) position of each block slot, from the row's position ids (B, T): the anchor's
+        position in its conversation + s, as at inference. Never the position of token anchor + s,
+        which may belong to the next conversation of packed data (its positions restart)."""
+        anchor_positions = position_ids.gather(1, self.anchors)
+        return anchor_positions[..., None] + torch.arange(self.block_size, device=self.anchors.device)
 
     @property
     def label_positions(self) -> torch.Tensor:  # (B, A, P) position of each label: anchor + 1 + j
@@ -479,9 +482,7 @@ class DFlashDraft(Draft):
         context_kv = self.context_keys_values(context, features.cos, features.sin)
         anchor_embeds = features.input_embeds.gather(
             1, blocks.anchors[..., None].expand(B, A, features.input_embeds.shape[-1]))
-        positions = blocks.positions.flatten(1)  # (B, A*S), all < T by the anchor range
-        index = positions[..., None].expand(B, positions.shape[1], features.cos.shape[-1])
-        cos, sin = features.cos.gather(1, index), features.sin.gather(1, index)
+        cos, sin = features.rotary(blocks.slot_positions(features.position_ids.expand(B, T)).flatten(1))
         hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
                       BlockVisibility(blocks.anchors, T, self.layout.block_size, blocks.context_start))
         return hidden.view(B, A, self.layout.block_size, -1)

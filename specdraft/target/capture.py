@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -56,6 +56,9 @@ class TargetFeatures:
     last_values: Optional[torch.Tensor] = None  # (B, KV, T, D)
     final_hidden: Optional[torch.Tensor] = None  # (B, T, H) after the final norm
     token_embeds: Optional[torch.Tensor] = None  # (N, H) embeddings of request.token_embeddings
+    position_ids: Optional[torch.Tensor] = None  # (B, T) the positions cos/sin are at
+    rotary: Optional[Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = None  # the target's RoPE
+    #   at any position ids (B, N) -> cos, sin (B, N, D): for positions no input token has (DFlash's blocks)
 
 
 class _DeepEnough(Exception):
@@ -155,7 +158,8 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     cos, sin = base_model.rotary_emb(embeds, position_ids)
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
-    features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={})
+    features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={}, position_ids=position_ids,
+                              rotary=lambda positions: base_model.rotary_emb(embeds, positions))
     if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
         # filled on the device (a tensor of a Python list would be a host-to-device copy per batch)
         ids = torch.stack([input_ids.new_full((), token) for token in request.token_embeddings])

@@ -4,6 +4,10 @@ on-disk layout of a run:
 run/
   config.yaml
   ckpt/step_<N>/             DeepSpeed state of the draft only (params, optimizer, scheduler)
+  ckpt/step_<N>/draft_frozen.safetensors   the draft's untrained state (buffers such as EAGLE-3's
+                             d2t/t2d, frozen parameters such as DFlash's mask_delta), exact dtypes:
+                             DeepSpeed leaves frozen parameters out of the slot and its universal
+                             conversion drops buffers, so our writer carries them itself
   ckpt/step_<N>/COMMITTED    written last by rank 0 after every rank fsynced its own files: step,
                              world size, ZeRO stage, batch geometry, target identity, sha256 of
                              every file in the slot
@@ -59,6 +63,7 @@ UNIVERSAL_SUFFIX = ".universal"
 REJECTED_SUFFIX = ".rejected"
 CONFIG_FILE = "config.yaml"
 CLIENT_KEY = "specdraft"
+FROZEN_FILE = "draft_frozen.safetensors"
 UNIVERSAL_INFO = "universal_checkpoint_info"  # what ds_to_universal requires in every slot
 SHARED_PROBE = ".shared-filesystem-check"
 VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)
@@ -234,6 +239,29 @@ def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]
     return {name: [float(t.double().sum()), float(t.double().pow(2).sum())] for name, t in weights.items()}
 
 
+def frozen_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The entries of a draft's full state dict (`weights`) that are not trained parameters."""
+    trained = {name for name, param in draft.named_parameters() if param.requires_grad}
+    return {name: t for name, t in weights.items() if name not in trained}
+
+
+def write_frozen_state(slot_dir: Path, state: Dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(slot_dir / FROZEN_FILE))
+
+
+def read_frozen_state(slot_dir: Path) -> Dict[str, torch.Tensor]:
+    """The slot's frozen state (checked against the manifest by the caller)."""
+    from safetensors.torch import load_file
+
+    path = slot_dir / FROZEN_FILE
+    if not path.is_file():
+        raise SpecdraftError(f"{path}: missing (a slot saved before frozen state was carried); it cannot "
+                             f"be resumed or exported")
+    return load_file(str(path))
+
+
 def _check_fingerprint(slot_dir: Path, weights: dict, record: dict) -> None:
     if draft_fingerprint(weights) != record["draft_fingerprint"]:
         raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones")
@@ -304,6 +332,9 @@ def _serve_every_stage(out: Path) -> None:
     zero = out / "zero"
     optim = load_universal_optimizer_state(zero / "optimizer_state.pt")
     params = sorted(p for p in zero.iterdir() if p.is_dir())
+    # ds_to_universal writes a folder per buffer too (fp32.pt only); they are never loaded
+    # (buffers come back from FROZEN_FILE), and at ZeRO-1/2 the step is read from a parameter's
+    trained = [p for p in params if (p / "exp_avg.pt").is_file()]
     if "optimizer_state_dict" in optim:  # from ZeRO-3
         step = optim["optimizer_state_dict"]["state"][0]["step"]
         for param in params:
@@ -314,7 +345,7 @@ def _serve_every_stage(out: Path) -> None:
             torch.save(torch.as_tensor(step), param / "step.pt")
         optim.setdefault("ds_version", deepspeed.__version__)
     else:  # from ZeRO-1/2
-        step = torch.load(params[0] / "step.pt", weights_only=True)
+        step = torch.load(trained[0] / "step.pt", weights_only=True)
         optim["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
     torch.save(optim, zero / "optimizer_state.pt")
 
@@ -380,8 +411,7 @@ class CheckpointManager:
         run_shared(clear)  # its collective doubles as the barrier before anyone writes
         rng = [None] * self.world_size
         dist.all_gather_object(rng, rng_state())
-        extra = {k: v.detach().cpu() for k, v in engine.module.draft_model.extra_state().items()}
-        state = {UNIVERSAL_INFO: {}, CLIENT_KEY: dict(client_state, rng=rng, draft_extra_state=extra)}
+        state = {UNIVERSAL_INFO: {}, CLIENT_KEY: dict(client_state, rng=rng)}
         written, errors = {}, []
         try:
             with self._recording_writes(engine, slot_dir, written, errors):
@@ -399,6 +429,7 @@ class CheckpointManager:
 
         def commit():
             try:
+                write_frozen_state(slot_dir, frozen_state(engine.module.draft_model, draft_weights))
                 self._commit(slot_dir, step, manifests, draft_fingerprint(draft_weights),
                              engine.module.draft_model.export_config())
             except OSError as err:
@@ -551,8 +582,8 @@ class CheckpointManager:
         """What this rank will read: rank 0 reads the whole slot to convert it; otherwise each
         rank its own files (the converted copy is verified on every rank before it is loaded)."""
         if self._universal_needed(record):
-            return None if self.rank == 0 else []
-        return files_rank_loads(record, self.rank, record["zero_stage"])
+            return None if self.rank == 0 else [FROZEN_FILE]
+        return [*files_rank_loads(record, self.rank, record["zero_stage"]), FROZEN_FILE]
 
     def _universal_needed(self, record: dict) -> bool:
         stages = (record["zero_stage"], self.cfg.zero_stage)
@@ -623,11 +654,10 @@ class CheckpointManager:
                 if torch.is_tensor(param_state.get("step")):
                     param_state["step"] = param_state["step"].clone()
         ours = client_state[CLIENT_KEY]
-        # A universal load restores parameters only: buffers and such come from our client state.
-        draft = engine.module.draft_model
-        draft.load_extra_state({k: v.to(engine.device) for k, v in ours.get("draft_extra_state", {}).items()},
-                              source=str(slot_dir))
-        # Frozen params were excluded, so the load was non-strict: prove the draft came back.
+        # DeepSpeed restores trained parameters only (frozen ones are not in the slot, a universal
+        # copy has no buffers): the rest comes back, exactly, from our side file.
+        restore_frozen_state(engine.module.draft_model, read_frozen_state(slot_dir), str(slot_dir))
+        # The load was non-strict: prove the draft came back, buffers and frozen parameters included.
         loaded = gather_draft_state_dict(engine)
         run_shared(lambda: _check_fingerprint(slot_dir, loaded, record))
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
@@ -661,6 +691,24 @@ class CheckpointManager:
         run_shared(ensure)
         run_shared(lambda: verify_slot(out), on_rank=None)  # every rank reads every fragment
         return out
+
+
+def restore_frozen_state(draft, state: Dict[str, torch.Tensor], source: str) -> None:
+    """Collective under ZeRO-3: put a slot's frozen state back into the draft. The family checks
+    its own extra state first (e.g. EAGLE-3's maps against those this run built)."""
+    import deepspeed
+
+    expected = frozen_state(draft, dict(draft.state_dict(keep_vars=True)))
+    if set(state) != set(expected):
+        raise SpecdraftError(f"{source}: its frozen draft state holds {sorted(state)}, this run's draft has "
+                             f"{sorted(expected)}")
+    extra = draft.extra_state()
+    draft.load_extra_state({k: state[k] for k in extra}, source=source)
+    params = [t for t in expected.values() if isinstance(t, torch.nn.Parameter)]
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3), torch.no_grad():
+        for name, tensor in expected.items():
+            tensor.copy_(state[name].to(tensor.device))
 
 
 def _move_aside(slot: Path) -> Path:

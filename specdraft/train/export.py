@@ -31,7 +31,8 @@ from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash
 from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
 from specdraft.errors import SpecdraftError
-from specdraft.train.checkpoint import config_file, consolidated_file, offline_export_dir, run_slot
+from specdraft.train.checkpoint import (config_file, consolidated_file, offline_export_dir, read_frozen_state,
+                                         run_slot)
 from specdraft.train.model import DRAFT_PREFIX
 
 
@@ -130,7 +131,12 @@ class BackgroundExporter:
 # -- offline: from a run's checkpoint ---------------------------------------------------------------
 
 def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
-    """fp32 draft weights (prefix stripped) from a verified slot, via DeepSpeed's zero_to_fp32."""
+    """The draft's full state dict from a verified slot: its trained parameters in fp32 via
+    DeepSpeed's zero_to_fp32, and its frozen state (buffers, frozen parameters) exactly as saved."""
+    return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}  # zero_to_fp32's float copies of buffers give way
+
+
+def _trained_fp32(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
     if record["zero_stage"] == 0:  # zero_to_fp32 does not handle stage 0: the module is saved whole
         states = torch.load(slot_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
         full = states["module"]
@@ -170,7 +176,6 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
         raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
                              f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
-    # load_state_dict casts into the draft's own dtypes (zero_to_fp32 returns buffers as float too)
     draft.load_state_dict(consolidated_draft_state_dict(slot_dir, record), strict=True)
     state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     cfg = OmegaConf.load(config_file(run_dir))

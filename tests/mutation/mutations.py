@@ -355,8 +355,14 @@ DFLASH: List[Mutation] = [
              '.view_as(label_pos).bool() & valid[..., None]',
              '.view_as(label_pos).bool()', DFLASH_TESTS),
     Mutation('dflash/block-positions-shift', DFLASH_PY,
-             'return self.anchors[..., None] + torch.arange(self.block_size',
-             'return self.anchors[..., None] + 1 + torch.arange(self.block_size', DFLASH_TESTS),
+             'return anchor_positions[..., None] + torch.arange(self.block_size',
+             'return anchor_positions[..., None] + 1 + torch.arange(self.block_size', DFLASH_TESTS),
+    Mutation('dflash/crossing-block-takes-next-positions', DFLASH_PY,
+             'return anchor_positions[..., None] + torch.arange(self.block_size, device=self.anchors.device)',
+             'return position_ids.gather(1, (self.anchors[..., None] + torch.arange(self.block_size, '
+             'device=self.anchors.device)).flatten(1)).view(*self.anchors.shape, -1)',
+             ("tests/test_dflash.py::test_a_block_crossing_into_the_next_conversation_keeps_its_own_positions",),
+             "slot s at the position of token anchor + s, the next packed conversation's (issue 19, defect 4)"),
     Mutation('dflash/weights-from-1', DFLASH_PY,
              'return [math.exp(-j / gamma) for j in range(layout.predictions)]',
              'return [math.exp(-(j + 1) / gamma) for j in range(layout.predictions)]', DFLASH_TESTS),
@@ -495,6 +501,28 @@ CONVENTIONS: List[Mutation] = [
              "the objective ignores the rows to drop"),
 ]
 
+# The checkpoint's frozen draft state (buffers, frozen parameters; issue 19, defects 10 and 11)
+CHECKPOINT_PY = "specdraft/train/checkpoint.py"
+FROZEN_TRAVELS = ("tests/test_dflash_train.py::"
+                  "test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export",)
+OFFLINE_EAGLE3 = ("tests/test_offline_commands.py", "-k", "eagle3")
+CHECKPOINT = [
+    Mutation("checkpoint/frozen-state-not-restored", CHECKPOINT_PY,
+             "tensor.copy_(state[name].to(tensor.device))", "pass", FROZEN_TRAVELS,
+             "a resumed draft keeps its fresh build's buffers / frozen parameters"),
+    Mutation("checkpoint/frozen-state-not-saved", CHECKPOINT_PY,
+             "write_frozen_state(slot_dir, frozen_state(engine.module.draft_model, draft_weights))",
+             "write_frozen_state(slot_dir, {})", FROZEN_TRAVELS, "the slot lacks the frozen state"),
+    Mutation("checkpoint/export-without-frozen-state", "specdraft/train/export.py",
+             "return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}",
+             "return _trained_fp32(slot_dir, record)", FROZEN_TRAVELS,
+             "`specdraft export` of a DFlash run: Missing key mask_delta"),
+    Mutation("checkpoint/universal-step-from-a-buffer", CHECKPOINT_PY,
+             'step = torch.load(trained[0] / "step.pt", weights_only=True)',
+             'step = torch.load(params[0] / "step.pt", weights_only=True)', OFFLINE_EAGLE3,
+             "EAGLE-3's elastic resume: zero/draft_model.d2t/step.pt does not exist"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
@@ -503,6 +531,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "dflash": DFLASH,
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,
+    "checkpoint": CHECKPOINT,
 }
 
 

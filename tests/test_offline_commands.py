@@ -1,0 +1,171 @@
+"""Every draft family x every command that reads a run: `export` in each format the family has,
+`consolidate`, `eval` (with the target moved), resume at the same size (bit-identical) and elastic
+resume (2 ranks -> 1 rank through DeepSpeed's universal format).
+
+The families come from the registry, so a new family is in this matrix without a line here. Each
+family trains once, for 4 steps at 2 ranks ZeRO-2 (saving at 2 and 4), in one torchrun that also
+resumes it from step 2 at 2 ranks; everything else runs in this process on 1 rank.
+
+The checkpointed draft is compared with what DeepSpeed itself reads out of the slot
+(zero_to_fp32 for the trained parameters) and with the draft the run exported while training, and
+the untrained state (EAGLE-3's d2t/t2d, DFlash's frozen mask_delta) with the values the run had.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import REPO, torchrun, write_chat_files
+from offline_runs import STEPS, SAVE_STEPS, run_config
+from specdraft.cli import main
+from specdraft.drafts import FAMILIES
+from specdraft.drafts.io import load_exported_draft
+from specdraft.train.checkpoint import universal_dir
+from specdraft.train.export import EXPORT_FORMATS
+from specdraft.train.loop import train
+
+ELASTIC_TOLERANCE = 1e-5  # see tests/test_distributed.py; measured here: 0 for every family
+CASES = [(family, fmt) for family, cls in FAMILIES.items() for fmt in (*EXPORT_FORMATS, *cls.serving_formats)]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    path = tmp_path_factory.mktemp("offline")
+    write_chat_files(path / "data")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_target_dir, work):
+    """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
+    out = work / "results.json"
+    proc = torchrun(REPO / "tests" / "offline_script.py", tiny_target_dir, work / "data", work, out, port=29637,
+                    timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def shrunk(tiny_target_dir, work, runs):
+    """Each family's 2-rank step 2 resumed on 1 rank: {family: (losses, log lines)}."""
+    results = {}
+    for family in FAMILIES:
+        lines = []
+        cfg = run_config(tiny_target_dir, work / "data", work, family, f"{family}_shrunk",
+                         f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}")
+        results[family] = (train(cfg, log=lines.append).losses, lines)
+    return results
+
+
+def last_slot(work, family):
+    return work / family / "ckpt" / f"step_{STEPS}"
+
+
+def deepspeed_fp32(slot):
+    """The trained parameters as DeepSpeed itself reads them out of a slot (prefix stripped)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    full = get_fp32_state_dict_from_zero_checkpoint(str(slot.parent), tag=slot.name, exclude_frozen_parameters=True)
+    return {k[len("draft_model."):]: v for k, v in full.items() if k.startswith("draft_model.")}
+
+
+def assert_same(got, want, keys=None):
+    keys = set(want) if keys is None else keys
+    assert keys <= set(got), sorted(keys - set(got))
+    for key in keys:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+def exported(export_dir):
+    draft, _ = load_exported_draft(export_dir)
+    return draft
+
+
+# -- resume ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_resume_at_the_same_size_is_bit_identical(runs, family):
+    full, resumed = runs[family]["full"], runs[family]["resumed"]
+    assert len(full) == STEPS and resumed == full[SAVE_STEPS:]  # exact float equality, fp32
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_elastic_resume_on_one_rank_continues_the_two_rank_run(runs, shrunk, work, family):
+    losses, lines = shrunk[family]
+    assert any(line.startswith("resume: converted") for line in lines), lines
+    assert (universal_dir(work / family / "ckpt" / f"step_{SAVE_STEPS}") / "COMMITTED").is_file()
+    straight = runs[family]["full"][SAVE_STEPS:]
+    assert len(losses) == len(straight)
+    assert max(abs(a - b) for a, b in zip(losses, straight)) <= ELASTIC_TOLERANCE, (losses, straight)
+    # the draft it ends with: the straight run's, its untrained state exactly
+    resumed, straight_draft = (exported(work / name / f"step_{STEPS}") for name in (f"{family}_shrunk", family))
+    for name, value in straight_draft.state_dict().items():
+        got = resumed.state_dict()[name]
+        if name in dict(straight_draft.named_parameters()) and straight_draft.get_parameter(name).requires_grad:
+            torch.testing.assert_close(got, value, rtol=0, atol=1e-5)
+        else:
+            assert got.dtype == value.dtype and torch.equal(got, value), name
+
+
+# -- export, consolidate ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,fmt", CASES)
+def test_export_from_the_checkpoint_is_the_trained_draft(runs, work, family, fmt):
+    run_dir = work / family
+    out = work / f"{family}_export_{fmt}"
+    assert main(["export", str(run_dir), "--format", fmt, "--out", str(out)]) == 0
+    live = run_dir / f"step_{STEPS}"  # written by the run itself, from the engine's gathered draft
+    if fmt in FAMILIES[family].serving_formats:
+        assert (out / fmt / "config.json").is_file()
+        if (live / fmt).is_dir():  # the family's defaults wrote it during training too
+            assert json.loads((out / fmt / "config.json").read_text()) == \
+                json.loads((live / fmt / "config.json").read_text())
+            assert_same(load_file(str(out / fmt / "model.safetensors")),
+                        load_file(str(live / fmt / "model.safetensors")))
+        return
+    weights = (load_file(str(out / "model.safetensors")) if fmt != "pth"
+               else torch.load(out / "draft_model_weights.pth", weights_only=True))
+    live_weights = load_file(str(live / "model.safetensors"))
+    assert_same(weights, live_weights)  # every key: trained, buffers and frozen, in their dtypes
+    slot_weights = deepspeed_fp32(last_slot(work, family))
+    for key, value in slot_weights.items():  # what DeepSpeed reads out of the slot
+        if value.is_floating_point() and key in weights and weights[key].is_floating_point():
+            assert torch.equal(weights[key].float(), value), key
+    if fmt == "native":
+        assert (out / "config.json").is_file() and (out / "draft_model_weights.pth").is_file()
+        assert set(exported(out).state_dict()) == set(live_weights)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_consolidate_writes_the_whole_trained_draft(runs, work, family):
+    run_dir = work / family
+    assert main(["consolidate", str(run_dir)]) == 0
+    consolidated = load_file(str(run_dir / "consolidated" / f"step_{STEPS}" / "draft_fp32.safetensors"))
+    live = load_file(str(run_dir / f"step_{STEPS}" / "model.safetensors"))
+    assert_same(consolidated, live)
+    assert set(consolidated) == set(live)
+
+
+# -- eval ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_eval_with_the_target_moved_needs_and_takes_target(runs, tiny_target_dir, tiny_data, work, family, capsys):
+    moved = work / f"{family}_elsewhere"
+    shutil.copytree(work / family / f"step_{STEPS}", moved)
+    config = json.loads((moved / "config.json").read_text())
+    config["target"]["path"] = str(work / "no_such_machine" / "target")  # trained on another machine
+    (moved / "config.json").write_text(json.dumps(config))
+    args = ["eval", str(moved), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "2",
+            "--max-new-tokens", "8", "--device", "cpu", "--json"]
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no_such_machine" in err and "--target" in err, err
+    assert main([*args, "--target", str(tiny_target_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["matches_target"] is True and report["target"] == str(tiny_target_dir)
+    assert main([*args, "--target", str(work / "nowhere")]) == 2
+    assert "--target" in capsys.readouterr().err
