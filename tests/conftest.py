@@ -1,6 +1,7 @@
 """Session fixtures: the tiny demo target and its regenerated chat dataset, built once."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +24,27 @@ def tiny_target_dir(tiny_assets):
 @pytest.fixture(scope="session")
 def tiny_data(tiny_assets):
     return tiny_assets[1]
+
+
+@pytest.fixture(scope="session")
+def served_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with 4 layers: 2 are too few for three layers every server captures (the
+    inputs of layers 1..L-1; layer L's output is never captured), so its default [0, 1, 2] is
+    native only. Same vocab and tokenizer; its trained layers 0, 1 repeated as 2, 3."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny4")
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    config = tiny.config
+    config.num_hidden_layers = 4
+    deeper = LlamaForCausalLM(config)
+    state = {k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
+             for k, v in tiny.state_dict().items() if ".layers." in k}
+    deeper.load_state_dict({**tiny.state_dict(), **state})
+    deeper.save_pretrained(directory)
+    for path in Path(tiny_target_dir).iterdir():
+        if "token" in path.name or path.name.endswith(".jinja"):
+            shutil.copy(path, directory / path.name)
+    return directory

@@ -35,6 +35,7 @@ def run_cli(capsys, *argv):
     ("data_files=/no/such/file.jsonl", "key 'data_files': no file matches /no/such/file.jsonl"),
     ("target=/no/such/dir", "key 'target': directory not found: /no/such/dir"),
     ("max_steps", "override 'max_steps': expected key=value"),
+    ("export_formats=[speculators]", "key 'export_formats': 'speculators' is not a serving format of draft.type 'glide'"),
 ])
 def test_bad_config_is_one_line_and_exit_2(valid_config, capsys, override, expected):
     code, err = run_cli(capsys, "train", str(valid_config), override)

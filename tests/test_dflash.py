@@ -64,8 +64,30 @@ def hidden_at(draft, feats, anchors):
 def test_default_target_layers_are_five_evenly_spaced_inputs_of_layers():
     assert default_target_layers(36) == [2, 10, 18, 26, 34]  # DFlash's outputs 1..33, +1
     assert default_target_layers(32) == [2, 9, 16, 23, 30]
-    assert default_target_layers(4) == [1, 2, 3, 4]  # too shallow: every layer, 4 = last output
-    assert default_target_layers(1) == [1]
+    # too shallow: every layer a server captures (inputs of 1..L-1; never L, the last output)
+    assert default_target_layers(4) == [1, 2, 3]
+    assert default_target_layers(2) == [1]
+    assert default_target_layers(1) == [0]
+
+
+def test_a_speculators_export_of_the_last_layers_output_is_refused_and_not_a_default(tiny_target_dir):
+    """vLLM captures the input of layer i < L only: a draft trained on layer L (allowed, native) is
+    refused by the speculators writer in one line, and saves skip that format."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from specdraft.config import DraftConfig
+    from specdraft.drafts import build_draft
+    from specdraft.errors import SpecdraftError
+
+    config = AutoConfig.from_pretrained(tiny_target_dir)  # 2 layers
+    cfg = OmegaConf.structured(DraftConfig(type="dflash", num_layers=1, block_size=4, target_layers=[1, 2]))
+    draft = build_draft(cfg, config)
+    assert draft.default_serving_formats() == [] and "no speculators export" in draft.describe()
+    with pytest.raises(SpecdraftError, match="^draft.target_layers: layer 2 is the last layer's output, which vLLM"):
+        draft.serving_formats["speculators"](draft, draft.state_dict(), "/nonexistent", str(tiny_target_dir))
+    cfg.target_layers = [0, 1]
+    assert build_draft(cfg, config).default_serving_formats() == ["speculators"]
 
 
 @pytest.mark.parametrize("sample_from_anchor, first, predictions", [(False, 1, 3), (True, 0, 4)])

@@ -101,7 +101,7 @@ def test_speculators_export_has_its_key_set_and_config(target, target_dir, tmp_p
     out = write_speculators_export(draft, draft.state_dict(), tmp_path / "spec", str(target_dir))
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
-    assert config["aux_hidden_state_layer_ids"] == [1, 2, 3, 4] and config["mask_token_id"] == VOCAB - 1
+    assert config["aux_hidden_state_layer_ids"] == [1, 2, 3] and config["mask_token_id"] == VOCAB - 1
     assert (config["block_size"], config["sample_from_anchor"]) == (8, False)
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)

@@ -24,30 +24,6 @@ def data_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def served_target_dir(tiny_target_dir, tmp_path_factory):
-    """The tiny target with 4 layers: 2 are too few for three layers every server captures (the
-    inputs of layers 1..L-1; layer L's output is never captured), so its default [0, 1, 2] is
-    native only. Same vocab and tokenizer; its trained layers 0, 1 repeated as 2, 3."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("tiny4")
-    tiny = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    config = tiny.config
-    config.num_hidden_layers = 4
-    deeper = LlamaForCausalLM(config)
-    state = {k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
-             for k, v in tiny.state_dict().items() if ".layers." in k}
-    deeper.load_state_dict({**tiny.state_dict(), **state})
-    deeper.save_pretrained(directory)
-    for path in Path(tiny_target_dir).iterdir():
-        if "token" in path.name or path.name.endswith(".jinja"):
-            shutil.copy(path, directory / path.name)
-    return directory
-
-
 def overrides(target, data_dir, tmp_path, name, **extra):
     values = {"draft.type": "eagle3", "draft.ttt_steps": 3, "draft.draft_vocab_size": 200, **extra}
     return run_overrides(target, data_dir, tmp_path / name, tmp_path / "cache", **values)
@@ -118,8 +94,8 @@ def test_eagle3_bad_input_is_one_line(tiny_target_dir, data_dir, tmp_path, capsy
     ]:
         code, err = run(extra)
         assert code == 2 and expected in err and "\n" not in err, err
-    code, err = run("draft.type=glide", "export_formats=[speculators]")
-    assert code == 2 and "'speculators' is not a serving format of draft.type 'glide'" in err
+    code, err = run("draft.type=glide", "export_formats=[speculators]")  # EAGLE-3's keys on a GLIDE run
+    assert code == 2 and "key 'draft.ttt_steps': not a key of draft.type 'glide' (it belongs to eagle3)" in err
     assert not (tmp_path / "bad").exists()
 
 
@@ -157,3 +133,17 @@ def test_eagle3_trains_at_zero3_with_the_losses_of_zero2(tiny_target_dir, data_d
         losses[stage] = train(load_config(None, args), log=lambda *a: None).losses
     assert len(losses[3]) == 4 and losses[3][-1] < losses[3][0]
     assert losses[3] == pytest.approx(losses[2], rel=1e-5)
+
+
+def test_an_unservable_export_format_named_in_the_config_is_refused_before_training(
+        tiny_target_dir, data_dir, tmp_path, capsys):
+    """The 2-layer target's default layers include its last output: naming speculators stops the
+    run at start-up in one line (not at the first save), with nothing written."""
+    args = overrides(tiny_target_dir, data_dir, tmp_path, "unservable", max_steps=2, save_steps=2,
+                     export_formats="[speculators]")
+    (tmp_path / "run.yaml").write_text("seed: 3\n")
+    code = main(["train", str(tmp_path / "run.yaml"), *args])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the target's loading bar
+    assert code == 2 and err.startswith("specdraft: error: ")
+    assert "key 'export_formats': speculators: draft.target_layers: layer 2 is the last layer's output" in err
+    assert not (tmp_path / "unservable").exists()

@@ -39,22 +39,22 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_target_dir, work):
+def runs(served_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
-    proc = torchrun(REPO / "tests" / "offline_script.py", tiny_target_dir, work / "data", work, out, port=29637,
+    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out, port=29637,
                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def shrunk(tiny_target_dir, work, runs):
+def shrunk(served_target_dir, work, runs):
     """Each family's 2-rank step 2 resumed on 1 rank: {family: (losses, log lines)}."""
     results = {}
     for family in FAMILIES:
         lines = []
-        cfg = run_config(tiny_target_dir, work / "data", work, family, f"{family}_shrunk",
+        cfg = run_config(served_target_dir, work / "data", work, family, f"{family}_shrunk",
                          f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}")
         results[family] = (train(cfg, log=lines.append).losses, lines)
     return results
@@ -152,7 +152,7 @@ def test_consolidate_writes_the_whole_trained_draft(runs, work, family):
 # -- eval ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eval_with_the_target_moved_needs_and_takes_target(runs, tiny_target_dir, tiny_data, work, family, capsys):
+def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, tiny_data, work, family, capsys):
     moved = work / f"{family}_elsewhere"
     shutil.copytree(work / family / f"step_{STEPS}", moved)
     config = json.loads((moved / "config.json").read_text())
@@ -164,8 +164,8 @@ def test_eval_with_the_target_moved_needs_and_takes_target(runs, tiny_target_dir
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no_such_machine" in err and "--target" in err, err
-    assert main([*args, "--target", str(tiny_target_dir)]) == 0
+    assert main([*args, "--target", str(served_target_dir)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["matches_target"] is True and report["target"] == str(tiny_target_dir)
+    assert report["matches_target"] is True and report["target"] == str(served_target_dir)
     assert main([*args, "--target", str(work / "nowhere")]) == 2
     assert "--target" in capsys.readouterr().err

@@ -95,6 +95,19 @@ def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
+def uncapturable_layer(target_layers, num_target_layers: Optional[int]) -> Optional[str]:
+    """Why a server cannot feed these layers to the draft, in one line; None when it can.
+    vLLM (and SGLang) capture inside the decoder loop, before layer i runs (i < L): the output
+    of the last layer (our id L) is never captured (vllm/model_executor/models/llama.py,
+    LlamaModel.forward, aux_hidden_state_layers)."""
+    if num_target_layers is not None and num_target_layers in target_layers:
+        last = num_target_layers
+        return (f"draft.target_layers: layer {last} is the last layer's output, which vLLM and SGLang do not "
+                f"capture (ids 0..{last - 1}: the input of each layer); export the native format, or train "
+                f"on layers below {last}")
+    return None
+
+
 def target_text_config(target_config):
     """The decoder's config: the `text_config` of a multimodal target (Gemma 3), else itself."""
     return getattr(target_config, "text_config", None) or target_config
@@ -193,9 +206,14 @@ class Draft(nn.Module, ABC):
         """Restore extra_state() from a checkpoint; never rebuilt. Raises a SpecdraftError naming
         `source` when it disagrees with the draft's own."""
 
+    def serving_refusal(self, fmt: str) -> Optional[str]:
+        """Why serving format `fmt` cannot serve this draft as trained, in one line; None if it can."""
+        return None
+
     def default_serving_formats(self) -> List[str]:
-        """The serving formats every save writes when the config names none."""
-        return list(self.serving_formats)
+        """The serving formats every save writes when the config names none: those that can serve
+        this draft as trained (one that cannot is refused when asked for)."""
+        return [name for name in self.serving_formats if self.serving_refusal(name) is None]
 
     # -- decoding --------------------------------------------------------------------------
 

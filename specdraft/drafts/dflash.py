@@ -38,7 +38,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
-                                   rows_where, target_layer_shape, target_text_config)
+                                   rows_where, target_layer_shape, target_text_config, uncapturable_layer)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import RMSNorm, apply_rope
@@ -68,11 +68,11 @@ def default_target_layers(num_target_layers: int, count: int = DEFAULT_NUM_TARGE
     """Evenly spaced layer ids (input-of-layer convention, as speculators/vLLM write them).
 
     DFlash's reference picks outputs of layers 1 .. L-3, i.e. inputs of 2 .. L-2; a target too
-    shallow for that spreads over 1 .. L (id L: the last layer's output).
+    shallow for that spreads over 1 .. L-1 (never L, the last layer's output: no server captures it).
     """
     start, end = 2, num_target_layers - 2
     if end - start + 1 < count:
-        start, end = 1, num_target_layers
+        start, end = min(1, num_target_layers - 1), num_target_layers - 1
     count = min(count, end - start + 1)
     if count == 1:
         return [(start + end) // 2]
@@ -119,6 +119,7 @@ class DFlashDims:
     loss_decay_gamma: float = 4.0
     max_anchors: int = 512
     initializer_range: float = 0.02
+    target_num_layers: Optional[int] = None  # the target's decoder layers (None: an export older than the field)
 
     @property
     def layout(self) -> BlockLayout:
@@ -354,6 +355,15 @@ class DFlashDraft(Draft):
             self.serving_formats = {}
         self.init_linear_weights(self.dims.initializer_range)
 
+    def describe(self) -> str:
+        skipped = uncapturable_layer(self.dims.target_layers, self.dims.target_num_layers)
+        return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, "
+                          f"{self.dims.num_layers} draft layers, blocks of {self.dims.block_size}",
+                          *([f"no speculators export: {skipped}"] if skipped else [])])
+
+    def serving_refusal(self, fmt: str) -> Optional[str]:
+        return uncapturable_layer(self.dims.target_layers, self.dims.target_num_layers)
+
     # -- building ---------------------------------------------------------------------------------
 
     _text_config = staticmethod(target_text_config)
@@ -420,6 +430,7 @@ class DFlashDraft(Draft):
             train_mask_embedding=bool(draft_cfg.train_mask_embedding),
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
+            target_num_layers=int(text.num_hidden_layers),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
 
     @classmethod

@@ -24,6 +24,7 @@ from typing import Dict
 import torch
 from transformers import AutoConfig
 
+from specdraft.drafts.base import uncapturable_layer
 from specdraft.errors import SpecdraftError
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format is written (and tested) for
@@ -33,6 +34,9 @@ NOT_EXPORTED = ("mask_delta",)
 
 
 def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    uncapturable = uncapturable_layer(draft.dims.target_layers, draft.dims.target_num_layers)
+    if uncapturable:
+        raise SpecdraftError(uncapturable)
     delta = state_dict["mask_delta"]
     if bool((delta != 0).any()):
         raise SpecdraftError("speculators' DFlash format embeds MASK with the target's row of mask_token_id "

@@ -307,9 +307,8 @@ class Eagle3Draft(Draft):
                           f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
                           *skipped])
 
-    def default_serving_formats(self) -> List[str]:
-        """The formats that can serve this draft as trained (the others are refused when asked for)."""
-        return [name for name in self.serving_formats if serving_refusal(self.dims, name) is None]
+    def serving_refusal(self, fmt: str) -> Optional[str]:
+        return serving_refusal(self.dims, fmt)
 
     # -- the vocabulary maps ---------------------------------------------------------------
 

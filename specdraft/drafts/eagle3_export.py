@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from safetensors.torch import save_file
 
+from specdraft.drafts.base import uncapturable_layer
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
@@ -138,11 +139,9 @@ def sglang_unsupported(dims) -> List[str]:
 def serving_refusal(dims, fmt: str) -> Optional[str]:
     """Why `fmt` ("speculators" or "sglang") cannot serve this draft as trained, in one line; None
     when it can."""
-    last = dims.target_num_layers
-    if last in dims.target_layers:  # the servers capture before each layer: never after the last
-        return (f"draft.target_layers: layer {last} is the last layer's output, which vLLM and SGLang do not "
-                f"capture (ids 0..{last - 1}: the input of each layer); export the native format, or train "
-                f"on layers below {last}")
+    uncapturable = uncapturable_layer(dims.target_layers, dims.target_num_layers)
+    if uncapturable:
+        return uncapturable
     if fmt == "sglang":
         unsupported = sglang_unsupported(dims)
         if unsupported:

@@ -47,7 +47,13 @@ NATIVE_FILES = ("pth", "safetensors")
 def serving_formats(draft, cfg: DictConfig) -> Sequence[str]:
     """The serving formats a save writes: `export_formats` from the config, else the family's."""
     configured = cfg.get("export_formats")
-    return list(configured) if configured is not None else draft.default_serving_formats()
+    if configured is None:
+        return draft.default_serving_formats()
+    for name in configured:  # refused at start-up, not at the first save after hours of training
+        refusal = draft.serving_refusal(name)
+        if refusal:
+            raise SpecdraftError(f"key 'export_formats': {name}: {refusal}")
+    return list(configured)
 
 
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,

@@ -27,7 +27,7 @@ from specdraft.train.checkpoint import CheckpointManager, config_file, export_di
 from specdraft.train.collectives import all_reduce, any_rank
 from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
                                     init_distributed, resolve_target_placement, run_shared, steps_of_their_own)
-from specdraft.train.export import BackgroundExporter, write_draft_export
+from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 from specdraft.transfer import to_device
@@ -73,8 +73,9 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 
     target = load_frozen_target(cfg.target, cfg.precision)
     # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot's
-    # client state (CheckpointManager.resume): it is never derived from the data again.
+    # frozen-state file (CheckpointManager.resume): it is never derived from the data again.
     draft = build_draft(cfg.draft, target.config, data=None if plan is not None else data)
+    serving_formats(draft, cfg)  # a format named in the config that cannot serve this draft: refused now
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     placement = resolve_target_placement(cfg, target.config, world_size)
     engine = build_engine(cfg, model, total_steps, placement, load_universal=plan is not None and plan.universal)
