@@ -167,3 +167,19 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
     assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-eagle3" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash"])
+def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir, tiny_data):
+    """`specdraft train configs/demo*.yaml` after `specdraft demo`: its data_files glob finds the
+    build's train files (checked on the tiny build, laid out like the demo's)."""
+    import glob
+
+    from omegaconf import OmegaConf
+
+    from specdraft.config import demo_config_path
+
+    pattern = OmegaConf.load(demo_config_path(name))._get_node("data_files")._value()
+    build = Path(tiny_target_dir).parent  # <home>/tiny, as <home>/demo for the demo preset
+    found = sorted(glob.glob(pattern.replace("${specdraft_home:}/demo", str(build))))
+    assert found and found == sorted(str(f) for f in tiny_data.train_files)
