@@ -75,12 +75,16 @@ def target_and_prompts(tiny_target_dir, tiny_data):
 
 def test_measured_answers_are_the_greedy_answers_and_tau_is_prompt_lookups(target_and_prompts):
     model, tokenizer, prompts = target_and_prompts
-    stop = stop_tokens(model, tokenizer)
+    # the tiny target rarely ends its turn within 24 tokens: also stop at a token its first answer
+    # produces, so that answers end and the stop token must be cut off
+    first = generate_plain(model, prompts[0], max_new_tokens=24).tokens
+    stop = stop_tokens(model, tokenizer) + [first[3]]
     quality, texts = measure_answer_quality(model, tokenizer, prompts, max_new_tokens=24, stop=stop)
     greedy = []
     for p in prompts:
         tokens = generate_plain(model, p, max_new_tokens=24, stop_tokens=stop).tokens
         greedy.append([t for t in tokens if t not in stop])
+    assert quality.ended > 0 and len(greedy[0]) <= 3
     assert texts == [tokenizer.decode(g) for g in greedy]
     assert quality.distinct_2 == pytest.approx(distinct_2(greedy))
     assert quality.degenerate == degenerate_share(texts)
