@@ -54,6 +54,16 @@ def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_t
     assert logged == {"glide": False, "glide-1": True}
     assert set(results["ratios"]) >= {"GLIDE tv (T=0.7, all tokens) ÷ GLIDE ce (chain γ=3, T=0.7)"}
     assert json.loads((tmp_path / "demo" / "acceptance.json").read_text())["ratios"] == results["ratios"]
+    quality = results["answer_quality"]  # the target's own answers rated first, on the same prompts
+    assert quality["answers"] == 2 and 0.0 < quality["distinct_2"] <= 1.0 and quality["lookup_tau"] >= 1.0
+    assert "target's greedy answers: 2 answers" in (tmp_path / "demo" / "acceptance.md").read_text()
+
+
+def test_acceptance_bench_offers_every_preset():
+    bench = load_bench("acceptance")
+    assert bench.parse_args(["--preset", "bench"]).preset == "bench"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "huge"])
 
 
 def test_step_efficiency_bench_runs_every_family(tmp_path):
