@@ -12,6 +12,7 @@ import os
 import sys
 from typing import List, Optional
 
+from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
 from specdraft.errors import SpecdraftError
 
 EXIT_USER_ERROR = 2
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_train)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
-    p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--config", default=None,
                    help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
     p.add_argument("--answer-temperature", type=float, default=0.0,
