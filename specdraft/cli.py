@@ -72,7 +72,8 @@ def _cmd_eval(args) -> int:
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
-                      device=args.device, dtype=args.dtype)
+                      device=args.device, dtype=args.dtype,
+                      thinking=None if args.thinking is None else args.thinking == "on")
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
     p.set_defaults(run=_cmd_eval)
 
     p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")
