@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         demo_target, demo_data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
         target_dir = target_dir or str(demo_target)
         prompts_file = prompts_file or str(demo_data.prompts_file)
-        data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "shard-*.jsonl")  # regenerate's
+        data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "train-*.jsonl")
     exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
     for item in args.draft:
         label, _, path = item.rpartition("=")

@@ -35,7 +35,7 @@ def test_split_objective_gives_the_config_keys_and_refuses_in_one_line(capsys):
 
 def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_target_dir, tiny_data, tmp_path):
     bench = load_bench("acceptance")
-    data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
+    data_glob = str(Path(tiny_data.train_files[0]).parent / "train-*.jsonl")
     results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
                           "--data", data_glob, "--families", "glide", "--objectives", "ce", "tv@0.7:all",
                           "--train-steps", "3", "--temperatures", "0,0.7", "--max-prompts", "2",

@@ -160,27 +160,6 @@ def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     assert (REPO / "configs" / f"{name}.yaml").resolve() == (REPO / "specdraft" / "configs" / f"{name}.yaml")
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash"])
-def test_demo_configs_find_what_specdraft_demo_builds(name, tiny_assets, tmp_path, monkeypatch):
-    """`specdraft train configs/demo.yaml` after `specdraft demo`: its paths are the demo's cache
-    (the training files are `specdraft regenerate`'s shards)."""
-    import glob
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    from specdraft.config import demo_config_path
-
-    target_dir, data = tiny_assets
-    (tmp_path / "demo").symlink_to(Path(target_dir).parent)  # the tiny build where the demo one goes
-    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
-    cfg = OmegaConf.load(demo_config_path(name))
-    assert sorted(Path(f).resolve() for f in glob.glob(cfg.data_files)) == sorted(Path(f).resolve()
-                                                                                 for f in data.train_files)
-    assert Path(cfg.eval_prompts).resolve() == Path(data.prompts_file).resolve()
-    assert Path(cfg.target).resolve() == Path(target_dir).resolve()
-
-
 def test_demo_config_that_does_not_exist_is_one_line(capsys):
     from specdraft.config import demo_config_path
 

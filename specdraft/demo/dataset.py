@@ -44,7 +44,7 @@ class DemoData:
 
 def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
                   log=log_stderr, answer_temperature: float = 0.0) -> DemoData:
-    """Write `out_dir/answers/shard-*.jsonl` (target-regenerated chats, `specdraft regenerate`) and `out_dir/prompts.jsonl`.
+    """Write `out_dir/train-*.jsonl` (target-regenerated chats) and `out_dir/prompts.jsonl`.
 
     answer_temperature 0: greedy answers; > 0: answers sampled at that temperature with `seed`."""
     p = get_preset(preset)
