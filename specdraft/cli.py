@@ -69,11 +69,11 @@ def _cmd_eval(args) -> int:
     from specdraft.decode.report import format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
+    thinking = None if args.thinking is None else args.thinking == "on"
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
-                      device=args.device, dtype=args.dtype,
-                      thinking=None if args.thinking is None else args.thinking == "on")
+                      device=args.device, dtype=args.dtype)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

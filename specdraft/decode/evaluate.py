@@ -229,9 +229,9 @@ def _check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
 
 def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
              tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
+             thinking: Optional[bool] = None,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
-             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
-             thinking: Optional[bool] = None) -> Dict[str, Any]:
+             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto") -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
 
