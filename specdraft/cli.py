@@ -70,8 +70,9 @@ def _cmd_eval(args) -> int:
     from specdraft.decode.report import format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
+    thinking = None if args.thinking is None else args.thinking == "on"
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
                       device=args.device, dtype=args.dtype, target=args.target)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
     p.set_defaults(run=_cmd_eval)
 
     p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")
