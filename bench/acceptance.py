@@ -3,6 +3,7 @@ against prompt lookup (no model), greedy and sampled.
 
     python bench/acceptance.py                                  # demo preset: GLIDE, EAGLE-3, DFlash
     python bench/acceptance.py --preset tiny                    # a quick run
+    python bench/acceptance.py --preset bench                   # the bench target (~15 CPU-minute build, cached)
     python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0:all" \\
         --gamma 4 --tree ""                                     # one GLIDE per objective
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
@@ -14,6 +15,8 @@ for --train-steps on the same data with the same seed, with its default objectiv
 set: the target's greedy answers, or with --answer-temperature T its answers sampled at T (a
 dataset of its own, cached beside the greedy one); the held-out eval prompts are the same.
 
+First the target's own greedy answers to the prompts are rated (specdraft/demo/quality.py:
+distinct-2, degenerate share, prompt lookup τ): a target that repeats itself flatters every drafter.
 Every number comes from this one run. Per temperature, plain target decoding of the prompts is
 measured once; then every drafter x shape (chain gamma; a block drafter's whole block as the chain;
 tree) reports tau (tokens per target forward: accepted + 1), acceptance per position, mean TV(target
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -41,6 +45,8 @@ import torch  # noqa: E402
 from specdraft.decode.evaluate import (compare, load_tokenizer, make_drafter, read_prompts,  # noqa: E402
                                        resolve_export, run_plain, stop_tokens)
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
+from specdraft.demo.presets import PRESETS  # noqa: E402
+from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.drafts import draft_from_export_config  # noqa: E402
 from specdraft.drafts.io import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
@@ -52,7 +58,7 @@ LABELS = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="demo", choices=["demo", "tiny"], help="demo assets to use")
+    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="demo assets to use")
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
     parser.add_argument("--families", default="glide,eagle3,dflash", help="draft families to train")
@@ -199,6 +205,9 @@ def main(argv=None) -> dict:
     tokenizer = load_tokenizer(next(iter(exports.values()), None), Path(target_dir))
     prompts = read_prompts(prompts_file, tokenizer, args.max_prompts)
     stop = stop_tokens(target, tokenizer)
+    # is this target worth measuring on? (a target that repeats itself flatters every drafter)
+    quality = measure_answer_quality(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, stop=stop)[0]
+    print(f"[bench] target answers: {quality.line()}", flush=True)
     drafters = {label: ("draft", load_exported_draft(export)[0]) for label, export in exports.items()}
     drafters["prompt lookup"] = ("prompt_lookup", None)
     if args.untrained and exports:
@@ -229,6 +238,7 @@ def main(argv=None) -> dict:
              + (f"drafts trained {args.train_steps} steps on {data_glob} ({trained}); " if trained
                 else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; ")
              + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
+             f"target's greedy answers: {quality.line()}",
              "",
              "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | tok/s | speedup "
              "| lossless |",
@@ -272,7 +282,7 @@ def main(argv=None) -> dict:
     print(text)
     print(" ".join(headline))
     out.mkdir(parents=True, exist_ok=True)
-    results = {"rows": rows, "ratios": ratios, "exports": {k: str(v) for k, v in exports.items()},
+    results = {"rows": rows, "ratios": ratios, "answer_quality": dataclasses.asdict(quality), "exports": {k: str(v) for k, v in exports.items()},
                "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds}
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
     (out / "acceptance.md").write_text(text + "\n")

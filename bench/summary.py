@@ -18,7 +18,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 SCRIPTS = ["target_weights", "checkpoint", "acceptance", "step_efficiency", "memory_model", "zero3_placement",
-           "glide_attention"]
+           "glide_attention", "regenerate"]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import List, Optional
 
+from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
 from specdraft.errors import SpecdraftError
 
 EXIT_USER_ERROR = 2
@@ -69,8 +70,9 @@ def _cmd_eval(args) -> int:
     from specdraft.decode.report import format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
+    thinking = None if args.thinking is None else args.thinking == "on"
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
                       device=args.device, dtype=args.dtype, target=args.target)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_train)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
-    p.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--config", default=None,
                    help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
     p.add_argument("--answer-temperature", type=float, default=0.0,
@@ -159,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
     p.set_defaults(run=_cmd_eval)
 
     p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")

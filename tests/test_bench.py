@@ -54,6 +54,45 @@ def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_t
     assert logged == {"glide": False, "glide-1": True}
     assert set(results["ratios"]) >= {"GLIDE tv (T=0.7, all tokens) ÷ GLIDE ce (chain γ=3, T=0.7)"}
     assert json.loads((tmp_path / "demo" / "acceptance.json").read_text())["ratios"] == results["ratios"]
+    quality = results["answer_quality"]  # the target's own answers rated first, on the same prompts
+    assert quality["answers"] == 2 and 0.0 < quality["distinct_2"] <= 1.0 and quality["lookup_tau"] >= 1.0
+    assert "target's greedy answers: 2 answers" in (tmp_path / "demo" / "acceptance.md").read_text()
+
+
+def test_acceptance_bench_offers_every_preset():
+    bench = load_bench("acceptance")
+    assert bench.parse_args(["--preset", "bench"]).preset == "bench"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--preset", "huge"])
+
+
+def test_regenerate_bench_times_both_backends_and_trains_on_each_answer_set(tiny_target_dir, tiny_data, tmp_path,
+                                                                              capsys):
+    """bench/regenerate.py on the tiny demo: both backends regenerate the same prompts (the same
+    greedy answers), and one GLIDE is trained on each of the human, greedy and sampled answers."""
+    bench = load_bench("regenerate")
+    results = bench.main(["--preset", "tiny", "--home", str(Path(tiny_target_dir).parents[1]), "--train-steps", "2",
+                          "--throughput-prompts", "3", "--max-prompts", "2", "--max-new-tokens", "6",
+                          "--out", str(tmp_path)])
+    t = results["throughput"]
+    assert t["identical_answers"] == 3 and t["hf"]["tokens"] == t["openai"]["tokens"] > 0
+    assert t["hf"]["rows"] == t["openai"]["rows"] == 3 and t["hf"]["errors"] == t["openai"]["errors"] == 0
+    # the human set: the same prompts as the greedy data, each answered by its function body
+    human = [json.loads(line) for line in Path(results["value"]["data"]["human"]).read_text().splitlines()]
+    greedy = [json.loads(line) for path in tiny_data.train_files for line in Path(path).read_text().splitlines()]
+    assert sorted(r["conversations"][0]["content"] for r in human) == sorted(
+        r["conversations"][0]["content"] for r in greedy)
+    answers = {r["conversations"][0]["content"]: r["conversations"][1]["content"] for r in human}
+    assert answers != {r["conversations"][0]["content"]: r["conversations"][-1]["content"] for r in greedy}
+    from specdraft.demo.corpus import extract_functions, read_corpus
+    from specdraft.demo.presets import get_preset
+
+    bodies = {f.prompt: f.answer for f in extract_functions(read_corpus(get_preset("tiny").corpus_bytes, 0))}
+    assert all(bodies[prompt] == answer for prompt, answer in answers.items())
+    taus = {(r["label"], r["temperature"]) for r in results["value"]["rows"]}
+    assert taus == {(label, t) for label in ("human", "greedy", "sampled", "prompt lookup") for t in (0.0, 0.7)}
+    last = dict(item.split("=") for item in capsys.readouterr().out.strip().splitlines()[-1].split())
+    assert {"hf_openai_ratio", "tau_human_T0", "tau_sampled_T07", "ratio_sampled_human_T07"} <= set(last)
 
 
 def test_step_efficiency_bench_runs_every_family(tmp_path):

@@ -535,6 +535,33 @@ def test_evaluate_names_the_bad_line_of_a_prompt_file(run_dir, tmp_path):
         evaluate(tmp_path, root / "prompts.jsonl")
 
 
+def test_eval_renders_the_prompts_with_the_thinking_setting(run_dir, tmp_path, monkeypatch):
+    """`specdraft eval --thinking on|off` reaches the chat template as enable_thinking, as in the data."""
+    import shutil
+
+    import specdraft.decode.evaluate as evaluate_module
+    from specdraft.cli import main
+
+    root, _ = run_dir
+    export = tmp_path / "export"
+    shutil.copytree(root / "run" / "step_10", export)
+    tokenizer = write_char_tokenizer(export)  # the export's tokenizer wins over the target's
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                               "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    tokenizer.save_pretrained(str(export))
+    seen = []
+    real_compare = evaluate_module.compare
+    monkeypatch.setattr(evaluate_module, "compare", lambda target, drafter, prompts, **kw: (
+        seen.append(["".join(tokenizer.convert_ids_to_tokens(p)) for p in prompts]), real_compare(target, drafter, prompts, **kw))[1])
+    for thinking in ("off", "on", None):
+        assert main(["eval", str(export), "--prompts", str(root / "prompts.jsonl"), "--max-prompts", "1",
+                     "--max-new-tokens", "2", "--gamma", "1", "--json"]
+                    + (["--thinking", thinking] if thinking else [])) == 0
+    assert seen == [["<user>def add(a, b):\n<assistant><think></think>"], ["<user>def add(a, b):\n<assistant>"],
+                    ["<user>def add(a, b):\n<assistant>"]]
+
+
 def test_measure_tau_for_the_training_loop(run_dir, target):
     from transformers import AutoTokenizer
 

@@ -1,5 +1,6 @@
 """The demo assets: a genuine HF target directory and a dataset of the target's own answers."""
 
+import dataclasses
 import json
 import os
 
@@ -13,6 +14,8 @@ from specdraft.demo.assets import SEED, _matches
 from specdraft.demo.cache import STAMP, building, read_stamp
 from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
 from specdraft.demo.dataset import chat_prompt, data_inputs, regenerate
+from specdraft.demo.presets import get_preset
+from specdraft.demo.target import pretrain
 from specdraft.errors import SpecdraftError
 
 
@@ -212,6 +215,34 @@ def test_same_seed_builds_the_same_target(tiny_target_dir, tmp_path):
         assert (again / shard.name).read_bytes() == shard.read_bytes()
     tokenizer_json = (tiny_target_dir / "tokenizer.json").read_text()
     assert (again / "tokenizer.json").read_text() == tokenizer_json
+
+
+def test_a_preset_field_at_its_default_keeps_older_builds_cached():
+    demo = PRESETS["demo"]
+    added = {"bf16_autocast"}  # fields added after targets were built and cached
+    assert set(demo.fingerprint()) == {f.name for f in dataclasses.fields(demo)} - added
+    assert dataclasses.replace(demo, bf16_autocast=True).fingerprint()["bf16_autocast"] is True
+    assert get_preset("bench").fingerprint()["bf16_autocast"] is True
+
+
+def test_bf16_autocast_pretrains_in_bf16_and_keeps_fp32_weights():
+    p = dataclasses.replace(PRESETS["tiny"], train_steps=3, log_every=1, warmup_steps=1)
+    stream = torch.randint(5, 200, (4000,), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfigForTest())
+        losses[bf16] = pretrain(model, stream, dataclasses.replace(p, bf16_autocast=bf16), 0, log=lambda m: None)
+        assert all(w.dtype == torch.float32 for w in model.parameters())
+    assert losses[True] != losses[False]  # bf16 matmuls round differently
+    assert abs(losses[True] - losses[False]) < 0.05 * losses[False]  # but train the same
+
+
+def LlamaConfigForTest():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def test_unknown_preset_is_a_user_error(tmp_path):

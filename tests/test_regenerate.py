@@ -136,14 +136,23 @@ def test_sigkill_at_random_moments_then_rerun_writes_every_row_exactly_once(tiny
     data = source(tmp_path, prompts_from(tiny_data, 40))
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "specdraft", "regenerate", "--target", str(tiny_target_dir), "--data", str(data),
-           "--out", str(out), "--max-new-tokens", "24", "--batch-size", "2", "--rows-per-shard", "2",
+           "--out", str(out), "--max-new-tokens", "24", "--batch-size", "1", "--concurrency", "1", "--rows-per-shard", "2",
            "--temperature", "0.7"]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     rng = random.Random(0)
     killed = 0
+
+    def shards():
+        return len(list(out.glob("shard-*.jsonl")))
+
     for trial in range(4):
+        # One row in flight (--concurrency 1), so shards come one by one. Killed once it has written 1-3 more shards, a random instant after the last one (a
+        # fixed delay would miss the run on a fast machine and its start-up on a slow one)
+        goal, deadline = shards() + rng.randint(1, 3), time.monotonic() + 180
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(4.0, 7.0))
+        while proc.poll() is None and shards() < goal and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.03))  # the tiny target writes a 2-row shard every few tens of ms
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             killed += 1
@@ -152,7 +161,7 @@ def test_sigkill_at_random_moments_then_rerun_writes_every_row_exactly_once(tiny
     rows = out_rows(out)
     keys = [(r["id"], r["sample"]) for r in rows]
     errors = len((out / "errors.jsonl").read_text().splitlines())
-    assert killed >= 2
+    assert killed >= 3  # mid-run: each after new shards were written
     assert len(keys) == len(set(keys)) and len(keys) + errors == 40
     assert not list(out.glob("*.tmp"))
     assert len(written_keys(out)) == len(keys)

@@ -236,6 +236,7 @@ def _check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
 
 def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
              tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
+             thinking: Optional[bool] = None,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
              record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
              target: Optional[str] = None) -> Dict[str, Any]:
@@ -245,6 +246,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
 
     gamma None: the depth the draft was trained for. device None: CUDA when there is one.
     dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
+    thinking: the template's enable_thinking for the prompts, as the training data used (None: its default).
     """
     from specdraft.target.model import load_frozen_target
 
@@ -260,7 +262,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
         raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
                              f"needs a run or export directory")
     tokenizer = load_tokenizer(export_dir, target_dir)
-    prompts = read_prompts(prompts_file, tokenizer, max_prompts)
+    prompts = read_prompts(prompts_file, tokenizer, max_prompts, thinking)
     target = load_frozen_target(str(target_dir), dtype, resolve_device(device))
     weight = target.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
     draft = None

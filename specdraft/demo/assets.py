@@ -34,13 +34,8 @@ def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
     target_dir, data_dir = root / preset / "target", root / preset / data_name
 
     t0 = time.perf_counter()
+    ensure_demo_target(root, preset, log)
     target_stamp = read_stamp(target_dir)
-    if _matches(target_stamp, target_inputs(preset, SEED)):
-        log(f"[demo] reusing cached target {target_dir}")
-    else:
-        remove_stale(target_dir, log)
-        build_target(target_dir, preset, SEED, log)
-        target_stamp = read_stamp(target_dir)
 
     if _matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp, answer_temperature)):
         log(f"[demo] reusing cached dataset {data_dir}")
@@ -49,6 +44,19 @@ def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
         build_dataset(target_dir, data_dir, preset, SEED, log, answer_temperature)
     log(f"[demo] {preset} assets ready in {time.perf_counter() - t0:.1f}s")
     return target_dir, DemoData.from_dir(data_dir)
+
+
+def ensure_demo_target(home=None, preset: str = "demo", log=log_stderr) -> Path:
+    """The preset's target alone, `home/<preset>/target`, built on first use (as above)."""
+    get_preset(preset)
+    root = Path(home) if home is not None else specdraft_home()
+    target_dir = root / preset / "target"
+    if _matches(read_stamp(target_dir), target_inputs(preset, SEED)):
+        log(f"[demo] reusing cached target {target_dir}")
+    else:
+        remove_stale(target_dir, log)
+        build_target(target_dir, preset, SEED, log)
+    return target_dir
 
 
 def _matches(stamp: dict | None, expected: dict) -> bool:

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specdraft.demo.cache import STAMP, building, log_stderr, no_progress_bars, read_stamp
 from specdraft.demo.corpus import extract_functions, read_corpus
 from specdraft.demo.presets import get_preset
+from specdraft.demo.quality import quality_of_texts
 from specdraft.errors import SpecdraftError
 
 PROMPTS_FILE = "prompts.jsonl"
@@ -75,6 +76,9 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
         stamp["train_files"] = names
         log(f"[demo data] regenerated {summary['rows']} answers ({summary['errors']} empty, dropped) "
             f"in {summary['seconds']:.1f}s, {summary['tok_per_s']:.0f} answer tok/s")
+        answers = [turn["content"] for name in names for line in (tmp / name).read_text().splitlines()
+                   for turn in json.loads(line)["conversations"] if turn["role"] == "assistant"]
+        log(f"[demo data] answers: {quality_of_texts(tokenizer, answers).line()}")
         _write_jsonl(tmp / PROMPTS_FILE, [{"prompt": q} for q in held_out])
         stamp.update(rows=summary["rows"], prompts=len(held_out))
     log(f"[demo data] {summary['rows']} conversations in {len(names)} files, {len(held_out)} held-out "

@@ -30,27 +30,37 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
     out_dir = Path(out_dir)
     stamp = target_inputs(p.name, seed)
     with building(out_dir, stamp, log) as tmp:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         files = read_corpus(p.corpus_bytes, seed)
         tokenizer = train_tokenizer((f.text for f in files), p.vocab_size,
                                     p.max_position_embeddings)
         log(f"[demo target] tokenizer: vocab {len(tokenizer)} from {len(files)} stdlib files "
             f"({sum(len(f.text) for f in files) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
 
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         stream = _token_stream(extract_functions(files), tokenizer, seed)
         model = _new_model(p, tokenizer, seed)
-        log(f"[demo target] training {sum(x.numel() for x in model.parameters()) / 1e6:.2f}M "
-            f"params on {stream.numel() / 1e6:.2f}M tokens, {p.train_steps} steps of "
-            f"{p.batch_size}x{p.seq_len}")
+        params = sum(x.numel() for x in model.parameters())
+        seen = p.train_steps * p.batch_size * p.seq_len
+        log(f"[demo target] training {params / 1e6:.2f}M params on {stream.numel() / 1e6:.2f}M "
+            f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len}"
+            + (" (bf16 matmuls)" if p.bf16_autocast else ""))
         final_loss = pretrain(model, stream, p, seed, log)
-        log(f"[demo target] trained in {time.perf_counter() - t0:.1f}s, final loss "
+        log(f"[demo target] trained in {time.perf_counter() - t1:.1f}s, final loss "
             f"{final_loss:.3f}")
 
         with no_progress_bars():
             model.save_pretrained(tmp, max_shard_size=_shard_bytes(model, SHARDS))
         tokenizer.save_pretrained(tmp)
-        stamp["final_loss"] = final_loss
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        # the build's own figures, also kept in the stamp (bench/answer_quality.py prints them)
+        stamp.update(final_loss=final_loss, params=params, tokens_seen=seen,
+                     corpus_tokens=stream.numel(), build_seconds=round(wall, 1),
+                     build_cpu_seconds=round(cpu, 1))
+        log(f"[demo target] {p.name}: {params / 1e6:.2f}M params, {seen / 1e6:.2f}M tokens seen "
+            f"({seen / stream.numel():.1f} passes over {stream.numel() / 1e6:.2f}M), final loss "
+            f"{final_loss:.3f}; built in {wall:.0f}s wall, {cpu:.0f}s CPU ({torch.get_num_threads()} "
+            f"threads)")
     log(f"[demo target] saved to {out_dir}")
     return out_dir
 
@@ -67,7 +77,9 @@ def pretrain(model: LlamaForCausalLM, stream: torch.Tensor, p: DemoPreset, seed:
     for step in range(1, p.train_steps + 1):
         starts = torch.randint(0, stream.numel() - p.seq_len, (p.batch_size,), generator=gen)
         batch = torch.stack([stream[s:s + p.seq_len] for s in starts.tolist()])  # (B, T)
-        loss = model(input_ids=batch, labels=batch).loss
+        # bf16 autocast: matmuls in bf16, weights, optimizer and loss reduction in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.bf16_autocast):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
