@@ -124,6 +124,32 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
         regenerate(config(tiny_target_dir, data, tmp_path / "o", temperature=0.5), real, log=lambda m: None)
 
 
+def test_ranks_share_the_rows_and_write_what_one_process_writes(tiny_target_dir, tiny_data, tmp_path, monkeypatch):
+    """Under torchrun each rank (RANK / WORLD_SIZE) takes the rows its id hashes to: two ranks into
+    one directory write every row exactly once, the same answers one process writes (seeds come
+    from the row, not from the process)."""
+    data = source(tmp_path, prompts_from(tiny_data, 12))
+    single = tmp_path / "single"
+    regenerate(config(tiny_target_dir, data, single, temperature=0.7), progress_bar=False)
+    shared = tmp_path / "shared"
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        regenerate(config(tiny_target_dir, data, shared, temperature=0.7), progress_bar=False)
+    rows = out_rows(shared)
+    import hashlib
+
+    for rank in (0, 1):  # each rank wrote exactly the rows whose id hashes to it
+        own = [json.loads(line) for p in shared.glob(f"shard-r{rank:03d}-*.jsonl") for line in p.read_text().splitlines()]
+        assert own and all(int(hashlib.sha256(f"{r['id']}#{r['sample']}".encode()).hexdigest(), 16) % 2 == rank
+                           for r in own)
+    keys = [(r["id"], r["sample"]) for r in rows]
+    single_rows = out_rows(single)
+    assert len(keys) == len(set(keys)) == len(single_rows) >= 10  # an empty sampled answer is an error row
+    answers = lambda rs: {(r["id"], r["sample"]): r["conversations"][-1]["content"] for r in rs}  # noqa: E731
+    assert answers(rows) == answers(single_rows)
+
+
 def test_too_long_rows_go_to_the_errors_file(tiny_target_dir, tmp_path):
     data = source(tmp_path, [{"prompt": "x " * 200}, {"prompt": "def f():"}])
     summary = regenerate(config(tiny_target_dir, data, tmp_path / "o", max_length=64), log=lambda m: None,
