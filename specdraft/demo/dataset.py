@@ -107,7 +107,7 @@ def chat_prompt(tokenizer, user_message: str) -> str:
 def regenerate_rows(model, tokenizer, source, out_dir, target_dir, p, temperature: float, seed: int,
                     rows_per_shard: int) -> dict:
     """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
-    from specdraft.data.generation import HFBackend, Sampling
+    from specdraft.data.generation import HFBackend
     from specdraft.regenerate import RegenerateConfig
     from specdraft.regenerate import regenerate as run_regenerate
 

@@ -20,7 +20,7 @@ weights and ZeRO-3 never has to gather them twice.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
@@ -129,6 +129,7 @@ class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
+    dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
 
@@ -161,13 +162,13 @@ class Draft(nn.Module, ABC):
         state will be loaded from a checkpoint instead)."""
 
     @classmethod
-    @abstractmethod
     def from_export_config(cls, config: Dict[str, Any]) -> "Draft":
         """Rebuild from what export_config() wrote (weights and extra state loaded after)."""
+        return cls(cls.dims_type(**config["dims"]))
 
-    @abstractmethod
     def export_config(self) -> Dict[str, Any]:
         """The JSON-able description written next to exported weights: {"architecture", "dims"}."""
+        return {"architecture": self.architecture, "family": self.family, "dims": asdict(self.dims)}
 
     def describe(self) -> str:
         """One line for the start-up log: the choices made from the config (e.g. layers captured)."""

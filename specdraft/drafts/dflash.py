@@ -336,6 +336,7 @@ class DFlashDraft(Draft):
     family = "dflash"
     architecture = "DFlashDraft"
     options = DFlashOptions
+    dims_type = DFlashDims
     serving_formats = {"speculators": write_speculators_export}
 
     def __init__(self, dims: DFlashDims, objective: Objective = CE):
@@ -432,13 +433,6 @@ class DFlashDraft(Draft):
             max_anchors=int(draft_cfg.max_anchors),
             target_num_layers=int(text.num_hidden_layers),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
-
-    @classmethod
-    def from_export_config(cls, config: Dict[str, Any]) -> "DFlashDraft":
-        return cls(DFlashDims(**config["dims"]))
-
-    def export_config(self) -> Dict[str, Any]:
-        return {"architecture": self.architecture, "family": self.family, "dims": dict(self.dims.__dict__)}
 
     def capture_request(self) -> CaptureRequest:
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),

@@ -25,7 +25,7 @@ plus the entries of the tokens drafted before it, at the same positions.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -204,6 +204,7 @@ class Eagle3Draft(Draft):
     architecture = "Eagle3Draft"
     default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
     options = Eagle3Options
+    dims_type = Eagle3Dims
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
 
     def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
@@ -292,13 +293,6 @@ class Eagle3Draft(Draft):
             draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
                                              draft.dims.draft_vocab_size))
         return draft
-
-    @classmethod
-    def from_export_config(cls, config: Dict[str, Any]) -> "Eagle3Draft":
-        return cls(Eagle3Dims(**config["dims"]))
-
-    def export_config(self) -> Dict[str, Any]:
-        return {"architecture": self.architecture, "dims": asdict(self.dims)}
 
     def describe(self) -> str:
         skipped = [f"no {name} export: {serving_refusal(self.dims, name)}" for name in self.serving_formats

@@ -116,6 +116,7 @@ class GlideDraft(Draft):
     family = "glide"
     architecture = "GlideDraft"
     options = GlideOptions
+    dims_type = GlideDims
 
     def __init__(self, dims: GlideDims, objective: Objective = CE):
         super().__init__()
@@ -151,13 +152,6 @@ class GlideDraft(Draft):
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
-
-    @classmethod
-    def from_export_config(cls, config: Dict[str, Any]) -> "GlideDraft":
-        return cls(GlideDims(**config["dims"]))
-
-    def export_config(self) -> Dict[str, Any]:
-        return {"architecture": self.architecture, "dims": dict(self.dims.__dict__)}
 
     @property
     def trained_depth(self) -> int:

@@ -52,7 +52,8 @@ from specdraft.atomic import fsync_dir, fsync_file, publish_dir, write_atomic
 from specdraft.config import config_hash
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import target_identity
-from specdraft.train.engine import gather_draft_state_dict, raise_everywhere, run_shared
+from specdraft.train.collectives import raise_everywhere, run_shared
+from specdraft.train.engine import gather_draft_state_dict
 from specdraft.train.rng import rng_state, set_rng_state
 
 CKPT_DIR = "ckpt"

@@ -2,10 +2,13 @@
 
 NCCL (DeepSpeed's backend on CUDA) refuses CPU tensors and gloo refuses CUDA ones, so every
 tensor collective of the loop goes through `all_reduce` here instead of calling torch.distributed
-with whatever tensor is at hand.
+with whatever tensor is at hand. A failure on one rank reaches every rank through here too
+(raise_everywhere, run_shared), so no rank is left waiting at the next collective.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,16 +42,34 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def broadcast_error(check, rank: int):
-    """Run `check` on rank 0 only; its result, or its SpecdraftError, reaches every rank.
-    (Object collectives pick their own device: the current CUDA device under NCCL.)"""
-    box = [None, None]
-    if rank == 0:
+def raise_everywhere(error: Optional[BaseException]) -> None:
+    """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
+    the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
+    one-line user error everywhere), anything else becomes the same RuntimeError on every rank
+    (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
+    if not any_rank(error is not None):
+        return
+    reports = [None] * dist.get_world_size()
+    mine = None if error is None else (isinstance(error, SpecdraftError), f"{type(error).__name__}: {error}"
+                                       if not isinstance(error, SpecdraftError) else str(error))
+    dist.all_gather_object(reports, mine)
+    failing = next(rank for rank, report in enumerate(reports) if report is not None)
+    user_error, message = reports[failing]
+    if user_error:
+        if failing == dist.get_rank():
+            raise error
+        raise SpecdraftError(message)
+    raise RuntimeError(f"rank {failing} failed: {message}") from error
+
+
+def run_shared(fn, on_rank: Optional[int] = 0):
+    """Run `fn` on one rank (every rank when on_rank is None); its failure reaches every rank
+    (raise_everywhere). Returns fn's result where it ran, None elsewhere."""
+    result, error = None, None
+    if on_rank is None or dist.get_rank() == on_rank:
         try:
-            box[0] = check()
-        except SpecdraftError as err:
-            box[1] = str(err)
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise SpecdraftError(box[1])
-    return box[0]
+            result = fn()
+        except Exception as err:
+            error = err
+    raise_everywhere(error)
+    return result

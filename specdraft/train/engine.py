@@ -12,7 +12,6 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.target.model import hold_weights_as_buffers
-from specdraft.train.collectives import any_rank
 from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_peak, reduce_bucket_elements
 from specdraft.train.model import TargetWithDraft
 
@@ -153,45 +152,6 @@ def draft_parameter_count(model: TargetWithDraft) -> int:
 
 def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
-
-
-def raise_everywhere(error: Optional[BaseException]) -> None:
-    """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
-    the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
-    one-line user error everywhere), anything else becomes the same RuntimeError on every rank
-    (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
-    import torch.distributed as dist
-
-    from specdraft.errors import SpecdraftError
-
-    if not any_rank(error is not None):
-        return
-    reports = [None] * dist.get_world_size()
-    mine = None if error is None else (isinstance(error, SpecdraftError), f"{type(error).__name__}: {error}"
-                                       if not isinstance(error, SpecdraftError) else str(error))
-    dist.all_gather_object(reports, mine)
-    failing = next(rank for rank, report in enumerate(reports) if report is not None)
-    user_error, message = reports[failing]
-    if user_error:
-        if failing == dist.get_rank():
-            raise error
-        raise SpecdraftError(message)
-    raise RuntimeError(f"rank {failing} failed: {message}") from error
-
-
-def run_shared(fn, on_rank: Optional[int] = 0):
-    """Run `fn` on one rank (every rank when on_rank is None); its failure reaches every rank
-    (raise_everywhere). Returns fn's result where it ran, None elsewhere."""
-    import torch.distributed as dist
-
-    result, error = None, None
-    if on_rank is None or dist.get_rank() == on_rank:
-        try:
-            result = fn()
-        except Exception as err:
-            error = err
-    raise_everywhere(error)
-    return result
 
 
 def gathered(params: list):

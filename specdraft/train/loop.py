@@ -24,9 +24,9 @@ from specdraft.drafts import DraftLoss, HostBatch, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.train.checkpoint import CheckpointManager, config_file, export_dir
-from specdraft.train.collectives import all_reduce, any_rank
+from specdraft.train.collectives import all_reduce, any_rank, run_shared
 from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
-                                    init_distributed, resolve_target_placement, run_shared, steps_of_their_own)
+                                    init_distributed, resolve_target_placement, steps_of_their_own)
 from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
