@@ -4,7 +4,6 @@ the tiny target with the decode engine."""
 import json
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.decode.drafters import PromptLookupDrafter

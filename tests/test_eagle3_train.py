@@ -3,7 +3,6 @@ vocab maps counted once and carried by checkpoints and exports, resume without r
 in-training tau, `specdraft export --format`, and the one-line errors."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
