@@ -84,6 +84,17 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, t
     cfg = run_cfg(target_dir, tmp_path, **draft_options)
     draft = random_eagle3(target, cfg)
     export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
+    report = assert_speculators_computes_our_logits(target, draft, export / "speculators", tmp_path)
+    expected = sorted(draft.state_dict())
+    if draft.dims.draft_vocab_size == draft.dims.vocab_size:
+        expected = [k for k in expected if k not in ("d2t", "t2d")]
+    assert report["saved"] == sorted(expected + ["embed_tokens.weight"]) and report["has_vocab_maps"] == (draft.dims.draft_vocab_size < 160)
+    assert report["layer_ids"] == draft.dims.target_layers
+
+
+def assert_speculators_computes_our_logits(target, draft, export_dir, tmp_path) -> dict:
+    """speculators loads `export_dir` strictly and its TTT forward gives our logits at every step;
+    returns its report (saved keys, layer ids)."""
     ids = torch.randint(0, 160, (1, T + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         feats = capture(target.model, ids, torch.arange(T + 1)[None], draft.capture_request())
@@ -91,17 +102,12 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, t
         ours = torch.stack([draft.logits(h) for h in draft.unroll(aux, feats.input_embeds, STEPS)])[:, 0]
     # speculators' alignment (its shift_batch): position j carries (g_j, x_{j+1})
     torch.save({"hidden": aux[:, :-1].contiguous(), "ids": ids[:, 1:].contiguous()}, tmp_path / "inputs.pt")
-    report = run_in_speculators(SPECULATORS_SCRIPT, export / "speculators", tmp_path / "inputs.pt",
-                                tmp_path / "logits.pt", STEPS)
+    report = run_in_speculators(SPECULATORS_SCRIPT, export_dir, tmp_path / "inputs.pt", tmp_path / "logits.pt", STEPS)
     assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
-    expected = sorted(draft.state_dict())
-    if draft.dims.draft_vocab_size == draft.dims.vocab_size:
-        expected = [k for k in expected if k not in ("d2t", "t2d")]
-    assert report["saved"] == sorted(expected + ["embed_tokens.weight"]) and report["has_vocab_maps"] == (draft.dims.draft_vocab_size < 160)
-    assert report["layer_ids"] == draft.dims.target_layers
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"][:, 0]  # (steps, T, N)
     for k in range(STEPS):  # the last k positions embed padding (their token 0, our zeros): not compared
         torch.testing.assert_close(ours[k, :T - k], theirs[k, :T - k], rtol=1e-4, atol=1e-4)
+    return report
 
 
 def test_speculators_config_fields(target_dir, tmp_path):

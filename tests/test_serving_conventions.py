@@ -13,13 +13,12 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from speculators_env import run_in_speculators
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.vocab import draft_to_target_ids
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 from specdraft.train.export import write_draft_export
-from test_eagle3_export import SPECULATORS_SCRIPT, STEPS, T, random_eagle3, run_cfg
+from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32}  # small: the scaled band covers most frequencies
@@ -124,18 +123,7 @@ def test_llama31_rope_scaling_is_the_targets_and_speculators_computes_our_logits
     export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
     layer = json.loads((export / "speculators" / "config.json").read_text())["transformer_layer_config"]
     assert layer["rope_parameters"] == {**LLAMA31_ROPE, "rope_theta": 500000.0}
-    ids = torch.randint(0, 160, (1, T + 1), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        feats = capture(target.model, ids, torch.arange(T + 1)[None], draft.capture_request())
-        aux = draft.aux_hidden(feats)
-        ours = torch.stack([draft.logits(h) for h in draft.unroll(aux, feats.input_embeds, STEPS)])[:, 0]
-    torch.save({"hidden": aux[:, :-1].contiguous(), "ids": ids[:, 1:].contiguous()}, tmp_path / "inputs.pt")
-    report = run_in_speculators(SPECULATORS_SCRIPT, export / "speculators", tmp_path / "inputs.pt",
-                                tmp_path / "logits.pt", STEPS)
-    assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
-    logits = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"][:, 0]
-    for k in range(STEPS):
-        torch.testing.assert_close(ours[k, :T - k], logits[k, :T - k], rtol=1e-4, atol=1e-4)
+    assert_speculators_computes_our_logits(target, draft, export / "speculators", tmp_path)
 
 
 def test_sglang_config_spells_rope_as_its_llama_layer_reads_it(llama31_dir, tmp_path):
