@@ -211,10 +211,20 @@ class Draft(nn.Module, ABC):
         """Why serving format `fmt` cannot serve this draft as trained, in one line; None if it can."""
         return None
 
+    def serving_refusals(self) -> Dict[str, str]:
+        """format -> why it cannot serve this draft as trained, for the family's formats that cannot."""
+        refusals = {name: self.serving_refusal(name) for name in self.serving_formats}
+        return {name: why for name, why in refusals.items() if why}
+
     def default_serving_formats(self) -> List[str]:
         """The serving formats every save writes when the config names none: those that can serve
         this draft as trained (one that cannot is refused when asked for)."""
-        return [name for name in self.serving_formats if self.serving_refusal(name) is None]
+        refused = self.serving_refusals()
+        return [name for name in self.serving_formats if name not in refused]
+
+    def describe_refusals(self) -> List[str]:
+        """For describe(): one entry per serving format a save leaves out, and why."""
+        return [f"no {name} export: {why}" for name, why in self.serving_refusals().items()]
 
     # -- decoding --------------------------------------------------------------------------
 

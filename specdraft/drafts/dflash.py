@@ -357,10 +357,9 @@ class DFlashDraft(Draft):
         self.init_linear_weights(self.dims.initializer_range)
 
     def describe(self) -> str:
-        skipped = uncapturable_layer(self.dims.target_layers, self.dims.target_num_layers)
         return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, "
                           f"{self.dims.num_layers} draft layers, blocks of {self.dims.block_size}",
-                          *([f"no speculators export: {skipped}"] if skipped else [])])
+                          *self.describe_refusals()])
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return uncapturable_layer(self.dims.target_layers, self.dims.target_num_layers)

@@ -179,7 +179,8 @@ class TTTVisibility:
 
 
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The dense reference of TTTVisibility (tests), (T, (step+1) T) bool: step-0 keys causally, then the same-position key of steps 1..step.
+    """The dense reference of TTTVisibility (tests), (T, (step+1) T) bool: step-0 keys causally,
+    then the same-position key of steps 1..step.
     documents (B, T) of packed data -> (B, 1, T, (step+1) T): step-0 keys of the query's own
     conversation only, as at inference."""
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -295,11 +296,9 @@ class Eagle3Draft(Draft):
         return draft
 
     def describe(self) -> str:
-        skipped = [f"no {name} export: {serving_refusal(self.dims, name)}" for name in self.serving_formats
-                   if serving_refusal(self.dims, name)]
         return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
                           f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
-                          *skipped])
+                          *self.describe_refusals()])
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return serving_refusal(self.dims, fmt)
