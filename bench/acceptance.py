@@ -42,15 +42,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from specdraft.decode.evaluate import (compare, load_tokenizer, make_drafter, read_prompts,  # noqa: E402
-                                       resolve_export, run_plain, stop_tokens)
+from specdraft.decode.measure import compare, make_drafter, run_plain  # noqa: E402
+from specdraft.decode.prompts import read_prompts, stop_tokens  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.drafts import draft_from_export_config  # noqa: E402
-from specdraft.drafts.io import load_exported_draft, read_export_config  # noqa: E402
+from specdraft.train.export import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.evaluate import load_tokenizer, resolve_export  # noqa: E402
 
 CONFIGS = {"glide": "demo.yaml", "eagle3": "demo-eagle3.yaml", "dflash": "demo-dflash.yaml"}
 LABELS = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}

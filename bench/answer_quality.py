@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from specdraft.decode.evaluate import encode_messages, load_tokenizer, read_prompts, stop_tokens  # noqa: E402
+from specdraft.decode.prompts import encode_messages, read_prompts, stop_tokens  # noqa: E402
+from specdraft.evaluate import load_tokenizer  # noqa: E402
 from specdraft.demo.cache import read_stamp  # noqa: E402
 from specdraft.demo.presets import PRESETS, get_preset  # noqa: E402
 from specdraft.demo.quality import held_out_prompts, measure_answer_quality, unseen_prompts  # noqa: E402

@@ -66,7 +66,7 @@ def _cmd_consolidate(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from specdraft.decode.evaluate import evaluate
+    from specdraft.evaluate import evaluate
     from specdraft.decode.report import format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None

@@ -15,14 +15,14 @@ import torch  # noqa: E402
 
 from helpers import capturing_save  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
-from specdraft.train import checkpoint  # noqa: E402
+from specdraft.train import checkpoint, slots  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
 target, data_dir, work, out_json = sys.argv[1:5]
 rank = int(os.environ["RANK"])
 events = []  # ("fsync" | "verified" | "loaded", path), in order
 
-real_fsync, real_load, real_verify = os.fsync, torch.load, checkpoint.verify_files
+real_fsync, real_load, real_verify = os.fsync, torch.load, slots.verify_files
 
 
 def spy_fsync(fd):
@@ -42,7 +42,7 @@ def spy_verify(slot_dir, record, names=None):
         events.append(("verified", os.path.abspath(os.path.join(slot_dir, name))))
 
 
-os.fsync, torch.load, checkpoint.verify_files = spy_fsync, spy_load, spy_verify
+os.fsync, torch.load, slots.verify_files = spy_fsync, spy_load, spy_verify
 checkpoint.CheckpointManager.save = capturing_save(checkpoint.CheckpointManager.save, 6)
 
 

@@ -11,11 +11,12 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from specdraft.config import load_config  # noqa: E402
-from specdraft.train import checkpoint, export, loop, metrics  # noqa: E402
+from specdraft.run import COMMITTED  # noqa: E402
+from specdraft.train import export, loop, metrics, slots  # noqa: E402
 
 target, data_dir, work, out_json = sys.argv[1:5]
 rank = int(os.environ["RANK"])
-checkpoint.VISIBLE_WAIT_S = 1.0
+slots.VISIBLE_WAIT_S = 1.0
 
 
 def config(name, *extra):
@@ -32,15 +33,15 @@ def failing(exc):
 
 def failing_commit(original):
     def write(path, content):
-        if os.path.basename(path) == checkpoint.COMMITTED:
+        if os.path.basename(path) == COMMITTED:
             raise OSError(errno.EIO, "Input/output error")
         return original(path, content)
     return write
 
 
 cases = {
-    "commit": (checkpoint, "write_atomic", failing_commit(checkpoint.write_atomic), []),
-    "prune": (checkpoint, "remove_slot", failing(PermissionError(errno.EACCES, "Permission denied")), ["keep_last=1"]),
+    "commit": (slots, "write_atomic", failing_commit(slots.write_atomic), []),
+    "prune": (slots, "remove_slot", failing(PermissionError(errno.EACCES, "Permission denied")), ["keep_last=1"]),
     "export": (export, "publish_dir", failing(OSError(errno.ENOSPC, "No space left on device")), []),
     "metrics": (metrics.MetricsLogger, "log", failing(OSError(errno.EIO, "metrics disk gone")), []),
     "not_shared": (None, None, None, []),

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.decode.drafters import PromptLookupDrafter
-from specdraft.decode.evaluate import read_prompts, stop_tokens
+from specdraft.decode.prompts import read_prompts, stop_tokens
 from specdraft.decode.report import acceptance_stats
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.demo import PRESETS

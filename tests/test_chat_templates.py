@@ -182,7 +182,7 @@ def test_eval_prompts_render_with_the_thinking_setting(tiny_target_dir):
     user = [{"role": "user", "content": "hi"}]
     assert render_prompt(tokenizer, user, "x", thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert render_prompt(tokenizer, user, "x", thinking=True).endswith("<|im_start|>assistant\n")
-    from specdraft.decode.evaluate import encode_messages
+    from specdraft.decode.prompts import encode_messages
 
     assert tokenizer.decode(encode_messages(tokenizer, user, thinking=False)).endswith("</think>\n\n")
 

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
-from specdraft.decode.evaluate import evaluate, measure_tau
+from specdraft.decode.measure import measure_tau
+from specdraft.evaluate import evaluate
 from specdraft.decode.report import format_report
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
@@ -539,7 +540,7 @@ def test_eval_renders_the_prompts_with_the_thinking_setting(run_dir, tmp_path, m
     """`specdraft eval --thinking on|off` reaches the chat template as enable_thinking, as in the data."""
     import shutil
 
-    import specdraft.decode.evaluate as evaluate_module
+    import specdraft.evaluate as evaluate_module
     from specdraft.cli import main
 
     root, _ = run_dir

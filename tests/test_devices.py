@@ -483,8 +483,9 @@ def tiny_export(tiny_target_dir, tmp_path_factory):
 def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(tiny_target_dir, tiny_data, tiny_export,
                                                                             capsys):
     from specdraft.cli import main
-    from specdraft.decode.evaluate import read_prompts, load_tokenizer
-    from specdraft.drafts.io import load_exported_draft
+    from specdraft.decode.prompts import read_prompts
+    from specdraft.evaluate import load_tokenizer
+    from specdraft.train.export import load_exported_draft
 
     assert main(["eval", str(tiny_export), "--prompts", str(tiny_data.prompts_file), "--dtype", "bf16",
                  "--device", "cpu", "--max-new-tokens", "16", "--max-prompts", "3", "--json"]) == 0
@@ -527,7 +528,7 @@ def test_eval_dtype_auto_is_the_targets_own_and_a_missing_gpu_is_one_line(tiny_t
 
 
 def test_eval_warns_once_when_asked_deeper_than_the_draft_was_trained(tiny_data, tiny_export, capsys, caplog):
-    from specdraft.decode.evaluate import evaluate
+    from specdraft.evaluate import evaluate
 
     with caplog.at_level("WARNING"):
         evaluate(tiny_export, tiny_data.prompts_file, gamma=3, max_new_tokens=4, max_prompts=1, device="cpu")

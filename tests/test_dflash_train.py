@@ -9,9 +9,9 @@ import pytest
 
 from helpers import run_overrides, write_chat_files
 from specdraft.config import load_config
-from specdraft.decode.evaluate import evaluate
+from specdraft.evaluate import evaluate
 from specdraft.drafts.dflash import DFlashDraft
-from specdraft.drafts.io import load_exported_draft
+from specdraft.train.export import load_exported_draft
 from specdraft.errors import SpecdraftError
 from specdraft.train.loop import train
 

@@ -20,7 +20,8 @@ import torch
 from helpers import (MOMENTS, REPO, capturing_save, run_overrides, state_file, torchrun, universal_optimizer_state,
                      write_chat_files)
 from specdraft.config import load_config
-from specdraft.train import checkpoint
+from specdraft.run import universal_dir
+from specdraft.train import checkpoint, slots
 from specdraft.train.loop import train
 
 ELASTIC_TOLERANCE = 1e-5
@@ -117,9 +118,9 @@ def test_universal_copy_holds_the_original_fp32_weights_and_adam_moments(two_ran
 
 def test_conversion_leaves_the_slot_alone_and_is_reused(tiny_target_dir, dist_work, dist_data, shrunk_runs, capsys):
     slot = dist_work / "two2" / "ckpt" / "step_6"
-    checkpoint.verify_slot(slot)  # the original still matches its manifest
+    slots.verify_slot(slot)  # the original still matches its manifest
     assert not (slot.parent / "latest_universal").exists()  # ds_to_universal's stray pointer stayed in its temp dir
-    universal = checkpoint.universal_dir(slot)
+    universal = universal_dir(slot)
     before = {p: p.stat().st_mtime_ns for p in universal.rglob("*")}
     logs = []
     again = train(config(tiny_target_dir, dist_work, dist_data, "shrunk2_again", 2, f"resume={slot}"),
@@ -208,6 +209,6 @@ def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused
         assert text in message and "\n" not in message, (case, message)
         assert kind == ("RuntimeError" if case == "metrics" else "SpecdraftError"), (case, kind)
     # the failed commit left no committed slot behind; the run whose prune failed kept its new slot
-    assert not checkpoint.committed_slots(dist_work / "fail_commit" / "ckpt")
-    assert [s.name for s in checkpoint.committed_slots(dist_work / "fail_prune" / "ckpt")] == ["step_2", "step_4"]
+    assert not slots.committed_slots(dist_work / "fail_commit" / "ckpt")
+    assert [s.name for s in slots.committed_slots(dist_work / "fail_prune" / "ckpt")] == ["step_2", "step_4"]
     shutil.rmtree(dist_work / "fail_commit")

@@ -12,7 +12,7 @@ from helpers import run_overrides, write_chat_files
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.drafts import vocab as vocab_module
-from specdraft.drafts.io import load_exported_draft
+from specdraft.train.export import load_exported_draft
 from specdraft.train.loop import train
 
 

@@ -22,8 +22,8 @@ from helpers import REPO, torchrun, write_chat_files
 from offline_runs import STEPS, SAVE_STEPS, run_config
 from specdraft.cli import main
 from specdraft.drafts import FAMILIES
-from specdraft.drafts.io import load_exported_draft
-from specdraft.train.checkpoint import universal_dir
+from specdraft.train.export import load_exported_draft
+from specdraft.run import universal_dir
 from specdraft.train.export import EXPORT_FORMATS
 from specdraft.train.loop import train
 

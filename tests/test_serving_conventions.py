@@ -192,7 +192,7 @@ def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path
     """DeepSpeed's bf16 engine casts parameters only (engine._configure_distributed_model:
     "preserve fp32 buffers (e.g. rotary inv_freq)"); Draft.cast does the same at eval, and the
     exported weights load into the same draft."""
-    from specdraft.drafts.io import load_exported_draft
+    from specdraft.train.export import load_exported_draft
 
     target = target_of(plain_dir)
     cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100)

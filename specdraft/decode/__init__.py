@@ -6,9 +6,10 @@
     drafters.py     the Drafter interface, tree growth, ModelDrafter ("self"), PromptLookupDrafter
     speculative.py  speculative_generate (chain or tree) and generate_plain
     report.py       tau, acceptance per position, speedup; terminal table; PNG plot
-    evaluate.py     evaluate() behind `specdraft eval`, measure_tau() for training evals
+    prompts.py      prompt files and chat messages -> token ids; end-of-turn ids
+    measure.py      a drafter against plain decoding: compare(), measure_tau() for training evals
 
-A trained draft's Drafter comes from its family in specdraft.drafts (`draft.make_drafter(target)`);
-those import this package's drafters/cache/tree modules, and evaluate.py imports specdraft.drafts,
-so this __init__ stays empty of imports: `from specdraft.decode.evaluate import evaluate`.
+This package is the engine below the families: it never imports specdraft.drafts or train. A
+trained draft's Drafter comes from its family (`draft.make_drafter(target)`), which builds it from
+this package's drafters/cache/tree modules. `specdraft eval` is specdraft/evaluate.py.
 """

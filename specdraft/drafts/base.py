@@ -109,8 +109,10 @@ def uncapturable_layer(target_layers, num_target_layers: Optional[int]) -> Optio
 
 
 def target_text_config(target_config):
-    """The decoder's config: the `text_config` of a multimodal target (Gemma 3), else itself."""
-    return getattr(target_config, "text_config", None) or target_config
+    """The decoder's config, as transformers finds it: the `text_config` of a multimodal target
+    (Gemma 3), else the config itself. The one lookup for config objects (target/weights.py reads
+    config.json as a dict, without transformers)."""
+    return target_config.get_text_config()
 
 
 def target_layer_shape(target_config) -> Dict[str, Any]:

@@ -35,13 +35,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
                                    rows_where, target_layer_shape, target_text_config, uncapturable_layer)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
-from specdraft.drafts.layers import RMSNorm, apply_rope
+from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
                                         shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
@@ -100,13 +99,7 @@ class BlockLayout:
 
 
 @dataclass
-class DFlashDims:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
+class DFlashDims(LayerDims):
     hidden_act: str
     vocab_size: int
     target_hidden_size: int
@@ -199,45 +192,24 @@ def block_attention(q, k, v, visibility: Optional[BlockVisibility]) -> torch.Ten
 
 # -- layers ----------------------------------------------------------------------------------------
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(Projections):
     """Queries from the block; keys/values from the context and the block, one set of projections."""
 
     def __init__(self, d: DFlashDims):
-        super().__init__()
-        self.d = d
-        self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.head_dim, bias=False)
-        self.k_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.v_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+        super().__init__(d)
         self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
         self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, n*D) -> (B, n, T, D)
-        return x.view(*x.shape[:2], -1, self.d.head_dim).transpose(1, 2)
-
     def keys_values(self, x, cos, sin) -> Tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, H) at rotary tables cos/sin (B, T, D) -> K (RoPE applied), V: (B, KV, T, D)."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x))), cos, sin)
-        return k, self._heads(self.v_proj(x))
+        k = apply_rope(self.k_norm(self.heads(self.k_proj(x))), cos, sin)
+        return k, self.heads(self.v_proj(x))
 
     def forward(self, x, cos, sin, context_k, context_v, visibility: Optional[BlockVisibility]):
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x))), cos, sin)  # (B, Hq, Q, D)
+        q = apply_rope(self.q_norm(self.heads(self.q_proj(x))), cos, sin)  # (B, Hq, Q, D)
         k, v = self.keys_values(x, cos, sin)
-        out = block_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
-                              visibility)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-
-
-class DFlashMLP(nn.Module):
-    def __init__(self, d: DFlashDims):
-        super().__init__()
-        self.gate_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d.hidden_size, d.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=False)
-        self.act = ACT2FN[d.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.output(block_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
+                                           visibility))
 
 
 class DFlashLayer(nn.Module):
@@ -246,7 +218,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.self_attn = DFlashAttention(d)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = DFlashMLP(d)
+        self.mlp = GatedMLP(d.hidden_size, d.intermediate_size, d.hidden_act)
 
     def forward(self, x, cos, sin, context_k, context_v, visibility):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, visibility)
@@ -366,13 +338,12 @@ class DFlashDraft(Draft):
 
     # -- building ---------------------------------------------------------------------------------
 
-    _text_config = staticmethod(target_text_config)
 
     @classmethod
     def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
         layers = draft_cfg.target_layers
         if not layers:
-            return default_target_layers(cls._text_config(target_config).num_hidden_layers)
+            return default_target_layers(target_text_config(target_config).num_hidden_layers)
         # concatenated in increasing id order, the order vLLM collects its aux hidden states in
         return sorted(int(x) for x in layers)
 
@@ -401,7 +372,7 @@ class DFlashDraft(Draft):
             fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
         if target_config is None:
             return
-        text = cls._text_config(target_config)
+        text = target_text_config(target_config)
         num_target_layers = text.num_hidden_layers
         bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
         if bad:
@@ -413,7 +384,7 @@ class DFlashDraft(Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
-        text = cls._text_config(target_config)
+        text = target_text_config(target_config)
         mask_id = draft_cfg.mask_token_id
         return cls(DFlashDims(
             **target_layer_shape(target_config),

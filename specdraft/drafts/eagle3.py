@@ -37,7 +37,7 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
-from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend
+from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.drafts.ttt_attention import ttt_attention
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
@@ -89,13 +89,7 @@ def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
 
 
 @dataclass
-class Eagle3Dims:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
+class Eagle3Dims(LayerDims):
     vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
@@ -123,30 +117,24 @@ class Eagle3Dims:
                 "initializer_range": self.initializer_range}
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(Projections):
     def __init__(self, d: Eagle3Dims):
-        super().__init__()
-        self.d = d
-        self.q_proj = nn.Linear(2 * d.hidden_size, d.num_heads * d.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+        super().__init__(d, in_size=2 * d.hidden_size)  # over cat(embeds, hidden)
 
     def forward(self, x, cos, sin, past_keys, past_values, visible):
         # x (B, T, 2H) -> out (B, T, H), new k, v. Decoding: past (B, KV, S, D) or None, visible
         # (T, S + T) bool. TTT training: past = the earlier steps' (B, KV, T, D) each, visible a
         # TTTVisibility (no (T, (k+1) T) mask is built).
-        B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)
+        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
+        k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
+        v = self.heads(self.v_proj(x))
         if isinstance(visible, TTTVisibility):
             out = ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents)
         else:
             keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
             values = v if past_values is None else torch.cat([past_values, v], dim=2)
             out = attend(q, keys, values, visible)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
+        return self.output(out), k, v
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -251,7 +239,7 @@ class Eagle3Draft(Draft):
             fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
         if target_config is None:
             return
-        text = getattr(target_config, "text_config", None) or target_config
+        text = target_text_config(target_config)
         num_layers = text.num_hidden_layers
         if num_layers + 1 < AUX_LAYERS:
             fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")

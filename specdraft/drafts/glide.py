@@ -23,7 +23,8 @@ from torch import nn
 from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
                                    rows_where, target_layer_shape)
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
-from specdraft.drafts.layers import GatedMLP, RMSNorm, apply_rope, attend, lagged_cross_attention, sliding_window_attention
+from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
+                                    lagged_cross_attention, sliding_window_attention)
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
                                         shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
@@ -42,14 +43,8 @@ class GlideOptions(ObjectiveOptions):
 
 
 @dataclass
-class GlideDims:
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int  # the draft's own self-attention K/V heads
+class GlideDims(LayerDims):  # num_kv_heads: the draft's own self-attention K/V heads
     target_kv_heads: int  # heads of the target K/V that cross-attention reads
-    head_dim: int
-    rms_norm_eps: float
     sliding_window: int
     max_lag: int
     final_norm: bool
@@ -59,57 +54,41 @@ class GlideDims:
     initializer_range: float = 0.02
 
 
-class GlideSelfAttention(nn.Module):
-    def __init__(self, d: GlideDims):
-        super().__init__()
-        self.d = d
-        self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.head_dim, bias=False)
-        self.k_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.v_proj = nn.Linear(d.hidden_size, d.num_kv_heads * d.head_dim, bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
-
+class GlideSelfAttention(Projections):
     def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None):
         # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache
-        B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
-        v = self.v_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)
+        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
+        k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
+        v = self.heads(self.v_proj(x))
         if index is None:
-            out = sliding_window_attention(q, k, v, self.d.sliding_window, documents)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            return self.output(sliding_window_attention(q, k, v, self.d.sliding_window, documents))
         key_index = index
         if cache is not None:
             k, v, key_index = cache.append(k, v, index)
         distance = index[:, None] - key_index[None, :]  # (T, S) query index - key index
         visible = (distance >= 0) & (distance < self.d.sliding_window)
-        out = attend(q, k, v, visible)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.output(attend(q, k, v, visible))
 
 
-class GlideCrossAttention(nn.Module):
+class GlideCrossAttention(Projections):
     """Queries from the draft; keys/values are the target's last layer (keys already rotated)."""
 
     def __init__(self, d: GlideDims):
-        super().__init__()
-        self.d = d
-        self.q_proj = nn.Linear(d.hidden_size, d.num_heads * d.head_dim, bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+        super().__init__(d, keys_values=False)
 
     def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None):
         # limit (T,): the last target position query t may read; < 0 means none.
         # limit None: a whole training sequence, query t reads up to t - lag (of its document)
-        B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)
+        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
+        keys, values = target_keys.to(q.dtype), target_values.to(q.dtype)
         if limit is None:
-            out = lagged_cross_attention(q, target_keys.to(q.dtype), target_values.to(q.dtype), lag, documents)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-        S = target_keys.shape[2]
-        visible = torch.arange(S, device=x.device)[None, :] <= limit[:, None]  # (T, S)
+            return self.output(lagged_cross_attention(q, keys, values, lag, documents))
+        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= limit[:, None]  # (T, S)
         has_context = visible.any(dim=1)
         visible[~has_context, 0] = True  # keep softmax finite; these rows are zeroed below
-        out = attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)
+        out = attend(q, keys, values, visible)
         out = out * has_context[None, None, :, None].to(out.dtype)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.output(out)
 
 
 class GlideDraft(Draft):

@@ -1,14 +1,29 @@
-"""Building blocks the draft families share: Llama-style RMSNorm, the target's RoPE, attention
-with an explicit visibility mask, the gated MLP, and the training-time attentions that need no
-(T, T) mask (sliding window, lagged causal cross-attention)."""
+"""Building blocks the draft families share: the dims of a Llama-style layer, RMSNorm, the
+target's RoPE, the q/k/v/o projections, attention with an explicit visibility mask, the gated MLP,
+and the training-time attentions that need no (T, T) mask (sliding window, lagged causal
+cross-attention). Module attribute names (q_proj, gate_proj, ...) are the serving formats' keys:
+speculators, SGLang and LongSpec load them by these names."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
+
+
+@dataclass
+class LayerDims:
+    """The shape of one Llama-style decoder layer: the first fields of every family's dims."""
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -39,15 +54,42 @@ def attend(q, k, v, visible: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class Projections(nn.Module):
+    """The q/k/v/o projections of an attention over `in_size` inputs (2H for EAGLE-3's fused input),
+    and the reshapes to and from heads. keys_values=False: queries only (GLIDE's cross-attention
+    reads the target's keys/values)."""
+
+    def __init__(self, d: LayerDims, in_size: Optional[int] = None, keys_values: bool = True):
+        super().__init__()
+        self.d = d
+        in_size = d.hidden_size if in_size is None else in_size
+        self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=False)
+        if keys_values:
+            self.k_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
+            self.v_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, n * D) -> (B, n, T, D)"""
+        return x.view(*x.shape[:2], -1, self.d.head_dim).transpose(1, 2)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, Hq, T, D) -> o_proj of the merged heads (B, T, H)."""
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """down(act(gate(x)) * up(x)); act: the target's hidden_act (Llama, Qwen: silu; Gemma: gelu)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = ACT2FN[hidden_act]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:

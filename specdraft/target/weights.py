@@ -191,6 +191,8 @@ def _read_json(path: Path):
 
 
 def _text_config(config: dict) -> dict:
+    # config.json as a dict: this reader runs without transformers (drafts/base.target_text_config
+    # is the lookup for config objects)
     text = config.get("text_config")
     return text if isinstance(text, dict) else {}
 

@@ -1,17 +1,7 @@
-"""Draft-only exports: the draft's weights without the target, in files a user can ship; and the
-offline commands that make them from a run's checkpoint (`specdraft export`, `consolidate`).
-
-step_<N>/
-  draft_model_weights.pth    state dict, `draft_model.` prefix stripped (LongSpec's layout)
-  model.safetensors          the same tensors
-  config.json                what rebuilds the draft: architecture, dims, target path + hash
-  target_heads.safetensors   (optional) the target's embed_tokens / lm_head, for a standalone draft
-  <format>/                  the draft in a serving engine's own format (the family's
-                             serving_formats, e.g. speculators/ for vLLM)
-  tokenizer files, training_config.yaml
-  <format>/                  each serving format of the draft's family (e.g. speculators/, sglang/):
-                             the files that engine loads (config.json + model.safetensors)
-The directory is written under a temp name and renamed: it exists whole or not at all.
+"""The draft export: a self-describing directory that rebuilds the draft without the trainer,
+in files a user can ship (its layout: step_<N>/ in specdraft/run.py). Written by training on rank 0
+and by the offline commands (`specdraft export`, `consolidate`) from a run's checkpoint; read back
+by `specdraft eval`, the benchmarks and tests, strictly (no key patching).
 """
 
 from __future__ import annotations
@@ -21,7 +11,7 @@ import os
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -29,10 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft import __version__
 from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash
-from specdraft.drafts.io import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME
+from specdraft.drafts import Draft, draft_from_export_config
 from specdraft.errors import SpecdraftError
-from specdraft.train.checkpoint import (config_file, consolidated_file, offline_export_dir, read_frozen_state,
-                                         run_slot)
+from specdraft.run import (CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME, TRAINING_CONFIG_NAME,
+                           config_file, consolidated_file, offline_export_dir)
+from specdraft.train.frozen_state import read_frozen_state
+from specdraft.train.slots import run_slot
 from specdraft.train.model import DRAFT_PREFIX
 
 
@@ -101,9 +93,45 @@ def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, t
                        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
                        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))
     (tmp / CONFIG_NAME).write_text(json.dumps(description, indent=2))
-    OmegaConf.save(cfg, tmp / "training_config.yaml", resolve=True)
+    OmegaConf.save(cfg, tmp / TRAINING_CONFIG_NAME, resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+
+
+# -- reading an export back ------------------------------------------------------------------------
+
+def read_export_config(export_dir) -> Dict[str, Any]:
+    path = Path(export_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise SpecdraftError(f"{path}: not found (not a specdraft draft export)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise SpecdraftError(f"{path}: not valid JSON ({err.msg})") from None
+    if "architecture" not in config or "dims" not in config:
+        raise SpecdraftError(f"{path}: missing 'architecture' or 'dims' (not a specdraft draft export)")
+    return config
+
+
+def load_exported_draft(export_dir, dtype: torch.dtype = torch.float32) -> Tuple[Draft, Dict[str, Any]]:
+    """Rebuild the draft from config.json and load its weights strictly (no key patching)."""
+    from safetensors.torch import load_file
+
+    export_dir = Path(export_dir)
+    config = read_export_config(export_dir)
+    draft = draft_from_export_config(config)
+    weights = export_dir / SAFETENSORS_NAME
+    if weights.is_file():
+        state_dict = load_file(str(weights))
+    elif (export_dir / PTH_NAME).is_file():
+        state_dict = torch.load(export_dir / PTH_NAME, map_location="cpu", weights_only=True)
+    else:
+        raise SpecdraftError(f"{export_dir}: neither {SAFETENSORS_NAME} nor {PTH_NAME} found")
+    try:
+        draft.load_state_dict(state_dict, strict=True)
+    except RuntimeError as err:
+        raise SpecdraftError(f"{weights}: weights do not match config.json: {str(err).splitlines()[0]}") from None
+    return draft.cast(dtype).eval(), config  # buffers (rotary inv_freq) stay as in training
 
 
 class BackgroundExporter:
@@ -174,8 +202,6 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
     directory that engine loads)."""
     from transformers import AutoTokenizer
-
-    from specdraft.drafts import draft_from_export_config
 
     slot_dir, record = run_slot(run_dir, step=step)
     draft = draft_from_export_config(record["draft"])

@@ -23,7 +23,8 @@ from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, HostBatch, build_draft
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
-from specdraft.train.checkpoint import CheckpointManager, config_file, export_dir
+from specdraft.run import config_file, export_dir
+from specdraft.train.checkpoint import CheckpointManager
 from specdraft.train.collectives import all_reduce, any_rank, run_shared
 from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
                                     init_distributed, resolve_target_placement, steps_of_their_own)
@@ -199,7 +200,7 @@ EVAL_NEW_TOKENS = 32
 def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
     if cfg.eval_steps <= 0 or not cfg.eval_prompts:
         return []
-    from specdraft.decode.evaluate import read_prompts
+    from specdraft.decode.prompts import read_prompts
 
     return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS, thinking=cfg.thinking)
 
@@ -215,7 +216,7 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
     own, so decoding never lands in the trace ZeRO-3 prefetches training along.
     `target` is the causal LM whose decoder stack and lm_head the engine's module holds.
     """
-    from specdraft.decode.evaluate import measure_tau
+    from specdraft.decode.measure import measure_tau
 
     module = engine.module
     with gathered(module.decoding_parameters()), steps_of_their_own(engine, [target, module.draft_model]):

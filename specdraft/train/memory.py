@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdraft.drafts import build_draft
+from specdraft.drafts.base import target_text_config
 from specdraft.drafts.loss import default_chunk_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -35,16 +36,12 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
 
-def _text_config(config):
-    return getattr(config, "text_config", None) or config
-
-
 def parameter_counts(target_config, draft_cfg) -> Dict[str, int]:
     """Exact counts, from models built on the meta device."""
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(target_config)
         draft = build_draft(draft_cfg, target_config)
-    text = _text_config(target_config)
+    text = target_text_config(target_config)
     per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
     embed = target.get_input_embeddings().weight.numel()
     return {"target": sum(p.numel() for p in target.parameters()), "draft": sum(p.numel() for p in draft.parameters()),
@@ -62,7 +59,7 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
     (default: cfg.document_mask), which costs (B, T, T) boolean masks."""
-    text = _text_config(target_config)
+    text = target_text_config(target_config)
     counts = parameter_counts(target_config, cfg.draft)
     p = BYTES[cfg.precision]
     n = world_size

@@ -69,11 +69,11 @@ GLIDE: List[Mutation] = [
     # layers.lagged_cross_attention (queries [lag:] over keys [:T-lag]); the lag it is given is
     # shifted by one while the counted positions keep the drawn lag.
     Mutation("glide/train-lag-plus-1", GLIDE_PY,
-             "target_values.to(q.dtype), lag, documents)", "target_values.to(q.dtype), lag - 1, documents)",
+             "keys, values, lag, documents)", "keys, values, lag - 1, documents)",
              GLIDE_TRAIN, "query t sees target K/V one position further than inference gives it (the "
              "training cross-attention is called with lag - 1; was cross_limit=index - lag + 1)"),
     Mutation("glide/train-lag-minus-1", GLIDE_PY,
-             "target_values.to(q.dtype), lag, documents)", "target_values.to(q.dtype), lag + 1, documents)",
+             "keys, values, lag, documents)", "keys, values, lag + 1, documents)",
              GLIDE_TRAIN, "query t sees one target position less than inference gives it (the training "
              "cross-attention is called with lag + 1; was cross_limit=index - lag - 1)"),
     Mutation("glide/lagged-keys-not-shifted", LAYERS_PY,
@@ -81,8 +81,7 @@ GLIDE: List[Mutation] = [
              "q, k, v = q[:, :, lag:], k[:, :, lag:], v[:, :, lag:]", GLIDE_TRAIN,
              "lagged_cross_attention: query t reads target keys up to t instead of t - lag"),
     Mutation("glide/cross-limit-exclusive", GLIDE_PY,
-             "torch.arange(S, device=x.device)[None, :] <= limit[:, None]",
-             "torch.arange(S, device=x.device)[None, :] < limit[:, None]", GLIDE_TRAIN),
+             "[None, :] <= limit[:, None]", "[None, :] < limit[:, None]", GLIDE_TRAIN),
     Mutation("glide/no-context-rows-not-zeroed", GLIDE_PY,
              "out = out * has_context[None, None, :, None].to(out.dtype)", "out = out", GLIDE_TRAIN,
              "rows without target context attend to position 0"),
@@ -125,18 +124,17 @@ GLIDE: List[Mutation] = [
              "keep = self.index < length", "keep = self.index <= length", GLIDE_DECODE),
     # what the layer reads
     Mutation("glide/target-keys-values-swapped", GLIDE_PY,
-             "lagged_cross_attention(q, target_keys.to(q.dtype), target_values.to(q.dtype), lag, documents)",
-             "lagged_cross_attention(q, target_values.to(q.dtype), target_keys.to(q.dtype), lag, documents)",
+             "keys, values = target_keys.to(q.dtype), target_values.to(q.dtype)",
+             "keys, values = target_values.to(q.dtype), target_keys.to(q.dtype)",
              GLIDE_TRAIN, "training cross-attention reads target values as keys"),
     Mutation("glide/decode-target-keys-values-swapped", GLIDE_PY,
-             "attend(q, target_keys.to(q.dtype), target_values.to(q.dtype), visible)",
-             "attend(q, target_values.to(q.dtype), target_keys.to(q.dtype), visible)", GLIDE_DECODE,
+             "attend(q, keys, values, visible)", "attend(q, values, keys, visible)", GLIDE_DECODE,
              "inference cross-attention (cross_limit path) reads target values as keys"),
     Mutation("glide/cross-query-without-rope", GLIDE_PY,
-             "q = apply_rope(self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2), cos, sin)\n"
-             "        if limit is None:",
-             "q = self.q_proj(x).view(B, T, -1, self.d.head_dim).transpose(1, 2)\n"
-             "        if limit is None:", GLIDE_TRAIN),
+             "q = apply_rope(self.heads(self.q_proj(x)), cos, sin)\n"
+             "        keys, values",
+             "q = self.heads(self.q_proj(x))\n"
+             "        keys, values", GLIDE_TRAIN),
     Mutation("glide/final-norm-ignored", GLIDE_PY,
              "documents=documents)\n"
              "        x = x + self.mlp(self.post_attention_layernorm(x))\n"
@@ -382,8 +380,8 @@ DFLASH: List[Mutation] = [
              'mask = (mask_embed.to(self.mask_delta.dtype) + self.mask_delta)',
              'mask = (mask_embed.to(self.mask_delta.dtype) + 0 * self.mask_delta)', DFLASH_TESTS),
     Mutation('dflash/no-k-norm', DFLASH_PY,
-             'k = apply_rope(self.k_norm(self._heads(self.k_proj(x))), cos, sin)',
-             'k = apply_rope(self._heads(self.k_proj(x)), cos, sin)', DFLASH_REF + DFLASH_EXPORT),
+             'k = apply_rope(self.k_norm(self.heads(self.k_proj(x))), cos, sin)',
+             'k = apply_rope(self.heads(self.k_proj(x)), cos, sin)', DFLASH_REF + DFLASH_EXPORT),
     Mutation('dflash/no-final-norm', DFLASH_PY,
              '        return self.norm(x)\n',
              '        return x\n', DFLASH_REF + DFLASH_EXPORT),
@@ -509,21 +507,23 @@ CONVENTIONS: List[Mutation] = [
 
 # The checkpoint's frozen draft state (buffers, frozen parameters; issue 19, defects 10 and 11)
 CHECKPOINT_PY = "specdraft/train/checkpoint.py"
+FROZEN_STATE_PY = "specdraft/train/frozen_state.py"
+UNIVERSAL_PY = "specdraft/train/universal.py"
 FROZEN_TRAVELS = ("tests/test_dflash_train.py::"
                   "test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export",)
 OFFLINE_EAGLE3 = ("tests/test_offline_commands.py", "-k", "eagle3")
 CHECKPOINT = [
-    Mutation("checkpoint/frozen-state-not-restored", CHECKPOINT_PY,
+    Mutation("checkpoint/frozen-state-not-restored", FROZEN_STATE_PY,
              "tensor.copy_(state[name].to(tensor.device))", "pass", FROZEN_TRAVELS,
              "a resumed draft keeps its fresh build's buffers / frozen parameters"),
     Mutation("checkpoint/frozen-state-not-saved", CHECKPOINT_PY,
-             "write_frozen_state(slot_dir, frozen_state(engine.module.draft_model, draft_weights))",
+             "write_frozen_state(slot_dir, frozen_state(draft, draft_weights))",
              "write_frozen_state(slot_dir, {})", FROZEN_TRAVELS, "the slot lacks the frozen state"),
     Mutation("checkpoint/export-without-frozen-state", "specdraft/train/export.py",
              "return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}",
              "return _trained_fp32(slot_dir, record)", FROZEN_TRAVELS,
              "`specdraft export` of a DFlash run: Missing key mask_delta"),
-    Mutation("checkpoint/universal-step-from-a-buffer", CHECKPOINT_PY,
+    Mutation("checkpoint/universal-step-from-a-buffer", UNIVERSAL_PY,
              'step = torch.load(trained[0] / "step.pt", weights_only=True)',
              'step = torch.load(params[0] / "step.pt", weights_only=True)', OFFLINE_EAGLE3,
              "EAGLE-3's elastic resume: zero/draft_model.d2t/step.pt does not exist"),

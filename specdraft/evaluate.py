@@ -1,0 +1,136 @@
+"""`specdraft eval`: tau, acceptance per position and speedup of a draft export on a prompt file.
+
+    report = evaluate("runs/x", "prompts.jsonl")      # newest runs/x/step_<N>/, gamma: as trained
+    print(format_report(report))                                     # specdraft.decode.report
+
+Methods: "draft" (the exported draft), "untrained" (a freshly built draft of the same dims),
+"prompt_lookup" (n-gram lookup, no model), "self" (the target drafting for itself: tau's ceiling).
+Speedup is against plain target decoding of the same prompts, measured in the same call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from specdraft.decode.measure import METHODS, NEEDS_DRAFT, check_shape, compare, make_drafter
+from specdraft.decode.prompts import read_prompts, stop_tokens
+from specdraft.decode.report import plot_acceptance
+from specdraft.drafts import draft_from_export_config
+from specdraft.errors import SpecdraftError
+from specdraft.run import CONFIG_NAME, exports
+from specdraft.train.export import load_exported_draft, read_export_config
+
+
+# -- locating the export, the target and the tokenizer ---------------------------------------
+
+def resolve_export(path, target=None) -> Tuple[Optional[Path], Path]:
+    """(export_dir or None, target_dir) for a run dir, an export dir or a target model dir.
+    target: the target model directory to use instead of the one the export records (the
+    absolute path it was trained at, which another machine does not have)."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecdraftError(f"{path}: not found")
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        steps = [d for d in exports(path) if (d / CONFIG_NAME).is_file()]
+        if not steps:
+            raise SpecdraftError(f"{path}: neither a draft export (no {CONFIG_NAME}) nor a run "
+                                 f"directory (no step_<N>/ exports)")
+        path = steps[-1]
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecdraftError(f"{path / CONFIG_NAME}: not readable JSON ({err})") from None
+    if "architecture" not in config:  # a Hugging Face model directory: the target itself
+        return None, path
+    config = read_export_config(path)
+    if target is not None:
+        if not (Path(target) / CONFIG_NAME).is_file():
+            raise SpecdraftError(f"--target {target}: not a model directory (no {CONFIG_NAME})")
+        return path, Path(target)
+    recorded = (config.get("target") or {}).get("path")
+    if not recorded:
+        raise SpecdraftError(f"{path / CONFIG_NAME}: names no target model; pass --target DIR")
+    if not (Path(recorded) / CONFIG_NAME).is_file():
+        raise SpecdraftError(f"{path / CONFIG_NAME}: the target it was trained with, {recorded}, is not there "
+                             f"(no {CONFIG_NAME}); pass --target DIR")
+    return path, Path(recorded)
+
+
+def load_tokenizer(export_dir: Optional[Path], target_dir: Path):
+    from transformers import AutoTokenizer
+
+    for directory in (export_dir, target_dir):
+        if directory is not None and any((directory / name).is_file()
+                                         for name in ("tokenizer.json", "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(str(directory))
+    raise SpecdraftError(f"{target_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    """The device to evaluate on: `name`, or the GPU when torch sees one, else the CPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SpecdraftError(f"device {name!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdraftError(f"device {name!r}: this torch sees no CUDA device "
+                             f"(torch {torch.__version__}, a CPU build or no GPU visible)")
+    return device
+
+
+def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
+             tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
+             thinking: Optional[bool] = None,
+             max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
+             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
+             target: Optional[str] = None) -> Dict[str, Any]:
+    """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
+    methods — a target model dir, on a jsonl prompt file. Returns the report dict.
+    target: the target model dir (default: the path the export records).
+
+    gamma None: the depth the draft was trained for. device None: CUDA when there is one.
+    dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
+    thinking: the template's enable_thinking for the prompts, as the training data used (None: its default).
+    """
+    from specdraft.target.model import load_frozen_target
+
+    if method not in METHODS:
+        raise SpecdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if temperature < 0:
+        raise SpecdraftError(f"temperature must be >= 0, got {temperature}")
+    if max_new_tokens < 1:
+        raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_shape(gamma, tree)
+    export_dir, target_dir = resolve_export(path, target)
+    if export_dir is None and method in NEEDS_DRAFT:
+        raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
+                             f"needs a run or export directory")
+    tokenizer = load_tokenizer(export_dir, target_dir)
+    prompts = read_prompts(prompts_file, tokenizer, max_prompts, thinking)
+    target = load_frozen_target(str(target_dir), dtype, resolve_device(device))
+    weight = target.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
+    draft = None
+    if method == "draft":
+        draft, _ = load_exported_draft(export_dir, weight.dtype)
+    elif method == "untrained":
+        draft = draft_from_export_config(read_export_config(export_dir)).cast(weight.dtype).eval()
+    if draft is not None:
+        draft = draft.to(weight.device)
+    torch.manual_seed(seed)
+    report = {"method": method, "draft": str(export_dir) if draft is not None else None,
+              "target": str(target_dir), "prompts_file": str(prompts_file),
+              "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", "")}
+    report.update(compare(target, make_drafter(method, target, draft), prompts, gamma=gamma, tree=tree,
+                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                          stop=stop_tokens(target, tokenizer), record_tv=record_tv))
+    report["plot"] = None
+    if plot_path is not None:
+        plot_acceptance(report, plot_path)
+        report["plot"] = str(plot_path)
+    return report

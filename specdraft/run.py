@@ -1,0 +1,96 @@
+"""A run directory's layout: the one place that names its files.
+
+run/
+  config.yaml                the resolved config of the run
+  ckpt/step_<N>/             DeepSpeed state of the draft only (params, optimizer, scheduler)
+  ckpt/step_<N>/draft_frozen.safetensors   the draft's untrained state (buffers such as EAGLE-3's
+                             d2t/t2d, frozen parameters such as DFlash's mask_delta), exact dtypes:
+                             DeepSpeed leaves frozen parameters out of the slot and its universal
+                             conversion drops buffers, so our writer carries them itself
+  ckpt/step_<N>/COMMITTED    written last by rank 0 after every rank fsynced its own files: step,
+                             world size, ZeRO stage, batch geometry, target identity, sha256 of
+                             every file in the slot
+  ckpt/step_<N>.universal/   step_<N> in DeepSpeed's universal format (made by a resume at another
+                             world size or ZeRO stage; reused by the next one), its own COMMITTED
+  ckpt/step_<N>.rejected/    a slot that failed verification under resume=auto, moved aside
+  ckpt/latest                newest committed slot name: a hint for people and tools
+  step_<N>/                  the draft export written by training (train/export.py):
+    model.safetensors          the draft's weights (no target tensors, no `draft_model.` prefix)
+    draft_model_weights.pth    the same tensors as a torch state dict (LongSpec's file name)
+    config.json                what rebuilds the draft: architecture, dims, target path + config hash
+    target_heads.safetensors   (optional) the target's embed_tokens / lm_head, for a standalone draft
+    <format>/                  each serving format of the draft's family (e.g. speculators/, sglang/):
+                               the files that engine loads (config.json + model.safetensors)
+    tokenizer files, training_config.yaml
+  export_step_<N>/           `specdraft export` (the same layout as step_<N>/)
+  consolidated/step_<N>/     `specdraft consolidate`: draft_fp32.safetensors
+
+A slot without COMMITTED does not exist for resume (train/slots.py); an export directory is written
+under a temp name and renamed, so it exists whole or not at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+CONFIG_FILE = "config.yaml"
+CKPT_DIR = "ckpt"
+SLOT_PREFIX = "step_"
+COMMITTED = "COMMITTED"
+LATEST = "latest"
+UNIVERSAL_SUFFIX = ".universal"
+REJECTED_SUFFIX = ".rejected"
+FROZEN_FILE = "draft_frozen.safetensors"
+# the files of a draft export
+SAFETENSORS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+PTH_NAME = "draft_model_weights.pth"
+TARGET_HEADS_NAME = "target_heads.safetensors"
+TRAINING_CONFIG_NAME = "training_config.yaml"
+
+
+def slot_name(step: int) -> str:
+    return f"{SLOT_PREFIX}{step}"
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a slot or export name (step_<N>), None for any other name."""
+    digits = name[len(SLOT_PREFIX):]
+    return int(digits) if name.startswith(SLOT_PREFIX) and digits.isdigit() else None
+
+
+def slot_step(path: Path) -> int:
+    return int(path.name[len(SLOT_PREFIX):])
+
+
+def config_file(run_dir) -> Path:
+    return Path(run_dir) / CONFIG_FILE
+
+
+def ckpt_dir(run_dir) -> Path:
+    return Path(run_dir) / CKPT_DIR
+
+
+def export_dir(run_dir, step: int) -> Path:
+    """Where training writes the draft export of `step`."""
+    return Path(run_dir) / slot_name(step)
+
+
+def exports(run_dir) -> List[Path]:
+    """The run's draft export directories (step_<N>/), oldest first."""
+    run_dir = Path(run_dir)
+    found = [p for p in run_dir.iterdir() if p.is_dir() and step_of(p.name) is not None]
+    return sorted(found, key=slot_step)
+
+
+def offline_export_dir(run_dir, step: int) -> Path:
+    return Path(run_dir) / f"export_{slot_name(step)}"
+
+
+def consolidated_file(run_dir, slot_dir: Path) -> Path:
+    return Path(run_dir) / "consolidated" / slot_dir.name / "draft_fp32.safetensors"
+
+
+def universal_dir(slot_dir: Path) -> Path:
+    return slot_dir.with_name(slot_dir.name + UNIVERSAL_SUFFIX)

@@ -1,0 +1,259 @@
+"""Checkpoint slots on disk: the sha256 manifest that commits a slot, its verification before
+anything is unpickled, and removal that never leaves a committed half-slot (layout: specdraft/run.py).
+
+A save never overwrites a committed slot: it goes to a fresh step_<N>, and older slots are pruned
+only after it is committed, so `keep_last` committed slots survive a crash at any instant
+(keep_last=2 is LongSpec's last_ds/last_2ds). Nothing is deleted while its COMMITTED exists: the
+marker is unlinked (and the directory fsynced) first. The newest slot is the committed one with
+the highest step, whatever `latest` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from specdraft.atomic import fsync_dir, fsync_file, write_atomic
+from specdraft.errors import SpecdraftError
+from specdraft.run import (CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, slot_name, slot_step,
+                           step_of)
+
+VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)
+
+
+# -- which slots exist ----------------------------------------------------------------------------
+
+def committed_slots(ckpt_dir: Path) -> List[Path]:
+    """Slots with a COMMITTED marker, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    slots = [p for p in ckpt_dir.iterdir()
+             if p.is_dir() and step_of(p.name) is not None and (p / COMMITTED).is_file()]
+    return sorted(slots, key=slot_step)
+
+
+def newest_committed(ckpt_dir: Path) -> Optional[Path]:
+    """The committed slot with the highest step. (`latest` can lag behind: a crash between the
+    marker and the pointer's rename leaves it naming the previous slot.)"""
+    slots = committed_slots(ckpt_dir)
+    return slots[-1] if slots else None
+
+
+def resolve_slot(path: Path) -> Path:
+    """A slot dir, a run dir or a ckpt dir -> its committed slot; a clear error otherwise."""
+    if not path.exists():
+        raise SpecdraftError(f"resume: {path} does not exist")
+    if step_of(path.name) is not None and (path.parent.name == CKPT_DIR or (path / COMMITTED).exists()):
+        read_commit(path)  # raises for an uncommitted slot
+        return path
+    for ckpt_dir in (path / CKPT_DIR, path):
+        slot = newest_committed(ckpt_dir)
+        if slot is not None:
+            return slot
+    raise SpecdraftError(f"resume: {path} holds no committed checkpoint")
+
+
+def run_slot(run_dir, slot: Optional[str] = None, step: Optional[int] = None):
+    """(slot_dir, verified record) of a run: the named slot / step, else the newest committed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise SpecdraftError(f"{run_dir}: run directory not found")
+    ckpt_dir = run_dir / CKPT_DIR
+    if slot is None and step is not None:
+        slot = slot_name(step)
+    slot_dir = ckpt_dir / slot if slot else newest_committed(ckpt_dir)
+    if slot_dir is None:
+        raise SpecdraftError(f"{run_dir}: no committed checkpoint under {ckpt_dir}")
+    if not slot_dir.is_dir():
+        raise SpecdraftError(f"{slot_dir}: no such checkpoint slot")
+    return slot_dir, verify_slot(slot_dir)
+
+
+# -- the manifest -------------------------------------------------------------------------------
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def slot_files(slot_dir: Path) -> List[Path]:
+    return sorted(p for p in slot_dir.rglob("*") if p.is_file() and p.name != COMMITTED)
+
+
+def read_commit(slot_dir: Path) -> dict:
+    marker = slot_dir / COMMITTED
+    if not marker.is_file():
+        raise SpecdraftError(f"{slot_dir}: no {COMMITTED} marker (an interrupted save); it cannot be resumed")
+    try:
+        return json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        raise SpecdraftError(f"{marker}: not valid JSON (damaged checkpoint marker)") from None
+
+
+def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None) -> None:
+    """Check files against the COMMITTED manifest BEFORE anything unpickles them: `names`, or
+    every file of the slot (and no file outside the manifest) when None."""
+    expected = record.get("files", {})
+    if names is None:
+        present = {str(p.relative_to(slot_dir)) for p in slot_files(slot_dir)}
+        for name in sorted(present - set(expected)):
+            raise SpecdraftError(f"{slot_dir / name}: not in the {COMMITTED} manifest (refusing to load it)")
+        names = sorted(expected)
+    for name in names:
+        path, entry = slot_dir / name, expected[name]
+        if not path.is_file():
+            raise SpecdraftError(f"{path}: listed in {COMMITTED} but missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise SpecdraftError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
+                                 f"(truncated or replaced)")
+        if file_sha256(path) != entry["sha256"]:
+            raise SpecdraftError(f"{path}: sha256 does not match the {COMMITTED} manifest (modified)")
+
+
+def verify_slot(slot_dir: Path) -> dict:
+    """Every file of a committed slot against its manifest; returns the record."""
+    record = read_commit(slot_dir)
+    verify_files(slot_dir, record)
+    return record
+
+
+def files_rank_loads(record: dict, rank: int, zero_stage: int) -> List[str]:
+    """The slot files DeepSpeed opens on `rank` when it loads the slot at its saved world size and
+    stage: the shared module states (ZeRO 0-2) or this rank's own (ZeRO-3), and this rank's
+    optimizer partition."""
+    own = re.compile(rf"(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_(optim|model)_states\.pt")
+    shared = re.compile(r"mp_rank_\d+_model_states\.pt")
+    return sorted(name for name in record.get("files", {})
+                  if own.fullmatch(name) or (zero_stage < 3 and shared.fullmatch(name)))
+
+
+# -- writing and committing ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def recording_writes(engine, slot_dir: Path, written: Dict[str, dict], errors: list, pause: Callable[[], None]):
+    """Around every file DeepSpeed writes on this rank: fsync it and hash it (this rank's part
+    of the manifest). A failed write is recorded, not raised, so DeepSpeed's own barriers
+    still match on every rank; the rest of this rank's writes are skipped."""
+    original = engine.checkpoint_engine.save
+
+    def save(state_dict, path):
+        if errors:
+            return
+        try:
+            original(state_dict, path)
+            fsync_file(path)
+            written[str(Path(path).relative_to(slot_dir))] = file_entry(Path(path))
+        except Exception as err:
+            errors.append(err)
+        pause()
+
+    engine.checkpoint_engine.save = save
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine.save = original
+
+
+def commit_slot(slot_dir: Path, manifests: List[Dict[str, dict]], record: dict, pause: Callable[[], None]) -> None:
+    """Rank 0, after every rank fsynced its files: check that it sees them, add what DeepSpeed
+    copies besides its states, write COMMITTED (the manifest + `record`), then the `latest` hint."""
+    ckpt_dir = slot_dir.parent
+    files = {name: entry for written in manifests for name, entry in written.items()}
+    for rank, written in enumerate(manifests):
+        for name in written:
+            if not (slot_dir / name).is_file():
+                raise not_shared_error(ckpt_dir, 0, f"{name}, which rank {rank} wrote")
+    for path in slot_files(slot_dir):  # zero_to_fp32.py, the frozen state
+        name = str(path.relative_to(slot_dir))
+        if name not in files:
+            fsync_file(path)
+            files[name] = file_entry(path)
+    fsync_dir(slot_dir)
+    pause()
+    write_atomic(slot_dir / COMMITTED, json.dumps(dict(record, files=files, time=time.time()), indent=1))
+    pause()
+    write_atomic(ckpt_dir / LATEST, slot_dir.name)
+
+
+def write_failure(err: BaseException) -> Optional[str]:
+    """Why a save failed, when a write did (a full disk, a quota, an I/O error); None otherwise."""
+    while err is not None:
+        if isinstance(err, OSError):
+            return "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        if isinstance(err, RuntimeError) and "file write failed" in str(err):  # torch.save's wording
+            return "a file write failed (disk full?)"
+        err = err.__cause__ or err.__context__
+    return None
+
+
+# -- removing -----------------------------------------------------------------------------------
+
+def remove_slot(path: Path) -> None:
+    """Un-commit (unlink COMMITTED, fsync the directory), then delete: a crash midway leaves an
+    uncommitted directory that resume ignores, never a committed half-slot."""
+    marker = path / COMMITTED
+    if marker.exists():
+        marker.unlink()
+        fsync_dir(path)
+    shutil.rmtree(path)
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Keep the newest keep_last committed slots; delete every other slot older than the newest
+    (older committed ones, uncommitted leftovers of crashed saves) and the universal copies of
+    slots not kept."""
+    keep = committed_slots(ckpt_dir)[-keep_last:]
+    newest = slot_step(keep[-1])
+    for path in ckpt_dir.iterdir():
+        if not path.is_dir():
+            continue
+        step = step_of(path.name)
+        if step is not None and path not in keep and step < newest:
+            remove_slot(path)
+        elif path.name.endswith(UNIVERSAL_SUFFIX) and path.with_name(path.name[:-len(UNIVERSAL_SUFFIX)]) not in keep:
+            remove_slot(path)
+        elif path.name.endswith(UNIVERSAL_SUFFIX + ".tmp"):  # a conversion that crashed
+            shutil.rmtree(path)
+
+
+def move_aside(slot: Path) -> Path:
+    """Rename a slot that failed verification out of the slot namespace; nothing is deleted."""
+    target = slot.with_name(slot.name + REJECTED_SUFFIX)
+    n = 1
+    while target.exists():
+        target = slot.with_name(f"{slot.name}{REJECTED_SUFFIX}-{n}")
+        n += 1
+    os.rename(slot, target)
+    fsync_dir(slot.parent)
+    return target
+
+
+# -- a filesystem every rank shares ---------------------------------------------------------------
+
+def wait_visible(path: Path) -> bool:
+    deadline = time.monotonic() + VISIBLE_WAIT_S
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def not_shared_error(ckpt_dir: Path, rank: int, what: str) -> SpecdraftError:
+    return SpecdraftError(f"{ckpt_dir}: rank {rank} cannot see {what}: the checkpoint directory (output_dir) "
+                          f"must be on a filesystem every node shares, at the same path")
