@@ -1,4 +1,5 @@
-"""Session fixtures: the tiny demo target and its regenerated chat dataset, built once."""
+"""Session fixtures: the tiny demo target and its regenerated chat dataset, built once, and the small
+chat dataset the training tests share."""
 
 import os
 from pathlib import Path
@@ -14,6 +15,16 @@ def tiny_assets(tmp_path_factory):
     # whether it is current); by default each session builds a fresh one.
     home = os.environ.get("SPECDRAFT_TEST_CACHE") or tmp_path_factory.mktemp("specdraft_home")
     return ensure_demo_assets(home, preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A small chat dataset in jsonl files (helpers.write_chat_files), read by the training tests."""
+    from helpers import write_chat_files
+
+    path = tmp_path_factory.mktemp("chat")
+    write_chat_files(path)
+    return path
 
 
 @pytest.fixture(scope="session")

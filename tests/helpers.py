@@ -41,6 +41,15 @@ def run_overrides(target_dir, data_dir, out_dir, cache_dir, **extra) -> list:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def train_run(target_dir, data_dir, root: Path, name: str, **extra):
+    """One in-process training run in root/name (the token cache in root/cache), quietly."""
+    from specdraft.config import load_config
+    from specdraft.train.loop import train
+
+    return train(load_config(None, run_overrides(target_dir, data_dir, Path(root) / name, Path(root) / "cache", **extra)),
+                 log=lambda *a: None)
+
+
 def torchrun(script: Path, *args, port: int, timeout=240):
     """Run a script on 2 CPU ranks (gloo); returns the CompletedProcess."""
     import subprocess
@@ -117,3 +126,19 @@ def capturing_save(original, step: int):
 
 def state_file(run_dir, step: int) -> Path:
     return Path(run_dir).parent / f"{Path(run_dir).name}.optimizer_state_{step}.pt"
+
+
+def random_llama(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                 init: float = 0.2, seed: int = 0, max_positions: int = 512, **config):
+    """A randomly initialised, frozen Llama target built in memory. An init above the default 0.02
+    makes its next-token distributions peaked, like a trained model's: greedy ties never happen
+    and drafts are accepted some of the time."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, initializer_range=init, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None, **config)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, run_overrides, write_chat_files
+from helpers import REPO, run_overrides, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.train.export import load_exported_draft
@@ -24,13 +24,6 @@ quiet = dict(log=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_files(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpt")
 
@@ -39,8 +32,7 @@ def overrides(target, data_dir, work, name, **extra):
     return run_overrides(target, data_dir, work / name, work / "cache", **extra)
 
 
-def run(target, data_dir, work, name, **extra):
-    return train(load_config(None, overrides(target, data_dir, work, name, **extra)), **quiet)
+run = train_run
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.decode.measure import measure_tau
 from specdraft.evaluate import evaluate
@@ -34,14 +34,7 @@ WINDOW = 8  # GLIDE's self-attention window in these tests: shorter than the pro
 
 
 def tiny_llama(vocab=VOCAB, hidden=64, layers=2, init=0.2, seed=0):
-    torch.manual_seed(seed)
-    # a larger init than the default 0.02 makes the next-token distributions peaked, like a
-    # trained model's, so greedy ties never happen and drafts are accepted some of the time
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=init, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    return random_llama(vocab=vocab, hidden=hidden, layers=layers, init=init, seed=seed)
 
 
 def glide_for(target, window=WINDOW, seed=0):
@@ -583,16 +576,12 @@ def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     greedy output stays the target's own."""
     from specdraft.drafts import FAMILIES, DraftConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    target = LlamaForCausalLM(config).eval().requires_grad_(False)
+    target = random_llama(vocab=8, hidden=32, init=0.5, max_positions=256)
     small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4}}
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (1, 5, 11)]
     for family, cls in FAMILIES.items():
-        draft = cls.from_target_config(config, OmegaConf.structured(DraftConfig(type=family, **small.get(family, {}))))
+        draft = cls.from_target_config(target.config, OmegaConf.structured(DraftConfig(type=family, **small.get(family, {}))))
         if hasattr(draft, "set_vocab_maps"):  # EAGLE-3: the whole vocabulary, identity maps
             draft.set_vocab_maps(torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool))
         with torch.no_grad():

@@ -4,7 +4,7 @@ The meta device stands in for a second device: a non-scalar CPU tensor that meet
 raises, so a tensor made without `device=` on the training or decoding path fails these tests.
 Meta cannot catch 0-dim CPU tensors or host syncs: those have a targeted test each below.
 
-A draft family joins the harness by adding a builder to DRAFT_BUILDERS.
+Every family in the registry (specdraft.drafts.FAMILIES) runs through the harness.
 """
 
 import contextlib
@@ -21,7 +21,7 @@ from specdraft.config import DraftConfig
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.drafts.glide_decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import GlideDraft, HostBatch, build_draft
+from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target
@@ -33,26 +33,24 @@ META = torch.device("meta")
 SPECDRAFT_DIR = str(Path(specdraft.__file__).resolve().parent)
 
 
-def glide(target_config, **keys):
+# Sizes kept small for speed; a family not listed here runs at its defaults.
+SMALL = {
     # anchor_offset on: its per-batch position ids are the one tensor option GLIDE draws on the CPU
-    cfg = OmegaConf.structured(DraftConfig(anchor_offset=True, max_position_offset=100, **keys))
-    return GlideDraft.from_target_config(target_config, cfg)
+    "glide": dict(anchor_offset=True, max_position_offset=100),
+    "eagle3": dict(draft_vocab_size=64, ttt_steps=2),
+    "dflash": dict(num_layers=1, block_size=4, max_anchors=4),
+}
 
 
-def eagle3(target_config, **keys):
-    cfg = OmegaConf.structured(DraftConfig(type="eagle3", draft_vocab_size=64, ttt_steps=2, **keys))
-    return build_draft(cfg, target_config)
+def build_family(family, target_config, **keys):
+    """A fresh draft of `family` for a target config (every registered family takes part)."""
+    return build_draft(OmegaConf.structured(DraftConfig(type=family, **SMALL.get(family, {}), **keys)), target_config)
 
 
-def dflash(target_config, **keys):
-    cfg = OmegaConf.structured(DraftConfig(type="dflash", num_layers=1, block_size=4, max_anchors=4, **keys))
-    return build_draft(cfg, target_config)
-
-
-DRAFT_BUILDERS = {"glide": glide, "eagle3": eagle3, "dflash": dflash}  # family -> (target config -> a fresh draft)
+FAMILY_NAMES = sorted(FAMILIES)
 # each family once more with a distillation objective (the teacher's final hidden state on the
 # device too), on answer tokens and on every token (CE labels masked on the device)
-OBJECTIVE_CASES = [(family, loss, tokens) for family in sorted(DRAFT_BUILDERS)
+OBJECTIVE_CASES = [(family, loss, tokens) for family in FAMILY_NAMES
                    for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))]
 
 
@@ -122,7 +120,7 @@ def meta_host_reads(monkeypatch):
 def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, tokens, meta_target):
     """No boolean-mask selection on the device either: meta cannot size a nonzero (it raises), so
     the counted rows must come from the host batch, as the training loop hands it over."""
-    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss, distill_tokens=tokens).to(META)
+    draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
     model = TargetWithDraft(meta_target, draft, loss_chunk_size=16)
     B, T = 2, 24
     input_ids = torch.zeros(B, T, dtype=torch.long, device=META)
@@ -214,7 +212,7 @@ def test_a_training_step_makes_no_pageable_host_to_device_copy(family, loss, tok
     host tensor it sends there is pinned and copied asynchronously."""
     from specdraft.train.loop import forward_step, model_inputs
 
-    draft = DRAFT_BUILDERS[family](meta_target.config, loss=loss, distill_tokens=tokens).to(META)
+    draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
     engine = MetaEngine(TargetWithDraft(meta_target, draft, loss_chunk_size=16))
     B, T = 2, 24
     documents = torch.tensor([[0] * 12 + [1] * 12, [0] * T])  # a border: the document path too
@@ -246,7 +244,7 @@ def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
 def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
     """The harness catches what it claims: without the host batch the loss copies the device
     tensors to the host, which meta refuses."""
-    draft = glide(meta_target.config).to(META)
+    draft = build_family("glide", meta_target.config).to(META)
     ids = torch.zeros(1, 8, dtype=torch.long, device=META)
     with pytest.raises(NotImplementedError):
         TargetWithDraft(meta_target, draft)(ids, torch.ones_like(ids), lag=1)
@@ -266,14 +264,14 @@ def test_target_capture_runs_on_meta(meta_target):
 
 def drafters(meta_target):
     """Every drafter kind, on the meta target."""
-    made = {family: build(meta_target.config).to(META).eval().make_drafter(meta_target)
-            for family, build in DRAFT_BUILDERS.items()}
+    made = {family: build_family(family, meta_target.config).to(META).eval().make_drafter(meta_target)
+            for family in FAMILY_NAMES}
     made.update(self=ModelDrafter(meta_target, name="self"), prompt_lookup=PromptLookupDrafter())
     return made
 
 
 @pytest.mark.parametrize("shape", [dict(gamma=3), dict(tree=[2, 3])], ids=["chain", "tree"])
-@pytest.mark.parametrize("kind", [*sorted(DRAFT_BUILDERS), "self", "prompt_lookup"])
+@pytest.mark.parametrize("kind", [*FAMILY_NAMES, "self", "prompt_lookup"])
 def test_a_decoding_round_runs_on_meta(kind, shape, meta_target, monkeypatch):
     drafter = drafters(meta_target)[kind]
     rounds = []
@@ -332,7 +330,7 @@ class HostSyncCounter:
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
 def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, monkeypatch):
     torch.manual_seed(0)
-    draft = DRAFT_BUILDERS[family](cpu_target.config, loss=loss, distill_tokens=tokens)
+    draft = build_family(family, cpu_target.config, loss=loss, distill_tokens=tokens)
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
     window = LossWindow()
     monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one

@@ -7,8 +7,8 @@ Tiny random Llama targets (vocab 16 / 8) so that a random DFlash draft is accept
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash import DFlashDraft
@@ -18,11 +18,7 @@ torch.set_num_threads(1)
 
 
 def tiny_target(vocab, hidden=32, layers=2, init=0.5, seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=vocab, hidden=hidden, layers=layers, init=init, seed=seed, max_positions=256)
 
 
 def dflash_for(target, seed=0, **overrides):

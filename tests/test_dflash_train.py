@@ -7,27 +7,18 @@ import json
 
 import pytest
 
-from helpers import run_overrides, write_chat_files
+from helpers import run_overrides, train_run
 from specdraft.config import load_config
 from specdraft.evaluate import evaluate
 from specdraft.drafts.dflash import DFlashDraft
 from specdraft.train.export import load_exported_draft
 from specdraft.errors import SpecdraftError
-from specdraft.train.loop import train
 
 DFLASH = dict(**{"draft.type": "dflash", "draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16})
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_files(path)
-    return path
-
-
 def run(target, data_dir, tmp_path, name, **extra):
-    overrides = run_overrides(target, data_dir, tmp_path / name, tmp_path / "cache", **{**DFLASH, **extra})
-    return train(load_config(None, overrides), log=lambda *a: None)
+    return train_run(target, data_dir, tmp_path, name, **{**DFLASH, **extra})
 
 
 def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data, data_dir, tmp_path):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import build_draft
@@ -27,12 +27,7 @@ T = 16
 
 
 def llama(layers=4, vocab=VOCAB, hidden=64, init=0.2, seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=init, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=vocab, hidden=hidden, layers=layers, init=init, seed=seed)
 
 
 def eagle3_for(target, seed=0, draft_vocab=DRAFT_VOCAB, ttt_steps=3, **options):

@@ -8,19 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_overrides, write_chat_files
+from helpers import run_overrides
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.drafts import vocab as vocab_module
 from specdraft.train.export import load_exported_draft
 from specdraft.train.loop import train
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_files(path)
-    return path
 
 
 def overrides(target, data_dir, tmp_path, name, **extra):

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import specdraft.drafts.objectives as objectives_module  # GLIDE's CE goes through shared_head_objective
+from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.decode.cache import cache_length, forward, new_cache
 from specdraft.drafts.glide_decode import GlideDrafter
@@ -31,12 +31,8 @@ HEADS = 4
 # -- adapters: the only place that knows how GLIDE is called ---------------------------------
 
 def build_target(kv_heads=2, vocab=VOCAB, seed=0, init=0.2):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
-                         max_position_embeddings=4096, initializer_range=init, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=vocab, hidden=HIDDEN, heads=HEADS, kv_heads=kv_heads, init=init, seed=seed,
+                        max_positions=4096)
 
 
 def build_glide(target, window, max_lag, final_norm=False, seed=0):

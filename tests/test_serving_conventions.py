@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from helpers import random_llama
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.vocab import draft_to_target_ids
 from specdraft.errors import SpecdraftError
@@ -25,12 +26,8 @@ LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 def tiny_llama(layers=6, vocab=160, rope_scaling=None, max_positions=512, theta=10000.0):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         rope_theta=theta, rope_scaling=rope_scaling, initializer_range=0.2,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=vocab, layers=layers, max_positions=max_positions, rope_theta=theta,
+                        rope_scaling=rope_scaling)
 
 
 @pytest.fixture(scope="module")

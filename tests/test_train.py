@@ -4,25 +4,11 @@ import json
 
 import pytest
 
-from helpers import run_overrides, write_chat_files
-from specdraft.config import load_config
-from specdraft.train.loop import train
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat")
-    write_chat_files(path)
-    return path
-
-
-def run(target, data_dir, tmp_path, name, **extra):
-    overrides = run_overrides(target, data_dir, tmp_path / name, tmp_path / "cache", **extra)
-    return train(load_config(None, overrides), log=lambda *a: None)
+from helpers import train_run
 
 
 def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path):
-    result = run(tiny_target_dir, data_dir, tmp_path, "long", max_steps=30, save_steps=30)
+    result = train_run(tiny_target_dir, data_dir, tmp_path, "long", max_steps=30, save_steps=30)
     first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < first - 0.5, result.losses  # nats: from ~ln(vocab) to well below
     # what was logged is what was measured
@@ -34,7 +20,7 @@ def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path):
 
 
 def test_zero_stages_0_to_3_run_and_agree_on_the_first_loss(tiny_target_dir, data_dir, tmp_path):
-    losses = {stage: run(tiny_target_dir, data_dir, tmp_path, f"z{stage}", zero_stage=stage, max_steps=3,
+    losses = {stage: train_run(tiny_target_dir, data_dir, tmp_path, f"z{stage}", zero_stage=stage, max_steps=3,
                          save_steps=3).losses for stage in (0, 1, 2, 3)}
     for stage in (1, 2, 3):
         assert len(losses[stage]) == 3
@@ -42,7 +28,7 @@ def test_zero_stages_0_to_3_run_and_agree_on_the_first_loss(tiny_target_dir, dat
 
 
 def test_gradient_accumulation_and_bf16_train(tiny_target_dir, data_dir, tmp_path):
-    result = run(tiny_target_dir, data_dir, tmp_path, "bf16", precision="bf16", gradient_accumulation_steps=2,
+    result = train_run(tiny_target_dir, data_dir, tmp_path, "bf16", precision="bf16", gradient_accumulation_steps=2,
                  max_steps=4, save_steps=4)
     assert len(result.losses) == 4 and all(l == l for l in result.losses)  # finite, no NaN
     assert result.losses[-1] < result.losses[0]
@@ -86,7 +72,7 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
     taus = {}
     for stage in (2, 3):
         gathered.clear()
-        run(tiny_target_dir, data_dir, tmp_path, f"eval{stage}", zero_stage=stage, max_steps=4, save_steps=4,
+        train_run(tiny_target_dir, data_dir, tmp_path, f"eval{stage}", zero_stage=stage, max_steps=4, save_steps=4,
             eval_steps=2, eval_prompts=tiny_data.prompts_file)
         rows = [json.loads(l) for l in (tmp_path / f"eval{stage}" / "metrics.jsonl").read_text().splitlines()]
         taus[stage] = [(r["step"], r["eval/tau"]) for r in rows if "eval/tau" in r]
@@ -115,7 +101,7 @@ def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir,
         return engine
 
     monkeypatch.setattr(loop, "build_engine", spy)
-    losses = {p: run(tiny_target_dir, data_dir, tmp_path, f"z3{p}", zero_stage=3, target_placement=p, max_steps=3,
+    losses = {p: train_run(tiny_target_dir, data_dir, tmp_path, f"z3{p}", zero_stage=3, target_placement=p, max_steps=3,
                      save_steps=3).losses for p in ("replicated", "partitioned")}
     assert losses["replicated"] == pytest.approx(losses["partitioned"], abs=1e-5)
     replicated, partitioned = engines["replicated"].module, engines["partitioned"].module
@@ -129,7 +115,7 @@ def test_a_distillation_objective_trains_under_zero3_and_tau_is_measured_sampled
     """draft.loss reads the target's distribution through the captured final hidden state (lm_head
     gathered by ZeRO-3), here on every token (distill_tokens: all); its terms are logged, TV
     falls, and eval_temperature samples the tau."""
-    result = run(tiny_target_dir, data_dir, tmp_path, "distill", zero_stage=3, max_steps=12, save_steps=12,
+    result = train_run(tiny_target_dir, data_dir, tmp_path, "distill", zero_stage=3, max_steps=12, save_steps=12,
                  eval_steps=12, eval_prompts=tiny_data.prompts_file, eval_temperature=0.7,
                  **{"draft.loss": "0.9*tv + 0.1*ce", "draft.distill_temperature": 0.7,
                     "draft.distill_tokens": "all"})

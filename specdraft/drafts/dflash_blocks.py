@@ -1,0 +1,185 @@
+"""DFlash's blocks: their layout (which slot predicts which token), which keys a block query sees
+(one rule, as a flex_attention BlockMask on GPU or a dense mask for SDPA elsewhere), and the blocks
+training samples from a batch (anchors, labels, the per-position loss weights). The model is in
+dflash.py."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.drafts.base import document_starts
+from specdraft.transfer import to_device
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Which slot of a block predicts which token (speculators' `sample_from_anchor`)."""
+
+    block_size: int  # slots per block, the anchor's included
+    sample_from_anchor: bool  # does the anchor slot predict (the token after the anchor)?
+
+    @property
+    def first_slot(self) -> int:  # the slot predicting the token at anchor + 1
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def predictions(self) -> int:  # tokens one block drafts
+        return self.block_size - self.first_slot
+
+    @property
+    def span(self) -> int:  # offset of the last predicted token from the anchor
+        return self.predictions
+
+
+# -- which keys a block query sees ---------------------------------------------------------------
+
+@dataclass
+class BlockVisibility:
+    """Training-time attention of A blocks per row over [context (T) | all blocks (A * S)].
+
+    A query of block j (anchor a_j) sees context position t iff t < a_j, and every slot of its
+    own block (bidirectional); nothing of other blocks, nothing at or after its anchor in the
+    context — the anchor token itself enters only through the block's first slot. With packed
+    conversations, nothing before the anchor's own conversation either (t >= context_start_j).
+    """
+
+    anchors: torch.Tensor  # (B, A) anchor position of each block
+    context_len: int  # T
+    block_size: int  # S
+    context_start: Optional[torch.Tensor] = None  # (B, A) first context position a block sees (None: 0)
+    _block_mask: Any = field(default=None, repr=False)
+
+    @property
+    def query_len(self) -> int:
+        return self.anchors.shape[1] * self.block_size
+
+    def visible(self, b, q, kv):
+        """The rule, elementwise over broadcastable index tensors (also flex's mask_mod)."""
+        block = q // self.block_size
+        in_context = kv < self.context_len
+        # clamped: flex's kernel may evaluate indices past the end of a partial tile
+        block = block.clamp(max=self.anchors.shape[1] - 1)
+        before_anchor = kv < self.anchors[b, block]
+        if self.context_start is not None:
+            before_anchor = before_anchor & (kv >= self.context_start[b, block])
+        same_block = (kv - self.context_len) // self.block_size == block
+        return torch.where(in_context, before_anchor, same_block)
+
+    def dense(self) -> torch.Tensor:
+        """(B, 1, A*S, T + A*S) bool, for scaled_dot_product_attention."""
+        device = self.anchors.device
+        b = torch.arange(self.anchors.shape[0], device=device)[:, None, None]
+        q = torch.arange(self.query_len, device=device)[None, :, None]
+        kv = torch.arange(self.context_len + self.query_len, device=device)[None, None, :]
+        return self.visible(b, q, kv)[:, None]
+
+    def block_mask(self):
+        """The same rule as a flex_attention BlockMask (sparse: built once, shared by layers)."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            self._block_mask = create_block_mask(
+                lambda b, h, q, kv: self.visible(b, q, kv), self.anchors.shape[0], None,
+                self.query_len, self.context_len + self.query_len, device=self.anchors.device)
+        return self._block_mask
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # flex_attention is only block-sparse (and memory-bounded) when compiled
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def block_attention(q, k, v, visibility: Optional[BlockVisibility]) -> torch.Tensor:
+    """q (B, Hq, Q, D), k/v (B, Hkv, K, D) -> (B, Hq, Q, D). None: every key is visible."""
+    gqa = q.shape[1] != k.shape[1]
+    if visibility is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if q.device.type == "cuda":
+        return _compiled_flex_attention()(q, k, v, block_mask=visibility.block_mask(), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility.dense(), enable_gqa=gqa)
+
+
+# -- the blocks training builds -------------------------------------------------------------------
+
+@dataclass
+class TrainingBlocks:
+    """A anchors per row and what their blocks are trained to predict."""
+
+    anchors: torch.Tensor  # (B, A) long
+    valid: torch.Tensor  # (B, A) bool: False = padding (the row had fewer candidate anchors)
+    labels: torch.Tensor  # (B, A, P) the token at anchor + 1 + j
+    counted: torch.Tensor  # (B, A, P) bool: valid anchor and a loss-masked label
+
+    block_size: int = 0
+    context_start: Optional[torch.Tensor] = None  # (B, A) packed data: where the anchor's conversation starts
+
+    def slot_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, A, S) position of each block slot, from the row's position ids (B, T): the anchor's
+        position in its conversation + s, as at inference. Never the position of token anchor + s,
+        which may belong to the next conversation of packed data (its positions restart)."""
+        anchor_positions = position_ids.gather(1, self.anchors)
+        return anchor_positions[..., None] + torch.arange(self.block_size, device=self.anchors.device)
+
+    @property
+    def label_positions(self) -> torch.Tensor:  # (B, A, P) position of each label: anchor + 1 + j
+        return self.anchors[..., None] + 1 + torch.arange(self.labels.shape[-1], device=self.anchors.device)
+
+    def to(self, device) -> "TrainingBlocks":
+        """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
+        move = lambda t: to_device(t, device)  # noqa: E731  pinned, asynchronous
+        return TrainingBlocks(move(self.anchors), move(self.valid), move(self.labels), move(self.counted),
+                              self.block_size, None if self.context_start is None else move(self.context_start))
+
+
+def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
+                           max_anchors: int, seed: int, documents: Optional[torch.Tensor] = None) -> TrainingBlocks:
+    """Anchors drawn uniformly without replacement among the candidates of each row.
+
+    A candidate anchor a has context (a >= 1), all its labels inside the row (a + span < T) and a
+    counted first label (loss_mask[a + 1]): the first prediction of a block is the token right
+    after the last verified one, as at inference. A is fixed by T (static shapes for the
+    compiled GPU path); rows with fewer candidates are padded with invalid anchors at position 1.
+    documents (B, T) of packed data: the anchor's context and every counted label lie in the
+    anchor's own conversation (context_start: where it starts), as at inference.
+    """
+    B, T = input_ids.shape
+    device = input_ids.device
+    last = T - 1 - layout.span  # the last anchor whose labels all fit
+    count = max(0, min(max_anchors, last))
+    candidate = torch.zeros(B, T, dtype=torch.bool, device=device)
+    if last >= 1:
+        candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()
+        if documents is not None:  # context and the first label in the anchor's conversation
+            candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]
+            candidate[:, 1:last + 1] &= documents[:, 0:last] == documents[:, 1:last + 1]
+    # per-batch randomness from the loop's seed, drawn on the CPU: the same anchors on any device
+    scores = torch.rand((B, T), generator=torch.Generator().manual_seed(seed)).to(device)
+    scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
+    top, index = scores.topk(count, dim=1)
+    valid = top >= 0
+    anchors = torch.where(valid, index, torch.ones_like(index))
+    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles
+    valid = valid.gather(1, order)
+    label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
+    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
+    counted = loss_mask.gather(1, label_pos.flatten(1)).view_as(label_pos).bool() & valid[..., None]
+    context_start = None
+    if documents is not None:
+        counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
+        context_start = document_starts(documents).gather(1, anchors)
+    return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
+
+
+def loss_weights(layout: BlockLayout, gamma: float) -> List[float]:
+    """exp(-j / gamma) for the j-th predicted token (anchor + 1 + j) of a block: Python floats,
+    constants of the step (no tensor to read back)."""
+    return [math.exp(-j / gamma) for j in range(layout.predictions)]
