@@ -47,14 +47,15 @@ from specdraft.decode.prompts import read_prompts, stop_tokens  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
-from specdraft.drafts import draft_from_export_config  # noqa: E402
+from specdraft.config import family_demo_configs  # noqa: E402
+from specdraft.drafts import FAMILIES, draft_from_export_config  # noqa: E402
 from specdraft.train.export import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.evaluate import load_tokenizer, resolve_export  # noqa: E402
 
-CONFIGS = {"glide": "demo.yaml", "eagle3": "demo-eagle3.yaml", "dflash": "demo-dflash.yaml"}
-LABELS = {"glide": "GLIDE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
+CONFIGS = family_demo_configs()  # every family with a packaged demo config takes part
+LABELS = {family: cls.label for family, cls in FAMILIES.items()}
 
 
 def parse_args(argv=None):
@@ -107,7 +108,7 @@ def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path,
     from specdraft.config import load_config
     from specdraft.train.loop import train
 
-    cfg = load_config(str(ROOT / "configs" / CONFIGS[family]),
+    cfg = load_config(CONFIGS[family],
                       [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
                        f"output_dir={out_dir}", f"max_steps={steps}", f"save_steps={steps}", "eval_steps=0",
                        "logging_steps=50", "resume=no", "seed=0", *overrides])

@@ -50,6 +50,14 @@ def demo_config_path(name: Optional[str]) -> str:
                              f"nor a file")
     return name
 
+def family_demo_configs() -> dict:
+    """{draft.type: path} of the packaged demo configs: each family brings its own demo*.yaml."""
+    found = {}
+    for path in sorted(PACKAGED_CONFIGS.glob("demo*.yaml")):
+        found.setdefault(str(OmegaConf.load(path).draft.get("type", "glide")), str(path))
+    return found
+
+
 PRECISIONS = ("fp32", "bf16")
 TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
 

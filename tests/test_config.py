@@ -183,3 +183,17 @@ def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir
     build = Path(tiny_target_dir).parent  # <home>/tiny, as <home>/demo for the demo preset
     found = sorted(glob.glob(pattern.replace("${specdraft_home:}/demo", str(build))))
     assert found and found == sorted(str(f) for f in tiny_data.train_files)
+
+
+def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
+    """What the demo, the acceptance bench and the tables read from the registry alone."""
+    from omegaconf import OmegaConf
+
+    from specdraft.config import family_demo_configs
+    from specdraft.drafts import FAMILIES
+
+    configs = family_demo_configs()
+    assert set(configs) == set(FAMILIES)
+    for family, cls in FAMILIES.items():
+        assert cls.label and cls.label not in {c.label for f, c in FAMILIES.items() if f != family}
+        assert OmegaConf.load(configs[family]).draft.get("type", "glide") == family

@@ -8,11 +8,8 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from specdraft.data.sources import iter_jsonl_records
+from specdraft.data.sources import iter_jsonl_records, normalise_conversation
 from specdraft.errors import SpecdraftError
-
-ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
-
 
 def stop_tokens(target: nn.Module, tokenizer=None) -> List[int]:
     """End-of-turn ids: the target's generation_config eos (int or list) and the tokenizer's eos."""
@@ -34,27 +31,14 @@ def encode_messages(tokenizer, messages: List[Dict[str, str]], thinking: Optiona
 
 
 def _prompt_messages(record, where: str) -> List[Dict[str, str]]:
-    if not isinstance(record, dict):
-        raise SpecdraftError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "prompt" in record:
-        if not isinstance(record["prompt"], str) or not record["prompt"]:
-            raise SpecdraftError(f"{where}: 'prompt' must be a non-empty string")
-        return [{"role": "user", "content": record["prompt"]}]
-    turns = record.get("conversations", record.get("messages"))
-    if not isinstance(turns, list) or not turns:
-        raise SpecdraftError(f"{where}: expected {{\"prompt\": text}} or a non-empty 'conversations' list")
-    messages = []
-    for i, turn in enumerate(turns):
-        role = ROLES.get(turn.get("role", turn.get("from"))) if isinstance(turn, dict) else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        if role is None or not isinstance(content, str):
-            raise SpecdraftError(f"{where}: turn {i} needs a known 'role' and a text 'content'")
-        messages.append({"role": role, "content": content})
+    """The turns a server would be prompted with: a {"prompt": text} row, or a conversation up to
+    its last assistant turn."""
+    messages = normalise_conversation(record, where, require_answer=False)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     context = messages[:assistant[-1]] if assistant else messages  # up to the last answer
     if not context:
         raise SpecdraftError(f"{where}: no turns before the last assistant turn (nothing to prompt with)")
-    return context
+    return [{"role": m["role"], "content": m["content"]} for m in context]
 
 
 def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None,

@@ -130,6 +130,7 @@ def target_layer_shape(target_config) -> Dict[str, Any]:
 class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
+    label: ClassVar[str] = ""  # the family's name in tables and logs (EAGLE-3)
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
