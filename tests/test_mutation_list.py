@@ -32,3 +32,13 @@ def test_mutation_applies_to_the_current_code(mutation):
             assert (REPO / path).is_file(), arg
             if test:
                 assert f"def {test.split('[')[0]}(" in (REPO / path).read_text(), arg
+
+
+def test_the_killing_test_is_read_from_pytests_failure_line():
+    """`make mutation` re-runs each killing test unmutated: it must read the node id exactly."""
+    import run as runner
+
+    assert runner.killing_test("FAILED tests/a.py::test_b[x-y] - AssertionError: a - b\nFAILED tests/c.py::d") \
+        == "tests/a.py::test_b[x-y]"
+    assert runner.killing_test("(whole suite) ERROR tests/a.py::test_e - RuntimeError") == "tests/a.py::test_e"
+    assert runner.killing_test("") == ""
