@@ -2,6 +2,7 @@
 on CPU, then its predictions for real targets on 8 x 80 GB GPUs.
 
     OMP_NUM_THREADS=1 python bench/memory_model.py [--skip-check]
+    OMP_NUM_THREADS=1 python bench/memory_model.py --families [--seqs 1024,4096,8192]   # every family
 
 Measurement (CPU, one rank, fp32, batches without document borders): each shape runs in a fresh process that builds a random Llama
 target, the GLIDE draft and the DeepSpeed engine, and trains 2 steps. Peak = the kernel's
@@ -60,13 +61,20 @@ GPU_BYTES = 80e9
 USABLE = 0.9  # CUDA context, NCCL buffers and allocator fragmentation take the rest
 
 
+# One CPU shape per family at growing T (batch 1, ZeRO-0, fp32): the family's own terms grow with T.
+FAMILY_SHAPE = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=688, vocab=8000, batch=1, window=512,
+                    zero=0)
+
+
 def run_config(spec: dict, precision: str = "fp32"):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.precision = precision
     cfg.zero_stage = spec["zero"]
     cfg.per_device_batch_size = spec["batch"]
     cfg.max_seq_length = spec["seq"]
-    cfg.draft.sliding_window = spec["window"]
+    cfg.draft.type = spec.get("family", "glide")
+    if cfg.draft.type == "glide":
+        cfg.draft.sliding_window = spec["window"]
     return cfg
 
 
@@ -109,7 +117,8 @@ def measure_child(spec: dict) -> None:
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     for step in range(2):
-        loop.forward_step(engine, batch, {"lag": 1 + step})
+        options = engine.module.draft_model.sample_batch_options(torch.Generator().manual_seed(step), spec["seq"])
+        loop.forward_step(engine, batch, options)
     print(json.dumps({"peak": _status("VmHWM") - base}))
 
 
@@ -122,13 +131,61 @@ def measure(spec: dict) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
+def check_families(seqs) -> None:
+    from specdraft.drafts import FAMILIES
+
+    worst = 0.0
+    print("CPU check per family (fp32, 1 rank, batch 1, no document borders; 4 x 256 target, vocab 8000):")
+    print(f"{'family':<8} {'T':>5} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}  family terms (MiB)")
+    for family in FAMILIES:
+        for seq in seqs:
+            spec = dict(FAMILY_SHAPE, seq=seq, family=family)
+            estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
+            measured = measure(spec)
+            error = measured / estimate.total - 1
+            worst = max(worst, abs(error))
+            parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in estimate.parts.items() if "weights" not in k
+                              and "optimizer" not in k and "grads" not in k)
+            print(f"{family:<8} {seq:>5} {estimate.total / 2**20:13.0f} {measured / 2**20:12.0f} {error:+7.1%}  {parts}",
+                  flush=True)
+    qwen3_8b_table()
+    print(f"family_memory_error={worst:.3f}")
+
+
+def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
+    """Per family, the predicted per-GPU peak for Qwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed
+    documents, and the longest context (a power of two from 4k) that fits."""
+    from specdraft.drafts import FAMILIES
+
+    config = Qwen3Config(**QWEN3["Qwen3-8B"])
+    print(f"\nQwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed documents: predicted GB per GPU "
+          f"(fits: <= {USABLE:.0%} of 80 GB)")
+    print(f"| family | {' | '.join(f'{t // 1024}k' for t in seqs)} | longest that fits |")
+    print(f"|---|{'---|' * len(seqs)}---|")
+    for family, cls in FAMILIES.items():
+        def peak(seq):
+            cfg = run_config(dict(zero=2, batch=1, seq=seq, window=512, family=family), precision="bf16")
+            return estimate_peak(config, cfg, world_size=8).total
+        longest, seq = None, 4096
+        while seq <= 262144 and peak(seq) <= USABLE * GPU_BYTES:
+            longest, seq = seq, seq * 2
+        cells = " | ".join(f"{peak(t) / 1e9:.1f}" for t in seqs)
+        print(f"| {cls.label} | {cells} | {f'{longest // 1024}k' if longest else 'under 4k'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--skip-check", action="store_true", help="only the GPU predictions")
+    parser.add_argument("--families", action="store_true", help="check every family at growing T, then the "
+                                                                 "per-family Qwen3-8B table")
+    parser.add_argument("--seqs", default="1024,4096,8192")
     args = parser.parse_args()
     if args.child:
         measure_child(json.loads(args.child))
+        return
+    if args.families:
+        check_families([int(t) for t in args.seqs.split(",")])
         return
 
     worst = 0.0

@@ -127,6 +127,32 @@ def target_layer_shape(target_config) -> Dict[str, Any]:
                 initializer_range=getattr(text, "initializer_range", 0.02))
 
 
+@dataclass(frozen=True)
+class MemoryShape:
+    """What a family's memory terms depend on besides its own dims: one micro-batch of B rows of
+    T tokens, the bytes per element of the training dtype, the loss chunk (rows), whether the
+    batch has document borders, and the target's text config (hidden size, heads, vocab)."""
+    B: int
+    T: int
+    dtype_bytes: int
+    chunk: int
+    documents: bool
+    target: Any
+
+    @property
+    def mixed(self) -> bool:  # bf16 training: the chunked loss also keeps fp32 copies
+        return self.dtype_bytes != 4
+
+    def capture_features(self, per_token_elements: float) -> float:
+        """Bytes of the captured target features the draft reads, kept through its backward."""
+        return self.B * self.T * per_token_elements * self.dtype_bytes
+
+    def loss_chunk(self, rows: int, vocab: int, hidden: int) -> float:
+        """The counted rows' hidden states and their gradient (computed in the forward), and one
+        chunk's fp32 logits worked in place (+ its matmul output at bf16)."""
+        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows) * vocab * (4 + (2 if self.mixed else 0))
+
+
 class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
@@ -209,6 +235,12 @@ class Draft(nn.Module, ABC):
     def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Restore extra_state() from a checkpoint; never rebuilt. Raises a SpecdraftError naming
         `source` when it disagrees with the draft's own."""
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        """Bytes of what this family keeps at its peak for one micro-batch, by name: the capture's
+        features, its activations saved for backward, the loss chunk, document masks
+        (train/memory.py adds weights, gradients and optimizer state, and the target's pass)."""
+        raise NotImplementedError(f"{self.family}: no memory model")
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
         """Why serving format `fmt` cannot serve this draft as trained, in one line; None if it can."""

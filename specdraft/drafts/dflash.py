@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config, uncapturable_layer)
 from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
                                            sample_training_blocks)
@@ -353,6 +353,30 @@ class DFlashDraft(Draft):
     def trained_depth(self) -> int:
         # one block drafts block_size - 1 tokens (block_size with sample_from_anchor)
         return int(self.layout.predictions)
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        d, p = self.dims, shape.dtype_bytes
+        H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+        context = shape.B * shape.T  # every position is context
+        block = shape.B * min(d.max_anchors, shape.T) * d.block_size  # block slots trained at once
+        teacher = d.target_hidden_size if self.objective.needs_teacher else 0
+        per_slot = (8 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 4 * H * 4  # like one decoder layer's token
+        terms = {
+            # the captured layers (n Ht), input embeddings (H), cos/sin (2 hd), the final hidden
+            # state when a teacher is read
+            "capture features": shape.capture_features(len(d.target_layers) * d.target_hidden_size + H + 2 * hd
+                                                       + teacher),
+            # the context: fc's output and its norm (2H), per layer its keys/values with k_norm and
+            # RoPE copies (4 kv hd); the block slots: per layer a decoder layer's saved tensors
+            "draft activations": context * (2 * H + d.num_layers * 4 * kv * hd) * p
+                                 + block * (d.num_layers * per_slot + 2 * H * p),
+            "loss chunk + hidden grads": shape.loss_chunk(block, d.vocab_size, H),
+            # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools
+            "block mask": block * (shape.T + block // shape.B),
+        }
+        if shape.documents:
+            terms["document masks"] = shape.B * shape.T * shape.T
+        return terms
 
     def make_drafter(self, target) -> DFlashDrafter:
         return DFlashDrafter(self, target)

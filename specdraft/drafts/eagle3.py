@@ -33,7 +33,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
@@ -444,6 +444,30 @@ class Eagle3Draft(Draft):
     def trained_depth(self) -> int:
         # training-time test unrolled the chain ttt_steps tokens ahead
         return int(self.dims.ttt_steps)
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        d, p, tokens, steps = self.dims, shape.dtype_bytes, shape.B * shape.T, self.dims.ttt_steps
+        H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+        teacher = d.target_hidden_size if self.objective.needs_teacher else 0
+        terms = {
+            # input embeddings (H), cos/sin (2 hd), the 3 captured layers (3 Ht), the final hidden state
+            # when a teacher is read (Ht)
+            "capture features": shape.capture_features(H + 2 * hd + 3 * d.target_hidden_size + teacher),
+            # per TTT step and token, saved for backward: the fused 2H input, the shifted embeddings,
+            # norm inputs/outputs, residuals, o_proj and MLP outputs, the logits input (14 H), q/k/v
+            # + RoPE copies + attention output (3 heads hd + 3 kv hd), MLP (4I), 3 RMSNorms in fp32;
+            # fc's output once
+            # + the TTT attention of each step k >= 1 (ttt_attention.py): the k diagonal keys and
+            # values stacked per query head (2 k heads hd), the sink-extended q/k/v and the merged
+            # output (~5 heads hd)
+            "draft activations": tokens * (steps * ((14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4)
+                                           + H * p + heads * hd * p * sum(2 * k + 5 for k in range(1, steps))),
+            # every step's counted rows keep their hidden-state gradient until the backward
+            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H),
+        }
+        if shape.documents:  # the same-document (B, 1, T, T) mask of the TTT attention
+            terms["document masks"] = shape.B * shape.T * shape.T
+        return terms
 
     def make_drafter(self, target: nn.Module) -> Eagle3Drafter:
         return Eagle3Drafter(self, target)

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
                                    rows_where, target_layer_shape)
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
@@ -166,6 +166,22 @@ class GlideDraft(Draft):
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return hidden @ lm_head_weight.t()
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        d, p, tokens = self.dims, shape.dtype_bytes, shape.B * shape.T
+        H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+        terms = {
+            # input embeddings (H), cos/sin (2 hd), the target's last-layer K/V (2 kv hd)
+            "capture features": shape.capture_features(H + 2 * hd + 2 * d.target_kv_heads * hd),
+            # saved per token: 10 H-sized tensors (norm in/out, residuals, o_proj / cross / MLP
+            # outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd, cross
+            # 3 heads hd), MLP gate/up/silu/product (4I), 3 RMSNorms' fp32 internals (3 x 2H x 4 B)
+            "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4),
+            "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H),
+        }
+        if shape.documents:  # the cross-attention's (B, T, T) mask, kept for backward, and the two it is built from
+            terms["document masks"] = shape.B * shape.T * shape.T * 2
+        return terms
 
     def make_drafter(self, target: nn.Module) -> GlideDrafter:
         return GlideDrafter(self, target)

@@ -2,12 +2,14 @@
 
     peak = weights (target: replicated, or partitioned under ZeRO-3; draft)
          + gradients and optimizer state (by ZeRO stage)
-         + the capture's features (kept through the draft's backward)
-         + max(the capture's transient working set, draft activations + one loss chunk)
+         + the family's terms (Draft.memory_terms: the capture's features it keeps through its
+           backward, its activations, its loss chunk, its masks), with its activations and loss
+           replaced by the capture's transient working set when that is larger
 
 Parameter counts are exact: both models are built on the meta device (no memory). Activation
-counts follow the code: what autograd saves per token in the draft, what one decoder layer holds
-at once under no_grad. bench/memory_model.py checks the total against measured peaks.
+counts follow the code: what autograd saves per token in the draft (each family counts its own),
+what one target decoder layer holds at once under no_grad. bench/memory_model.py checks the total
+against measured peaks, per family.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdraft.drafts import build_draft
-from specdraft.drafts.base import target_text_config
+from specdraft.drafts.base import MemoryShape, target_text_config
 from specdraft.drafts.loss import default_chunk_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -36,11 +38,15 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
 
-def parameter_counts(target_config, draft_cfg) -> Dict[str, int]:
-    """Exact counts, from models built on the meta device."""
+def meta_models(target_config, draft_cfg):
+    """(target, draft) built on the meta device: exact shapes, no memory."""
     with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(target_config)
-        draft = build_draft(draft_cfg, target_config)
+        return AutoModelForCausalLM.from_config(target_config), build_draft(draft_cfg, target_config)
+
+
+def parameter_counts(target_config, draft_cfg, models=None) -> Dict[str, int]:
+    """Exact counts, from models built on the meta device."""
+    target, draft = models or meta_models(target_config, draft_cfg)
     text = target_text_config(target_config)
     per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
     embed = target.get_input_embeddings().weight.numel()
@@ -58,9 +64,11 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
                   documents: Optional[bool] = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
-    (default: cfg.document_mask), which costs (B, T, T) boolean masks."""
+    (default: cfg.document_mask), which costs (B, T, T) boolean masks. The family of cfg.draft
+    supplies its own terms."""
     text = target_text_config(target_config)
-    counts = parameter_counts(target_config, cfg.draft)
+    target, draft = meta_models(target_config, cfg.draft)
+    counts = parameter_counts(target_config, cfg.draft, (target, draft))
     p = BYTES[cfg.precision]
     n = world_size
     stage = cfg.zero_stage
@@ -94,31 +102,20 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
         # ZeRO-1/2/3 keep an fp32 copy of their partition even when training in fp32
         est.parts["optimizer (fp32 master + Adam m, v)"] = P_d * 12 / n
 
-    # -- the capture: features kept for the draft ------------------------------------------
-    # input embeddings (H), cos/sin (2 hd), last-layer K/V (2 kv hd), in the model dtype
-    features = tokens * (H + 2 * hd + 2 * kv * hd) * p
-    est.parts["capture features"] = features
-
-    # -- transient: the larger of the target pass and the draft's forward/backward ---------
+    # -- the family's own terms, and the target's pass ---------------------------------------
+    chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
+    with_documents = cfg.document_mask if documents is None else documents
+    terms = draft.memory_terms(MemoryShape(B=B, T=T, dtype_bytes=p, chunk=chunk, documents=bool(with_documents),
+                                           target=text))
+    transient = {k: terms.pop(k) for k in ("draft activations", "loss chunk + hidden grads") if k in terms}
+    est.parts.update(terms)
+    if with_documents:  # the target's (B, 1, T, T) mask during the capture
+        est.parts["document masks"] = est.parts.get("document masks", 0) + B * T * T
     # target, one decoder layer under no_grad: residual + normed input (2H), q/k/v/attn out
     # (2 heads hd + 2 kv hd), MLP gate/up/product (3I); RMSNorm works in fp32 (2H x 4 B)
     capture_transient = tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd + 3 * I) * p + 2 * H * 4)
-    # draft, saved for backward per token: 10 H-sized tensors (norm in/out, residuals, o_proj /
-    # cross / MLP outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd,
-    # cross 3 heads hd), MLP gate/up/silu/product (4I), 3 RMSNorms' fp32 internals (3 x 2H x 4 B)
-    draft_acts = tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4)
-    # loss: the counted rows' hidden states and their gradient (2 H per token), one chunk's
-    # fp32 logits worked in place (+ its matmul output / bf16 copy at bf16)
-    chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
-    chunk = min(chunk, tokens)
-    loss = tokens * 2 * H * p + chunk * V * (4 + (2 if mixed else 0))
-    if cfg.document_mask if documents is None else documents:
-        # the target's (B, 1, T, T) mask during the capture; the draft's cross-attention mask,
-        # kept for its backward, and the two it is built from
-        est.parts["document masks"] = B * T * T * 3
-    if capture_transient > draft_acts + loss:
+    if capture_transient > sum(transient.values()):
         est.parts["capture working set (transient)"] = capture_transient
     else:
-        est.parts["draft activations"] = draft_acts
-        est.parts["loss chunk + hidden grads"] = loss
+        est.parts.update(transient)
     return est

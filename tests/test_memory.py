@@ -1,0 +1,50 @@
+"""The memory model asks each family for its own terms (train/memory.py never names a family)."""
+
+import pytest
+from omegaconf import OmegaConf
+from transformers import LlamaConfig
+
+from specdraft.config import TrainConfig
+from specdraft.drafts import FAMILIES
+from specdraft.train import memory
+
+TARGET = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def config(family, seq, documents=False):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.draft.type, cfg.max_seq_length, cfg.document_mask = family, seq, documents
+    return cfg
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_total_holds_exactly_the_familys_terms(family, monkeypatch):
+    cls = FAMILIES[family]
+    base = memory.estimate_peak(TARGET, config(family, 1024), world_size=1)
+    original = cls.memory_terms
+    monkeypatch.setattr(cls, "memory_terms", lambda self, shape: dict(original(self, shape), marker=12345.0))
+    marked = memory.estimate_peak(TARGET, config(family, 1024), world_size=1)
+    assert marked.parts["marker"] == 12345.0 and marked.total == pytest.approx(base.total + 12345.0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_only_document_masks_grow_quadratically_in_t(family):
+    """Doubling T at most doubles every term a family keeps (DFlash's blocks stop growing at
+    max_anchors), except the (T, T) document masks, which quadruple."""
+    from specdraft.drafts import build_draft
+    from specdraft.drafts.base import MemoryShape
+
+    draft = build_draft(config(family, 4096).draft, TARGET)
+    at = {T: draft.memory_terms(MemoryShape(B=1, T=T, dtype_bytes=2, chunk=1024, documents=True, target=TARGET))
+          for T in (4096, 8192)}
+    assert at[8192]["document masks"] == 4 * at[4096]["document masks"] > 0
+    for name, value in at[8192].items():
+        if name != "document masks":
+            assert at[4096][name] <= value <= 2 * at[4096][name] + 1, name
+
+
+def test_the_memory_model_never_names_a_family():
+    source = memory.__file__
+    text = open(source).read().lower()
+    assert not any(name in text for name in FAMILIES), source
