@@ -131,13 +131,13 @@ def measure(spec: dict) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
-def check_families(seqs) -> None:
+def check_families(seqs, only=None) -> None:
     from specdraft.drafts import FAMILIES
 
     worst = 0.0
     print("CPU check per family (fp32, 1 rank, batch 1, no document borders; 4 x 256 target, vocab 8000):")
     print(f"{'family':<8} {'T':>5} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}  family terms (MiB)")
-    for family in FAMILIES:
+    for family in only or FAMILIES:
         for seq in seqs:
             spec = dict(FAMILY_SHAPE, seq=seq, family=family)
             estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
@@ -180,12 +180,13 @@ def main() -> None:
     parser.add_argument("--families", action="store_true", help="check every family at growing T, then the "
                                                                  "per-family Qwen3-8B table")
     parser.add_argument("--seqs", default="1024,4096,8192")
+    parser.add_argument("--only", default=None, help="with --families: these families (comma-separated)")
     args = parser.parse_args()
     if args.child:
         measure_child(json.loads(args.child))
         return
     if args.families:
-        check_families([int(t) for t in args.seqs.split(",")])
+        check_families([int(t) for t in args.seqs.split(",")], args.only.split(",") if args.only else None)
         return
 
     worst = 0.0

@@ -147,10 +147,13 @@ class MemoryShape:
         """Bytes of the captured target features the draft reads, kept through its backward."""
         return self.B * self.T * per_token_elements * self.dtype_bytes
 
-    def loss_chunk(self, rows: int, vocab: int, hidden: int) -> float:
+    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False) -> float:
         """The counted rows' hidden states and their gradient (computed in the forward), and one
-        chunk's fp32 logits worked in place (+ its matmul output at bf16)."""
-        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows) * vocab * (4 + (2 if self.mixed else 0))
+        chunk's fp32 logits worked in place (+ its matmul output at bf16); an objective that reads
+        the target's distribution also holds the teacher's logits and probabilities and the
+        student's probabilities: 3 more fp32 chunks."""
+        buffers = 4 + (2 if self.mixed else 0) + (3 * 4 if teacher else 0)
+        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows) * vocab * buffers
 
 
 class Draft(nn.Module, ABC):

@@ -367,12 +367,14 @@ class DFlashDraft(Draft):
             "capture features": shape.capture_features(len(d.target_layers) * d.target_hidden_size + H + 2 * hd
                                                        + teacher),
             # the context: fc's output and its norm (2H), per layer its keys/values with k_norm and
-            # RoPE copies (4 kv hd); the block slots: per layer a decoder layer's saved tensors
-            "draft activations": context * (2 * H + d.num_layers * 4 * kv * hd) * p
-                                 + block * (d.num_layers * per_slot + 2 * H * p),
-            "loss chunk + hidden grads": shape.loss_chunk(block, d.vocab_size, H),
-            # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools
-            "block mask": block * (shape.T + block // shape.B),
+            # RoPE copies (4 kv hd) and their copy in cat(context, block) (2 kv hd); the block
+            # slots: per layer a decoder layer's saved tensors and their keys/values in that cat
+            "draft activations": context * (2 * H + d.num_layers * 6 * kv * hd) * p
+                                 + block * (d.num_layers * (per_slot + 2 * kv * hd * p) + 2 * H * p),
+            "loss chunk + hidden grads": shape.loss_chunk(block, d.vocab_size, H, teacher=self.objective.needs_teacher),
+            # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools,
+            # and per layer the float bias SDPA makes of it, kept for the backward
+            "block mask": block * (shape.T + block // shape.B) * (1 + 4 * d.num_layers),
         }
         if shape.documents:
             terms["document masks"] = shape.B * shape.T * shape.T

@@ -463,7 +463,7 @@ class Eagle3Draft(Draft):
             "draft activations": tokens * (steps * ((14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4)
                                            + H * p + heads * hd * p * sum(2 * k + 5 for k in range(1, steps))),
             # every step's counted rows keep their hidden-state gradient until the backward
-            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H),
+            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H, teacher=self.objective.needs_teacher),
         }
         if shape.documents:  # the same-document (B, 1, T, T) mask of the TTT attention
             terms["document masks"] = shape.B * shape.T * shape.T

@@ -177,7 +177,7 @@ class GlideDraft(Draft):
             # outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd, cross
             # 3 heads hd), MLP gate/up/silu/product (4I), 3 RMSNorms' fp32 internals (3 x 2H x 4 B)
             "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4),
-            "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H),
+            "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
         }
         if shape.documents:  # the cross-attention's (B, T, T) mask, kept for backward, and the two it is built from
             terms["document masks"] = shape.B * shape.T * shape.T * 2
