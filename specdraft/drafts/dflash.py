@@ -136,7 +136,7 @@ class DFlashLayer(nn.Module):
 
 class DFlashDraft(Draft):
     family = "dflash"
-    label = "DFlash"  # in tables and logs
+    label = "DFlash"
     architecture = "DFlashDraft"
     options = DFlashOptions
     dims_type = DFlashDims

@@ -190,7 +190,7 @@ SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 
 class Eagle3Draft(Draft):
     family = "eagle3"
-    label = "EAGLE-3"  # in tables and logs
+    label = "EAGLE-3"
     architecture = "Eagle3Draft"
     default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
     options = Eagle3Options

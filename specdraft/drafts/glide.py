@@ -93,7 +93,7 @@ class GlideCrossAttention(Projections):
 
 class GlideDraft(Draft):
     family = "glide"
-    label = "GLIDE"  # in tables and logs
+    label = "GLIDE"
     architecture = "GlideDraft"
     options = GlideOptions
     dims_type = GlideDims
