@@ -162,15 +162,22 @@ def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
           f"(fits: <= {USABLE:.0%} of 80 GB)")
     print(f"| family | {' | '.join(f'{t // 1024}k' for t in seqs)} | longest that fits |")
     print(f"|---|{'---|' * len(seqs)}---|")
-    for family, cls in FAMILIES.items():
+    from specdraft.drafts import family_keys
+
+    rows = [(family, cls.label, False) for family, cls in FAMILIES.items()]
+    rows += [(family, f"{cls.label}, gradient_checkpointing", True) for family, cls in FAMILIES.items()
+             if "gradient_checkpointing" in family_keys(cls)]
+    for family, label, checkpointing in rows:
         def peak(seq):
             cfg = run_config(dict(zero=2, batch=1, seq=seq, window=512, family=family), precision="bf16")
+            if checkpointing:
+                cfg.draft.gradient_checkpointing = True
             return estimate_peak(config, cfg, world_size=8).total
         longest, seq = None, 4096
         while seq <= 262144 and peak(seq) <= USABLE * GPU_BYTES:
             longest, seq = seq, seq * 2
         cells = " | ".join(f"{peak(t) / 1e9:.1f}" for t in seqs)
-        print(f"| {cls.label} | {cells} | {f'{longest // 1024}k' if longest else 'under 4k'} |")
+        print(f"| {label} | {cells} | {f'{longest // 1024}k' if longest else 'under 4k'} |")
 
 
 def main() -> None:

@@ -68,7 +68,9 @@ def check_family_keys(family: Type[Draft], given: Iterable[str], source: str = "
 
 
 def build_draft(draft_cfg, target_config, data=None) -> Draft:
-    return draft_family(draft_cfg.type).from_target_config(target_config, draft_cfg, data)
+    draft = draft_family(draft_cfg.type).from_target_config(target_config, draft_cfg, data)
+    draft.gradient_checkpointing = bool(draft_cfg.get("gradient_checkpointing") or False)  # training only, not exported
+    return draft
 
 
 def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = None) -> Draft:

@@ -239,6 +239,21 @@ class Draft(nn.Module, ABC):
         """Restore extra_state() from a checkpoint; never rebuilt. Raises a SpecdraftError naming
         `source` when it disagrees with the draft's own."""
 
+    # draft.gradient_checkpointing (the families with several layer passes offer it; build_draft sets it)
+    gradient_checkpointing: bool = False
+
+    def run_layer(self, layer: nn.Module, *args):
+        """layer(*args); under gradient checkpointing, in training, its activations are recomputed in
+        the backward instead of kept (torch.utils.checkpoint, non-reentrant: works under ZeRO)."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            # a list (EAGLE-3's earlier steps' keys) is copied: the caller appends to it before
+            # the backward recomputes this call
+            args = tuple(list(a) if isinstance(a, list) else a for a in args)
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
+
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
         """Bytes of what this family keeps at its peak for one micro-batch, by name: the capture's
         features, its activations saved for backward, the loss chunk, document masks

@@ -59,6 +59,8 @@ class DFlashOptions(ObjectiveOptions):
     max_anchors: int = 512  # blocks trained per sequence
     mask_token_id: Optional[int] = None  # target token whose embedding is MASK; None: the last id
     train_mask_embedding: bool = False  # train the draft's own MASK row (then native export only)
+    # recompute each layer in the backward instead of keeping its activations
+    gradient_checkpointing: bool = False
 
 
 def default_target_layers(num_target_layers: int, count: int = DEFAULT_NUM_TARGET_LAYERS) -> List[int]:
@@ -265,7 +267,7 @@ class DFlashDraft(Draft):
         x = self.block_embeddings(anchor_embeds, mask_embed)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (context_k, context_v) in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, context_k, context_v, visibility)
+            x = self.run_layer(layer, x, cos, sin, context_k, context_v, visibility)
         return self.norm(x)
 
     def head_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -361,6 +363,7 @@ class DFlashDraft(Draft):
         block = shape.B * min(d.max_anchors, shape.T) * d.block_size  # block slots trained at once
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
         per_slot = (8 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 4 * H * 4  # like one decoder layer's token
+        layers = 1 if self.gradient_checkpointing else d.num_layers  # whose activations are held at once
         terms = {
             # the captured layers (n Ht), input embeddings (H), cos/sin (2 hd), the final hidden
             # state when a teacher is read
@@ -369,12 +372,14 @@ class DFlashDraft(Draft):
             # the context: fc's output and its norm (2H), per layer its keys/values with k_norm and
             # RoPE copies (4 kv hd) and their copy in cat(context, block) (2 kv hd); the block
             # slots: per layer a decoder layer's saved tensors and their keys/values in that cat
+            # (checkpointed: each layer keeps its input, and one layer comes back at a time)
             "draft activations": context * (2 * H + d.num_layers * 6 * kv * hd) * p
-                                 + block * (d.num_layers * (per_slot + 2 * kv * hd * p) + 2 * H * p),
+                                 + block * (layers * (per_slot + 2 * kv * hd * p) + 2 * H * p
+                                            + (d.num_layers * H * p if self.gradient_checkpointing else 0)),
             "loss chunk + hidden grads": shape.loss_chunk(block, d.vocab_size, H, teacher=self.objective.needs_teacher),
             # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools,
             # and per layer the float bias SDPA makes of it, kept for the backward
-            "block mask": block * (shape.T + block // shape.B) * (1 + 4 * d.num_layers),
+            "block mask": block * (shape.T + block // shape.B) * (1 + 4 * layers),
         }
         if shape.documents:
             terms["document masks"] = shape.B * shape.T * shape.T

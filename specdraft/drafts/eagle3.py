@@ -68,6 +68,8 @@ class Eagle3Options(ObjectiveOptions):
     # is a draft token (EAGLE-3's and SpecForge's recipe); all = every counted row, the target
     # renormalised over the draft vocab even where its top-1 lies outside it
     teacher_rows: str = "in_vocab"
+    # recompute each TTT step's layer in the backward instead of keeping its activations
+    gradient_checkpointing: bool = False
 
 
 TEACHER_ROWS = ("in_vocab", "all")
@@ -334,7 +336,7 @@ class Eagle3Draft(Draft):
         """One draft step over (B, T) inputs at `positions` (T,) -> (next hidden input, logits input,
         new keys, new values). visible (T, S + T) over past + new keys."""
         cos, sin = self.rotary_emb(embeds, positions[None])
-        out, k, v = self.layers[0](embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
+        out, k, v = self.run_layer(self.layers[0], embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
                                    past_keys, past_values, visible)
         normed = self.norm(out)
         return (normed if self.dims.norm_output else out), normed, k, v
@@ -449,6 +451,8 @@ class Eagle3Draft(Draft):
         d, p, tokens, steps = self.dims, shape.dtype_bytes, shape.B * shape.T, self.dims.ttt_steps
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
+        step = (14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4  # per token, see below
+        attention = [heads * hd * p * (2 * k + 5) for k in range(1, steps)]
         terms = {
             # input embeddings (H), cos/sin (2 hd), the 3 captured layers (3 Ht), the final hidden state
             # when a teacher is read (Ht)
@@ -460,8 +464,12 @@ class Eagle3Draft(Draft):
             # + the TTT attention of each step k >= 1 (ttt_attention.py): the k diagonal keys and
             # values stacked per query head (2 k heads hd), the sink-extended q/k/v and the merged
             # output (~5 heads hd)
-            "draft activations": tokens * (steps * ((14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4)
-                                           + H * p + heads * hd * p * sum(2 * k + 5 for k in range(1, steps))),
+            "draft activations": tokens * (H * p + (steps * step + sum(attention) if not self.gradient_checkpointing
+                                                    # checkpointed: each step keeps its inputs and outputs
+                                                    # (4 H, its keys/values, a norm in fp32); one step's
+                                                    # activations come back at a time in the backward
+                                                    else steps * ((4 * H + 2 * kv * hd) * p + 2 * H * 4)
+                                                    + step + max(attention, default=0))),
             # every step's counted rows keep their hidden-state gradient until the backward
             "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H, teacher=self.objective.needs_teacher),
         }

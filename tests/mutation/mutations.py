@@ -532,6 +532,21 @@ CHECKPOINT = [
              "EAGLE-3's elastic resume: zero/draft_model.d2t/step.pt does not exist"),
 ]
 
+# Memory per family and activation checkpointing (issue 22)
+MEMORY = [
+    Mutation("memory/family-terms-ignored", "specdraft/train/memory.py",
+             "    est.parts.update(terms)\n", "", ("tests/test_memory.py",),
+             "the model adds nothing the family keeps but its activations"),
+    Mutation("memory/checkpointed-call-sees-later-keys", "specdraft/drafts/base.py",
+             "args = tuple(list(a) if isinstance(a, list) else a for a in args)", "args = tuple(args)",
+             ("tests/test_activation_checkpointing.py",),
+             "EAGLE-3's recomputed step reads the keys of the steps after it"),
+    Mutation("memory/checkpointing-never-on", "specdraft/drafts/__init__.py",
+             'draft.gradient_checkpointing = bool(draft_cfg.get("gradient_checkpointing") or False)',
+             "draft.gradient_checkpointing = False", ("tests/test_activation_checkpointing.py",),
+             "draft.gradient_checkpointing is accepted and ignored"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
@@ -541,6 +556,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,
+    "memory": MEMORY,
 }
 
 
