@@ -233,9 +233,15 @@ class DFlashDraft(Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
+        return cls(cls.dims_type(**cls.dims_fields(target_config, draft_cfg)),
+                   objective=objective_from_options(draft_cfg, default=cls.default_loss))
+
+    @classmethod
+    def dims_fields(cls, target_config, draft_cfg) -> Dict[str, Any]:
+        """The dims' fields from the target's config and the `draft.` keys (a subclass adds its own)."""
         text = target_text_config(target_config)
         mask_id = draft_cfg.mask_token_id
-        return cls(DFlashDims(
+        return dict(
             **target_layer_shape(target_config),
             hidden_act=getattr(text, "hidden_act", "silu"),
             vocab_size=text.vocab_size,
@@ -251,7 +257,7 @@ class DFlashDraft(Draft):
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
             target_num_layers=int(text.num_hidden_layers),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        )
 
     def capture_request(self) -> CaptureRequest:
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),
