@@ -188,6 +188,33 @@ def test_the_drafter_computes_trainings_logits_and_confidences_slot_by_slot(targ
     assert chain.tokens.tolist() == head.logits()[0, 0, draft.layout.first_slot:].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
+def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type):
+    """A node at depth d fills slot first + d reading its parent's token (the root's children read
+    the anchor); its score is the sum of its path's log-probs, each slot teacher-forced with the
+    path (for rnn the state runs along the path)."""
+    draft = make_draft(target, markov_head_type=head_type).eval()
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(10))
+    n = 9
+    feats = features(target, draft, ids)
+    tree = drafter_at(draft, target, feats, n).propose_tree(ids[0, :n + 1], _Cache(n), [3, 2, 2])
+    assert len(tree) == 7
+    for node in range(len(tree)):
+        path, i = [], node
+        while i >= 0:
+            path.append(int(tree.tokens[i]))
+            i = int(tree.parents[i])
+        path.reverse()
+        forced = ids.clone()
+        forced[0, n + 1:n + 1 + len(path)] = torch.tensor(path)
+        blocks = blocks_at(draft, forced, torch.tensor([[n]]))
+        with torch.no_grad():
+            head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(forced, 1),
+                                    draft.head_weight(target.lm_head.weight))
+        logprobs = torch.log_softmax(head.logits()[0, 0, 1:], dim=-1)
+        assert float(tree.scores[node]) == pytest.approx(sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4)
+
+
 def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_after(target):
     draft = make_draft(target, block_size=6).eval()
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(7))
