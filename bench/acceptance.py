@@ -79,6 +79,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.5,
+                        help="drafters with a confidence head (DSpark) are measured again with this stop")
     parser.add_argument("--out", default="runs/bench-acceptance", help="where the trained drafts and results go")
     return parser.parse_args(argv)
 
@@ -132,9 +134,12 @@ def counting_forwards(draft):
             handle.remove()
 
 
-def measure(target, method, draft, prompts, baseline, shape, settings) -> dict:
-    """compare() plus draft forwards per generated token (accepted + one per target forward)."""
+def measure(target, method, draft, prompts, baseline, shape, settings, confidence_threshold=None) -> dict:
+    """compare() plus draft forwards per generated token (accepted + one per target forward).
+    confidence_threshold: the stop of a drafter with a confidence head (None: its default, 0)."""
     drafter = make_drafter(method, target, draft)
+    if confidence_threshold is not None:
+        drafter.confidence_threshold = confidence_threshold
     with counting_forwards(draft) as counter:
         # compare() starts with a 2-token greedy warm-up generation: the same one, counted alone
         speculative_generate(target, drafter, prompts[0], max_new_tokens=2, **shape)
@@ -227,10 +232,15 @@ def main(argv=None) -> dict:
             if block is not None and block != args.gamma:
                 shapes.append(dict(gamma=block))
             shapes += [dict(tree=tree)] if tree else []
+            # a drafter with a confidence head: also with its stop
+            stops = [None] + ([args.confidence_threshold] if hasattr(draft, "confidence_head") else [])
             for shape in shapes:
-                report = measure(target, method, draft, prompts, baseline, shape, settings)
-                rows.append(dict(report, label=label, method=method, whole_block=shape.get("gamma") == block))
-                print(f"[bench] T={temperature:g} {label} {shape}: tau {report['tau']:.2f}", flush=True)
+                for stop_at in stops:
+                    report = measure(target, method, draft, prompts, baseline, shape, settings, stop_at)
+                    name = label if stop_at is None else f"{label} (stop c={stop_at:g})"
+                    rows.append(dict(report, label=name, method=method, whole_block=shape.get("gamma") == block))
+                    print(f"[bench] T={temperature:g} {name} {shape}: tau {report['tau']:.2f}, accepted/proposed "
+                          f"{report['accepted_per_proposed']:.3f}", flush=True)
         plain_speed[temperature] = rows[-1]["baseline_tokens_per_second"]
 
     # -- report --------------------------------------------------------------------------------
@@ -242,9 +252,9 @@ def main(argv=None) -> dict:
              + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
              f"target's greedy answers: {quality.line()}",
              "",
-             "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | tok/s | speedup "
-             "| lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | proposed / round "
+             "| accepted ÷ proposed | tok/s | speedup | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = (f"tree {','.join(map(str, r['tree']))}" if r["tree"]
                  else f"chain γ={r['gamma']}" + (" (its whole block)" if r["whole_block"] else ""))
@@ -252,7 +262,8 @@ def main(argv=None) -> dict:
         tv = "-" if r.get("mean_tv") is None else f"{r['mean_tv']:.3f}"
         lossless = "-" if r["matches_target"] is None else ("yes" if r["matches_target"] else "NO")
         lines.append(f"| {r['label']} | {shape} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {tv} | "
-                     f"{r['draft_forwards_per_token']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x "
+                     f"{r['draft_forwards_per_token']:.2f} | {r['proposed_per_round']:.2f} | "
+                     f"{r['accepted_per_proposed']:.3f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x "
                      f"| {lossless} |")
 
     def tau(label, temperature, is_tree=False):
@@ -277,6 +288,11 @@ def main(argv=None) -> dict:
                 ours, ref = tau(label, t), tau(trained[0], t)
                 comparisons.append((f"{label} ÷ {trained[0]} (chain γ={args.gamma}, T={t:g})", ours, ref))
                 headline.append(f"ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={ours / ref:.2f}")
+    for label in exports:  # the confidence stop vs the same drafter without it
+        stopped = f"{label} (stop c={args.confidence_threshold:g})"
+        for t in temperatures if any(r["label"] == stopped for r in rows) else []:
+            comparisons.append((f"{stopped} ÷ {label} (chain γ={args.gamma}, T={t:g})", tau(stopped, t), tau(label, t)))
+            headline.append(f"stop_ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={tau(stopped, t) / tau(label, t):.2f}")
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}

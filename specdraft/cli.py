@@ -74,7 +74,8 @@ def _cmd_eval(args) -> int:
     report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
-                      device=args.device, dtype=args.dtype, target=args.target)
+                      device=args.device, dtype=args.dtype, target=args.target,
+                      confidence_threshold=args.confidence_threshold)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
     p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
+    p.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
+                   help="drafts with a confidence head (DSpark): a block stops at the first slot whose "
+                        "confidence is below C, in [0, 1]; default: the draft's draft.confidence_threshold")
     p.set_defaults(run=_cmd_eval)
 
     p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")

@@ -89,7 +89,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
              thinking: Optional[bool] = None,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
              record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
-             target: Optional[str] = None) -> Dict[str, Any]:
+             target: Optional[str] = None, confidence_threshold: Optional[float] = None) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
     target: the target model dir (default: the path the export records).
@@ -97,6 +97,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     gamma None: the depth the draft was trained for. device None: CUDA when there is one.
     dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
     thinking: the template's enable_thinking for the prompts, as the training data used (None: its default).
+    confidence_threshold: a draft with a confidence head stops a block at the first slot below it
+    (None: the draft's own default, draft.confidence_threshold).
     """
     from specdraft.target.model import load_frozen_target
 
@@ -107,6 +109,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if max_new_tokens < 1:
         raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_shape(gamma, tree)
+    if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+        raise SpecdraftError(f"--confidence-threshold: must be in [0, 1], got {confidence_threshold}")
     export_dir, target_dir = resolve_export(path, target)
     if export_dir is None and method in NEEDS_DRAFT:
         raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
@@ -126,7 +130,14 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     report = {"method": method, "draft": str(export_dir) if draft is not None else None,
               "target": str(target_dir), "prompts_file": str(prompts_file),
               "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", "")}
-    report.update(compare(target, make_drafter(method, target, draft), prompts, gamma=gamma, tree=tree,
+    drafter = make_drafter(method, target, draft)
+    if confidence_threshold is not None:
+        if not hasattr(drafter, "confidence_threshold"):  # a family without a confidence head
+            raise SpecdraftError(f"--confidence-threshold: the {getattr(draft, 'label', None) or method} drafter "
+                                 f"has no confidence head (DSpark drafts have one)")
+        drafter.confidence_threshold = confidence_threshold
+        report["confidence_threshold"] = confidence_threshold
+    report.update(compare(target, drafter, prompts, gamma=gamma, tree=tree,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                           stop=stop_tokens(target, tokenizer), record_tv=record_tv))
     report["plot"] = None

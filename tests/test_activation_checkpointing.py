@@ -13,12 +13,13 @@ from specdraft.drafts.base import MemoryShape
 from specdraft.drafts.vocab import vocab_maps
 from specdraft.train.model import TargetWithDraft
 
-SMALL = {"eagle3": dict(draft_vocab_size=64, ttt_steps=3), "dflash": dict(num_layers=2, block_size=4, max_anchors=6)}
+SMALL = {"eagle3": dict(draft_vocab_size=64, ttt_steps=3), "dflash": dict(num_layers=2, block_size=4, max_anchors=6),
+         "dspark": dict(num_layers=2, block_size=4, max_anchors=6)}
 OFFERING = sorted(f for f, cls in FAMILIES.items() if "gradient_checkpointing" in family_keys(cls))
 
 
 def test_the_families_with_several_layer_passes_offer_it():
-    assert OFFERING == ["dflash", "eagle3"]
+    assert OFFERING == ["dflash", "dspark", "eagle3"]
 
 
 def draft_for(family, target, checkpointing, small=True):

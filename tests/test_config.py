@@ -6,6 +6,7 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.config import load_config
+from specdraft.drafts import FAMILIES
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     (tmp_path / "d.jsonl").write_text("{}\n")
     cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
                                                      "eval_prompts=null"])
-    family = "eagle3" if "eagle3" in name else "dflash" if "dflash" in name else "glide"
+    family = next((f for f in ("eagle3", "dflash", "dspark") if f in name), "glide")
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 
@@ -104,14 +105,15 @@ def test_every_readme_yaml_block_is_a_valid_config(index, tmp_path):
     block = tmp_path / "block.yaml"
     block.write_text(readme_yaml_blocks()[index])
     cfg = load_config(str(block), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"])
-    assert cfg.draft.type in ("glide", "eagle3", "dflash")
+    assert cfg.draft.type in FAMILIES
 
 
 @pytest.mark.parametrize("given, family, owner", [
-    ("draft.block_size=4", "glide", "dflash"),
+    ("draft.block_size=4", "glide", "dflash, dspark"),
     ("draft.ttt_steps=3", "dflash", "eagle3"),
     ("draft.max_lag=2", "eagle3", "glide"),
-    ("draft.target_layers=[1]", "glide", "eagle3, dflash"),
+    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark"),
+    ("draft.markov_rank=8", "dflash", "dspark"),
 ])
 def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
     valid_config.write_text(valid_config.read_text().replace("draft:\n  max_lag: 3\n", ""))
@@ -150,7 +152,7 @@ def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tm
     assert load_config(str(tmp_path / "saved.yaml")).draft.max_lag == 2
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
 def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     from helpers import REPO
 
@@ -166,10 +168,10 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
 
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
-    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-eagle3" in str(err.value)
+    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3" in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
 def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir, tiny_data):
     """`specdraft train configs/demo*.yaml` after `specdraft demo`: its data_files glob finds the
     build's train files (checked on the tiny build, laid out like the demo's)."""

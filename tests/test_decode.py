@@ -577,7 +577,8 @@ def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     from specdraft.drafts import FAMILIES, DraftConfig
 
     target = random_llama(vocab=8, hidden=32, init=0.5, max_positions=256)
-    small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4}}
+    small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4},
+             "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 4}}
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (1, 5, 11)]
     for family, cls in FAMILIES.items():

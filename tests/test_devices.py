@@ -39,6 +39,7 @@ SMALL = {
     "glide": dict(anchor_offset=True, max_position_offset=100),
     "eagle3": dict(draft_vocab_size=64, ttt_steps=2),
     "dflash": dict(num_layers=1, block_size=4, max_anchors=4),
+    "dspark": dict(num_layers=1, block_size=4, max_anchors=4, markov_rank=8, markov_head_type="rnn"),
 }
 
 

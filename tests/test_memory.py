@@ -48,3 +48,11 @@ def test_the_memory_model_never_names_a_family():
     source = memory.__file__
     text = open(source).read().lower()
     assert not any(name in text for name in FAMILIES), source
+
+
+def test_the_zero_buckets_are_even_whatever_the_drafts_parameter_count():
+    """ZeRO-1/2 assert allgather_bucket_size % 2 == 0; DSpark's confidence bias makes its count odd."""
+    from specdraft.train.memory import REDUCE_BUCKET, reduce_bucket_elements
+
+    assert [reduce_bucket_elements(n) for n in (1, 8, 1_780_001)] == [8, 8, 1_780_008]
+    assert reduce_bucket_elements(10 ** 10) == REDUCE_BUCKET

@@ -20,12 +20,16 @@ def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str,
     """Pool the verification passes of several generations; depth = gamma or len(tree)."""
     accepted: List[int] = [a for g in generations for a in g.accepted]
     forwards = len(accepted)
+    drafted = sum(d for g in generations for d in g.drafted)
     reached = [sum(a >= j for a in accepted) for j in range(depth + 1)]  # reached[0] = forwards
     return {
         "tau": (sum(accepted) + forwards) / forwards if forwards else 0.0,
         "target_forwards": forwards,
         "accepted_tokens": sum(accepted),
-        "drafted_tokens": sum(d for g in generations for d in g.drafted),
+        "drafted_tokens": drafted,
+        # per verification round: tokens proposed, and the share of them the target kept
+        "proposed_per_round": drafted / forwards if forwards else 0.0,
+        "accepted_per_proposed": sum(accepted) / drafted if drafted else 0.0,
         "acceptance_per_position": [reached[j] / forwards if forwards else 0.0 for j in range(1, depth + 1)],
         "conditional_acceptance_per_position": [reached[j] / reached[j - 1] if reached[j - 1] else 0.0
                                                 for j in range(1, depth + 1)],
@@ -68,6 +72,8 @@ def format_report(report: Dict[str, Any]) -> str:
         f"  {'tau (tokens / target forward)':<34}{report['tau']:>10.3f}",
         f"  {'target forwards':<34}{report['target_forwards']:>10d}",
         f"  {'accepted draft tokens':<34}{report['accepted_tokens']:>10d}",
+        f"  {'proposed tokens / round':<34}{report['proposed_per_round']:>10.3f}",
+        f"  {'accepted / proposed':<34}{report['accepted_per_proposed']:>10.3f}",
         f"  {'generated tokens':<34}{report['generated_tokens']:>10d}",
         f"  {'tokens/s (speculative)':<34}{report['tokens_per_second']:>10.1f}",
         f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",

@@ -12,11 +12,12 @@ from typing import Any, Dict, Iterable, List, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures
 from specdraft.drafts.dflash import DFlashDraft
+from specdraft.drafts.dspark import DSparkDraft
 from specdraft.drafts.eagle3 import Eagle3Draft
 from specdraft.drafts.glide import GlideDraft
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft)}
+FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
 

@@ -19,8 +19,10 @@ the j-th predicted token of a block (the token at a + 1 + j) weighs exp(-j / gam
 At inference the anchor is the last verified token x_n and the context every position < n.
 
 The seam for the families built on DFlash (DSpark, Domino, ...): `forward()`, the backbone, gives
-block hidden states; `head_logits()` turns them into logits (a subclass adds its head there); the
-layout is the `BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
+block hidden states; `block_head()` turns them into a `BlockHead` (logits = features @ weight.T, and
+a confidence per slot where the family has one). Training, decoding and the export tests all read
+logits through it, so a subclass adds its head there and nowhere else. The layout is the
+`BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
 dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU); both are made from
 the one rule in `BlockVisibility.visible`.
 """
@@ -40,8 +42,8 @@ from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, Traini
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import write_speculators_export
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
-from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
-                                        shared_head_objective, term_metrics)
+from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, chunked_objective,
+                                        objective_from_options, shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
 
 DEFAULT_NUM_TARGET_LAYERS = 5
@@ -97,6 +99,22 @@ class DFlashDims(LayerDims):
     @property
     def layout(self) -> BlockLayout:
         return BlockLayout(self.block_size, self.sample_from_anchor)
+
+
+@dataclass
+class BlockHead:
+    """What a head makes of block hidden states: logits = features @ weight.T, one matmul, so that
+    the chunked objective computes them a chunk of rows at a time; confidence: each slot's logit of
+    P(the slot is accepted), None for a head without one (DFlash's). state: what a sequential head
+    carries to the next slot (DSpark's rnn Markov head), None otherwise."""
+
+    features: torch.Tensor  # (..., F)
+    weight: torch.Tensor  # (V, F)
+    confidence: Optional[torch.Tensor] = None  # (...,)
+    state: Optional[torch.Tensor] = None
+
+    def logits(self) -> torch.Tensor:
+        return self.features @ self.weight.t().to(self.features.dtype)
 
 
 # -- layers ----------------------------------------------------------------------------------------
@@ -217,9 +235,15 @@ class DFlashDraft(Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
+        return cls(cls.dims_type(**cls.dims_fields(target_config, draft_cfg)),
+                   objective=objective_from_options(draft_cfg, default=cls.default_loss))
+
+    @classmethod
+    def dims_fields(cls, target_config, draft_cfg) -> Dict[str, Any]:
+        """The dims' fields from the target's config and the `draft.` keys (a subclass adds its own)."""
         text = target_text_config(target_config)
         mask_id = draft_cfg.mask_token_id
-        return cls(DFlashDims(
+        return dict(
             **target_layer_shape(target_config),
             hidden_act=getattr(text, "hidden_act", "silu"),
             vocab_size=text.vocab_size,
@@ -235,7 +259,7 @@ class DFlashDraft(Draft):
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
             max_anchors=int(draft_cfg.max_anchors),
             target_num_layers=int(text.num_hidden_layers),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        )
 
     def capture_request(self) -> CaptureRequest:
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),
@@ -270,9 +294,25 @@ class DFlashDraft(Draft):
             x = self.run_layer(layer, x, cos, sin, context_k, context_v, visibility)
         return self.norm(x)
 
-    def head_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """The head seam: block hidden states -> logits. DFlash has no head: the target's lm_head."""
-        return hidden @ lm_head_weight.t().to(hidden.dtype)
+    # -- the head seam: block hidden states -> logits (and confidences) ---------------------------
+
+    def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The (V, F) weight of the head's logits, made once per step (or once per drafter):
+        DFlash's is the target's lm_head."""
+        return lm_head_weight
+
+    def block_head(self, hidden: torch.Tensor, previous_tokens: Optional[torch.Tensor], head_weight: torch.Tensor,
+                   state: Optional[torch.Tensor] = None) -> BlockHead:
+        """hidden (..., S', H) of S' consecutive slots; previous_tokens (..., S'): each slot's
+        previous token (the token before the one it predicts; the anchor for slots <= first_slot),
+        read by heads that condition on it; state: a sequential head's, from the slot before.
+        DFlash has no head: its logits are the target's lm_head applied to the hidden states."""
+        return BlockHead(hidden, head_weight)
+
+    def head_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                    previous_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Block hidden states (..., S, H) -> logits (..., S, V), through block_head."""
+        return self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight)).logits()
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -312,15 +352,17 @@ class DFlashDraft(Draft):
         label_is_answer = host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(
             host_blocks.counted).bool()
         return self.block_loss(hidden, blocks, host_blocks.counted, label_is_answer, lm_head_weight, chunk_size,
-                               features.final_hidden)
+                               features.final_hidden, blocks.previous_tokens(input_ids, self.layout.first_slot))
 
     def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, label_is_answer: torch.Tensor,
-                   lm_head_weight, chunk_size: int, final_hidden: Optional[torch.Tensor] = None) -> DraftLoss:
+                   lm_head_weight, chunk_size: int, final_hidden: Optional[torch.Tensor] = None,
+                   previous_tokens: Optional[torch.Tensor] = None) -> DraftLoss:
         """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
         (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
         final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
         teacher of the token at anchor + 1 + j is the target's output at anchor + j);
-        label_is_answer (B, A, P) bool on the host: the labels CE learns (answer tokens)."""
+        label_is_answer (B, A, P) bool on the host: the labels CE learns (answer tokens);
+        previous_tokens (B, A, S): each slot's previous token, for the head (block_head)."""
         B, A = blocks.anchors.shape
         first = self.layout.first_slot
         weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
@@ -331,16 +373,27 @@ class DFlashDraft(Draft):
         tokens = torch.zeros((), dtype=torch.long, device=device)
         correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        head = self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight))  # (B, A, S, F)
         for j in range(self.layout.predictions):
             slot = counted[..., j]
             rows, n = rows_where(slot, device)  # over the (B * A) blocks
             teacher = None if final_hidden is None else final_hidden.flatten(0, 1)[anchor_rows[rows] + j]
             labels = blocks.labels[..., j].flatten()[rows]
             ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])  # CE learns answers only
-            out = shared_head_objective(hidden[:, :, first + j].flatten(0, 1)[rows], lm_head_weight, teacher,
-                                        ce_labels, self.objective.over_rows(rows.numel(), answers), chunk_size)
+            student = head.features[:, :, first + j].flatten(0, 1)[rows]
+            objective = self.objective.over_rows(rows.numel(), answers)
+            if head.weight is lm_head_weight:  # the target's own head: its cheapest path
+                out = shared_head_objective(student, lm_head_weight, teacher, ce_labels, objective, chunk_size)
+            else:  # a head of the draft's own: the teacher is still the target's lm_head
+                out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective,
+                                        chunk_size)
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
-            total = total + weights[j] * out.loss
+            extra, extra_metrics = self.head_terms(head, first + j, rows, student, teacher, lm_head_weight,
+                                                   chunk_size, n)
+            total = total + weights[j] * (out.loss + extra)
+            for name, (value, count) in extra_metrics.items():
+                term_sum, seen = metrics.get(name, (0.0, 0))
+                metrics[name] = (term_sum + value, seen + count)
             tokens, correct = tokens + n, correct + hits
             metrics[f"block_{j + 1}/loss"] = (out.loss.detach(), n)  # (numerator, denominator)
             metrics[f"block_{j + 1}/accuracy"] = (hits, n)
@@ -348,6 +401,13 @@ class DFlashDraft(Draft):
                 term_sum, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (term_sum + value, seen + count)
         return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
+
+    def head_terms(self, head: BlockHead, slot: int, rows: torch.Tensor, student: torch.Tensor,
+                   teacher: Optional[torch.Tensor], lm_head_weight: torch.Tensor, chunk_size: int,
+                   n: torch.Tensor) -> Tuple[Any, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+        """A head's own loss at one slot, summed over its counted rows (weighted like the slot's
+        objective), and its metrics {name: (sum, count)}. DFlash's head has none."""
+        return 0.0, {}
 
     # -- decoding ---------------------------------------------------------------------------------
 

@@ -133,6 +133,14 @@ class TrainingBlocks:
     def label_positions(self) -> torch.Tensor:  # (B, A, P) position of each label: anchor + 1 + j
         return self.anchors[..., None] + 1 + torch.arange(self.labels.shape[-1], device=self.anchors.device)
 
+    def previous_tokens(self, input_ids: torch.Tensor, first_slot: int) -> torch.Tensor:
+        """(B, A, S): each slot's previous token, the token before the one it predicts (slot s
+        predicts anchor + s + 1 - first_slot): the token at anchor + max(s - first_slot, 0), so the
+        anchor for the slots up to the first predicting one."""
+        offsets = (torch.arange(self.block_size, device=self.anchors.device) - first_slot).clamp_min(0)
+        positions = self.anchors[..., None] + offsets  # (B, A, S)
+        return input_ids.gather(1, positions.flatten(1)).view_as(positions)
+
     def to(self, device) -> "TrainingBlocks":
         """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
         move = lambda t: to_device(t, device)  # noqa: E731  pinned, asynchronous

@@ -38,6 +38,8 @@ class DFlashDrafter(Drafter):
         self.dtype, self.device = weight.dtype, weight.device
         # Copies, not views: under ZeRO-3 the parameters' storage is released after each forward.
         self.lm_head = target.get_output_embeddings().weight.detach().to(self.dtype, copy=True)
+        with torch.no_grad():
+            self.head_weight = draft.head_weight(self.lm_head)  # made once: the head's (V, F) weight
         mask_id = torch.tensor([draft.dims.mask_token_id], device=self.embed_tokens.weight.device)
         with torch.no_grad():
             self.mask_embed = self.embed_tokens(mask_id)[0].to(self.device, self.dtype).clone()
@@ -76,16 +78,21 @@ class DFlashDrafter(Drafter):
         self.length = start + context.shape[1]  # from shapes: no read of a device value
 
     @torch.no_grad()
-    def block_logits(self, anchor_token: int, n: int) -> torch.Tensor:
-        """One draft forward of the block anchored at x_n -> (S, V) float logits on the draft's device."""
+    def block_hidden(self, anchor_token: int, n: int) -> torch.Tensor:
+        """One draft forward of the block anchored at x_n -> its hidden states (1, S, H)."""
         if self.length != n:
             raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
                                f"the decoding loop must pass the target's hidden states to observe_target()")
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size, device=self.device))
-        hidden = self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
-                            list(zip(self.keys, self.values)), None)  # (1, S, H)
-        return self.draft.head_logits(hidden, self.lm_head)[0].float()
+        return self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
+                          list(zip(self.keys, self.values)), None)  # (1, S, H)
+
+    @torch.no_grad()
+    def block_logits(self, anchor_token: int, n: int) -> torch.Tensor:
+        """One draft forward of the block anchored at x_n -> (S, V) float logits on the draft's
+        device, through the draft's head (block_head: the same step as training's)."""
+        return self.draft.block_head(self.block_hidden(anchor_token, n), None, self.head_weight).logits()[0].float()
 
     def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
         """(P, V): row j = logits of the token at n + 1 + j, given x_n (one forward)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 from transformers import AutoConfig
@@ -86,8 +86,10 @@ def speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype
     }
 
 
-def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir, target_dir: str) -> Path:
-    """Write config.json + model.safetensors into out_dir (created; the caller makes it atomic)."""
+def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir, target_dir: str,
+                             make_config: Callable[..., dict] = speculators_config) -> Path:
+    """Write config.json + model.safetensors into out_dir (created; the caller makes it atomic).
+    make_config: the config.json of the family (a family on DFlash's backbone passes its own)."""
     from safetensors.torch import save_file
 
     target_config = AutoConfig.from_pretrained(str(target_dir))
@@ -97,6 +99,6 @@ def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     dtype = next(iter(tensors.values())).dtype
-    config = speculators_config(draft, target_config, target_dir, dtype)
+    config = make_config(draft, target_config, target_dir, dtype)
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return out_dir

@@ -232,6 +232,8 @@ class CheckpointManager:
 
     def _check_compatible(self, slot_dir: Path, record: dict) -> None:
         cfg = self.cfg
+        if record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
+            raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
         if record.get("config_hash") != config_hash(cfg):
             raise SpecdraftError(f"{slot_dir}: saved with draft {record['draft']['dims']}; this run's draft or "
                                  f"max_seq_length differ (config hash {record.get('config_hash')} != "

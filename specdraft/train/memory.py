@@ -56,8 +56,10 @@ def parameter_counts(target_config, draft_cfg, models=None) -> Dict[str, int]:
 
 def reduce_bucket_elements(draft_params: int) -> int:
     """ZeRO-1/2's gradient bucket, allocated whole every micro-step: sized to the draft, not
-    DeepSpeed's 5e8-element default (2 GB at fp32 for a draft that may hold 3 M parameters)."""
-    return min(REDUCE_BUCKET, draft_params)
+    DeepSpeed's 5e8-element default (2 GB at fp32 for a draft that may hold 3 M parameters).
+    Rounded up to a multiple of 8: ZeRO-1/2 assert an even allgather bucket (its 4-byte alignment
+    at fp16), and a draft's count may be odd (a confidence head with one bias)."""
+    return min(REDUCE_BUCKET, draft_params + (-draft_params) % 8)
 
 
 def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
