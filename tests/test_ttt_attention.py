@@ -1,5 +1,7 @@
 """EAGLE-3's TTT attention without the (T, (k+1) T) mask equals the dense-mask reference."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -67,3 +69,52 @@ def test_float32_large_scores_stay_exact():
     v32 = [v.detach().float() for v in values]
     torch.testing.assert_close(ttt_attention(q32, k32, v32), dense_reference(q32, k32, v32, None),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_attend_per_conversation_on_cpu_without_a_square_mask(monkeypatch):
+    """CPU runs one causal SDPA per conversation: no call gets a mask, and the borders are the
+    documents' (a slice across a border would change the result, caught by the equality test)."""
+    import torch.nn.functional as F
+
+    from specdraft.drafts.documents import PackedDocuments
+
+    q, keys, values, docs = inputs(3, 4, 2, True)
+    packed = PackedDocuments.of(docs)
+    assert packed.segments == [[(0, 4), (4, 9), (9, 11)], [(0, 11)]]
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    expected = dense_reference(q, keys, values, docs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.testing.assert_close(ttt_attention(q, keys, values, packed), expected)
+    assert len(masks) == 4 and masks == [None] * 4  # 3 conversations in row 0, 1 in row 1
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_the_dense_path_of_other_devices_equals_the_reference(step):
+    """Meta (the device tests' stand-in) has no borders to read: the dense mask, same result."""
+    from specdraft.drafts.documents import PackedDocuments
+
+    q, keys, values, docs = inputs(step, 4, 2, True)
+    got = ttt_attention(q, keys, values, PackedDocuments(docs))  # neither segments nor a block mask
+    torch.testing.assert_close(got, dense_reference(q, keys, values, docs))
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_the_flex_path_of_cuda_equals_the_reference_forward(step):
+    """flex_attention has no backward on CPU (torch 2.13): its forward is checked here, in eager
+    mode; the gradients run on a GPU only (the log-sum-exp merge is differentiable there)."""
+    from specdraft.drafts.documents import PackedDocuments, document_block_mask
+
+    q, keys, values, _ = inputs(step, 4, 2, False, T=160)  # > one 128-token block
+    docs = torch.tensor([[0] * 50 + [1] * 100 + [2] * 10, [0] * 160])
+    q, keys, values = q.detach().float(), [k.detach().float() for k in keys], [v.detach().float() for v in values]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
+        got = ttt_attention(q, keys, values, PackedDocuments(docs, block_mask=document_block_mask(docs)))
+    torch.testing.assert_close(got, dense_reference(q, keys, values, docs), rtol=1e-4, atol=1e-4)
+

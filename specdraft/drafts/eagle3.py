@@ -38,6 +38,7 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
+from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.ttt_attention import ttt_attention
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
@@ -165,7 +166,7 @@ class TTTVisibility:
     step-0 keys <= t of its own conversation (documents (B, T), None: one per row) and the key at
     t of each step 1..k; drafts/ttt_attention.py computes it exactly."""
 
-    documents: Optional[torch.Tensor] = None
+    documents: Optional[PackedDocuments] = None
 
 
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -352,7 +353,7 @@ class Eagle3Draft(Draft):
         hidden = self.fuse(aux)
         keys, values = [], []  # each step's (B, KV, T, D)
         heads = []
-        visible = TTTVisibility(documents)
+        visible = TTTVisibility(PackedDocuments.of(documents))  # built once for the steps
         for k in range(steps):
             embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}
             hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values, visible)
@@ -473,8 +474,7 @@ class Eagle3Draft(Draft):
             # every step's counted rows keep their hidden-state gradient until the backward
             "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H, teacher=self.objective.needs_teacher),
         }
-        if shape.documents:  # the same-document (B, 1, T, T) mask of the TTT attention
-            terms["document masks"] = shape.B * shape.T * shape.T
+        # packed documents add no term: per-conversation slices on CPU, a flex block mask on CUDA
         return terms
 
     def make_drafter(self, target: nn.Module) -> Eagle3Drafter:

@@ -233,6 +233,7 @@ E3 = "specdraft/drafts/eagle3.py"
 E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
+DOCUMENTS_PY = "specdraft/drafts/documents.py"
 TTT_ATTENTION_PY = "specdraft/drafts/ttt_attention.py"
 TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
 E3_SPEC = ("tests/test_eagle3_export.py",)
@@ -264,9 +265,9 @@ EAGLE3: List[Mutation] = [
              "None if final is None else final[rows + 1 + k]",
              "None if final is None else final[rows + k]", E3_TRAIN,
              "the teacher one position early"),
-    Mutation("eagle3/packed-conversations-see-each-other", "specdraft/drafts/ttt_attention.py",
-             "return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]",
-             "return causal.expand(documents.shape[0], T, T)[:, None]",
+    Mutation("eagle3/packed-conversations-see-each-other", DOCUMENTS_PY,
+             "return cls(documents, segments=document_segments(documents))",
+             "return cls(documents, segments=[[(0, documents.shape[1])]] * documents.shape[0])",
              ("tests/test_eagle3.py::test_a_conversation_packed_after_another_computes_what_it_computes_alone",
               "tests/test_ttt_attention.py"),
              "under document_mask a packed conversation attends to the one before"),
@@ -285,10 +286,22 @@ EAGLE3: List[Mutation] = [
              "merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, is_causal=True, scale=scale, enable_gqa=gqa)",
              "merged = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, scale=scale, enable_gqa=gqa)", TTT_TESTS,
              "a later step's query sees the step-0 keys after its position"),
-    Mutation("eagle3/ttt-packed-conversations-ignored", TTT_ATTENTION_PY,
-             "visible = F.pad(_same_document_causal(documents), (1, 0, 1, 0), value=True)",
-             "visible = F.pad(_same_document_causal(torch.zeros_like(documents)), (1, 0, 1, 0), value=True)",
-             TTT_TESTS, "a TTT step of a packed row attends to the conversation before it"),
+    Mutation("eagle3/ttt-packed-conversations-ignored", DOCUMENTS_PY,
+             "starts = documents[:, 1:] != documents[:, :-1]",
+             "starts = documents[:, 1:] != documents[:, 1:]",
+             TTT_TESTS, "a TTT step of a packed row attends to the conversation before it (CPU slices)"),
+    Mutation("eagle3/ttt-dense-path-ignores-conversations", DOCUMENTS_PY,
+             "return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]",
+             "return (causal & (self.ids[:, :, None] >= 0))[:, None]",
+             TTT_TESTS, "on a device without slices or flex (meta), packed conversations see each other"),
+    Mutation("eagle3/ttt-flex-block-mask-ignores-conversations", DOCUMENTS_PY,
+             "return (q >= kv) & (documents[b, q] == documents[b, kv])",
+             "return q >= kv",
+             TTT_TESTS, "on CUDA, packed conversations see each other"),
+    Mutation("eagle3/ttt-flex-merge-drops-the-diagonal", TTT_ATTENTION_PY,
+             "torch.sigmoid(log_z0.unsqueeze(-1) - log_zd)",
+             "torch.sigmoid(log_z0.unsqueeze(-1) - log_zd * 0 + 1e4)",
+             TTT_TESTS, "on CUDA, step k sees only the step-0 keys"),
     Mutation("eagle3/hidden-not-fed-back", E3,
              "hidden, head_in, new_k, new_v = self.step(embeds, hidden,",
              "_, head_in, new_k, new_v = self.step(embeds, hidden,", E3_TRAIN,
