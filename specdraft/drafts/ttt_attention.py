@@ -17,7 +17,7 @@ out = those values + (1 - that weight) od. Everything is differentiable through 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
