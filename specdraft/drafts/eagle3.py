@@ -452,16 +452,17 @@ class Eagle3Draft(Draft):
         d, p, tokens, steps = self.dims, shape.dtype_bytes, shape.B * shape.T, self.dims.ttt_steps
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
-        step = (14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4  # per token, see below
+        step = (10 * H + 2 * heads * hd + 2 * kv * hd + 4 * I) * p + shape.fp32_norm_inputs(3 * H)  # see below
         attention = [heads * hd * p * (2 * k + 5) for k in range(1, steps)]
         terms = {
             # input embeddings (H), cos/sin (2 hd), the 3 captured layers (3 Ht), the final hidden state
             # when a teacher is read (Ht)
             "capture features": shape.capture_features(H + 2 * hd + 3 * d.target_hidden_size + teacher),
-            # per TTT step and token, saved for backward: the fused 2H input, the shifted embeddings,
-            # norm inputs/outputs, residuals, o_proj and MLP outputs, the logits input (14 H), q/k/v
-            # + RoPE copies + attention output (3 heads hd + 3 kv hd), MLP (4I), 3 RMSNorms in fp32;
-            # fc's output once
+            # per TTT step and token, saved for backward (counted with saved_tensors_hooks at fp32):
+            # the fused 2H input, the 3 norms' inputs and normalised outputs, the post-attention
+            # norm's output, the final norm's output (10 H), the rotated queries and the attention
+            # output (2 heads hd), the new keys/values (2 kv hd), MLP gate/up/act/product (4I); the
+            # 3 norms keep their inputs in fp32; fc's output once
             # + the TTT attention of each step k >= 1 (ttt_attention.py): the k diagonal keys and
             # values stacked per query head (2 k heads hd), the sink-extended q/k/v and the merged
             # output (~5 heads hd)
