@@ -13,13 +13,14 @@
 Each round times (a), (b), (c) back to back on the same batch, so load from other processes
 falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
 
-    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--families glide,eagle3,dflash]
+    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--families glide,eagle3,dflash,dspark]
         [--shapes demo,long,large] [--zero 0,2] [--rounds 5]
         [--objectives ce,"0.9*tv + 0.1*ce",kl:all] [--distill-temperature 1.0]
 
---families: each family with its own default objective (GLIDE ce, EAGLE-3 soft_ce, DFlash ce)
-and the demo configs' draft settings (EAGLE-3: 7 TTT steps; DFlash: 2 layers, blocks of 8, 64
-anchors per 256 tokens). The per-family ratios print as `ratio_<family>=`.
+--families: each family with its own default objective (GLIDE ce, EAGLE-3 soft_ce, DFlash ce,
+DSpark 0.9 tv + 0.1 ce) and the demo configs' draft settings (EAGLE-3: 7 TTT steps; DFlash: 2
+layers, blocks of 8, 64 anchors per 256 tokens; DSpark: DFlash's and Markov rank 64). The
+per-family ratios print as `ratio_<family>=`.
 
 --objectives adds GLIDE steps with distillation objectives (`draft.loss`): each gets its own
 target, draft and engine (the same seeded weights), and in every round each objective's (a), (b),
@@ -144,6 +145,8 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "glide": lambda shape: {"sliding_window": shape.window},
     "eagle3": lambda shape: {"ttt_steps": 7},
     "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
+    "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
+                             "markov_rank": 64},
 }
 
 
