@@ -472,9 +472,14 @@ class Eagle3Draft(Draft):
                                                     # activations come back at a time in the backward
                                                     else steps * ((4 * H + 2 * kv * hd) * p + 2 * H * 4)
                                                     + step + max(attention, default=0))),
-            # every step's counted rows keep their hidden-state gradient until the backward
-            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H, teacher=self.objective.needs_teacher),
+            # every step's counted rows keep their hidden-state gradient until the backward; the
+            # backward recomputes a chunk into the head's (Vd, H) gradient, in fp32
+            "loss chunk + hidden grads": steps * tokens * H * p + d.draft_vocab_size * H * 4
+                                         + shape.loss_chunk(tokens, d.draft_vocab_size, H,
+                                                            teacher=self.objective.needs_teacher),
         }
+        if self.objective.needs_teacher:  # the target lm_head's rows of the draft vocab (a copy), read by every step
+            terms["teacher rows"] = d.draft_vocab_size * d.target_hidden_size * p
         # packed documents add no term: per-conversation slices on CPU, a flex block mask on CUDA
         return terms
 
