@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from safetensors.torch import save_file
 
-from specdraft.drafts.base import uncapturable_layer
+from specdraft.drafts.base import FileFormat, uncapturable_layer
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
@@ -45,6 +45,17 @@ def _target_config(target_dir: str) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
+# speculators' config field -> the draft key it records (written by speculators_config, read back
+# by an import)
+SPECULATORS_SETTINGS = {"eagle_aux_hidden_state_layer_ids": "target_layers",
+                        "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc",
+                        "fc_norm": "fc_norm", "norm_output": "norm_output"}
+
+
+def _setting(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
     d = draft.dims
     verifier = _target_config(target_dir)
@@ -55,11 +66,8 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
         "transformer_layer_config": d.transformer_layer_config(),
         "draft_vocab_size": d.draft_vocab_size,
         "target_hidden_size": d.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(d.target_layers),  # vLLM's ids: ours
-        "norm_before_residual": d.norm_before_residual,  # vLLM assumes True when missing: always written
-        "norm_before_fc": d.norm_before_fc,
-        "fc_norm": d.fc_norm,
-        "norm_output": d.norm_output,
+        # vLLM's layer ids are ours; vLLM assumes norm_before_residual True when missing: always written
+        **{field: _setting(getattr(d, key)) for field, key in SPECULATORS_SETTINGS.items()},
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -98,6 +106,34 @@ def sglang_config(draft) -> Dict[str, Any]:
 def sglang_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
             for k, v in state_dict.items()}
+
+
+def sglang_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What an EAGLE / SGLang config.json records of the draft: its layer ids, in ours (official
+    EAGLE-3 releases have no eagle_config; they read vLLM's default layers)."""
+    ids = ((config or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return {} if ids is None else {"target_layers": [int(i) + 1 for i in ids]}
+
+
+def speculators_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    config = config or {}
+    return {key: config[field] for field, key in SPECULATORS_SETTINGS.items() if field in config}
+
+
+def speculators_implied(draft) -> Dict[str, torch.Tensor]:
+    """With the whole target vocab speculators has no d2t / t2d: the identity maps."""
+    d = draft.dims
+    if d.draft_vocab_size != d.vocab_size:
+        return {}
+    return {"d2t": torch.zeros(d.draft_vocab_size, dtype=torch.long), "t2d": torch.ones(d.vocab_size, dtype=torch.bool)}
+
+
+FILE_FORMATS = {
+    "speculators": FileFormat(lambda draft, state: speculators_state_dict(draft, state), speculators_settings,
+                              speculators_implied),
+    # SGLang's layout is the official EAGLE-3 releases' (midlayer.*, .bin or safetensors)
+    "sglang": FileFormat(lambda draft, state: sglang_state_dict(state), sglang_settings),
+}
 
 
 def _save(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
