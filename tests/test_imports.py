@@ -284,3 +284,23 @@ def test_a_final_norm_glide_is_refused_by_the_longspec_format(served_target_dir,
     model, cfg = random_draft(served_target_dir, "glide", final_norm=True)
     assert model.serving_refusal("longspec").startswith("draft.final_norm: LongSpec's GLIDE layer")
     assert model.default_serving_formats() == [] and FAMILIES["glide"].on_request_formats == ("longspec",)
+
+
+@pytest.mark.parametrize("family,fmt,draft", [("eagle3", "speculators", {"fc_norm": True, "norm_output": True}),
+                                              ("eagle3", "sglang", {}), ("dflash", "speculators", {"sample_from_anchor": True}),
+                                              ("dspark", "speculators", {"confidence_with_markov": False})])
+def test_an_import_reads_back_the_settings_our_writer_records(served_target_dir, tmp_path, family, fmt, draft):
+    import json
+
+    model, _, source = export_in(served_target_dir, tmp_path, family, fmt, "", **draft)
+    recorded = FAMILIES[family].file_formats[fmt].settings(json.loads((source / "config.json").read_text()))
+    keys = ("target_layers",) if fmt == "sglang" else FAMILIES[family].import_settings  # SGLang records only the layers
+    assert recorded == {key: getattr(model.dims, key) for key in keys}
+
+
+def test_a_whole_vocab_speculators_eagle3_imports_with_identity_maps(served_target_dir, tmp_path):
+    model, _, source = export_in(served_target_dir, tmp_path, "eagle3", "speculators", "", draft_vocab_size=512)
+    assert not {"d2t", "t2d"} & set(load_file(str(source / "model.safetensors")))  # speculators has none then
+    _, fresh = imported_state(served_target_dir, "eagle3", source, draft_vocab_size=512)
+    assert_equal_states(fresh.state_dict(), model.state_dict())
+    assert fresh.t2d.all() and not fresh.d2t.any()

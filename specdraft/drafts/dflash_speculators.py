@@ -31,8 +31,8 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release this format is written 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 NOT_EXPORTED = ("mask_delta",)
-# speculators' config field -> the draft key it records (written by speculators_config, read back
-# by an import, draft.init_from)
+# speculators' config field -> the draft key it records: what an import (draft.init_from) reads
+# back of what speculators_config writes (tests/test_imports.py checks the two agree)
 SPECULATORS_SETTINGS = {"aux_hidden_state_layer_ids": "target_layers", "sample_from_anchor": "sample_from_anchor",
                         "mask_token_id": "mask_token_id"}
 
@@ -87,9 +87,10 @@ def speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype
         "transformer_layer_config": transformer_layer_config(draft, target_config),
         "draft_vocab_size": dims.vocab_size,  # full vocabulary: lm_head is the verifier's
         "target_hidden_size": None if dims.target_hidden_size == dims.hidden_size else dims.target_hidden_size,
-        **{field: (list(getattr(dims, key)) if key == "target_layers" else getattr(dims, key))
-           for field, key in SPECULATORS_SETTINGS.items()},
+        "aux_hidden_state_layer_ids": list(dims.target_layers),
         "block_size": dims.block_size,
+        "sample_from_anchor": dims.sample_from_anchor,
+        "mask_token_id": dims.mask_token_id,
         "sliding_window_non_causal": False,
         "tie_word_embeddings": False,
         "dtype": str(dtype).replace("torch.", ""),

@@ -20,7 +20,7 @@ from specdraft.drafts import dflash_speculators
 from specdraft.drafts.base import FileFormat
 
 
-# speculators' config field -> the draft key it records, besides DFlash's (an import reads them back)
+# speculators' config field -> the draft key it records, besides DFlash's (read back by an import)
 HEAD_SETTINGS = {"markov_head_type": "markov_head_type", "confidence_head_with_markov": "confidence_with_markov"}
 FILE_FORMAT = FileFormat(dflash_speculators.FILE_FORMAT.state_dict,
                          functools.partial(dflash_speculators.speculators_settings,
@@ -32,8 +32,8 @@ def dspark_speculators_config(draft, target_config, target_dir: str, dtype: torc
     dims = draft.dims
     config = dflash_speculators.speculators_config(draft, target_config, target_dir, dtype)
     config.update(architectures=["DSparkDraftModel"], speculators_model_type="dspark",
-                  markov_rank=dims.markov_rank, enable_confidence_head=True,
-                  **{field: getattr(dims, key) for field, key in HEAD_SETTINGS.items()})
+                  markov_rank=dims.markov_rank, markov_head_type=dims.markov_head_type,
+                  enable_confidence_head=True, confidence_head_with_markov=dims.confidence_with_markov)
     config["speculators_config"]["algorithm"] = "dspark"
     return config
 

@@ -45,15 +45,11 @@ def _target_config(target_dir: str) -> Dict[str, Any]:
     return json.loads(path.read_text())
 
 
-# speculators' config field -> the draft key it records (written by speculators_config, read back
-# by an import)
+# speculators' config field -> the draft key it records: what an import (draft.init_from) reads
+# back of what speculators_config writes (tests/test_imports.py checks the two agree)
 SPECULATORS_SETTINGS = {"eagle_aux_hidden_state_layer_ids": "target_layers",
                         "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc",
                         "fc_norm": "fc_norm", "norm_output": "norm_output"}
-
-
-def _setting(value):
-    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
@@ -66,8 +62,11 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
         "transformer_layer_config": d.transformer_layer_config(),
         "draft_vocab_size": d.draft_vocab_size,
         "target_hidden_size": d.target_hidden_size,
-        # vLLM's layer ids are ours; vLLM assumes norm_before_residual True when missing: always written
-        **{field: _setting(getattr(d, key)) for field, key in SPECULATORS_SETTINGS.items()},
+        "eagle_aux_hidden_state_layer_ids": list(d.target_layers),  # vLLM's ids: ours
+        "norm_before_residual": d.norm_before_residual,  # vLLM assumes True when missing: always written
+        "norm_before_fc": d.norm_before_fc,
+        "fc_norm": d.fc_norm,
+        "norm_output": d.norm_output,
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
