@@ -85,8 +85,9 @@ def test_the_imported_vocabulary_is_kept_and_the_datas_disagreement_reported(run
     assert torch.equal(tuned["d2t"], source["d2t"]) and torch.equal(tuned["t2d"], source["t2d"])  # never recounted
     # the tiny data's own 200 most frequent answer tokens, counted here from B's packed data
     line = next(line for line in runs["lines"] if "most frequent answer tokens" in line)
-    outside = int(re.match(r"draft.init_from: (\d+) of the data's 200 most frequent", line).group(1))
-    assert outside == data_top_outside(runs["b_cfg"], source["t2d"])
+    outside, top = map(int, re.match(r"draft.init_from: (\d+) of the data's (\d+) most frequent answer tokens are "
+                                     r"outside the imported draft vocabulary of 200 ", line).groups())
+    assert (outside, top) == data_top_outside(runs["b_cfg"], source["t2d"])
     assert outside > 0  # the tiny demo data is not the chat data A's vocabulary was counted on
 
 
@@ -96,8 +97,8 @@ def data_top_outside(cfg, t2d) -> int:
     data = prepare_data(cfg, AutoTokenizer.from_pretrained(cfg.target), 0, lambda *_: None)
     tokens = np.asarray(data.tokens)[np.asarray(data.loss_mask).astype(bool)]
     counts = np.bincount(tokens, minlength=t2d.numel())
-    top = sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:200]  # ties: the lower id
-    return sum(1 for i in top if not bool(t2d[i]))
+    top = [i for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:200] if counts[i] > 0]  # ties: lower id
+    return sum(1 for i in top if not bool(t2d[i])), len(top)
 
 
 def test_a_resumed_run_does_not_import_again(runs, served_target_dir, tiny_data):
