@@ -304,3 +304,21 @@ def test_a_whole_vocab_speculators_eagle3_imports_with_identity_maps(served_targ
     _, fresh = imported_state(served_target_dir, "eagle3", source, draft_vocab_size=512)
     assert_equal_states(fresh.state_dict(), model.state_dict())
     assert fresh.t2d.all() and not fresh.d2t.any()
+
+
+def test_files_of_no_format_we_read_are_one_line(served_target_dir, tmp_path):
+    import json
+
+    _, _, source = export_in(served_target_dir, tmp_path, "eagle3", "speculators", "")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(dict(config, speculators_model_type="mtp")))
+    assert import_error(served_target_dir, "eagle3", source) == (
+        f"{source / 'config.json'}: speculators_model_type 'mtp': specdraft reads speculators drafts of eagle3, "
+        f"dflash, dspark only")
+    save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    assert import_error(served_target_dir, "eagle3", tmp_path / "other.safetensors").startswith(
+        f"{tmp_path / 'other.safetensors'}: not a draft format specdraft reads (tensors model.layers.0.weight, ...)")
+    (tmp_path / "empty").mkdir()
+    assert import_error(served_target_dir, "eagle3", tmp_path / "empty") == (
+        f"{tmp_path / 'empty'}: no draft weights there (model.safetensors, pytorch_model.bin, draft_model_weights.pth), and "
+        f"not a run directory with step_<N>/ exports")

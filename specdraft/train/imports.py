@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 
-from specdraft.drafts import ARCHITECTURES, FAMILIES, Draft, build_draft, draft_family
+from specdraft.drafts import ARCHITECTURES, FAMILIES, Draft, build_draft
 from specdraft.errors import SpecdraftError
 from specdraft.run import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, exports
 from specdraft.target.model import load_target_config
@@ -150,14 +150,21 @@ def detect(weights: Path, config: Optional[Dict[str, Any]], tensors: Dict[str, t
         return "native", cls.family
     if config is not None and "speculators_model_type" in config:
         family = str(config["speculators_model_type"])
-        draft_family(family, f"{weights.parent / CONFIG_NAME}: speculators_model_type")  # a family we have
+        if "speculators" not in getattr(FAMILIES.get(family), "file_formats", {}):
+            raise SpecdraftError(f"{weights.parent / CONFIG_NAME}: speculators_model_type {family!r}: specdraft reads "
+                                 f"speculators drafts of {', '.join(f for f, _ in with_format('speculators'))} only")
         return "speculators", family
     for fmt, mark in FORMAT_MARKS.items():
         if any(name.startswith(mark) for name in tensors):
-            return fmt, next(family for family, cls in FAMILIES.items() if fmt in cls.file_formats)
+            return fmt, with_format(fmt)[0][0]
     shown = ", ".join(sorted(tensors)[:4])
     raise SpecdraftError(f"{weights}: not a draft format specdraft reads (tensors {shown}, ...): expected our "
                          f"export, a speculators export, the EAGLE / SGLang layout (midlayer.*) or LongSpec's GLIDE")
+
+
+def with_format(fmt: str):
+    """[(family, class)] of the families that read and write file format `fmt`."""
+    return [(family, cls) for family, cls in FAMILIES.items() if fmt in cls.file_formats]
 
 
 # -- the names and the checks ------------------------------------------------------------------------
