@@ -66,7 +66,7 @@ def first_batch_loss(cfg, draft) -> float:
     model = TargetWithDraft(load_frozen_target(cfg.target, cfg.precision), draft.train(), cfg.loss_chunk_size)
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
     out = model(**batch, host=host, **options)
-    return float(out.loss.double() * out.tokens.double() / out.tokens.double())  # as the loop's window reduces
+    return float(out.loss.detach().double() * out.tokens.double() / out.tokens.double())  # as the loop's window reduces
 
 
 def test_fine_tuning_an_imported_eagle3_starts_at_its_loss_and_trains(runs):
