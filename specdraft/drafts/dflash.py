@@ -40,7 +40,7 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss
 from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
                                            sample_training_blocks)
 from specdraft.drafts.dflash_decode import DFlashDrafter
-from specdraft.drafts.dflash_speculators import write_speculators_export
+from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, chunked_objective,
                                         objective_from_options, shared_head_objective, term_metrics)
@@ -161,6 +161,9 @@ class DFlashDraft(Draft):
     options = DFlashOptions
     dims_type = DFlashDims
     serving_formats = {"speculators": write_speculators_export}
+    file_formats = {"speculators": SPECULATORS_FILES}
+    import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")
+    tensor_keys = (("fc.weight", "draft.target_layers"),)
 
     def __init__(self, dims: DFlashDims, objective: Objective = CE):
         super().__init__()

@@ -57,16 +57,16 @@ def attend(q, k, v, visible: torch.Tensor) -> torch.Tensor:
 class Projections(nn.Module):
     """The q/k/v/o projections of an attention over `in_size` inputs (2H for EAGLE-3's fused input),
     and the reshapes to and from heads. keys_values=False: queries only (GLIDE's cross-attention
-    reads the target's keys/values)."""
+    reads the target's keys/values). bias: q/k/v biases, as Qwen2's attention has (o_proj has none)."""
 
-    def __init__(self, d: LayerDims, in_size: Optional[int] = None, keys_values: bool = True):
+    def __init__(self, d: LayerDims, in_size: Optional[int] = None, keys_values: bool = True, bias: bool = False):
         super().__init__()
         self.d = d
         in_size = d.hidden_size if in_size is None else in_size
-        self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=bias)
         if keys_values:
-            self.k_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
-            self.v_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
+            self.k_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=bias)
+            self.v_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=bias)
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:

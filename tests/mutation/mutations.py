@@ -619,6 +619,62 @@ DSPARK: List[Mutation] = [
              'markov_rank=dims.markov_rank, markov_head_type="vanilla",', DSPARK_EXPORT),
 ]
 
+IMPORTS_PY = "specdraft/train/imports.py"
+IMPORTS_TESTS = ("tests/test_imports.py",)
+IMPORTS_TRAIN = ("tests/test_imports_train.py",)
+
+IMPORTS = [
+    Mutation("imports/longspec-norms-swapped", "specdraft/drafts/glide_longspec.py",
+             'RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",\n'
+             '           "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight"}',
+             'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
+             '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
+             IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
+             '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
+             '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
+             IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
+             '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
+             IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
+             '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
+             '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
+    Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
+             'return {"mask_delta": torch.zeros(draft.dims.hidden_size)}',
+             'return {"mask_delta": torch.ones(draft.dims.hidden_size)}', IMPORTS_TESTS,
+             "MASK embedded unlike speculators after an import"),
+    Mutation("imports/no-shape-check", IMPORTS_PY, "        if got.shape != want.shape:", "        if False:",
+             IMPORTS_TESTS, "a wrong shape reaches load_state_dict (a traceback, not one line)"),
+    Mutation("imports/pickle-runs-code", IMPORTS_PY,
+             'loaded = torch.load(path, map_location="cpu", weights_only=True)',
+             'loaded = torch.load(path, map_location="cpu", weights_only=False)', IMPORTS_TESTS,
+             "an untrusted pickle runs its code"),
+    Mutation("imports/oldest-export-of-a-run", IMPORTS_PY,
+             "path = steps[-1] if steps else path", "path = steps[0] if steps else path", IMPORTS_TESTS,
+             "a run directory imports its first export"),
+    Mutation("imports/unexpected-tensor-ignored", IMPORTS_PY,
+             "        if theirs not in names and theirs not in TARGET_TENSORS:",
+             "        if False:", IMPORTS_TESTS, "a tensor the draft has no place for is dropped silently"),
+    Mutation("imports/settings-not-checked", IMPORTS_PY,
+             "        if plain(value) != plain(ours):", "        if False:", IMPORTS_TESTS,
+             "a draft trained on other target layers imports as if it were this run's"),
+    Mutation("imports/d2t-recounted", IMPORTS_PY,
+             "    draft.load_state_dict(imported.state, strict=True)\n",
+             "    draft.load_state_dict(imported.state, strict=True)\n"
+             "    if data is not None and hasattr(draft, 'set_vocab_maps'):\n"
+             "        from specdraft.drafts.vocab import count_target_tokens, vocab_maps\n"
+             "        draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, draft.dims.vocab_size), "
+             "draft.dims.draft_vocab_size))\n",
+             IMPORTS_TRAIN, "EAGLE-3's d2t/t2d recounted from the run's data instead of the imported ones"),
+    Mutation("imports/resume-imports-again", IMPORTS_PY, "    if resuming:\n", "    if False:\n", IMPORTS_TRAIN,
+             "a resumed run imports its starting draft again"),
+    Mutation("imports/glide-bias-ignored", "specdraft/drafts/layers.py",
+             "self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=bias)",
+             "self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=False)", IMPORTS_TESTS,
+             "a Qwen2 target's GLIDE has no q bias: LongSpec's Qwen2 drafts do not load"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
@@ -630,6 +686,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,
     "memory": MEMORY,
+    "imports": IMPORTS,
 }
 
 
