@@ -1,6 +1,7 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash] [--lengths 2048,4096,8192]
+        [--no-documents] [--path slices|dense] [--flex-sizes]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
@@ -10,6 +11,11 @@ after set-up through /proc/self/clear_refs) minus the resident memory at that mo
 serves allocations above 64 KiB with mmap so freed tensors leave RSS at once. Also printed:
 tokens/s of the step. The last line gives `<family>_growth=` peak(T_max) / peak(T_max / 2):
 2.0 is linear in T, 4.0 quadratic.
+
+--path: how the drafts attend packed documents (drafts/documents.py): `slices`, CPU's own path
+(per conversation), or `dense`, the masks other devices build (what CPU built before). The flex
+path of CUDA has no backward on CPU: --flex-sizes prints instead the bytes of the block masks it
+builds per batch (made here with the same mask_mods) beside those of the dense masks.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
+PATH = os.environ.get("BENCH_PATH", "slices")  # the drafts' document attention path: slices (CPU's) or dense
+
+
+def force_path(path: str) -> None:
+    from specdraft.drafts import dflash_blocks, documents, layers
+
+    for module in (documents, layers, dflash_blocks):
+        module.attention_path = lambda device: path
 
 
 def measure_one(family: str, T: int) -> dict:
@@ -40,6 +54,7 @@ def measure_one(family: str, T: int) -> dict:
     from specdraft.train.model import TargetWithDraft
 
     torch.manual_seed(0)
+    force_path(PATH)
     p = get_preset("demo")
     config = LlamaConfig(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
                          num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
@@ -74,6 +89,31 @@ def measure_one(family: str, T: int) -> dict:
     return {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
 
 
+def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, block: int = 8) -> None:
+    """Bytes of the block masks the CUDA path builds for one packed row of T tokens (conversations
+    of ROW_CONVERSATION), beside the dense masks of the same rules (bool; SDPA adds a float copy)."""
+    import torch
+
+    from specdraft.drafts.base import document_starts
+    from specdraft.drafts.dflash_blocks import BlockVisibility
+    from specdraft.drafts.documents import document_block_mask
+    from specdraft.drafts.layers import window_block_mask
+
+    def nbytes(mask) -> int:
+        return sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+
+    documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
+    starts = torch.arange(1, T - block, (T - block) // anchors)[:anchors][None]
+    visibility = BlockVisibility(starts, T, block, document_starts(documents).gather(1, starts))
+    blocked = -(-T // window) * window * 2 * window  # the dense path's band: blocks of (window, 2 window)
+    rows = [("GLIDE window", window_block_mask(documents, window), T * T if T <= 2 * window else blocked),
+            ("GLIDE cross", document_block_mask(documents[:, lag:], documents[:, :T - lag]), (T - lag) ** 2),
+            ("EAGLE-3 causal", document_block_mask(documents), T * T),
+            ("DFlash blocks", visibility.block_mask(), visibility.query_len * (T + visibility.query_len))]
+    for name, mask, dense in rows:
+        print(f"{name:<15} T={T:>6} block mask {nbytes(mask) / 2**10:10.1f} KiB   dense mask {dense / 2**20:10.1f} MiB")
+
+
 def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -86,13 +126,20 @@ def main() -> None:
     parser.add_argument("--families", default="glide,eagle3,dflash")
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--no-documents", action="store_true", help="one conversation per row (no borders)")
+    parser.add_argument("--path", default="slices", choices=("slices", "dense"),
+                        help="the drafts' document attention on CPU: per conversation (its own) or dense")
+    parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
     args = parser.parse_args()
+    if args.flex_sizes:
+        for T in (int(t) for t in args.lengths.split(",")):
+            flex_sizes(T)
+        return
     if args.one:
         family, T = args.one.split(":")
         print(json.dumps(measure_one(family, int(T))))
         return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu", BENCH_PATH=args.path)
     if args.no_documents:
         env["BENCH_CONVERSATION"] = "0"
     lengths = [int(t) for t in args.lengths.split(",")]

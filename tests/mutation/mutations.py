@@ -234,6 +234,7 @@ E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"
+DOCUMENT_TESTS = ("tests/test_document_attention.py",)  # GLIDE's and DFlash's paths over packed documents
 TTT_ATTENTION_PY = "specdraft/drafts/ttt_attention.py"
 TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
 E3_SPEC = ("tests/test_eagle3_export.py",)
@@ -456,7 +457,8 @@ DISTILL_TOKENS: List[Mutation] = [
              "pass", DFLASH_TESTS),
     Mutation("dflash/context-of-the-previous-conversation", DFLASH_BLOCKS_PY,
              "before_anchor = before_anchor & (kv >= context_start[b, block])",
-             "before_anchor = before_anchor", DFLASH_TESTS, "a packed block attends to the conversation before"),
+             "before_anchor = before_anchor", DOCUMENT_TESTS + DFLASH_TESTS,
+             "a packed block attends to the conversation before (the dense and flex paths; CPU slices it away)"),
     Mutation("distill/dflash-anchor-before-the-next-conversation", DFLASH_BLOCKS_PY,
              "candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]",
              "pass", DFLASH_TESTS),
@@ -620,7 +622,6 @@ DSPARK: List[Mutation] = [
 ]
 
 # -- packed documents without (T, T) masks: GLIDE and DFlash, per device path ----------------------
-DOCUMENT_TESTS = ("tests/test_document_attention.py",)
 
 DOCUMENTS: List[Mutation] = [
     Mutation("documents/cuda-takes-the-dense-path", DOCUMENTS_PY,
