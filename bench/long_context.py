@@ -1,7 +1,7 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash] [--lengths 2048,4096,8192]
-        [--no-documents] [--path slices|dense] [--flex-sizes]
+        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
@@ -15,7 +15,9 @@ tokens/s of the step. The last line gives `<family>_growth=` peak(T_max) / peak(
 --path: how the drafts attend packed documents (drafts/documents.py): `slices`, CPU's own path
 (per conversation), or `dense`, the masks other devices build (what CPU built before). The flex
 path of CUDA has no backward on CPU: --flex-sizes prints instead the bytes of the block masks it
-builds per batch (made here with the same mask_mods) beside those of the dense masks.
+builds per batch (made here with the same mask_mods) beside those of the dense masks;
+--mask-peak the peak RSS of building one (GLIDE's lagged cross-attention mask, T x T) eager and
+compiled on CPU, as CUDA builds it (eager create_block_mask evaluates the whole (B, 1, T, T) grid).
 """
 
 from __future__ import annotations
@@ -114,6 +116,25 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
         print(f"{name:<15} T={T:>6} block mask {nbytes(mask) / 2**10:10.1f} KiB   dense mask {dense / 2**20:10.1f} MiB")
 
 
+def mask_build_peak(mode: str, T: int) -> dict:
+    """Peak RSS above the start of building GLIDE's cross-attention block mask once (after a
+    warm-up build of the same shape, which compiles): `eager` or `compiled` create_block_mask."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from specdraft.drafts import documents as docs_module
+    from specdraft.drafts.documents import document_block_mask
+
+    build = torch.compile(create_block_mask) if mode == "compiled" else create_block_mask
+    docs_module.make_block_mask = lambda mask_mod, B, q, kv, device: build(mask_mod, B, None, q, kv, device=device)
+    documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
+    document_block_mask(documents[:, 2:], documents[:, :T - 2])  # warm-up (compiles)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    document_block_mask(documents[:, 2:], documents[:, :T - 2])
+    return {"mode": mode, "T": T, "peak_mib": (rss_kib("VmHWM") - base) / 2**10}
+
+
 def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -129,8 +150,23 @@ def main() -> None:
     parser.add_argument("--path", default="slices", choices=("slices", "dense"),
                         help="the drafts' document attention on CPU: per conversation (its own) or dense")
     parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
+    parser.add_argument("--mask-peak", action="store_true", help="peak RSS of building a block mask, eager vs compiled")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
+    parser.add_argument("--one-mask", help=argparse.SUPPRESS)  # mode:T, in the child process
     args = parser.parse_args()
+    if args.one_mask:
+        mode, T = args.one_mask.split(":")
+        print(json.dumps(mask_build_peak(mode, int(T))))
+        return
+    if args.mask_peak:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        for T in (int(t) for t in args.lengths.split(",")):
+            for mode in ("eager", "compiled"):
+                run = subprocess.run([sys.executable, __file__, "--one-mask", f"{mode}:{T}"], env=env,
+                                     capture_output=True, text=True)
+                out = run.stdout.strip().splitlines()[-1] if run.returncode == 0 else run.stderr.strip().splitlines()[-1]
+                print(f"T={T:>6} {mode:<8} {out}", flush=True)
+        return
     if args.flex_sizes:
         for T in (int(t) for t in args.lengths.split(",")):
             flex_sizes(T)

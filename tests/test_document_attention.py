@@ -104,6 +104,19 @@ def test_each_device_takes_its_path():
     assert attention_path(torch.device("meta")) == "dense"
 
 
+def test_cuda_builds_block_masks_compiled(monkeypatch):
+    """Eager create_block_mask evaluates the mask over the whole (B, 1, Q, KV) grid (a T^2 tensor:
+    640 MiB at T = 8k, bench/long_context.py --mask-peak); compiled it does not. CUDA compiles it."""
+    from specdraft.drafts import documents
+
+    built = []
+    monkeypatch.setattr(documents, "_compiled_block_mask", None)
+    monkeypatch.setattr(torch, "compile", lambda fn: lambda *args, **kwargs: built.append(("compiled", kwargs)))
+    documents.make_block_mask(lambda b, h, q, kv: q >= kv, 1, 8, 8, torch.device("cuda"))
+    assert built == [("compiled", {"device": torch.device("cuda")})]
+    assert documents.make_block_mask(lambda b, h, q, kv: q >= kv, 1, 8, 8, "cpu").shape == (1, 1, 8, 8)  # eager
+
+
 # -- GLIDE: sliding window and lagged cross-attention -----------------------------------------------
 
 GLIDE_CASES = [("window", w) for w in (1, 4, 7, 20, 64)] + [("lag", p) for p in (1, 2, 3, 5, 10)]
