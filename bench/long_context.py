@@ -135,6 +135,38 @@ def mask_build_peak(mode: str, T: int) -> dict:
     return {"mode": mode, "T": T, "peak_mib": (rss_kib("VmHWM") - base) / 2**10}
 
 
+def compiled_masks_equal_eager(T: int = 300) -> bool:
+    """Every family's block mask (GLIDE window and lag, EAGLE-3, DFlash) built compiled, as CUDA
+    builds it, equals the eager one: the mask_mods trace (on CPU's inductor here)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from specdraft.drafts import dflash_blocks, documents as docs_module, layers
+    from specdraft.drafts.base import document_starts
+
+    documents = (torch.arange(T) // 100)[None].expand(2, T).clone()
+    documents[1] = 0
+    anchors = torch.tensor([[1, 2, 50, 99, 101, 130, 199, 251], [1, 3, 64, 127, 128, 200, 255, 290]])
+    starts = document_starts(documents).gather(1, anchors)
+
+    def masks():
+        return [layers.window_block_mask(documents, 16),
+                docs_module.document_block_mask(documents[:, 2:], documents[:, :T - 2]),
+                docs_module.document_block_mask(documents),
+                dflash_blocks.BlockVisibility(anchors, T, 4, starts).block_mask()]
+
+    eager = masks()
+    compiled = torch.compile(create_block_mask)
+    for module in (docs_module, layers, dflash_blocks):
+        module.make_block_mask = lambda mask_mod, B, q, kv, device: compiled(mask_mod, B, None, q, kv, device=device)
+
+    def tensors(mask):
+        return [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+
+    return all(len(tensors(a)) == len(tensors(b)) and all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b)))
+               for a, b in zip(eager, masks()))
+
+
 def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -166,6 +198,7 @@ def main() -> None:
                                      capture_output=True, text=True)
                 out = run.stdout.strip().splitlines()[-1] if run.returncode == 0 else run.stderr.strip().splitlines()[-1]
                 print(f"T={T:>6} {mode:<8} {out}", flush=True)
+        print(f"compiled_masks_equal_eager={compiled_masks_equal_eager()}")
         return
     if args.flex_sizes:
         for T in (int(t) for t in args.lengths.split(",")):
