@@ -196,7 +196,7 @@ def main() -> None:
             for mode in ("eager", "compiled"):
                 run = subprocess.run([sys.executable, __file__, "--one-mask", f"{mode}:{T}"], env=env,
                                      capture_output=True, text=True)
-                out = run.stdout.strip().splitlines()[-1] if run.returncode == 0 else run.stderr.strip().splitlines()[-1]
+                out = (run.stdout if run.returncode == 0 else run.stderr).strip().splitlines()[-1]
                 print(f"T={T:>6} {mode:<8} {out}", flush=True)
         print(f"compiled_masks_equal_eager={compiled_masks_equal_eager()}")
         return

@@ -201,8 +201,10 @@ def dflash_rule(vis):
     return visible
 
 
-def test_dflash_slices_equal_the_rule_with_every_gradient():
-    vis = dflash_case(SHORT, SHORT_BLOCKS)
+@pytest.mark.parametrize("anchors", [SHORT_BLOCKS, [[8, 1, 2, 1, 25, 9, 22, 10], [29, 5, 1, 6, 17, 20, 27, 26]]])
+def test_dflash_slices_equal_the_rule_with_every_gradient(anchors):
+    """Sampled anchors are sorted; unsorted ones (a conversation's blocks in several runs) too."""
+    vis = dflash_case(SHORT, anchors)
     q, k, v = qkv(vis.query_len, SHORT.shape[1] + vis.query_len)
     expected = masked_reference(q, k, v, dflash_rule(vis))
     got = block_attention(q, k, v, vis)

@@ -111,10 +111,10 @@ def block_attention(q, k, v, visibility: Optional[BlockVisibility]) -> torch.Ten
 
 
 def per_conversation_attention(q, k, v, visibility: BlockVisibility) -> torch.Tensor:
-    """CPU, packed data: the blocks of one conversation at a time (anchors are sorted, so they are
-    consecutive) over that conversation's context up to its last anchor plus those blocks, under
-    the dense mask of that slice: (its blocks) x (its context + its blocks), not blocks x the row.
-    Read on the host (free on CPU)."""
+    """CPU, packed data: each run of consecutive blocks of one conversation (sampled anchors are
+    sorted: one run per conversation) over that conversation's context up to its last anchor plus
+    those blocks, under the dense mask of that slice: (its blocks) x (its context + its blocks),
+    not blocks x the row. Read on the host (free on CPU)."""
     T, S = visibility.context_len, visibility.block_size
     gqa = q.shape[1] != k.shape[1]
     rows = []
@@ -123,7 +123,7 @@ def per_conversation_attention(q, k, v, visibility: BlockVisibility) -> torch.Te
         parts, first = [], 0
         for start, count in zip(starts.tolist(), counts.tolist()):
             last = first + count  # blocks first .. last - 1
-            end = int(visibility.anchors[b, last - 1])  # no block of these sees context >= its anchor
+            end = int(visibility.anchors[b, first:last].max())  # no block here sees context >= its anchor
 
             def keys(x):  # (1, Hkv, (end - start) + count S, D): its context, then its blocks
                 return torch.cat([x[b:b + 1, :, start:end], x[b:b + 1, :, T + first * S:T + last * S]], dim=2)
@@ -203,7 +203,8 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     top, index = scores.topk(count, dim=1)
     valid = top >= 0
     anchors = torch.where(valid, index, torch.ones_like(index))
-    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles
+    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles, and a
+    # conversation's blocks are consecutive (block_attention's per-conversation path on CPU)
     valid = valid.gather(1, order)
     label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)

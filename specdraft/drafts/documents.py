@@ -77,8 +77,8 @@ def document_block_mask(documents: torch.Tensor, key_documents: Optional[torch.T
     def same_document_causal(b, h, q, kv):
         return (q >= kv) & (documents[b, q] == key_documents[b, kv])
 
-    return make_block_mask(same_document_causal, documents.shape[0], documents.shape[1], key_documents.shape[1],
-                      documents.device)
+    B, Q = documents.shape
+    return make_block_mask(same_document_causal, B, Q, key_documents.shape[1], documents.device)
 
 
 _compiled_block_mask = None

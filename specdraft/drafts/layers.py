@@ -1,8 +1,9 @@
 """Building blocks the draft families share: the dims of a Llama-style layer, RMSNorm, the
 target's RoPE, the q/k/v/o projections, attention with an explicit visibility mask, the gated MLP,
 and the training-time attentions that need no (T, T) mask (sliding window, lagged causal
-cross-attention), packed documents included (per device: drafts/documents.py). Module attribute names (q_proj, gate_proj, ...) are the serving formats' keys:
-speculators, SGLang and LongSpec load them by these names."""
+cross-attention), packed documents included (one path per device: drafts/documents.py). Module
+attribute names (q_proj, gate_proj, ...) are the serving formats' keys: speculators, SGLang and
+LongSpec load them by these names."""
 
 from __future__ import annotations
 

@@ -660,7 +660,7 @@ DOCUMENTS: List[Mutation] = [
              "lagged_cross_attention(*t, lag - 1), document_segments",
              DOCUMENT_TESTS, "on CPU, a packed query reads the target one position closer than the lag"),
     Mutation("dflash/slices-context-ends-one-early", DFLASH_BLOCKS_PY,
-             "end = int(visibility.anchors[b, last - 1])", "end = int(visibility.anchors[b, last - 1]) - 1",
+             "end = int(visibility.anchors[b, first:last].max())", "end = int(visibility.anchors[b, first:last].max()) - 1",
              DOCUMENT_TESTS, "on CPU, a conversation's last block loses the position before its anchor"),
     Mutation("dflash/slices-context-includes-anchor", DFLASH_BLOCKS_PY,
              "BlockVisibility(visibility.anchors[b:b + 1, first:last] - start, end - start, S)",
