@@ -22,9 +22,9 @@ The seam for the families built on DFlash (DSpark, Domino, ...): `forward()`, th
 block hidden states; `block_head()` turns them into a `BlockHead` (logits = features @ weight.T, and
 a confidence per slot where the family has one). Training, decoding and the export tests all read
 logits through it, so a subclass adds its head there and nowhere else. The layout is the
-`BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
-dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU); both are made from
-the one rule in `BlockVisibility.visible`.
+`BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on CUDA, a
+dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU), per conversation
+on CPU with packed data; all are made from the one rule in `block_visible`.
 """
 
 from __future__ import annotations
@@ -444,8 +444,8 @@ class DFlashDraft(Draft):
             # and per layer the float bias SDPA makes of it, kept for the backward
             "block mask": block * (shape.T + block // shape.B) * (1 + 4 * layers),
         }
-        if shape.documents:
-            terms["document masks"] = shape.B * shape.T * shape.T
+        # packed documents add no term: the same-conversation rule is part of the block mask (on
+        # CPU each conversation's blocks over its own context, smaller than the term above)
         return terms
 
     def make_drafter(self, target) -> DFlashDrafter:

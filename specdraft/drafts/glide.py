@@ -198,8 +198,8 @@ class GlideDraft(Draft):
             "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4),
             "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
         }
-        if shape.documents:  # the cross-attention's (B, T, T) mask, kept for backward, and the two it is built from
-            terms["document masks"] = shape.B * shape.T * shape.T * 2
+        # packed documents add no term: per-conversation slices on CPU, flex block masks on CUDA
+        # (O(T^2 / 128^2) block indices), drafts/layers.py
         return terms
 
     def make_drafter(self, target: nn.Module) -> GlideDrafter:
