@@ -1,6 +1,7 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark] [--lengths 2048,4096,8192]
+        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
@@ -10,6 +11,13 @@ after set-up through /proc/self/clear_refs) minus the resident memory at that mo
 serves allocations above 64 KiB with mmap so freed tensors leave RSS at once. Also printed:
 tokens/s of the step. The last line gives `<family>_growth=` peak(T_max) / peak(T_max / 2):
 2.0 is linear in T, 4.0 quadratic.
+
+--path: how the drafts attend packed documents (drafts/documents.py): `slices`, CPU's own path
+(per conversation), or `dense`, the masks other devices build (what CPU built before). The flex
+path of CUDA has no backward on CPU: --flex-sizes prints instead the bytes of the block masks it
+builds per batch (made here with the same mask_mods) beside those of the dense masks;
+--mask-peak the peak RSS of building one (GLIDE's lagged cross-attention mask, T x T) eager and
+compiled on CPU, as CUDA builds it (eager create_block_mask evaluates the whole (B, 1, T, T) grid).
 """
 
 from __future__ import annotations
@@ -27,6 +35,14 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
+PATH = os.environ.get("BENCH_PATH", "slices")  # the drafts' document attention path: slices (CPU's) or dense
+
+
+def force_path(path: str) -> None:
+    from specdraft.drafts import dflash_blocks, documents, layers
+
+    for module in (documents, layers, dflash_blocks):
+        module.attention_path = lambda device: path
 
 
 def measure_one(family: str, T: int) -> dict:
@@ -40,6 +56,7 @@ def measure_one(family: str, T: int) -> dict:
     from specdraft.train.model import TargetWithDraft
 
     torch.manual_seed(0)
+    force_path(PATH)
     p = get_preset("demo")
     config = LlamaConfig(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
                          num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
@@ -75,6 +92,82 @@ def measure_one(family: str, T: int) -> dict:
     return {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
 
 
+def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, block: int = 8) -> None:
+    """Bytes of the block masks the CUDA path builds for one packed row of T tokens (conversations
+    of ROW_CONVERSATION), beside the dense masks of the same rules (bool; SDPA adds a float copy)."""
+    import torch
+
+    from specdraft.drafts.base import document_starts
+    from specdraft.drafts.dflash_blocks import BlockVisibility
+    from specdraft.drafts.documents import document_block_mask
+    from specdraft.drafts.layers import window_block_mask
+
+    def nbytes(mask) -> int:
+        return sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+
+    documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
+    starts = torch.arange(1, T - block, (T - block) // anchors)[:anchors][None]
+    visibility = BlockVisibility(starts, T, block, document_starts(documents).gather(1, starts))
+    blocked = -(-T // window) * window * 2 * window  # the dense path's band: blocks of (window, 2 window)
+    rows = [("GLIDE window", window_block_mask(documents, window), T * T if T <= 2 * window else blocked),
+            ("GLIDE cross", document_block_mask(documents[:, lag:], documents[:, :T - lag]), (T - lag) ** 2),
+            ("EAGLE-3 causal", document_block_mask(documents), T * T),
+            ("DFlash blocks", visibility.block_mask(), visibility.query_len * (T + visibility.query_len))]
+    for name, mask, dense in rows:
+        print(f"{name:<15} T={T:>6} block mask {nbytes(mask) / 2**10:10.1f} KiB   dense mask {dense / 2**20:10.1f} MiB")
+
+
+def mask_build_peak(mode: str, T: int) -> dict:
+    """Peak RSS above the start of building GLIDE's cross-attention block mask once (after a
+    warm-up build of the same shape, which compiles): `eager` or `compiled` create_block_mask."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from specdraft.drafts import documents as docs_module
+    from specdraft.drafts.documents import document_block_mask
+
+    build = torch.compile(create_block_mask) if mode == "compiled" else create_block_mask
+    docs_module.make_block_mask = lambda mask_mod, B, q, kv, device: build(mask_mod, B, None, q, kv, device=device)
+    documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
+    document_block_mask(documents[:, 2:], documents[:, :T - 2])  # warm-up (compiles)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    document_block_mask(documents[:, 2:], documents[:, :T - 2])
+    return {"mode": mode, "T": T, "peak_mib": (rss_kib("VmHWM") - base) / 2**10}
+
+
+def compiled_masks_equal_eager(T: int = 300) -> bool:
+    """Every family's block mask (GLIDE window and lag, EAGLE-3, DFlash) built compiled, as CUDA
+    builds it, equals the eager one: the mask_mods trace (on CPU's inductor here)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from specdraft.drafts import dflash_blocks, documents as docs_module, layers
+    from specdraft.drafts.base import document_starts
+
+    documents = (torch.arange(T) // 100)[None].expand(2, T).clone()
+    documents[1] = 0
+    anchors = torch.tensor([[1, 2, 50, 99, 101, 130, 199, 251], [1, 3, 64, 127, 128, 200, 255, 290]])
+    starts = document_starts(documents).gather(1, anchors)
+
+    def masks():
+        return [layers.window_block_mask(documents, 16),
+                docs_module.document_block_mask(documents[:, 2:], documents[:, :T - 2]),
+                docs_module.document_block_mask(documents),
+                dflash_blocks.BlockVisibility(anchors, T, 4, starts).block_mask()]
+
+    eager = masks()
+    compiled = torch.compile(create_block_mask)
+    for module in (docs_module, layers, dflash_blocks):
+        module.make_block_mask = lambda mask_mod, B, q, kv, device: compiled(mask_mod, B, None, q, kv, device=device)
+
+    def tensors(mask):
+        return [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+
+    return all(len(tensors(a)) == len(tensors(b)) and all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b)))
+               for a, b in zip(eager, masks()))
+
+
 def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -87,13 +180,36 @@ def main() -> None:
     parser.add_argument("--families", default="glide,eagle3,dflash")
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--no-documents", action="store_true", help="one conversation per row (no borders)")
+    parser.add_argument("--path", default="slices", choices=("slices", "dense"),
+                        help="the drafts' document attention on CPU: per conversation (its own) or dense")
+    parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
+    parser.add_argument("--mask-peak", action="store_true", help="peak RSS of building a block mask, eager vs compiled")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
+    parser.add_argument("--one-mask", help=argparse.SUPPRESS)  # mode:T, in the child process
     args = parser.parse_args()
+    if args.one_mask:
+        mode, T = args.one_mask.split(":")
+        print(json.dumps(mask_build_peak(mode, int(T))))
+        return
+    if args.mask_peak:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        for T in (int(t) for t in args.lengths.split(",")):
+            for mode in ("eager", "compiled"):
+                run = subprocess.run([sys.executable, __file__, "--one-mask", f"{mode}:{T}"], env=env,
+                                     capture_output=True, text=True)
+                out = (run.stdout if run.returncode == 0 else run.stderr).strip().splitlines()[-1]
+                print(f"T={T:>6} {mode:<8} {out}", flush=True)
+        print(f"compiled_masks_equal_eager={compiled_masks_equal_eager()}")
+        return
+    if args.flex_sizes:
+        for T in (int(t) for t in args.lengths.split(",")):
+            flex_sizes(T)
+        return
     if args.one:
         family, T = args.one.split(":")
         print(json.dumps(measure_one(family, int(T))))
         return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu", BENCH_PATH=args.path)
     if args.no_documents:
         env["BENCH_CONVERSATION"] = "0"
     lengths = [int(t) for t in args.lengths.split(",")]

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="default: the newest committed checkpoint")
     p.add_argument("--format", default="native",
                    help="native (pth + safetensors + config.json), pth, safetensors, or a serving format of "
-                        "the draft's family: speculators (vLLM), sglang")
+                        "the draft's family: speculators (vLLM), sglang (EAGLE-3), longspec (GLIDE)")
     p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
     p.add_argument("--with-target-heads", action="store_true",
                    help="also write the target's embed_tokens/lm_head (read without loading the target)")

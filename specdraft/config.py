@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from specdraft.drafts import DraftConfig, check_family_keys, draft_family, family_keys
+from specdraft.drafts import SHARED_KEYS, DraftConfig, check_family_keys, draft_family, family_keys
 from specdraft.drafts.objectives import validate_objective_options
 from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
@@ -234,6 +234,8 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = ()) -> None:
         fail("eval_temperature", f"must be >= 0, got {cfg.eval_temperature}")
     if not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
+    if cfg.draft.init_from is not None and not os.path.exists(cfg.draft.init_from):
+        fail("draft.init_from", f"not found: {cfg.draft.init_from}")
     family.validate_config(cfg.draft, _target_config_if_readable(cfg.target), source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_formats:
@@ -268,22 +270,35 @@ def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
     return list(dict.fromkeys(files))
 
 
+# Draft keys added after checkpoints were being written, with their defaults: a run at the default
+# hashes as it did before the key existed.
+KEYS_ADDED_LATER = {"attention_bias": None}
+
+
 def config_hash(cfg: DictConfig) -> str:
     """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
     identified by its content, see target.weights.target_identity, not by its path.)"""
+    draft = own_draft_keys(cfg)
+    draft.pop("init_from", None)  # where a run started, not what it trains: resume ignores it
+    draft.pop("gradient_checkpointing", None)  # memory, not the draft: a resume may switch it
+    for key, default in KEYS_ADDED_LATER.items():  # checkpoints saved before the key still resume
+        if draft.get(key, default) == default:
+            draft.pop(key, None)
     identity = {
-        "draft": own_draft_keys(cfg),
+        "draft": draft,
         "max_seq_length": cfg.max_seq_length,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def own_draft_keys(cfg: DictConfig) -> dict:
-    """`draft.type` and the keys its family reads: another family's defaults are not part of this
-    draft (adding a key to one family leaves the others' checkpoints resumable)."""
+    """`draft.type`, `draft.init_from` (when set) and the keys its family reads: another family's
+    defaults are not part of this draft (adding a key to one family leaves the others' checkpoints
+    resumable)."""
     own = family_keys(draft_family(cfg.draft.type))
     draft = OmegaConf.to_container(cfg.draft, resolve=True)
-    return {key: value for key, value in draft.items() if key == "type" or key in own}
+    return {key: value for key, value in draft.items()
+            if key in own or key == "type" or (key in SHARED_KEYS and value is not None)}
 
 
 def save_config(cfg: DictConfig, path: Path) -> None:

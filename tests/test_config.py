@@ -152,6 +152,28 @@ def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tm
     assert load_config(str(tmp_path / "saved.yaml")).draft.max_lag == 2
 
 
+def test_a_key_added_later_at_its_default_keeps_older_checkpoints_resumable(valid_config):
+    """GLIDE's draft.attention_bias came after GLIDE checkpoints existed: at its default the hash
+    is the one a config without the key had; set, it is part of the identity. Gradient
+    checkpointing changes memory, not the draft: never part of it."""
+    from omegaconf import OmegaConf
+
+    from specdraft.config import config_hash
+
+    cfg = load_config(str(valid_config))
+    now = config_hash(cfg)
+    older = OmegaConf.create(OmegaConf.to_container(cfg))
+    del older.draft["attention_bias"]  # a config written before the key existed
+    assert config_hash(older) == now
+    cfg.draft.attention_bias = True
+    assert config_hash(cfg) != now
+    valid_config.write_text(valid_config.read_text().replace("  max_lag: 3\n", "  type: eagle3\n"))
+    eagle3 = load_config(str(valid_config))
+    before = config_hash(eagle3)
+    eagle3.draft.gradient_checkpointing = True
+    assert config_hash(eagle3) == before
+
+
 @pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
 def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     from helpers import REPO

@@ -178,5 +178,5 @@ def test_a_glide_draft_has_no_speculators_format(target_dir, tmp_path):
     with pytest.raises(SpecdraftError) as err:
         write_draft_export(tmp_path / "step_1", glide.state_dict(), glide, cfg, serving=["speculators"])
     assert str(err.value) == ("export format 'speculators': a glide draft has no such serving format "
-                              "(it has: native)")
+                              "(it has: native, longspec)")
     assert not (tmp_path / "step_1").exists() and not (tmp_path / "step_1.tmp").exists()

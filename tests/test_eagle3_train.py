@@ -110,7 +110,7 @@ def test_exporting_a_glide_run_to_speculators_is_one_line(tiny_target_dir, data_
     capsys.readouterr()
     assert main(["export", str(tmp_path / "glide"), "--format", "speculators"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("specdraft: error: --format speculators: a glide draft exports as native, pth, safetensors")
+    assert err == ("specdraft: error: --format speculators: a glide draft exports as native, pth, safetensors, longspec")
     assert not (tmp_path / "glide" / "export_step_1").exists()
 
 

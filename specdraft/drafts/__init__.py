@@ -20,6 +20,9 @@ from specdraft.errors import SpecdraftError
 FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
+# `draft.` keys of every family: the family, and the existing draft a new run starts from
+# (train/imports.py; a path: an export, a run, or another tool's files)
+SHARED_KEYS = ("type", "init_from")
 
 
 def _draft_config_schema() -> type:
@@ -34,7 +37,8 @@ def _draft_config_schema() -> type:
             if f.name in fields and _default(fields[f.name]) != _default(f):
                 raise TypeError(f"draft key {f.name!r} has two defaults")
             fields[f.name], types[f.name] = f, hints[f.name]
-    spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY))]
+    spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY)),
+            ("init_from", Optional[str], dataclasses.field(default=None))]
     spec += [(name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
              for name, f in fields.items()]
     return dataclasses.make_dataclass("DraftConfig", spec)
@@ -62,7 +66,7 @@ def check_family_keys(family: Type[Draft], given: Iterable[str], source: str = "
     """A key of another family (draft.block_size on a GLIDE run) is a mistake, not a no-op."""
     own = set(family_keys(family))
     for key in given:
-        if key != "type" and key not in own:
+        if key not in SHARED_KEYS and key not in own:
             owners = [name for name, cls in FAMILIES.items() if key in family_keys(cls)]
             raise SpecdraftError(f"{source}: key 'draft.{key}': not a key of draft.type {family.family!r} "
                                  f"(it belongs to {', '.join(owners) or 'no family'})")
@@ -83,4 +87,4 @@ def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = Non
 
 
 __all__ = ["CaptureRequest", "Draft", "DraftConfig", "DraftLoss", "HostBatch", "TargetFeatures", "FAMILIES",
-           "DEFAULT_FAMILY", "build_draft", "check_family_keys", "draft_family", "family_keys", "draft_from_export_config"]
+           "DEFAULT_FAMILY", "SHARED_KEYS", "build_draft", "check_family_keys", "draft_family", "family_keys", "draft_from_export_config"]

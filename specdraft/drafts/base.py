@@ -35,6 +35,20 @@ from specdraft.transfer import to_device
 ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
 
 
+@dataclass(frozen=True)
+class FileFormat:
+    """How another tool's files name a draft of this family: what the format's writer saves, and
+    what an import (`draft.init_from`, train/imports.py) reads backwards, so the names live once."""
+
+    # (draft, our state dict) -> the format's tensors in its names; a tensor it passes through
+    # unchanged is ours (an import maps it back by identity), a new one is filler an import skips
+    state_dict: Callable[["Draft", Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]
+    # the format's config.json (None: no config) -> {draft key: value} it records of the draft
+    settings: Callable[[Optional[Dict[str, Any]]], Dict[str, Any]] = lambda config: {}
+    # draft -> our tensors the format leaves out because their value is implied, with that value
+    implied: Callable[["Draft"], Dict[str, torch.Tensor]] = lambda draft: {}
+
+
 class DraftLoss(NamedTuple):
     """What a training step returns. A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of a
     module's output only in tuples, lists and dicts, and through them re-gathers in backward the
@@ -173,19 +187,29 @@ class Draft(nn.Module, ABC):
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
+    on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
+    file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads
+    # draft keys an imported draft must share with the run (its weights mean something else
+    # otherwise); keys that change a shape are caught by the tensors instead
+    import_settings: ClassVar[Tuple[str, ...]] = ()
+    # (fnmatch pattern of a tensor name, the config key that sets its shape or presence); other
+    # tensors take their shape from the target's config
+    tensor_keys: ClassVar[Tuple[Tuple[str, str], ...]] = ()
 
     def cast(self, dtype: torch.dtype) -> "Draft":
         """The draft in `dtype` as training holds it: parameters cast, buffers kept (cast_parameters)."""
         return cast_parameters(self, dtype)
 
     def init_linear_weights(self, std: float) -> None:
-        """Every Linear weight ~ N(0, std), from a fixed seed: the same init on every rank,
-        whatever the global RNG."""
+        """Every Linear weight ~ N(0, std) and bias 0, from a fixed seed: the same init on every
+        rank, whatever the global RNG."""
         generator = torch.Generator().manual_seed(0)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 with torch.no_grad():
                     module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
 
     # -- construction ----------------------------------------------------------------------
 
@@ -269,6 +293,11 @@ class Draft(nn.Module, ABC):
         (train/memory.py adds weights, gradients and optimizer state, and the target's pass)."""
         raise NotImplementedError(f"{self.family}: no memory model")
 
+    def data_disagreement(self, data) -> Optional[str]:
+        """After an import: how the run's packed data disagrees with the state this family would
+        have derived from it (EAGLE-3's vocabulary), in one line for the log; None."""
+        return None
+
     def serving_refusal(self, fmt: str) -> Optional[str]:
         """Why serving format `fmt` cannot serve this draft as trained, in one line; None if it can."""
         return None
@@ -282,7 +311,7 @@ class Draft(nn.Module, ABC):
         """The serving formats every save writes when the config names none: those that can serve
         this draft as trained (one that cannot is refused when asked for)."""
         refused = self.serving_refusals()
-        return [name for name in self.serving_formats if name not in refused]
+        return [name for name in self.serving_formats if name not in refused and name not in self.on_request_formats]
 
     def describe_refusals(self) -> List[str]:
         """For describe(): one entry per serving format a save leaves out, and why."""

@@ -22,9 +22,9 @@ The seam for the families built on DFlash (DSpark, Domino, ...): `forward()`, th
 block hidden states; `block_head()` turns them into a `BlockHead` (logits = features @ weight.T, and
 a confidence per slot where the family has one). Training, decoding and the export tests all read
 logits through it, so a subclass adds its head there and nowhere else. The layout is the
-`BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on GPU, a
-dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU); both are made from
-the one rule in `BlockVisibility.visible`.
+`BlockLayout` flag. Attention reads a `BlockVisibility`: a flex_attention BlockMask on CUDA, a
+dense boolean mask for SDPA elsewhere (flex_attention has no backward on CPU), per conversation
+on CPU with packed data; all are made from the one rule in `block_visible`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss
 from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
                                            sample_training_blocks)
 from specdraft.drafts.dflash_decode import DFlashDrafter
-from specdraft.drafts.dflash_speculators import write_speculators_export
+from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, chunked_objective,
                                         objective_from_options, shared_head_objective, term_metrics)
@@ -161,6 +161,9 @@ class DFlashDraft(Draft):
     options = DFlashOptions
     dims_type = DFlashDims
     serving_formats = {"speculators": write_speculators_export}
+    file_formats = {"speculators": SPECULATORS_FILES}
+    import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")
+    tensor_keys = (("fc.weight", "draft.target_layers"),)
 
     def __init__(self, dims: DFlashDims, objective: Objective = CE):
         super().__init__()
@@ -451,8 +454,8 @@ class DFlashDraft(Draft):
             # and per layer the float bias SDPA makes of it, kept for the backward
             "block mask": block * (shape.T + block // shape.B) * (1 + 4 * layers),
         }
-        if shape.documents:
-            terms["document masks"] = shape.B * shape.T * shape.T
+        # packed documents add no term: the same-conversation rule is part of the block mask (on
+        # CPU each conversation's blocks over its own context, smaller than the term above)
         return terms
 
     def make_drafter(self, target) -> DFlashDrafter:

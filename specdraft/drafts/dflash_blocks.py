@@ -1,11 +1,11 @@
 """DFlash's blocks: their layout (which slot predicts which token), which keys a block query sees
-(one rule, as a flex_attention BlockMask on GPU or a dense mask for SDPA elsewhere), and the blocks
+(one rule, as a flex_attention BlockMask on CUDA or a dense mask for SDPA elsewhere, per
+conversation on CPU with packed data), and the blocks
 training samples from a batch (anchors, labels, the per-position loss weights). The model is in
 dflash.py."""
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafts.base import document_starts
+from specdraft.drafts.documents import attention_path, flex_attention, make_block_mask
 from specdraft.transfer import to_device
 
 
@@ -61,15 +62,7 @@ class BlockVisibility:
 
     def visible(self, b, q, kv):
         """The rule, elementwise over broadcastable index tensors (also flex's mask_mod)."""
-        block = q // self.block_size
-        in_context = kv < self.context_len
-        # clamped: flex's kernel may evaluate indices past the end of a partial tile
-        block = block.clamp(max=self.anchors.shape[1] - 1)
-        before_anchor = kv < self.anchors[b, block]
-        if self.context_start is not None:
-            before_anchor = before_anchor & (kv >= self.context_start[b, block])
-        same_block = (kv - self.context_len) // self.block_size == block
-        return torch.where(in_context, before_anchor, same_block)
+        return block_visible(self.anchors, self.context_start, self.context_len, self.block_size, b, q, kv)
 
     def dense(self) -> torch.Tensor:
         """(B, 1, A*S, T + A*S) bool, for scaled_dot_product_attention."""
@@ -82,30 +75,65 @@ class BlockVisibility:
     def block_mask(self):
         """The same rule as a flex_attention BlockMask (sparse: built once, shared by layers)."""
         if self._block_mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            self._block_mask = create_block_mask(
-                lambda b, h, q, kv: self.visible(b, q, kv), self.anchors.shape[0], None,
-                self.query_len, self.context_len + self.query_len, device=self.anchors.device)
+            # the mask_mod holds tensors and ints only (what a compiled create_block_mask guards on)
+            anchors, start, T, S = self.anchors, self.context_start, self.context_len, self.block_size
+            self._block_mask = make_block_mask(lambda b, h, q, kv: block_visible(anchors, start, T, S, b, q, kv),
+                                               anchors.shape[0], self.query_len, T + self.query_len, anchors.device)
         return self._block_mask
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # flex_attention is only block-sparse (and memory-bounded) when compiled
-    return torch.compile(flex_attention, dynamic=False)
+def block_visible(anchors, context_start, context_len: int, block_size: int, b, q, kv):
+    """BlockVisibility's rule over index tensors b, q (block slot), kv (context, then block slots)."""
+    block = q // block_size
+    in_context = kv < context_len
+    # clamped: flex's kernel may evaluate indices past the end of a partial tile
+    block = block.clamp(max=anchors.shape[1] - 1)
+    before_anchor = kv < anchors[b, block]
+    if context_start is not None:
+        before_anchor = before_anchor & (kv >= context_start[b, block])
+    same_block = (kv - context_len) // block_size == block
+    return torch.where(in_context, before_anchor, same_block)
 
 
 def block_attention(q, k, v, visibility: Optional[BlockVisibility]) -> torch.Tensor:
-    """q (B, Hq, Q, D), k/v (B, Hkv, K, D) -> (B, Hq, Q, D). None: every key is visible."""
+    """q (B, Hq, Q, D), k/v (B, Hkv, K, D) -> (B, Hq, Q, D). None: every key is visible.
+    CUDA: flex_attention over the BlockMask. CPU (no flex backward): SDPA under the dense mask,
+    per conversation with packed data. Elsewhere (meta): the dense mask."""
     gqa = q.shape[1] != k.shape[1]
     if visibility is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    if q.device.type == "cuda":
-        return _compiled_flex_attention()(q, k, v, block_mask=visibility.block_mask(), enable_gqa=gqa)
+    path = attention_path(q.device)
+    if path == "flex":
+        return flex_attention(q, k, v, visibility.block_mask())
+    if path == "slices" and visibility.context_start is not None:
+        return per_conversation_attention(q, k, v, visibility)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility.dense(), enable_gqa=gqa)
+
+
+def per_conversation_attention(q, k, v, visibility: BlockVisibility) -> torch.Tensor:
+    """CPU, packed data: each run of consecutive blocks of one conversation (sampled anchors are
+    sorted: one run per conversation) over that conversation's context up to its last anchor plus
+    those blocks, under the dense mask of that slice: (its blocks) x (its context + its blocks),
+    not blocks x the row. Read on the host (free on CPU)."""
+    T, S = visibility.context_len, visibility.block_size
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        starts, counts = torch.unique_consecutive(visibility.context_start[b], return_counts=True)
+        parts, first = [], 0
+        for start, count in zip(starts.tolist(), counts.tolist()):
+            last = first + count  # blocks first .. last - 1
+            end = int(visibility.anchors[b, first:last].max())  # no block here sees context >= its anchor
+
+            def keys(x):  # (1, Hkv, (end - start) + count S, D): its context, then its blocks
+                return torch.cat([x[b:b + 1, :, start:end], x[b:b + 1, :, T + first * S:T + last * S]], dim=2)
+
+            local = BlockVisibility(visibility.anchors[b:b + 1, first:last] - start, end - start, S)
+            parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, first * S:last * S], keys(k), keys(v),
+                                                        attn_mask=local.dense(), enable_gqa=gqa))
+            first = last
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 # -- the blocks training builds -------------------------------------------------------------------
@@ -175,7 +203,8 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     top, index = scores.topk(count, dim=1)
     valid = top >= 0
     anchors = torch.where(valid, index, torch.ones_like(index))
-    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles
+    anchors, order = anchors.sort(dim=1)  # ascending: neighbouring blocks share flex tiles, and a
+    # conversation's blocks are consecutive (block_attention's per-conversation path on CPU)
     valid = valid.gather(1, order)
     label_pos = anchors[..., None] + 1 + torch.arange(layout.predictions, device=device)  # (B, A, P)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)

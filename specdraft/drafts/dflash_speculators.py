@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from transformers import AutoConfig
 
-from specdraft.drafts.base import uncapturable_layer
+from specdraft.drafts.base import FileFormat, uncapturable_layer
 from specdraft.errors import SpecdraftError
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format is written (and tested) for
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 NOT_EXPORTED = ("mask_delta",)
+# speculators' config field -> the draft key it records: what an import (draft.init_from) reads
+# back of what speculators_config writes (tests/test_imports.py checks the two agree)
+SPECULATORS_SETTINGS = {"aux_hidden_state_layer_ids": "target_layers", "sample_from_anchor": "sample_from_anchor",
+                        "mask_token_id": "mask_token_id"}
 
 
 def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -43,6 +47,21 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
                              "only; this draft trained its own MASK row (draft.train_mask_embedding: true), "
                              "so it can be exported natively only")
     return {k: v for k, v in state_dict.items() if k not in NOT_EXPORTED}
+
+
+def speculators_settings(config: Optional[dict], fields: Dict[str, str] = SPECULATORS_SETTINGS) -> dict:
+    """{draft key: value} that a speculators config.json records (an import checks them)."""
+    config = config or {}
+    return {key: config[field] for field, key in fields.items() if field in config}
+
+
+def speculators_implied(draft) -> Dict[str, torch.Tensor]:
+    """speculators embeds MASK as the verifier's row alone: our mask_delta is zero."""
+    return {"mask_delta": torch.zeros(draft.dims.hidden_size)}
+
+
+FILE_FORMAT = FileFormat(lambda draft, state: speculators_state_dict(draft, state), speculators_settings,
+                         speculators_implied)
 
 
 def transformer_layer_config(draft, target_config) -> dict:

@@ -1,11 +1,12 @@
-"""Causal attention inside packed documents without a (T, T) mask.
+"""Attention inside packed documents without a (T, T) mask, one path per device (attention_path).
 
-Packed rows hold several conversations; a query sees the keys <= its position in its own one.
-- CPU: each conversation is one slice of the row, attended with `is_causal` (no mask at all).
-  Its borders are read on the host, which costs nothing there.
-- CUDA: flex_attention with a block mask built on the device from the document ids (no T^2
-  tensor, no host sync). flex_attention has no backward on CPU (torch 2.13), hence the slices.
-- Any other device (meta, the tests' stand-in for a second device): the dense (B, 1, T, T) mask.
+Packed rows hold several conversations; a query sees keys of its own one only (EAGLE-3: those
+<= its position; GLIDE and DFlash add their window, lag or block rule on top).
+- CPU ("slices"): each conversation is one slice of the row, attended as a row of its own (no
+  document mask at all). Its borders are read on the host, which costs nothing there.
+- CUDA ("flex"): flex_attention with a block mask built on the device from the document ids (no
+  T^2 tensor, no host sync). flex_attention has no backward on CPU (torch 2.13), hence the slices.
+- Any other device ("dense"; meta, the tests' stand-in for a second device): a dense mask.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
+
+
+def attention_path(device) -> str:
+    """How packed documents are attended on `device`: "slices" (CPU), "flex" (CUDA), "dense" (else)."""
+    return {"cpu": "slices", "cuda": "flex"}.get(torch.device(device).type, "dense")
 
 
 @dataclass(frozen=True)
@@ -28,9 +34,10 @@ class PackedDocuments:
     def of(cls, documents) -> Optional["PackedDocuments"]:
         if documents is None or isinstance(documents, PackedDocuments):
             return documents
-        if documents.device.type == "cpu":
+        path = attention_path(documents.device)
+        if path == "slices":
             return cls(documents, segments=document_segments(documents))
-        if documents.device.type == "cuda":
+        if path == "flex":
             return cls(documents, block_mask=document_block_mask(documents))
         return cls(documents)
 
@@ -62,14 +69,34 @@ def per_document(attend: Callable[..., torch.Tensor], segments: List[List[Tuple[
     return torch.cat(rows, dim=0)
 
 
-def document_block_mask(documents: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
+def document_block_mask(documents: torch.Tensor, key_documents: Optional[torch.Tensor] = None):
+    """Query q sees key kv <= q of its own document. documents (B, Q): the queries' document ids;
+    key_documents (B, KV): the keys' (default: the same), e.g. shifted for a lagged attention."""
+    key_documents = documents if key_documents is None else key_documents
 
     def same_document_causal(b, h, q, kv):
-        return (q >= kv) & (documents[b, q] == documents[b, kv])
+        return (q >= kv) & (documents[b, q] == key_documents[b, kv])
 
-    B, T = documents.shape
-    return create_block_mask(same_document_causal, B, None, T, T, device=documents.device)
+    B, Q = documents.shape
+    return make_block_mask(same_document_causal, B, Q, key_documents.shape[1], documents.device)
+
+
+_compiled_block_mask = None
+
+
+def make_block_mask(mask_mod, B: int, q_len: int, kv_len: int, device):
+    """flex_attention's BlockMask of mask_mod(b, h, q, kv): (B, 1, q_len/128, kv_len/128) block
+    indices. Eager create_block_mask first evaluates mask_mod over the whole (B, 1, Q, KV) grid (a
+    T^2 bool tensor, then freed); compiled (CUDA) it evaluates it block by block instead."""
+    global _compiled_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = create_block_mask
+    if torch.device(device).type == "cuda":
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask)
+        build = _compiled_block_mask
+    return build(mask_mod, B, None, q_len, kv_len, device=device)
 
 
 _compiled_flex = None

@@ -32,7 +32,7 @@ from torch import nn
 
 from specdraft.drafts.dflash import BlockHead, DFlashDims, DFlashDraft, DFlashOptions
 from specdraft.drafts.dspark_decode import DSparkDrafter
-from specdraft.drafts.dspark_speculators import write_speculators_export
+from specdraft.drafts.dspark_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.objectives import Objective, parse_objective
 from specdraft.errors import SpecdraftError
@@ -140,6 +140,11 @@ class DSparkDraft(DFlashDraft):
     dims_type = DSparkDims
     default_loss = DEFAULT_LOSS
     serving_formats = {"speculators": write_speculators_export}
+    file_formats = {"speculators": SPECULATORS_FILES}
+    import_settings = (*DFlashDraft.import_settings, "markov_head_type", "confidence_with_markov")
+    tensor_keys = (*DFlashDraft.tensor_keys, ("markov_head.gate_proj.*", "draft.markov_head_type"),
+                   ("markov_head.joint_proj.*", "draft.markov_head_type"), ("markov_head.*", "draft.markov_rank"),
+                   ("confidence_head.*", "draft.confidence_with_markov"))
 
     def __init__(self, dims: DSparkDims, objective: Optional[Objective] = None):
         super().__init__(dims, objective or parse_objective(DEFAULT_LOSS))

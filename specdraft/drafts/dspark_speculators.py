@@ -17,6 +17,15 @@ import functools
 import torch
 
 from specdraft.drafts import dflash_speculators
+from specdraft.drafts.base import FileFormat
+
+
+# speculators' config field -> the draft key it records, besides DFlash's (read back by an import)
+HEAD_SETTINGS = {"markov_head_type": "markov_head_type", "confidence_head_with_markov": "confidence_with_markov"}
+FILE_FORMAT = FileFormat(dflash_speculators.FILE_FORMAT.state_dict,
+                         functools.partial(dflash_speculators.speculators_settings,
+                                           fields={**dflash_speculators.SPECULATORS_SETTINGS, **HEAD_SETTINGS}),
+                         dflash_speculators.FILE_FORMAT.implied)
 
 
 def dspark_speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype) -> dict:

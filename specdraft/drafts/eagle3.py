@@ -36,14 +36,14 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
-from specdraft.drafts.eagle3_export import serving_refusal, write_sglang, write_speculators
+from specdraft.drafts.eagle3_export import FILE_FORMATS, serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.ttt_attention import ttt_attention
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
-from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
+from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,10 @@ class Eagle3Draft(Draft):
     options = Eagle3Options
     dims_type = Eagle3Dims
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
+    file_formats = FILE_FORMATS
+    import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
+                   ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
 
     def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
         super().__init__()
@@ -318,6 +322,10 @@ class Eagle3Draft(Draft):
             raise SpecdraftError(f"{source}: its d2t/t2d vocabulary maps disagree with this run's draft "
                                  f"(the maps are built once; resume or fine-tune with the same ones)")
         self.set_vocab_maps(d2t, t2d)
+
+    def data_disagreement(self, data) -> Optional[str]:
+        """The imported maps are kept, never recounted; how many of the data's own top tokens they miss."""
+        return vocab_disagreement(count_target_tokens(data, self.dims.vocab_size), self.t2d.cpu())
 
     def draft_to_target(self) -> torch.Tensor:
         return draft_to_target_ids(self.d2t)

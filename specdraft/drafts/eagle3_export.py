@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from safetensors.torch import save_file
 
-from specdraft.drafts.base import uncapturable_layer
+from specdraft.drafts.base import FileFormat, uncapturable_layer
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
@@ -43,6 +43,13 @@ def _target_config(target_dir: str) -> Dict[str, Any]:
     if not path.is_file():
         raise SpecdraftError(f"{path}: not found (the verifier the export names)")
     return json.loads(path.read_text())
+
+
+# speculators' config field -> the draft key it records: what an import (draft.init_from) reads
+# back of what speculators_config writes (tests/test_imports.py checks the two agree)
+SPECULATORS_SETTINGS = {"eagle_aux_hidden_state_layer_ids": "target_layers",
+                        "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc",
+                        "fc_norm": "fc_norm", "norm_output": "norm_output"}
 
 
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
@@ -98,6 +105,34 @@ def sglang_config(draft) -> Dict[str, Any]:
 def sglang_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
             for k, v in state_dict.items()}
+
+
+def sglang_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """What an EAGLE / SGLang config.json records of the draft: its layer ids, in ours (official
+    EAGLE-3 releases have no eagle_config; they read vLLM's default layers)."""
+    ids = ((config or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return {} if ids is None else {"target_layers": [int(i) + 1 for i in ids]}
+
+
+def speculators_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    config = config or {}
+    return {key: config[field] for field, key in SPECULATORS_SETTINGS.items() if field in config}
+
+
+def speculators_implied(draft) -> Dict[str, torch.Tensor]:
+    """With the whole target vocab speculators has no d2t / t2d: the identity maps."""
+    d = draft.dims
+    if d.draft_vocab_size != d.vocab_size:
+        return {}
+    return {"d2t": torch.zeros(d.draft_vocab_size, dtype=torch.long), "t2d": torch.ones(d.vocab_size, dtype=torch.bool)}
+
+
+FILE_FORMATS = {
+    "speculators": FileFormat(lambda draft, state: speculators_state_dict(draft, state), speculators_settings,
+                              speculators_implied),
+    # SGLang's layout is the official EAGLE-3 releases' (midlayer.*, .bin or safetensors)
+    "sglang": FileFormat(lambda draft, state: sglang_state_dict(state), sglang_settings),
+}
 
 
 def _save(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:

@@ -20,8 +20,9 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, document_starts,
-                                   rows_where, target_layer_shape)
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, FileFormat, HostBatch,
+                                   TargetFeatures, document_starts, rows_where, target_layer_shape, target_text_config)
+from specdraft.drafts.glide_longspec import longspec_refusal, longspec_state_dict, write_longspec
 from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
                                     lagged_cross_attention, sliding_window_attention)
@@ -40,6 +41,9 @@ class GlideOptions(ObjectiveOptions):
     anchor_offset: bool = False  # Anchor-Offset position ids (long-context from short samples)
     max_sink_tokens: int = 4  # anchor positions kept at 0..s-1, s in [0, max_sink_tokens]
     max_position_offset: int = 30000  # the rest shifted by a random offset up to this
+    # q/k/v biases in both attentions (Qwen2's layers have them, and so do LongSpec's Qwen2 drafts);
+    # None: the target's own (its config's attention_bias, or model_type qwen2)
+    attention_bias: Optional[bool] = None
 
 
 @dataclass
@@ -52,9 +56,13 @@ class GlideDims(LayerDims):  # num_kv_heads: the draft's own self-attention K/V 
     max_sink_tokens: int = 4
     max_position_offset: int = 30000
     initializer_range: float = 0.02
+    attention_bias: bool = False
 
 
 class GlideSelfAttention(Projections):
+    def __init__(self, d: GlideDims):
+        super().__init__(d, bias=d.attention_bias)
+
     def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None):
         # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
@@ -74,7 +82,7 @@ class GlideCrossAttention(Projections):
     """Queries from the draft; keys/values are the target's last layer (keys already rotated)."""
 
     def __init__(self, d: GlideDims):
-        super().__init__(d, keys_values=False)
+        super().__init__(d, keys_values=False, bias=d.attention_bias)
 
     def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None):
         # limit (T,): the last target position query t may read; < 0 means none.
@@ -97,6 +105,12 @@ class GlideDraft(Draft):
     architecture = "GlideDraft"
     options = GlideOptions
     dims_type = GlideDims
+    # LongSpec's own files (`export --format longspec`): only on request, a save would copy the
+    # weights its native draft_model_weights.pth already holds
+    serving_formats = {"longspec": write_longspec}
+    on_request_formats = ("longspec",)
+    file_formats = {"longspec": FileFormat(longspec_state_dict)}
+    tensor_keys = (("*_proj.bias", "draft.attention_bias"), ("norm.weight", "draft.final_norm"))
 
     def __init__(self, dims: GlideDims, objective: Objective = CE):
         super().__init__()
@@ -131,7 +145,12 @@ class GlideDraft(Draft):
             anchor_offset=bool(draft_cfg.anchor_offset),
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
+            attention_bias=target_attention_bias(target_config) if draft_cfg.attention_bias is None
+            else bool(draft_cfg.attention_bias),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+
+    def serving_refusal(self, fmt: str) -> Optional[str]:
+        return longspec_refusal(self.dims) if fmt == "longspec" else None
 
     @property
     def trained_depth(self) -> int:
@@ -180,8 +199,8 @@ class GlideDraft(Draft):
                                            + shape.fp32_norm_inputs(3 * H)),
             "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
         }
-        if shape.documents:  # the cross-attention's (B, T, T) mask, kept for backward, and the two it is built from
-            terms["document masks"] = shape.B * shape.T * shape.T * 2
+        # packed documents add no term: per-conversation slices on CPU, flex block masks on CUDA
+        # (O(T^2 / 128^2) block indices), drafts/layers.py
         return terms
 
     def make_drafter(self, target: nn.Module) -> GlideDrafter:
@@ -222,6 +241,13 @@ class GlideDraft(Draft):
         correct = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
         return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=correct,
                          metrics=term_metrics(out.terms, tokens, answers))
+
+
+def target_attention_bias(target_config) -> bool:
+    """Whether the target's attention has q/k/v biases: its config's attention_bias (Llama, Qwen3),
+    or a Qwen2-family target (biases without a config key)."""
+    text = target_text_config(target_config)
+    return bool(getattr(text, "attention_bias", False)) or str(getattr(text, "model_type", "")).startswith("qwen2")
 
 
 def counted_predictions(loss_mask: torch.Tensor, documents: Optional[torch.Tensor], lag: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Building blocks the draft families share: the dims of a Llama-style layer, RMSNorm, the
 target's RoPE, the q/k/v/o projections, attention with an explicit visibility mask, the gated MLP,
 and the training-time attentions that need no (T, T) mask (sliding window, lagged causal
-cross-attention). Module attribute names (q_proj, gate_proj, ...) are the serving formats' keys:
-speculators, SGLang and LongSpec load them by these names."""
+cross-attention), packed documents included (one path per device: drafts/documents.py). Module
+attribute names (q_proj, gate_proj, ...) are the serving formats' keys: speculators, SGLang and
+LongSpec load them by these names."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+from specdraft.drafts.documents import (attention_path, document_block_mask, document_segments, flex_attention,
+                                        make_block_mask, per_document)
 
 
 @dataclass
@@ -57,16 +61,16 @@ def attend(q, k, v, visible: torch.Tensor) -> torch.Tensor:
 class Projections(nn.Module):
     """The q/k/v/o projections of an attention over `in_size` inputs (2H for EAGLE-3's fused input),
     and the reshapes to and from heads. keys_values=False: queries only (GLIDE's cross-attention
-    reads the target's keys/values)."""
+    reads the target's keys/values). bias: q/k/v biases, as Qwen2's attention has (o_proj has none)."""
 
-    def __init__(self, d: LayerDims, in_size: Optional[int] = None, keys_values: bool = True):
+    def __init__(self, d: LayerDims, in_size: Optional[int] = None, keys_values: bool = True, bias: bool = False):
         super().__init__()
         self.d = d
         in_size = d.hidden_size if in_size is None else in_size
-        self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=bias)
         if keys_values:
-            self.k_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
-            self.v_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=False)
+            self.k_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=bias)
+            self.v_proj = nn.Linear(in_size, d.num_kv_heads * d.head_dim, bias=bias)
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden_size, bias=False)
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +96,12 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+def same_document(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+    """(..., Q) and (..., K) document ids -> (..., Q, K) bool: the dense form of the document rule,
+    built only on the "dense" path (drafts/documents.py: not on CPU, not on CUDA)."""
+    return query_documents[..., :, None] == key_documents[..., None, :]
+
+
 def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Query t attends to keys t-window+1 .. t (and, with documents, only its own document's).
 
@@ -99,17 +109,22 @@ def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Ten
     a window covering the sequence is plain causal attention (is_causal, the fast kernels); up to
     two windows, one (T, T) band mask (blocks would not compute less); longer sequences split the
     queries into blocks of `window`, each attending to its own block and the one before under a
-    (window, 2 window) band mask, so the cost is O(T x window).
+    (window, 2 window) band mask, so the cost is O(T x window). Documents: on CPU each one is
+    attended alone that way; on CUDA one flex_attention over a block mask of the same rule.
     """
     B, H, T, D = q.shape
     gqa = H != k.shape[1]
+    if documents is not None and attention_path(q.device) == "slices":
+        return per_document(lambda *t: sliding_window_attention(*t, window), document_segments(documents), q, k, v)
+    if documents is not None and attention_path(q.device) == "flex":
+        return flex_attention(q, k, v, window_block_mask(documents, window))
     if T <= window and documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if T <= 2 * window:  # blocks would compute as much as one (T, T) band: one call, no copies
         distance = torch.arange(T, device=q.device)[:, None] - torch.arange(T, device=q.device)[None, :]
         visible = ((distance >= 0) & (distance < window))[None, None]  # (1, 1, T, T)
         if documents is not None:
-            visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
+            visible = visible & same_document(documents, documents)[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
     W = window
     blocks = -(-T // W)
@@ -134,30 +149,44 @@ def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Ten
     if documents is not None:
         docs = F.pad(documents, (0, pad), value=-1).view(B, blocks, W)  # padding: its own "document"
         docs_prev = torch.cat([F.pad(docs, (0, 0, 1, 0), value=-2)[:, :-1], docs], dim=2)  # (B, blocks, 2W)
-        visible = visible & (docs[:, :, :, None] == docs_prev[:, :, None, :])
+        visible = visible & same_document(docs, docs_prev)
     visible = visible.expand(B, blocks, W, 2 * W).reshape(B * blocks, 1, W, 2 * W)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, enable_gqa=gqa)  # (B * blocks, H, W, D)
     return out.view(B, blocks, H, W, D).transpose(1, 2).reshape(B, H, blocks * W, D)[:, :, :T]
 
 
+def window_block_mask(documents: torch.Tensor, window: int):
+    """The sliding window inside documents as a flex_attention BlockMask (O(T x window / 128^2) blocks)."""
+    def same_document_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window) & (documents[b, q] == documents[b, kv])
+
+    B, T = documents.shape
+    return make_block_mask(same_document_window, B, T, T, documents.device)
+
+
 def lagged_cross_attention(q, k, v, lag: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Query t attends to target keys 0 .. t-lag (of its own document): causal attention of the
     queries [lag:] over the keys [:T-lag], so no document in the batch means plain is_causal.
+    Documents: on CPU each one alone that way; on CUDA flex_attention over a block mask of the
+    same rule (its rows without a visible key are zero, as here).
 
     q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D); rows without any visible key are zero.
     """
     B, H, T, D = q.shape
     gqa = H != k.shape[1]
+    if documents is not None and attention_path(q.device) == "slices":
+        return per_document(lambda *t: lagged_cross_attention(*t, lag), document_segments(documents), q, k, v)
     if lag >= T:
         return q.new_zeros(B, H, T, v.shape[-1])
     q, k, v = q[:, :, lag:], k[:, :, :T - lag], v[:, :, :T - lag]
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif attention_path(q.device) == "flex":  # key i is the target at i, query i the draft at i + lag
+        out = flex_attention(q, k, v, document_block_mask(documents[:, lag:], documents[:, :T - lag]))
     else:
         n = T - lag
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        same = documents[:, lag:, None] == documents[:, None, :n]  # (B, n, n)
-        visible = causal & same
+        visible = causal & same_document(documents[:, lag:], documents[:, :n])  # (B, n, n)
         has_context = visible[:, :, 0] | visible.any(dim=-1)  # (B, n)
         visible[:, :, 0] |= ~has_context  # keep softmax finite; these rows are zeroed below
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=gqa)

@@ -43,3 +43,18 @@ def vocab_maps(counts: np.ndarray, draft_vocab_size: int) -> Tuple[torch.Tensor,
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """(N,) the target id of each draft id."""
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def vocab_disagreement(counts: np.ndarray, t2d: torch.Tensor) -> str:
+    """One line for the log of a run that imported its maps: how many of the data's own top N
+    tokens (counts: vocab_maps' input; only tokens the data has) fall outside t2d, and the share
+    of the data's tokens each vocabulary covers."""
+    n = int(t2d.sum())
+    _, own_t2d = vocab_maps(counts, n)
+    top = own_t2d & torch.from_numpy(counts > 0)  # vocab_maps pads with unseen ids: not the data's
+    outside = int((top & ~t2d).sum())
+    total = max(int(counts.sum()), 1)
+    covered, own = (float(counts[m.numpy()].sum()) / total for m in (t2d, top))
+    return (f"{outside} of the data's {int(top.sum())} most frequent answer tokens are outside the imported draft "
+            f"vocabulary of {n} (it covers {covered:.1%} of the data's answer tokens, the data's own top {n} would "
+            f"cover {own:.1%}); the imported d2t/t2d are kept, not recounted")

@@ -87,8 +87,9 @@ def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, t
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
     if target_heads is not None:
         save_file({k: v.contiguous().clone() for k, v in target_heads.items()}, str(tmp / TARGET_HEADS_NAME))
-    for name in serving:  # e.g. speculators/ for vLLM
+    for name in serving:  # e.g. speculators/ for vLLM, each with the run's training config
         draft.serving_formats[name](draft, tensors, tmp / name, str(cfg.target))
+        OmegaConf.save(cfg, tmp / name / TRAINING_CONFIG_NAME, resolve=True)
     description = dict(draft.export_config(), specdraft_version=__version__,
                        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
                        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))

@@ -29,6 +29,7 @@ from specdraft.train.collectives import all_reduce, any_rank, run_shared
 from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
                                     init_distributed, resolve_target_placement, steps_of_their_own)
 from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
+from specdraft.train.imports import apply_import, planned_import
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 from specdraft.transfer import to_device
@@ -66,6 +67,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     # A bad `resume:` fails before anything is written. The plan may change
     # gradient_accumulation_steps: the global batch is the checkpoint's.
     plan = checkpoints.plan_resume(log)
+    # draft.init_from is read and checked now, before anything is written; never on a resume
+    imported = planned_import(cfg, resuming=plan is not None, log=log)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
     sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed,
@@ -74,8 +77,11 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
 
     target = load_frozen_target(cfg.target, cfg.precision)
     # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot's
-    # frozen-state file (CheckpointManager.resume): it is never derived from the data again.
-    draft = build_draft(cfg.draft, target.config, data=None if plan is not None else data)
+    # frozen-state file (CheckpointManager.resume), an imported one from its files: neither is
+    # derived from the data.
+    draft = build_draft(cfg.draft, target.config, data=None if plan is not None or imported else data)
+    if imported is not None:
+        apply_import(draft, imported, data, log)
     serving_formats(draft, cfg)  # a format named in the config that cannot serve this draft: refused now
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     placement = resolve_target_placement(cfg, target.config, world_size)

@@ -66,8 +66,8 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
                   documents: Optional[bool] = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
-    (default: cfg.document_mask), which costs (B, T, T) boolean masks. The family of cfg.draft
-    supplies its own terms."""
+    (default: cfg.document_mask), which costs the target's (B, 1, T, T) boolean mask (the drafts'
+    attentions build none on CUDA). The family of cfg.draft supplies its own terms."""
     text = target_text_config(target_config)
     target, draft = meta_models(target_config, cfg.draft)
     counts = parameter_counts(target_config, cfg.draft, (target, draft))

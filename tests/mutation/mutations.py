@@ -234,6 +234,7 @@ E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"
+DOCUMENT_TESTS = ("tests/test_document_attention.py",)  # GLIDE's and DFlash's paths over packed documents
 TTT_ATTENTION_PY = "specdraft/drafts/ttt_attention.py"
 TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
 E3_SPEC = ("tests/test_eagle3_export.py",)
@@ -295,7 +296,7 @@ EAGLE3: List[Mutation] = [
              "return (causal & (self.ids[:, :, None] >= 0))[:, None]",
              TTT_TESTS, "on a device without slices or flex (meta), packed conversations see each other"),
     Mutation("eagle3/ttt-flex-block-mask-ignores-conversations", DOCUMENTS_PY,
-             "return (q >= kv) & (documents[b, q] == documents[b, kv])",
+             "return (q >= kv) & (documents[b, q] == key_documents[b, kv])",
              "return q >= kv",
              TTT_TESTS, "on CUDA, packed conversations see each other"),
     Mutation("eagle3/ttt-flex-merge-drops-the-diagonal", TTT_ATTENTION_PY,
@@ -333,17 +334,17 @@ DFLASH_EXPORT = ("tests/test_dflash_export.py",)  # needs the speculators venv f
 
 DFLASH: List[Mutation] = [
     Mutation('dflash/context-includes-anchor', DFLASH_BLOCKS_PY,
-             'before_anchor = kv < self.anchors[b, block]',
-             'before_anchor = kv <= self.anchors[b, block]', DFLASH_TESTS, "the anchor's own target state leaks in"),
+             'before_anchor = kv < anchors[b, block]',
+             'before_anchor = kv <= anchors[b, block]', DFLASH_TESTS, "the anchor's own target state leaks in"),
     Mutation('dflash/context-misses-last', DFLASH_BLOCKS_PY,
-             'before_anchor = kv < self.anchors[b, block]',
-             'before_anchor = kv < self.anchors[b, block] - 1', DFLASH_TESTS, 'the last verified position is dropped'),
+             'before_anchor = kv < anchors[b, block]',
+             'before_anchor = kv < anchors[b, block] - 1', DFLASH_TESTS, 'the last verified position is dropped'),
     Mutation('dflash/sees-other-blocks', DFLASH_BLOCKS_PY,
-             'same_block = (kv - self.context_len) // self.block_size == block',
-             'same_block = kv >= self.context_len', DFLASH_TESTS, 'a block attends to other blocks'),
+             'same_block = (kv - context_len) // block_size == block',
+             'same_block = kv >= context_len', DFLASH_TESTS, 'a block attends to other blocks'),
     Mutation('dflash/causal-in-block', DFLASH_BLOCKS_PY,
-             'same_block = (kv - self.context_len) // self.block_size == block',
-             'same_block = ((kv - self.context_len) // self.block_size == block) & (kv - self.context_len <= q)', DFLASH_TESTS, 'causal instead of bidirectional inside the block'),
+             'same_block = (kv - context_len) // block_size == block',
+             'same_block = ((kv - context_len) // block_size == block) & (kv - context_len <= q)', DFLASH_TESTS, 'causal instead of bidirectional inside the block'),
     Mutation('dflash/label-offset-plus-1', DFLASH_BLOCKS_PY,
              'label_pos = anchors[..., None] + 1 + torch.arange(',
              'label_pos = anchors[..., None] + 2 + torch.arange(', DFLASH_TESTS, 'block predicts one token too far'),
@@ -455,8 +456,9 @@ DISTILL_TOKENS: List[Mutation] = [
              "counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]",
              "pass", DFLASH_TESTS),
     Mutation("dflash/context-of-the-previous-conversation", DFLASH_BLOCKS_PY,
-             "before_anchor = before_anchor & (kv >= self.context_start[b, block])",
-             "before_anchor = before_anchor", DFLASH_TESTS, "a packed block attends to the conversation before"),
+             "before_anchor = before_anchor & (kv >= context_start[b, block])",
+             "before_anchor = before_anchor", DOCUMENT_TESTS + DFLASH_TESTS,
+             "a packed block attends to the conversation before (the dense and flex paths; CPU slices it away)"),
     Mutation("distill/dflash-anchor-before-the-next-conversation", DFLASH_BLOCKS_PY,
              "candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]",
              "pass", DFLASH_TESTS),
@@ -619,6 +621,113 @@ DSPARK: List[Mutation] = [
              'markov_rank=dims.markov_rank, markov_head_type="vanilla",', DSPARK_EXPORT),
 ]
 
+IMPORTS_PY = "specdraft/train/imports.py"
+IMPORTS_TESTS = ("tests/test_imports.py",)
+IMPORTS_TRAIN = ("tests/test_imports_train.py",)
+
+IMPORTS = [
+    Mutation("imports/longspec-norms-swapped", "specdraft/drafts/glide_longspec.py",
+             'RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",\n'
+             '           "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight"}',
+             'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
+             '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
+             IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
+             '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
+             '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
+             IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
+             '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
+             IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
+             '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
+             '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
+    Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
+             'return {"mask_delta": torch.zeros(draft.dims.hidden_size)}',
+             'return {"mask_delta": torch.ones(draft.dims.hidden_size)}', IMPORTS_TESTS,
+             "MASK embedded unlike speculators after an import"),
+    Mutation("imports/no-shape-check", IMPORTS_PY, "        if got.shape != want.shape:", "        if False:",
+             IMPORTS_TESTS, "a wrong shape reaches load_state_dict (a traceback, not one line)"),
+    Mutation("imports/pickle-runs-code", IMPORTS_PY,
+             'loaded = torch.load(path, map_location="cpu", weights_only=True)',
+             'loaded = torch.load(path, map_location="cpu", weights_only=False)', IMPORTS_TESTS,
+             "an untrusted pickle runs its code"),
+    Mutation("imports/oldest-export-of-a-run", IMPORTS_PY,
+             "path = steps[-1] if steps else path", "path = steps[0] if steps else path", IMPORTS_TESTS,
+             "a run directory imports its first export"),
+    Mutation("imports/unexpected-tensor-ignored", IMPORTS_PY,
+             "        if theirs not in names and theirs not in TARGET_TENSORS:",
+             "        if False:", IMPORTS_TESTS, "a tensor the draft has no place for is dropped silently"),
+    Mutation("imports/settings-not-checked", IMPORTS_PY,
+             "        if plain(value) != plain(ours):", "        if False:", IMPORTS_TESTS,
+             "a draft trained on other target layers imports as if it were this run's"),
+    Mutation("imports/d2t-recounted", IMPORTS_PY,
+             "    draft.load_state_dict(imported.state, strict=True)\n",
+             "    draft.load_state_dict(imported.state, strict=True)\n"
+             "    if data is not None and hasattr(draft, 'set_vocab_maps'):\n"
+             "        from specdraft.drafts.vocab import count_target_tokens, vocab_maps\n"
+             "        draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, draft.dims.vocab_size), "
+             "draft.dims.draft_vocab_size))\n",
+             IMPORTS_TRAIN, "EAGLE-3's d2t/t2d recounted from the run's data instead of the imported ones"),
+    Mutation("imports/resume-imports-again", IMPORTS_PY, "    if resuming:\n", "    if False:\n", IMPORTS_TRAIN,
+             "a resumed run imports its starting draft again"),
+    Mutation("imports/glide-bias-ignored", "specdraft/drafts/layers.py",
+             "self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=bias)",
+             "self.q_proj = nn.Linear(in_size, d.num_heads * d.head_dim, bias=False)", IMPORTS_TESTS,
+             "a Qwen2 target's GLIDE has no q bias: LongSpec's Qwen2 drafts do not load"),
+]
+
+# -- packed documents without (T, T) masks: GLIDE and DFlash, per device path ----------------------
+
+DOCUMENTS: List[Mutation] = [
+    Mutation("documents/cuda-takes-the-dense-path", DOCUMENTS_PY,
+             'return {"cpu": "slices", "cuda": "flex"}', 'return {"cpu": "slices", "cuda": "dense"}',
+             DOCUMENT_TESTS, "a GPU builds the dense document masks again"),
+    Mutation("documents/cpu-takes-the-dense-path", DOCUMENTS_PY,
+             'return {"cpu": "slices", "cuda": "flex"}', 'return {"cpu": "dense", "cuda": "flex"}',
+             DOCUMENT_TESTS, "CPU builds the dense document masks again"),
+    Mutation("documents/cuda-block-masks-eager", DOCUMENTS_PY,
+             'if torch.device(device).type == "cuda":', "if False:",
+             DOCUMENT_TESTS, "a GPU evaluates every block mask over the whole (B, 1, T, T) grid"),
+    Mutation("documents/segment-border-off-by-one", DOCUMENTS_PY,
+             "borders = [0, *(torch.nonzero(row).flatten() + 1).tolist(), T]",
+             "borders = [0, *(torch.nonzero(row).flatten() + 2).tolist(), T]",
+             DOCUMENT_TESTS + TTT_TESTS, "a conversation's first token is attended with the one before"),
+    Mutation("glide/flex-window-plus-1", LAYERS_PY,
+             "return (q >= kv) & (q - kv < window) &", "return (q >= kv) & (q - kv <= window) &",
+             DOCUMENT_TESTS, "on CUDA, a packed query sees one key beyond its window"),
+    Mutation("glide/flex-window-ignores-conversations", LAYERS_PY,
+             "& (documents[b, q] == documents[b, kv])", "& (documents[b, q] >= 0)",
+             DOCUMENT_TESTS, "on CUDA, the sliding window crosses into the previous conversation"),
+    Mutation("glide/flex-cross-query-border-off-by-one", LAYERS_PY,
+             "document_block_mask(documents[:, lag:], documents[:, :T - lag])",
+             "document_block_mask(documents[:, lag - 1:T - 1], documents[:, :T - lag])",
+             DOCUMENT_TESTS, "on CUDA, a conversation's first query after the lag reads the previous one's target"),
+    Mutation("glide/flex-cross-key-border-off-by-one", LAYERS_PY,
+             "document_block_mask(documents[:, lag:], documents[:, :T - lag])",
+             "document_block_mask(documents[:, lag:], documents[:, 1:T - lag + 1])",
+             DOCUMENT_TESTS, "on CUDA, a conversation's last target position counts as the next one's"),
+    Mutation("glide/slices-window-plus-1", LAYERS_PY,
+             "sliding_window_attention(*t, window), document_segments",
+             "sliding_window_attention(*t, window + 1), document_segments",
+             DOCUMENT_TESTS, "on CPU, a packed query sees one key beyond its window"),
+    Mutation("glide/slices-lag-minus-1", LAYERS_PY,
+             "lagged_cross_attention(*t, lag), document_segments",
+             "lagged_cross_attention(*t, lag - 1), document_segments",
+             DOCUMENT_TESTS, "on CPU, a packed query reads the target one position closer than the lag"),
+    Mutation("dflash/slices-context-ends-one-early", DFLASH_BLOCKS_PY,
+             "end = int(visibility.anchors[b, first:last].max())", "end = int(visibility.anchors[b, first:last].max()) - 1",
+             DOCUMENT_TESTS, "on CPU, a conversation's last block loses the position before its anchor"),
+    Mutation("dflash/slices-context-includes-anchor", DFLASH_BLOCKS_PY,
+             "BlockVisibility(visibility.anchors[b:b + 1, first:last] - start, end - start, S)",
+             "BlockVisibility(visibility.anchors[b:b + 1, first:last] - start + 1, end - start, S)",
+             DOCUMENT_TESTS, "on CPU, a packed block sees its anchor's own target state"),
+    Mutation("dflash/flex-ignores-conversations", DFLASH_BLOCKS_PY,
+             "anchors, start, T, S = self.anchors, self.context_start, self.context_len, self.block_size",
+             "anchors, start, T, S = self.anchors, None, self.context_len, self.block_size",
+             DOCUMENT_TESTS, "on CUDA, a packed block attends to the conversations before its own"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
@@ -630,6 +739,8 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,
     "memory": MEMORY,
+    "imports": IMPORTS,
+    "documents": DOCUMENTS,
 }
 
 
