@@ -127,8 +127,10 @@ def measure_child(spec: dict) -> None:
     """In a fresh process: peak resident bytes above imports of a 2-step training run. With
     spec["warm"], one step of the same run at WARM_UP_SEQ tokens comes first, before the baseline:
     the first step's one-off host costs (library code paged in, modules imported on first use,
-    first-call caches: about 30 MiB here) are then in the baseline, as the imports are, and the
-    peak counts what the run holds, which is what the model predicts for a GPU."""
+    first-call caches: about 30 MiB at ZeRO-0, 80 MiB at ZeRO-2/3 here, 20 of them file-backed) are
+    then in the baseline, as the imports are, and the peak counts what the run holds, which is what
+    the model predicts for a GPU. (The warm-up's engine stays alive, DeepSpeed holds on to it: it is
+    in the baseline too.)"""
     import gc
 
     from specdraft.train.engine import init_distributed
