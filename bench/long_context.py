@@ -1,11 +1,11 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
-    OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash] [--lengths 2048,4096,8192]
+    OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark] [--lengths 2048,4096,8192]
         [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
-one packed row of T tokens (DFlash: 512 blocks, its default) (conversations of 512 tokens, so the document path runs), capture +
+one packed row of T tokens (DFlash, DSpark: 512 blocks, the default) (conversations of 512 tokens, so the document path runs), capture +
 loss + backward, no DeepSpeed. Peak = the high-water mark of resident memory (VmHWM, reset
 after set-up through /proc/self/clear_refs) minus the resident memory at that moment; glibc
 serves allocations above 64 KiB with mmap so freed tensors leave RSS at once. Also printed:
@@ -66,7 +66,8 @@ def measure_one(family: str, T: int) -> dict:
     cfg = OmegaConf.structured(TrainConfig).draft
     cfg.type = family
     cfg.update({"glide": {"sliding_window": 512}, "eagle3": {"ttt_steps": 7},
-                "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512}}[family])
+                "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512},
+                "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64}}[family])
     model = TargetWithDraft(target, build_draft(cfg, config), loss_chunk_size=0)
     ids = torch.randint(0, p.vocab_size, (1, T))
     conversation = ROW_CONVERSATION or T

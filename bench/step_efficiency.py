@@ -2,7 +2,8 @@
 
     (a) the target forward under no_grad, as plain transformers runs it: the decoder stack
         `model.model` (plus `lm_head` only when the draft's objective reads the target's
-        distribution; the output says which);
+        distribution; the output says which), attending inside each packed document (the
+        (B, 1, T, T) mask the capture gives it too);
     (b) the draft forward + backward, given the target's outputs (a plain copy of the draft, no
         DeepSpeed hooks);
     (c) the whole training step through the DeepSpeed engine, as train() runs it: batch read from
@@ -13,13 +14,14 @@
 Each round times (a), (b), (c) back to back on the same batch, so load from other processes
 falls on all three alike; the times are CPU seconds of the process (see timed()). Also printed: the capture alone (what (c) spends in the target).
 
-    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--families glide,eagle3,dflash]
+    OMP_NUM_THREADS=1 python bench/step_efficiency.py [--families glide,eagle3,dflash,dspark]
         [--shapes demo,long,large] [--zero 0,2] [--rounds 5]
         [--objectives ce,"0.9*tv + 0.1*ce",kl:all] [--distill-temperature 1.0]
 
---families: each family with its own default objective (GLIDE ce, EAGLE-3 soft_ce, DFlash ce)
-and the demo configs' draft settings (EAGLE-3: 7 TTT steps; DFlash: 2 layers, blocks of 8, 64
-anchors per 256 tokens). The per-family ratios print as `ratio_<family>=`.
+--families: each family with its own default objective (GLIDE ce, EAGLE-3 soft_ce, DFlash ce,
+DSpark 0.9 tv + 0.1 ce) and the demo configs' draft settings (EAGLE-3: 7 TTT steps; DFlash: 2
+layers, blocks of 8, 64 anchors per 256 tokens; DSpark: DFlash's and Markov rank 64). The
+per-family ratios print as `ratio_<family>=`.
 
 --objectives adds GLIDE steps with distillation objectives (`draft.loss`): each gets its own
 target, draft and engine (the same seeded weights), and in every round each objective's (a), (b),
@@ -144,6 +146,8 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "glide": lambda shape: {"sliding_window": shape.window},
     "eagle3": lambda shape: {"ttt_steps": 7},
     "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
+    "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
+                             "markov_rank": 64},
 }
 
 
@@ -192,11 +196,14 @@ class StepBench:
         self.sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
         self.peek = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)  # (c)'s, ahead
 
-    def target_forward(self, ids, positions) -> float:
+    def target_forward(self, ids, positions, documents) -> float:
         """(a); returns the CPU seconds of its lm_head part (0 without)."""
-        # per-document positions, no mask: transformers infers the same document borders itself
+        # The attention the step needs: inside each document. Given positions alone, transformers 5
+        # with SDPA does not infer the borders: it runs is_causal over the whole row, which costs
+        # half of the masked attention at 4k tokens and is not the forward training needs.
+        mask = None if documents is None else target_attention_mask(self.target.model, ids, documents)
         with torch.no_grad():
-            hidden = self.target.model(input_ids=ids, position_ids=positions).last_hidden_state
+            hidden = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state
             if self.reads_distribution:
                 return timed(lambda: self.target.lm_head(hidden))
         return 0.0
@@ -222,7 +229,7 @@ class StepBench:
         positions = batch.get("document_positions", torch.arange(shape.seq).expand(shape.batch, shape.seq))
         lm_head = []
         sample = {
-            "a": timed(lambda: lm_head.append(self.target_forward(ids, positions))),
+            "a": timed(lambda: lm_head.append(self.target_forward(ids, positions, documents))),
             "capture": timed(lambda: model_capture(self.model, ids, positions, documents)),
         }
         sample["lm_head"] = lm_head[0]
@@ -309,13 +316,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     distill = len(specs) > 1
     init_distributed()
     work = Path(tempfile.mkdtemp(prefix="specdraft-bench-step-"))
+    what = ("(a) = model.model under no_grad, attending inside each document, plus lm_head where the objective "
+            "reads the target's distribution (EAGLE-3's soft_ce, DSpark's tv, distillation; not GLIDE's or "
+            "DFlash's ce)")
     if distill:
-        what = ("(a) = model.model under no_grad, plus lm_head for a distillation objective (it reads the "
-                "target's distribution; 'lm_head ms' is that part of (a)); c/c_ce, b/b_ce: (c), (b) over the "
-                "CE step's on the same batches, interleaved round by round")
-    else:
-        what = ("(a) = model.model under no_grad without lm_head (GLIDE's objective reads data labels, not the "
-                "target's distribution)")
+        what += ("; 'lm_head ms' is that part of (a); c/c_ce, b/b_ce: (c), (b) over the default objective's on "
+                 "the same batches, interleaved round by round")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {what}; "
           f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)")
     extra = f" {'lm_head ms':>10} {'c/c_ce':>7} {'b/b_ce':>7}  objective" if distill else ""

@@ -140,9 +140,11 @@ def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, toke
 
 class PageableCopyCounter:
     """Counts host-to-device copies from pageable (unpinned) host memory made from specdraft's
-    code: a tensor built from host data straight onto a device, or a host tensor's .to/.copy_ onto
-    one. On CUDA each is synchronous: the host waits for the GPU. Pinning is simulated (a CPU-only
-    torch cannot pin): pin_memory() marks a copy, is_pinned() reads the mark."""
+    code: a tensor built from host data (a list, or an unpinned host tensor) straight onto a
+    device, a host tensor's .to/.copy_ onto one, and a device tensor indexed (read or written)
+    with host index tensors, which torch copies to the device first (meta lets that pass, CUDA
+    does it silently). On CUDA each is synchronous: the host waits for the GPU. Pinning is
+    simulated (a CPU-only torch cannot pin): pin_memory() marks a copy, is_pinned() reads the mark."""
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -159,6 +161,8 @@ class PageableCopyCounter:
             self._wrap_factory(monkeypatch, name)
         self._wrap_method(monkeypatch, "to", lambda t, *a, **k: torch._C._nn._parse_to(*a, **k)[0])
         self._wrap_method(monkeypatch, "copy_", lambda t, src, *a, **k: t.device, source=lambda t, src, *a, **k: src)
+        for name in ("__getitem__", "__setitem__", "index_put_"):
+            self._wrap_indexing(monkeypatch, name)
 
     def _record(self, what):
         caller = sys._getframe(2)
@@ -170,7 +174,8 @@ class PageableCopyCounter:
 
         def factory(data, *args, **kwargs):
             device = kwargs.get("device")
-            if device is not None and torch.device(device).type != "cpu" and not isinstance(data, torch.Tensor):
+            pageable = not isinstance(data, torch.Tensor) or (data.device.type == "cpu" and not data.is_pinned())
+            if device is not None and torch.device(device).type != "cpu" and pageable:
                 self._record(f"torch.{name}")
             return original(data, *args, **kwargs)
 
@@ -185,6 +190,22 @@ class PageableCopyCounter:
                     and torch.device(dst).type != "cpu" and not src.is_pinned()):
                 self._record(f"Tensor.{name}")
             return original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, method)
+
+
+    def _wrap_indexing(self, monkeypatch, name):
+        original = getattr(torch.Tensor, name)
+
+        def host_indices(index):
+            items = index if isinstance(index, (tuple, list)) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.device.type == "cpu" and i.dim() > 0 and not i.is_pinned()
+                       for i in items)
+
+        def method(tensor, index, *args, **kwargs):
+            if tensor.device.type != "cpu" and host_indices(index):
+                self._record(f"Tensor.{name}")
+            return original(tensor, index, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, method)
 
@@ -240,6 +261,21 @@ def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
     monkeypatch.setattr("specdraft.transfer.can_pin", lambda: False)
     transfer.to_device(host, META)
     assert counter.calls == ["Tensor.to at transfer.py:27"]
+
+
+def test_the_pageable_copy_counter_sees_host_indices_and_unpinned_host_tensors(monkeypatch):
+    """Indexing a device tensor with a host index tensor copies the index to the device from
+    pageable memory (CUDA does it silently), and so does torch.as_tensor of an unpinned host
+    tensor; an integer or a device index copies nothing. Run as if from specdraft's code."""
+    from specdraft.drafts import base
+
+    counter = PageableCopyCounter(monkeypatch)
+    code = ("device_tensor[rows]; device_tensor[rows] = 1.0; torch.as_tensor(rows, device=META); "
+            "device_tensor[1]; device_tensor[rows.to(META)]; device_tensor[rows.pin_memory()]")
+    exec(compile(code, base.__file__, "exec"),
+         {"device_tensor": torch.zeros(5, 3, device=META), "rows": torch.tensor([1, 3]), "torch": torch, "META": META})
+    assert [call.split(" at ")[0] for call in counter.calls] == ["Tensor.__getitem__", "Tensor.__setitem__",
+                                                                "torch.as_tensor", "Tensor.to"]
 
 
 def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):

@@ -1,7 +1,12 @@
 """The memory model asks each family for its own terms (train/memory.py never names a family)."""
 
+import weakref
+
 import pytest
+import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig
 
 from specdraft.config import TrainConfig
@@ -75,3 +80,101 @@ def test_the_zero_buckets_are_even_whatever_the_drafts_parameter_count():
 
     assert [reduce_bucket_elements(n) for n in (1, 8, 1_780_001)] == [8, 8, 1_780_008]
     assert reduce_bucket_elements(10 ** 10) == REDUCE_BUCKET
+
+
+# -- the terms against the tensors a step really holds -------------------------------------------
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The peak bytes of CPU tensor storages allocated under this mode and still alive (an op's
+    output that shares an input's storage, a view or detach of a parameter, allocates nothing):
+    what a GPU's allocator would hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size and key not in self.storages and key not in inputs:
+                self.storages.add(key)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, size)
+        return out
+
+    def _free(self, key, size):
+        self.live -= size
+        self.storages.discard(key)
+
+
+def test_live_tensor_bytes_follow_storages_not_views():
+    before = torch.empty(4000)
+    with LiveTensorBytes() as live:
+        a = torch.empty(1000)
+        del a
+        b = torch.empty(1000)
+        view = b.view(10, 100)
+        del b
+        c = torch.empty(500)
+        before.detach().t_()  # shares a storage made before: nothing allocated
+    assert (live.peak, live.live) == (6000, 6000) and view.shape == (10, 100) and c.numel() == 500
+
+
+FIXED = ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)")
+
+
+@pytest.mark.parametrize("family,precision", [(family, "fp32") for family in sorted(FAMILIES)]
+                         + [("glide", "bf16"), ("eagle3", "bf16")])
+def test_the_familys_terms_are_the_tensors_a_training_step_holds(family, precision):
+    """One training forward and backward (capture, draft, loss; each family at its defaults,
+    T = 256): the peak of live tensor bytes is within 10% of what the model adds above weights,
+    gradients and optimizer state. This pins each family's per-token counts (DFlash's loss one block slot per
+    call, RMSNorm's fp32 inputs at bf16, a teacher objective's 7 chunks, EAGLE-3's teacher rows).
+    DFlash's and DSpark's block mask becomes a float bias in the query dtype (2 B at bf16), which
+    its term counts at 4 B: they are checked at fp32 here."""
+    from specdraft.drafts import build_draft
+    from specdraft.train.model import TargetWithDraft
+    from transformers import LlamaForCausalLM
+
+    T = 256
+    cfg = config(family, T)
+    cfg.precision, cfg.per_device_batch_size = precision, 1
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(TARGET).eval().requires_grad_(False).to(dtype)
+    model = TargetWithDraft(target, build_draft(cfg.draft, TARGET).to(dtype), cfg.loss_chunk_size)
+    ids = torch.randint(0, TARGET.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    options = model.draft_model.sample_batch_options(torch.Generator().manual_seed(0), T)
+    for param in model.draft_model.parameters():  # the fixed terms' gradients, already there
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    with LiveTensorBytes() as live:
+        model(ids, torch.ones_like(ids), **options).loss.backward()
+    estimate = memory.estimate_peak(TARGET, cfg, world_size=1, documents=False)
+    predicted = estimate.total - sum(estimate.parts[name] for name in FIXED)
+    assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in estimate.parts.items()}
+
+
+@pytest.mark.parametrize("loss,buffers", [("kl", 7), ("soft_ce", 7), ("0.9*tv + 0.1*ce", 7)])
+def test_a_teacher_objective_holds_seven_fp32_chunks_at_once(loss, buffers):
+    """objectives.objective_terms on one chunk: the student's and the teacher's logits, both
+    log-softmaxes, both softmaxes and one product or gradient, as MemoryShape.loss_chunk counts."""
+    from specdraft.drafts.base import MemoryShape
+    from specdraft.drafts.objectives import chunked_objective, parse_objective
+
+    rows, vocab, hidden = 64, 2000, 32
+    objective = parse_objective(loss, where="test")
+    student = torch.randn(rows, hidden, requires_grad=True)
+    weight, teacher = torch.randn(vocab, hidden), torch.randn(rows, hidden)
+    labels = torch.randint(0, vocab, (rows,)) if objective.needs_labels else None
+    with LiveTensorBytes() as live:
+        chunked_objective(student, weight, teacher, weight, labels, objective, chunk_size=rows)
+    shape = MemoryShape(B=1, T=rows, dtype_bytes=4, chunk=rows, documents=False, target=None)
+    assert shape.loss_chunk(rows, vocab, hidden, teacher=True) == rows * 2 * hidden * 4 + rows * vocab * 4 * buffers
+    assert live.peak == pytest.approx(rows * vocab * 4 * buffers, rel=0.10)

@@ -161,13 +161,22 @@ class MemoryShape:
         """Bytes of the captured target features the draft reads, kept through its backward."""
         return self.B * self.T * per_token_elements * self.dtype_bytes
 
-    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False) -> float:
+    def fp32_norm_inputs(self, elements: float) -> float:
+        """What RMSNorm adds for `elements` of norm inputs the family counts at the training dtype:
+        it works in fp32 and keeps its fp32 input for the backward, so at bf16 each input is kept
+        as a 4-byte copy (2 more bytes; the bf16 input itself is freed), and at fp32 the input is
+        that copy (nothing more)."""
+        return elements * (4 - self.dtype_bytes)
+
+    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False, calls: int = 1) -> float:
         """The counted rows' hidden states and their gradient (computed in the forward), and one
-        chunk's fp32 logits worked in place (+ its matmul output at bf16); an objective that reads
-        the target's distribution also holds the teacher's logits and probabilities and the
-        student's probabilities: 3 more fp32 chunks."""
-        buffers = 4 + (2 if self.mixed else 0) + (3 * 4 if teacher else 0)
-        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows) * vocab * buffers
+        chunk's fp32 logits worked in place (+ its matmul output at bf16). An objective that reads
+        the target's distribution holds 7 fp32 chunks at once (objectives.objective_terms): the
+        student's and the teacher's logits, both log-softmaxes, both softmaxes, and a product
+        (linalg.vecdot's) or the gradient. calls: the loss runs over the rows in this many calls
+        of rows / calls each (DFlash: one per block slot), so a chunk is at most that many rows."""
+        buffers = (7 * 4 if teacher else 4) + (2 if self.mixed else 0)
+        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows // calls) * vocab * buffers
 
 
 class Draft(nn.Module, ABC):

@@ -423,9 +423,16 @@ class DFlashDraft(Draft):
         d, p = self.dims, shape.dtype_bytes
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
         context = shape.B * shape.T  # every position is context
-        block = shape.B * min(d.max_anchors, shape.T) * d.block_size  # block slots trained at once
+        blocks = shape.B * min(d.max_anchors, shape.T)  # blocks trained at once
+        block = blocks * d.block_size  # their slots
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
-        per_slot = (8 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 4 * H * 4  # like one decoder layer's token
+        # per slot and layer, saved for backward (counted with saved_tensors_hooks at fp32): the two
+        # norms' inputs, normalised outputs and outputs (6 H), q_proj's output, its normalised and
+        # rotated queries, the attention output (4 heads hd), k_proj's output and its normalised
+        # keys (2 kv hd), MLP gate/up/act/product (4I); the 4 norms (2 H-sized, q_norm, k_norm)
+        # keep their inputs in fp32
+        per_slot = ((6 * H + 4 * heads * hd + 2 * kv * hd + 4 * I) * p
+                    + shape.fp32_norm_inputs(2 * H + heads * hd + kv * hd))
         layers = 1 if self.gradient_checkpointing else d.num_layers  # whose activations are held at once
         terms = {
             # the captured layers (n Ht), input embeddings (H), cos/sin (2 hd), the final hidden
@@ -439,7 +446,10 @@ class DFlashDraft(Draft):
             "draft activations": context * (2 * H + d.num_layers * 6 * kv * hd) * p
                                  + block * (layers * (per_slot + 2 * kv * hd * p) + 2 * H * p
                                             + (d.num_layers * H * p if self.gradient_checkpointing else 0)),
-            "loss chunk + hidden grads": shape.loss_chunk(block, d.vocab_size, H, teacher=self.objective.needs_teacher),
+            # one loss call per predicting slot, over that slot of every block
+            "loss chunk + hidden grads": shape.loss_chunk(blocks * d.layout.predictions, d.vocab_size, H,
+                                                          teacher=self.objective.needs_teacher,
+                                                          calls=d.layout.predictions),
             # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools,
             # and per layer the float bias SDPA makes of it, kept for the backward
             "block mask": block * (shape.T + block // shape.B) * (1 + 4 * layers),

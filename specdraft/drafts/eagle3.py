@@ -459,29 +459,29 @@ class Eagle3Draft(Draft):
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
         d, p, tokens, steps = self.dims, shape.dtype_bytes, shape.B * shape.T, self.dims.ttt_steps
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
-        teacher = d.target_hidden_size if self.objective.needs_teacher else 0
-        step = (14 * H + 3 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4  # per token, see below
+        teacher, Vd = self.objective.needs_teacher, d.draft_vocab_size
+        # per TTT step and token, saved for backward (counted with saved_tensors_hooks): the fused 2H
+        # input, 3 norms' inputs and outputs, the post-attention and final norms' outputs (10 H), the
+        # rotated queries and attention output (2 heads hd), the new keys/values (2 kv hd), the MLP's
+        # 4I; the norms keep their inputs in fp32. Step k >= 1's TTT attention (ttt_attention.py): k
+        # diagonal keys and values per query head (2k heads hd), sink-extended q/k/v, merged output (~5)
+        step = (10 * H + 2 * heads * hd + 2 * kv * hd + 4 * I) * p + shape.fp32_norm_inputs(3 * H)
         attention = [heads * hd * p * (2 * k + 5) for k in range(1, steps)]
+        if self.gradient_checkpointing:  # each step keeps its inputs and outputs (4 H, keys/values, a norm
+            # in fp32); one step's activations come back at a time in the backward
+            held = steps * ((4 * H + 2 * kv * hd) * p + 2 * H * 4) + step + max(attention, default=0)
+        else:
+            held = steps * step + sum(attention)
         terms = {
-            # input embeddings (H), cos/sin (2 hd), the 3 captured layers (3 Ht), the final hidden state
-            # when a teacher is read (Ht)
-            "capture features": shape.capture_features(H + 2 * hd + 3 * d.target_hidden_size + teacher),
-            # per TTT step and token, saved for backward: the fused 2H input, the shifted embeddings,
-            # norm inputs/outputs, residuals, o_proj and MLP outputs, the logits input (14 H), q/k/v
-            # + RoPE copies + attention output (3 heads hd + 3 kv hd), MLP (4I), 3 RMSNorms in fp32;
-            # fc's output once
-            # + the TTT attention of each step k >= 1 (ttt_attention.py): the k diagonal keys and
-            # values stacked per query head (2 k heads hd), the sink-extended q/k/v and the merged
-            # output (~5 heads hd)
-            "draft activations": tokens * (H * p + (steps * step + sum(attention) if not self.gradient_checkpointing
-                                                    # checkpointed: each step keeps its inputs and outputs
-                                                    # (4 H, its keys/values, a norm in fp32); one step's
-                                                    # activations come back at a time in the backward
-                                                    else steps * ((4 * H + 2 * kv * hd) * p + 2 * H * 4)
-                                                    + step + max(attention, default=0))),
-            # every step's counted rows keep their hidden-state gradient until the backward
-            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, d.draft_vocab_size, H, teacher=self.objective.needs_teacher),
+            # input embeddings (H), cos/sin (2 hd), the 3 captured layers and a teacher's final hidden state
+            "capture features": shape.capture_features(H + 2 * hd + (3 + teacher) * d.target_hidden_size),
+            "draft activations": tokens * (H * p + held),  # fc's output, then the steps
+            # every step's counted rows keep their hidden-state gradient until the backward, which
+            # recomputes a chunk into the head's (Vd, H) gradient in fp32
+            "loss chunk + hidden grads": steps * tokens * H * p + Vd * H * 4 + shape.loss_chunk(tokens, Vd, H, teacher),
         }
+        if teacher:  # the target lm_head's rows of the draft vocab, copied once, read by every step
+            terms["teacher rows"] = Vd * d.target_hidden_size * p
         # packed documents add no term: per-conversation slices on CPU, a flex block mask on CUDA
         return terms
 

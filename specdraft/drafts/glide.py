@@ -194,8 +194,9 @@ class GlideDraft(Draft):
             "capture features": shape.capture_features(H + 2 * hd + 2 * d.target_kv_heads * hd),
             # saved per token: 10 H-sized tensors (norm in/out, residuals, o_proj / cross / MLP
             # outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd, cross
-            # 3 heads hd), MLP gate/up/silu/product (4I), 3 RMSNorms' fp32 internals (3 x 2H x 4 B)
-            "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + 3 * 2 * H * 4),
+            # 3 heads hd), MLP gate/up/silu/product (4I); the 3 RMSNorms keep their inputs in fp32
+            "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p
+                                           + shape.fp32_norm_inputs(3 * H)),
             "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
         }
         # packed documents add no term: per-conversation slices on CPU, flex block masks on CUDA
