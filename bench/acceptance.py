@@ -79,8 +79,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
-    parser.add_argument("--confidence-threshold", type=float, default=0.5,
-                        help="drafters with a confidence head (DSpark) are measured again with this stop")
+    parser.add_argument("--confidence-threshold", default="0.5",
+                        help="drafters with a confidence head (DSpark) are measured again with each of these "
+                             "stops (comma-separated, e.g. 0.05,0.1,0.5)")
     parser.add_argument("--out", default="runs/bench-acceptance", help="where the trained drafts and results go")
     return parser.parse_args(argv)
 
@@ -164,6 +165,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    thresholds = [float(c) for c in args.confidence_threshold.split(",") if c.strip()]
+    if any(not 0.0 <= c <= 1.0 for c in thresholds):
+        sys.exit(f"--confidence-threshold {args.confidence_threshold}: each stop must lie in [0, 1]")
     try:
         objectives = [split_objective(text) for text in args.objectives]
     except SpecdraftError as err:
@@ -233,7 +237,7 @@ def main(argv=None) -> dict:
                 shapes.append(dict(gamma=block))
             shapes += [dict(tree=tree)] if tree else []
             # a drafter with a confidence head: also with its stop
-            stops = [None] + ([args.confidence_threshold] if hasattr(draft, "confidence_head") else [])
+            stops = [None] + (thresholds if hasattr(draft, "confidence_head") else [])
             for shape in shapes:
                 for stop_at in stops:
                     report = measure(target, method, draft, prompts, baseline, shape, settings, stop_at)
@@ -288,11 +292,12 @@ def main(argv=None) -> dict:
                 ours, ref = tau(label, t), tau(trained[0], t)
                 comparisons.append((f"{label} ÷ {trained[0]} (chain γ={args.gamma}, T={t:g})", ours, ref))
                 headline.append(f"ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={ours / ref:.2f}")
-    for label in exports:  # the confidence stop vs the same drafter without it
-        stopped = f"{label} (stop c={args.confidence_threshold:g})"
+    for label, c in ((label, c) for label in exports for c in thresholds):  # each stop vs no stop
+        stopped = f"{label} (stop c={c:g})"
         for t in temperatures if any(r["label"] == stopped for r in rows) else []:
             comparisons.append((f"{stopped} ÷ {label} (chain γ={args.gamma}, T={t:g})", tau(stopped, t), tau(label, t)))
-            headline.append(f"stop_ratio_{keys[label]}_T{t:g}".replace(".", "") + f"={tau(stopped, t) / tau(label, t):.2f}")
+            headline.append(f"stop_ratio_{keys[label]}_c{c:g}_T{t:g}".replace(".", "")
+                            + f"={tau(stopped, t) / tau(label, t):.2f}")
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}

@@ -59,6 +59,27 @@ def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_t
     assert "target's greedy answers: 2 answers" in (tmp_path / "demo" / "acceptance.md").read_text()
 
 
+def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target_dir, tiny_data, tmp_path):
+    """DSpark is measured without a stop and once per --confidence-threshold; c = 1 stops before
+    every slot (a confidence is a sigmoid, below 1): nothing is proposed, τ is exactly 1."""
+    bench = load_bench("acceptance")
+    data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
+    results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
+                          "--data", data_glob, "--families", "dspark", "--train-steps", "2",
+                          "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3",
+                          "--tree", "", "--confidence-threshold", "0,1", "--out", str(tmp_path)])
+    rows = {(row["label"], row["gamma"]): row for row in results["rows"]}
+    assert {label for label, _ in rows} == {"DSpark", "DSpark (stop c=0)", "DSpark (stop c=1)", "prompt lookup"}
+    assert all(row["matches_target"] for row in rows.values())  # lossless at every stop
+    for gamma in (3, 7):  # the chain, and the whole block
+        never, always = rows["DSpark (stop c=0)", gamma], rows["DSpark (stop c=1)", gamma]
+        assert never["proposed_per_round"] == gamma and never["tau"] == rows["DSpark", gamma]["tau"]
+        assert always["proposed_per_round"] == 0 and always["tau"] == 1.0
+    assert set(results["ratios"]) >= {"DSpark (stop c=1) ÷ DSpark (chain γ=3, T=0)"}
+    with pytest.raises(SystemExit):
+        bench.main(["--confidence-threshold", "1.5", "--draft", str(tmp_path)])
+
+
 def test_acceptance_bench_offers_every_preset():
     bench = load_bench("acceptance")
     assert bench.parse_args(["--preset", "bench"]).preset == "bench"
