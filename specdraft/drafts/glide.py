@@ -145,7 +145,8 @@ class GlideDraft(Draft):
             anchor_offset=bool(draft_cfg.anchor_offset),
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
-            attention_bias=target_attention_bias(target_config) if draft_cfg.attention_bias is None
+            # .get: a draft config written before the key existed means the default (the target's)
+            attention_bias=target_attention_bias(target_config) if draft_cfg.get("attention_bias") is None
             else bool(draft_cfg.attention_bias),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
 
