@@ -145,6 +145,10 @@ class ShardWriter:
 
     def __init__(self, out: Path, rank: int, rows_per_shard: int):
         self.out, self.rows_per_shard = out, rows_per_shard
+        # a run killed mid-write (SIGKILL, power loss) leaves its shard's temp file: never a
+        # shard, so this rank's rerun removes it (each rank only its own: they run at once)
+        for stale in out.glob(f"shard-r{rank:03d}-*.jsonl.tmp"):
+            stale.unlink(missing_ok=True)
         self.prefix = f"shard-r{rank:03d}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
         self.pending: List[dict] = []
         self.count = 0

@@ -124,6 +124,23 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
         regenerate(config(tiny_target_dir, data, tmp_path / "o", temperature=0.5), real, log=lambda m: None)
 
 
+def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks(tiny_target_dir, tiny_data,
+                                                                                  tmp_path):
+    """A SIGKILL between a shard's temp write and its rename leaves `<shard>.jsonl.tmp` (never a
+    shard); the rerun of that rank removes it. Another rank's temp file may be its live write."""
+    data = source(tmp_path, prompts_from(tiny_data, 2))
+    out = tmp_path / "o"
+    out.mkdir()
+    ours = out / "shard-r000-20260101000000-abcdef-00003.jsonl.tmp"
+    theirs = out / "shard-r001-20260101000000-fedcba-00000.jsonl.tmp"
+    for stale in (ours, theirs):
+        stale.write_text('{"id": "half a row')
+    cfg = config(tiny_target_dir, data, out)
+    summary = regenerate(cfg, HFBackend.load(tiny_target_dir, cfg.sampling(), 4), log=lambda m: None,
+                         progress_bar=False)
+    assert summary["rows"] == 2 and not ours.exists() and theirs.exists()
+
+
 def test_ranks_share_the_rows_and_write_what_one_process_writes(tiny_target_dir, tiny_data, tmp_path, monkeypatch):
     """Under torchrun each rank (RANK / WORLD_SIZE) takes the rows its id hashes to: two ranks into
     one directory write every row exactly once, the same answers one process writes (seeds come
