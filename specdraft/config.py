@@ -270,20 +270,13 @@ def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
     return list(dict.fromkeys(files))
 
 
-# Draft keys added after checkpoints were being written, with their defaults: a run at the default
-# hashes as it did before the key existed.
-KEYS_ADDED_LATER = {"attention_bias": None}
-
-
 def config_hash(cfg: DictConfig) -> str:
     """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
     identified by its content, see target.weights.target_identity, not by its path.)"""
     draft = own_draft_keys(cfg)
     draft.pop("init_from", None)  # where a run started, not what it trains: resume ignores it
     draft.pop("gradient_checkpointing", None)  # memory, not the draft: a resume may switch it
-    for key, default in KEYS_ADDED_LATER.items():  # checkpoints saved before the key still resume
-        if draft.get(key, default) == default:
-            draft.pop(key, None)
+    draft = draft_family(cfg.draft.type).identity_options(draft, _target_config_if_readable(cfg.target))
     identity = {
         "draft": draft,
         "max_seq_length": cfg.max_seq_length,

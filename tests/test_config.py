@@ -1,5 +1,6 @@
 """Config mistakes: one line on stderr naming the key, exit code 2, nothing written."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -152,20 +153,29 @@ def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tm
     assert load_config(str(tmp_path / "saved.yaml")).draft.max_lag == 2
 
 
-def test_a_key_added_later_at_its_default_keeps_older_checkpoints_resumable(valid_config):
-    """GLIDE's draft.attention_bias came after GLIDE checkpoints existed: at its default the hash
-    is the one a config without the key had; set, it is part of the identity. Gradient
-    checkpointing changes memory, not the draft: never part of it."""
+@pytest.mark.parametrize("model_type, biased", [("llama", False), ("qwen2", True)])
+def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_same_draft(
+        valid_config, model_type, biased):
+    """GLIDE's draft.attention_bias came after GLIDE checkpoints existed, all without biases. Its
+    default resolves against the target: without biases (a Llama target) the hash is the one a
+    config without the key had, so those slots resume; with biases (Qwen2) it is another draft,
+    and such a slot is refused. Gradient checkpointing changes memory only: never part of it."""
     from omegaconf import OmegaConf
 
     from specdraft.config import config_hash
 
+    target = valid_config.parent / "target"
+    (target / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64,
+                                                    "num_attention_heads": 4, "num_hidden_layers": 2}))
     cfg = load_config(str(valid_config))
     now = config_hash(cfg)
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     del older.draft["attention_bias"]  # a config written before the key existed
-    assert config_hash(older) == now
-    cfg.draft.attention_bias = True
+    with pytest.MonkeyPatch.context() as patch:  # its hash then: the draft's keys as they were
+        patch.setattr("specdraft.drafts.glide.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
+        before_the_key = config_hash(older)
+    assert (now == before_the_key) is not biased
+    cfg.draft.attention_bias = not biased  # set against the target's default: another draft
     assert config_hash(cfg) != now
     valid_config.write_text(valid_config.read_text().replace("  max_lag: 3\n", "  type: eagle3\n"))
     eagle3 = load_config(str(valid_config))

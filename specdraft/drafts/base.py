@@ -220,6 +220,13 @@ class Draft(nn.Module, ABC):
         the target directory has no readable config yet (checked again at training start)."""
 
     @classmethod
+    def identity_options(cls, options: Dict[str, Any], target_config: Optional[Any]) -> Dict[str, Any]:
+        """The family's `draft.` keys as they identify a checkpoint (config_hash): a family resolves
+        here a default that depends on the target, or drops a key added later at the value that
+        checkpoints written before it had in effect (so those still resume)."""
+        return options
+
+    @classmethod
     @abstractmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Draft":
         """A new draft sized from the target's transformers config and our `draft.` settings.

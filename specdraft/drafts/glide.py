@@ -112,6 +112,19 @@ class GlideDraft(Draft):
     file_formats = {"longspec": FileFormat(longspec_state_dict)}
     tensor_keys = (("*_proj.bias", "draft.attention_bias"), ("norm.weight", "draft.final_norm"))
 
+    @classmethod
+    def identity_options(cls, options, target_config):
+        # attention_bias came after GLIDE checkpoints existed, all of them without biases: resolved
+        # against the target, a draft without biases hashes as before the key (and resumes them);
+        # one with biases (a Qwen2 target's default) does not pass for one of those
+        options = dict(options)
+        bias = options.pop("attention_bias", None)
+        if bias is None and target_config is not None:
+            bias = target_attention_bias(target_config)
+        if bias:
+            options["attention_bias"] = True
+        return options
+
     def __init__(self, dims: GlideDims, objective: Objective = CE):
         super().__init__()
         self.dims = dims
