@@ -49,6 +49,15 @@ class FileFormat:
     implied: Callable[["Draft"], Dict[str, torch.Tensor]] = lambda draft: {}
 
 
+def config_fields(fields: Dict[str, str]) -> Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]:
+    """A FileFormat.settings that reads {config.json field: the draft key it records}."""
+    def settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        config = config or {}
+        return {key: config[field] for field, key in fields.items() if field in config}
+
+    return settings
+
+
 class DraftLoss(NamedTuple):
     """What a training step returns. A NamedTuple, not a dataclass: ZeRO-3 finds the tensors of a
     module's output only in tuples, lists and dicts, and through them re-gathers in backward the

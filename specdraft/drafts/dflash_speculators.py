@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 from transformers import AutoConfig
 
-from specdraft.drafts.base import FileFormat, uncapturable_layer
+from specdraft.drafts.base import FileFormat, config_fields, uncapturable_layer
 from specdraft.errors import SpecdraftError
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format is written (and tested) for
@@ -49,19 +49,12 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
     return {k: v for k, v in state_dict.items() if k not in NOT_EXPORTED}
 
 
-def speculators_settings(config: Optional[dict], fields: Dict[str, str] = SPECULATORS_SETTINGS) -> dict:
-    """{draft key: value} that a speculators config.json records (an import checks them)."""
-    config = config or {}
-    return {key: config[field] for field, key in fields.items() if field in config}
-
-
 def speculators_implied(draft) -> Dict[str, torch.Tensor]:
     """speculators embeds MASK as the verifier's row alone: our mask_delta is zero."""
     return {"mask_delta": torch.zeros(draft.dims.hidden_size)}
 
 
-FILE_FORMAT = FileFormat(lambda draft, state: speculators_state_dict(draft, state), speculators_settings,
-                         speculators_implied)
+FILE_FORMAT = FileFormat(speculators_state_dict, config_fields(SPECULATORS_SETTINGS), speculators_implied)
 
 
 def transformer_layer_config(draft, target_config) -> dict:

@@ -32,8 +32,8 @@ def keep_nodes(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
         if parent >= 0 and not keep[parent]:
             keep[i] = False
     index = keep.nonzero().flatten()
-    new_id = torch.full((len(tree),), -1, dtype=torch.long)
-    new_id[index] = torch.arange(index.numel())
+    new_id = torch.full((len(tree),), -1, dtype=torch.long, device=index.device)
+    new_id[index] = torch.arange(index.numel(), device=index.device)
     parents = tree.parents[index]
     parents = torch.where(parents >= 0, new_id[parents.clamp_min(0)], parents)
     return DraftTree(tree.tokens[index], parents, None if tree.q is None else tree.q[index],

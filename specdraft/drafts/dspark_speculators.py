@@ -17,14 +17,13 @@ import functools
 import torch
 
 from specdraft.drafts import dflash_speculators
-from specdraft.drafts.base import FileFormat
+from specdraft.drafts.base import FileFormat, config_fields
 
 
 # speculators' config field -> the draft key it records, besides DFlash's (read back by an import)
 HEAD_SETTINGS = {"markov_head_type": "markov_head_type", "confidence_head_with_markov": "confidence_with_markov"}
 FILE_FORMAT = FileFormat(dflash_speculators.FILE_FORMAT.state_dict,
-                         functools.partial(dflash_speculators.speculators_settings,
-                                           fields={**dflash_speculators.SPECULATORS_SETTINGS, **HEAD_SETTINGS}),
+                         config_fields({**dflash_speculators.SPECULATORS_SETTINGS, **HEAD_SETTINGS}),
                          dflash_speculators.FILE_FORMAT.implied)
 
 

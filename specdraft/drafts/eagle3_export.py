@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from safetensors.torch import save_file
 
-from specdraft.drafts.base import FileFormat, uncapturable_layer
+from specdraft.drafts.base import FileFormat, config_fields, uncapturable_layer
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
@@ -114,11 +114,6 @@ def sglang_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     return {} if ids is None else {"target_layers": [int(i) + 1 for i in ids]}
 
 
-def speculators_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    config = config or {}
-    return {key: config[field] for field, key in SPECULATORS_SETTINGS.items() if field in config}
-
-
 def speculators_implied(draft) -> Dict[str, torch.Tensor]:
     """With the whole target vocab speculators has no d2t / t2d: the identity maps."""
     d = draft.dims
@@ -128,8 +123,8 @@ def speculators_implied(draft) -> Dict[str, torch.Tensor]:
 
 
 FILE_FORMATS = {
-    "speculators": FileFormat(lambda draft, state: speculators_state_dict(draft, state), speculators_settings,
-                              speculators_implied),
+    "speculators": FileFormat(lambda draft, state: speculators_state_dict(draft, state),  # defined below
+                              config_fields(SPECULATORS_SETTINGS), speculators_implied),
     # SGLang's layout is the official EAGLE-3 releases' (midlayer.*, .bin or safetensors)
     "sglang": FileFormat(lambda draft, state: sglang_state_dict(state), sglang_settings),
 }

@@ -119,9 +119,9 @@ class GlideDraft(Draft):
         # one with biases (a Qwen2 target's default) does not pass for one of those
         options = dict(options)
         bias = options.pop("attention_bias", None)
-        if bias is None and target_config is not None:
-            bias = target_attention_bias(target_config)
-        if bias:
+        if bias is None and target_config is None:  # not readable yet: the key at its default
+            return options
+        if resolved_attention_bias(bias, target_config):
             options["attention_bias"] = True
         return options
 
@@ -159,8 +159,7 @@ class GlideDraft(Draft):
             max_sink_tokens=int(draft_cfg.max_sink_tokens),
             max_position_offset=int(draft_cfg.max_position_offset),
             # .get: a draft config written before the key existed means the default (the target's)
-            attention_bias=target_attention_bias(target_config) if draft_cfg.get("attention_bias") is None
-            else bool(draft_cfg.attention_bias),
+            attention_bias=resolved_attention_bias(draft_cfg.get("attention_bias"), target_config),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
@@ -255,6 +254,11 @@ class GlideDraft(Draft):
         correct = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
         return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=correct,
                          metrics=term_metrics(out.terms, tokens, answers))
+
+
+def resolved_attention_bias(value: Optional[bool], target_config) -> bool:
+    """draft.attention_bias as the draft is built: None follows the target."""
+    return target_attention_bias(target_config) if value is None else bool(value)
 
 
 def target_attention_bias(target_config) -> bool:
