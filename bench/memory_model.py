@@ -154,6 +154,18 @@ def measure(spec: dict) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
 
 
+def measured_cells(spec: dict, predicted: float, worst: dict) -> str:
+    """The table cells of one shape, measured warm and cold (MiB, error vs predicted); keeps each
+    kind's largest |error| in `worst`."""
+    cells = ""
+    for kind in ("warm", "cold"):
+        measured = measure(dict(spec, warm=kind == "warm"))
+        error = measured / predicted - 1
+        worst[kind] = max(worst[kind], abs(error))
+        cells += f" {measured / 2**20:8.0f} {error:+7.1%}"
+    return cells
+
+
 def check_families(seqs, only=None) -> None:
     """Each (family, T) measured twice, each in a fresh process: cold (the first step's one-off
     host costs included, as before) and warm (after a warm-up step; see measure_child). The goal
@@ -168,12 +180,7 @@ def check_families(seqs, only=None) -> None:
         for seq in seqs:
             spec = dict(FAMILY_SHAPE, seq=seq, family=family)
             estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
-            cells = ""
-            for kind in ("warm", "cold"):
-                measured = measure(dict(spec, warm=kind == "warm"))
-                error = measured / estimate.total - 1
-                worst[kind] = max(worst[kind], abs(error))
-                cells += f" {measured / 2**20:8.0f} {error:+7.1%}"
+            cells = measured_cells(spec, estimate.total, worst)
             parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in estimate.parts.items() if "weights" not in k
                               and "optimizer" not in k and "grads" not in k)
             print(f"{family:<8} {seq:>5} {estimate.total / 2**20:13.0f}{cells}  {parts}", flush=True)
@@ -234,12 +241,7 @@ def main() -> None:
         for spec in CHECKS:
             estimate = estimate_peak(llama_config(spec), run_config(spec), world_size=1, documents=False)
             predicted = estimate.total
-            cells = ""
-            for kind in ("warm", "cold"):
-                measured = measure(dict(spec, warm=kind == "warm"))
-                error = measured / predicted - 1
-                worst[kind] = max(worst[kind], abs(error))
-                cells += f" {measured / 2**20:8.0f} {error:+7.1%}"
+            cells = measured_cells(spec, predicted, worst)
             dims = f"{spec['layers']}x{spec['hidden']}, {spec['vocab']}"
             shape = f"{spec['batch']}x{spec['seq']}"
             print(f"{spec['name']:<11} {dims:>14} {shape:>8} {spec['zero']:>4} {predicted / 2**20:13.0f}{cells}",
