@@ -50,7 +50,16 @@ def train_run(target_dir, data_dir, root: Path, name: str, **extra):
                  log=lambda *a: None)
 
 
-def torchrun(script: Path, *args, port: int, timeout=240):
+def free_port() -> int:
+    """A port nobody listens on now: fixed ports collide when two suites run on one machine."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: Path, *args, timeout=240):
     """Run a script on 2 CPU ranks (gloo); returns the CompletedProcess."""
     import subprocess
 
@@ -58,7 +67,7 @@ def torchrun(script: Path, *args, port: int, timeout=240):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import (MOMENTS, REPO, capturing_save, run_overrides, state_file, torchrun, universal_optimizer_state,
-                     write_chat_files)
+from helpers import (MOMENTS, REPO, capturing_save, free_port, run_overrides, state_file, torchrun,
+                     universal_optimizer_state, write_chat_files)
 from specdraft.config import load_config
 from specdraft.run import universal_dir
 from specdraft.train import checkpoint, slots
@@ -62,7 +62,7 @@ def one_rank_runs(tiny_target_dir, dist_work, dist_data):
 @pytest.fixture(scope="module")
 def two_rank_results(tiny_target_dir, dist_work, dist_data, one_rank_runs):
     out = dist_work / "results.json"
-    proc = torchrun(REPO / "tests" / "dist_script.py", tiny_target_dir, dist_data, dist_work, out, port=29611,
+    proc = torchrun(REPO / "tests" / "dist_script.py", tiny_target_dir, dist_data, dist_work, out,
                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -180,7 +180,7 @@ def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_w
     launcher = Path(sys.executable).parent / "deepspeed"
     args = run_overrides(tiny_target_dir, dist_data, out, dist_work / "cache", max_steps=2, save_steps=2,
                          per_device_batch_size=2)
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", "29631", "--module", "specdraft",
+    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "specdraft",
                            "train", str(REPO / "configs" / "demo.yaml"), *args, "eval_prompts=null"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -191,7 +191,7 @@ def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_w
 def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused(tiny_target_dir, dist_work,
                                                                                  dist_data):
     out = dist_work / "failures.json"
-    proc = torchrun(REPO / "tests" / "failure_script.py", tiny_target_dir, dist_data, dist_work, out, port=29651,
+    proc = torchrun(REPO / "tests" / "failure_script.py", tiny_target_dir, dist_data, dist_work, out,
                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

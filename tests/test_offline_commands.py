@@ -42,7 +42,7 @@ def work(tmp_path_factory):
 def runs(served_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
-    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out, port=29637,
+    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out,
                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
