@@ -4,8 +4,9 @@ fingerprint of its weights that proves a load brought the draft back."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -13,15 +14,49 @@ from specdraft.errors import SpecdraftError
 from specdraft.run import FROZEN_FILE
 
 
-def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
-    """Per-tensor (sum, sum of squares) of the draft's weights. Saved with each slot and compared
-    after a load: proof that the draft came back."""
-    return {name: [float(t.double().sum()), float(t.double().pow(2).sum())] for name, t in weights.items()}
+FINGERPRINT_KEY = "draft_sha256"  # in COMMITTED; slots saved before it carry LEGACY_KEY
+LEGACY_KEY = "draft_fingerprint"
+
+
+def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """Per tensor: sha256 of its dtype, shape and bytes. Saved with each slot and compared after a
+    load: proof that the draft came back bit for bit, whatever the thread count, world size or
+    ZeRO stage of the saving and the loading run (a float sum's last bits depend on how many
+    threads reduced it, so sums refused right resumes)."""
+    return {name: tensor_sha256(t) for name, t in weights.items()}
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{flat.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def check_fingerprint(slot_dir: Path, weights: dict, record: dict) -> None:
-    if draft_fingerprint(weights) != record["draft_fingerprint"]:
-        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones")
+    if FINGERPRINT_KEY in record:
+        saved, now = record[FINGERPRINT_KEY], draft_fingerprint(weights)
+        differ = sorted(set(saved) ^ set(now)) or [name for name in sorted(now) if now[name] != saved[name]]
+    else:
+        differ = _legacy_differences(weights, record[LEGACY_KEY])
+    if differ:
+        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones ({differ[0]} differs)")
+
+
+def _legacy_differences(weights: Dict[str, torch.Tensor], saved: Dict[str, list]) -> list:
+    """Slots saved before the sha256s carry (sum, sum of squares) per tensor, whose last bits
+    depend on the summing thread count: equal within twice the rounding bound of a sum of n
+    doubles in any order, n * eps * sum(|x|) (and sum(x^2) for the squares)."""
+    if set(saved) != set(weights):
+        return sorted(set(saved) ^ set(weights))
+    differ = []
+    for name, tensor in sorted(weights.items()):
+        x = tensor.double()
+        now, bounds = (x.sum(), x.pow(2).sum()), (x.abs().sum(), x.pow(2).sum())
+        slack = 2 * x.numel() * torch.finfo(torch.float64).eps
+        if any(abs(float(a) - b) > slack * float(bound) for a, b, bound in zip(now, saved[name], bounds)):
+            differ.append(name)
+    return differ
 
 
 def frozen_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
