@@ -74,4 +74,6 @@ class StopSignals:
 
 
 def _say(line: str) -> None:
-    os.write(2, (line + "\n").encode())  # not print(): the handler may run inside a print of the main thread
+    # not print(): the handler may run inside a print of the main thread. The newline first ends a
+    # progress bar's line, which would otherwise be drawn over this one.
+    os.write(2, f"\n{line}\n".encode())
