@@ -16,6 +16,7 @@ from specdraft.demo.presets import PRESETS  # a light module: --help stays insta
 from specdraft.errors import SpecdraftError
 
 EXIT_USER_ERROR = 2
+EXIT_ROWS_FAILED = 1  # regenerate: rows the servers did not answer (rerun to retry them)
 
 
 def _cmd_train(args) -> int:
@@ -88,9 +89,10 @@ def _cmd_regenerate(args) -> int:
                   temperature=args.temperature, top_p=args.top_p, samples=args.samples,
                   max_new_tokens=args.max_new_tokens, max_length=args.max_length, thinking=thinking,
                   seed=args.seed, batch_size=args.batch_size, concurrency=args.concurrency, model=args.model,
-                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard)
-    regenerate(load_regenerate_config(args.config, values))
-    return 0
+                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard,
+                  timeout=args.timeout)
+    summary = regenerate(load_regenerate_config(args.config, values))
+    return EXIT_ROWS_FAILED if summary["failed"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default=None, help="openai: base URLs, comma separated (round robin)")
     p.add_argument("--concurrency", type=int, default=None, help="openai: requests in flight (default 8)")
     p.add_argument("--model", default=None, help="openai: the served model's name")
+    p.add_argument("--timeout", type=float, default=None, help="openai: seconds per request (default 600)")
     p.add_argument("--rows-per-shard", type=int, default=None, help="default 1000")
     p.set_defaults(run=_cmd_regenerate)
     return parser
