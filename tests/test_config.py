@@ -172,7 +172,7 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     del older.draft["attention_bias"]  # a config written before the key existed
     with pytest.MonkeyPatch.context() as patch:  # its hash then: the draft's keys as they were
-        patch.setattr("specdraft.drafts.glide.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
+        patch.setattr("specdraft.drafts.glide.model.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
         before_the_key = config_hash(older)
     assert (now == before_the_key) is not biased
     cfg.draft.attention_bias = not biased  # set against the target's default: another draft

@@ -23,8 +23,8 @@ from specdraft.decode.cache import cache_length, forward, keep_positions, new_ca
 from specdraft.decode.sampling import probabilities, sample_from
 from specdraft.decode.tree import DraftTree, accept_path, chain, chain_tv, verification_inputs
 from specdraft.drafts import FAMILIES, DraftConfig, build_draft
-from specdraft.drafts.glide import GlideDraft
-from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
+from specdraft.drafts.glide.model import GlideDraft
+from specdraft.drafts.glide.decode import GlideDrafter, SlidingWindowCache
 from specdraft.errors import SpecdraftError
 
 torch.set_num_threads(1)
