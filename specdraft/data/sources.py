@@ -23,6 +23,16 @@ ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt"
 Message = Dict[str, Any]  # role, content, and optionally token_ids (assistant turns)
 
 
+class SkippedRow(SpecdraftError):
+    """A row with nothing to learn (no assistant turn, a template that refuses it, empty answers):
+    skipped and counted by `reason` when building training data, unless data_strict."""
+
+    def __init__(self, where: str, reason: str, detail: str = ""):
+        super().__init__(f"{where}: {detail or reason}")
+        self.where = where
+        self.reason = reason
+
+
 def iter_conversations(files: List[str]) -> Iterator[Tuple[str, List[Message]]]:
     """Yield (where, messages) with where = "file:line" (jsonl) or "file: row N" (parquet)."""
     for where, record in iter_records(files):
@@ -99,5 +109,5 @@ def normalise_conversation(record, where: str, require_answer: bool = True) -> L
             message["token_ids"] = ids
         messages.append(message)
     if require_answer and not any(m["role"] == "assistant" for m in messages):
-        raise SpecdraftError(f"{where}: no assistant turn (nothing to learn from)")
+        raise SkippedRow(where, "no assistant turn", "no assistant turn (nothing to learn from)")
     return messages
