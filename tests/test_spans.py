@@ -112,18 +112,19 @@ def test_space_before_the_answer_the_token_holding_its_first_character_is_traine
 
 
 def test_tokens_straddling_the_answers_borders_are_trained(tokenizers):
-    # ChatML: "\n" + answer; an answer ending in spaces meets the template's text only at a special
-    # token, so build a straddle by hand: the Llama-2 space merges with the first letter (covered above),
-    # and an answer whose last character merges with the template's text after it:
-    tokenizer = template_tokenizer_with(tokenizers["qwen2_5"], "{% for m in messages %}{{ m['role'] + ':' + m['content'] + 'x\\n' }}{% endfor %}")
-    messages = conv("q", "ab")
+    # a template that glues letters to both sides of the answer: BPE merges across its borders
+    tokenizer = template_tokenizer_with(tokenizers["qwen2_5"],
+                                        "{% for m in messages %}{{ m['role'] + ':r' + m['content'] + 'ng.' }}{% endfor %}")
+    messages = conv("q", "ead thi")  # rendered ":read thing.": 'read' and 'ing' cross the borders
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    ids, mask = tokenize_conversation(tokenizer, messages, "x")
     (span,) = assistant_spans(tokenizer, messages, "x")
-    assert text[span.start:span.end] == "ab" and span.stop == span.end  # no special end-of-turn here
-    trained = [t for t, m in zip(ids, mask) if m]
-    assert "ab" in tokenizer.decode(trained)
-    assert all(m == 0 for t, m in zip(ids, mask) if "assistant" in tokenizer.decode([t]))
+    assert text[span.start:span.end] == "ead thi" and span.stop == span.end  # no end-of-turn token here
+    ids, mask = tokenize_conversation(tokenizer, messages, "x")
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    straddling = [j for j, (a, b) in enumerate(offsets) if a < span.start < b or a < span.end < b]
+    assert len(straddling) == 2  # one token across each border (the test's premise)
+    for j, (a, b) in enumerate(offsets):
+        assert mask[j] == int(a < span.end and b > span.start), (j, text[a:b])
 
 
 def template_tokenizer_with(tokenizer, template):
@@ -202,3 +203,16 @@ def test_random_conversations_train_exactly_the_rendered_answers(tokenizers, nam
         assert {t for t, m in zip(ids, mask) if m and t in end_ids} <= {eot} | in_answers
         checked += 1
     assert checked > 100 and skipped > 0
+
+
+@pytest.mark.parametrize("name", ["llama3_1", "gemma3", "qwen3"])
+def test_generated_ids_of_an_answer_the_template_rewrites_give_way_to_its_rendered_text(tokenizers, name):
+    # trim drops the padding, Qwen3 drops the reasoning of a history turn: the ids are not the text
+    # trained, so the rendered text is tokenised instead
+    tokenizer = tokenizers[name]
+    content = "  <think>\nhm\n</think>\n\nword  " if name != "qwen3" else "<think>\nhm\n</think>\n\nword"
+    messages = conv("q", content, "q2", "last")
+    messages[1]["token_ids"] = tokenizer(content, add_special_tokens=False)["input_ids"]
+    ids, mask = tokenize_conversation(tokenizer, messages, "x")
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert trained_runs(tokenizer, ids, mask) == expected_runs(name, messages)
