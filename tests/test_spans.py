@@ -37,6 +37,15 @@ def assert_runs(name, got, expected):
     assert got == expected
 
 
+def checked_runs(name, tokenizer, messages):
+    """The trained runs of `messages`, checked against what the template renders of each answer."""
+    ids, mask = tokenize_conversation(tokenizer, messages, "x")
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    got = trained_runs(tokenizer, ids, mask)
+    assert_runs(name, got, expected_runs(name, messages))
+    return got
+
+
 def conv(*turns, system=None):
     messages = [{"role": "system", "content": system}] if system else []
     return messages + [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
@@ -48,31 +57,20 @@ ROLE_WORDS = ["a", "end", "start", "assistant", "user", "model", "system", "im",
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 @pytest.mark.parametrize("answer", ROLE_WORDS)
 def test_answers_equal_to_header_words_are_found_in_their_own_turn(tokenizers, name, answer):
-    tokenizer = tokenizers[name]
-    messages = conv("start", answer, "assistant", answer, system="system")
-    ids, mask = tokenize_conversation(tokenizer, messages, "x")
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
-    assert_runs(name, trained_runs(tokenizer, ids, mask), expected_runs(name, messages))
+    checked_runs(name, tokenizers[name], conv("start", answer, "assistant", answer, system="system"))
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_whitespace_padded_answers_train_what_the_template_renders(tokenizers, name):
-    tokenizer = tokenizers[name]
-    messages = conv("q", "  padded answer \n", "q2", "\n\tx\n")
-    ids, mask = tokenize_conversation(tokenizer, messages, "x")
-    runs_ = trained_runs(tokenizer, ids, mask)
-    assert_runs(name, runs_, expected_runs(name, messages))
+    runs_ = checked_runs(name, tokenizers[name], conv("q", "  padded answer \n", "q2", "\n\tx\n"))
     if name in ("llama3_1", "gemma3", "llama2"):  # `| trim` / .strip(): the trimmed text is trained
         assert runs_[0].strip().startswith("padded answer") and "  padded" not in runs_[0]
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_think_blocks_follow_the_templates_history_rules(tokenizers, name):
-    tokenizer = tokenizers[name]
     messages = conv("q", "<think>\nfirst thought\n</think>\n\nfirst", "q2", "<think>\nlast thought\n</think>\n\nlast")
-    ids, mask = tokenize_conversation(tokenizer, messages, "x")
-    got = trained_runs(tokenizer, ids, mask)
-    assert_runs(name, got, expected_runs(name, messages))
+    got = checked_runs(name, tokenizers[name], messages)
     if name == "qwen3":  # history loses its reasoning; the last turn keeps its think block, opener included
         assert got == ["first<|im_end|>", "<think>\nlast thought\n</think>\n\nlast<|im_end|>"]
     if name == "deepseek_r1":  # every turn loses its reasoning, the newlines after </think> stay
@@ -213,6 +211,4 @@ def test_generated_ids_of_an_answer_the_template_rewrites_give_way_to_its_render
     content = "  <think>\nhm\n</think>\n\nword  " if name != "qwen3" else "<think>\nhm\n</think>\n\nword"
     messages = conv("q", content, "q2", "last")
     messages[1]["token_ids"] = tokenizer(content, add_special_tokens=False)["input_ids"]
-    ids, mask = tokenize_conversation(tokenizer, messages, "x")
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
-    assert trained_runs(tokenizer, ids, mask) == expected_runs(name, messages)
+    checked_runs(name, tokenizer, messages)
