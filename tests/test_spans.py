@@ -212,3 +212,16 @@ def test_generated_ids_of_an_answer_the_template_rewrites_give_way_to_its_render
     messages = conv("q", content, "q2", "last")
     messages[1]["token_ids"] = tokenizer(content, add_special_tokens=False)["input_ids"]
     checked_runs(name, tokenizer, messages)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "llama2"])
+def test_a_truncated_answer_is_trained_without_its_end_of_turn(tokenizers, tmp_path, name):
+    from specdraft.data.sources import iter_conversations
+
+    tokenizer = tokenizers[name]
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "cut he", '
+                    '"truncated": true}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "whole"}]}\n')
+    (where, messages), = iter_conversations([str(path)])
+    ids, mask = tokenize_conversation(tokenizer, messages, where)
+    assert_runs(name, trained_runs(tokenizer, ids, mask), ["cut he", "whole" + TEMPLATES[name][1]])

@@ -12,7 +12,8 @@ When the two renders part before the marker, the template renders part of the co
 span then starts at the end of the generation prompt, where the target starts writing.
 
 The mask covers the tokens that overlap each answer plus its end-of-turn (the first special
-token after it, when only whitespace lies between), nothing else. An assistant turn that carries
+token after it, when only whitespace lies between; none for a turn marked "truncated", an answer
+cut at its token budget), nothing else. An assistant turn that carries
 `token_ids` (what the target generated, from `specdraft regenerate`) contributes exactly those ids
 in place of its text, where the template rendered its content unchanged.
 """
@@ -111,7 +112,8 @@ def assistant_spans(tokenizer, messages: List[Message], where: str, thinking: Op
         ids = message.get("token_ids")
         if ids is not None and text[start:end] != message["content"]:
             ids = None  # the template rewrote the answer (trim, think dropped): its text is trained instead
-        spans.append(Span(start, end, _end_of_turn(text, end, stops), ids))
+        stop = end if message.get("truncated") else _end_of_turn(text, end, stops)  # cut short: no end learnt
+        spans.append(Span(start, end, stop, ids))
     return spans
 
 

@@ -5,7 +5,8 @@ Accepted record shapes (one conversation per line / row):
     {"messages": [...same...]}
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}   (ShareGPT)
 An assistant turn may carry "token_ids" (the ids the target generated, from `specdraft
-regenerate`); training then uses those ids for its text. `specdraft regenerate` also reads rows
+regenerate`); training then uses those ids for its text. "truncated": true marks an answer cut at
+its token budget: it is trained without the end-of-turn the template renders after it. `specdraft regenerate` also reads rows
 that hold only prompts: {"prompt": "..."} or a conversation without assistant turns.
 """
 
@@ -107,6 +108,8 @@ def normalise_conversation(record, where: str, require_answer: bool = True) -> L
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise SpecdraftError(f"{where}: turn {i} has 'token_ids' that are not a list of token ids")
             message["token_ids"] = ids
+        if turn.get("truncated") is True and role == "assistant":
+            message["truncated"] = True  # cut at the token budget: its end-of-turn is not trained
         messages.append(message)
     if require_answer and not any(m["role"] == "assistant" for m in messages):
         raise SkippedRow(where, "no assistant turn", "no assistant turn (nothing to learn from)")
