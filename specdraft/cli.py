@@ -1,4 +1,4 @@
-"""`specdraft train|demo|inspect|export|consolidate|eval|regenerate`.
+"""`specdraft train|data|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -24,6 +24,14 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from specdraft.config import load_config
+    from specdraft.data_report import data_report
+
+    data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
     return 0
 
 
@@ -111,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
+
+    p = commands.add_parser("data", help="tokenise the training data as train would and report what is "
+                                         "trained: CONFIG.yaml [key=value ...]")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print N conversations with the trained tokens highlighted")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per row: source, tokens, trained, trained_text")
+    p.set_defaults(run=_cmd_data)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))

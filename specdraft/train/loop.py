@@ -18,10 +18,9 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.config import resolve_data_files, save_config
-from specdraft.data.packing import PackedData, build_packed_cache, cache_key, open_packed_cache
+from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, HostBatch, build_draft
-from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target
 from specdraft.run import config_file, export_dir
 from specdraft.train.checkpoint import CheckpointManager
@@ -238,12 +237,12 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
 def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
     files = resolve_data_files(cfg.data_files)
-    root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else specdraft_home() / "data"
-    cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length, cfg.thinking)
+    cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
     error = None
     if rank == 0:
         try:
-            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking)
+            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
+                               strict=cfg.data_strict)
         except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
             error = err
     failed = any_rank(error is not None)

@@ -728,7 +728,55 @@ DOCUMENTS: List[Mutation] = [
              DOCUMENT_TESTS, "on CUDA, a packed block attends to the conversations before its own"),
 ]
 
+CHAT_PY = "specdraft/data/chat.py"
+PACKING_PY = "specdraft/data/packing.py"
+SPANS = "tests/test_spans.py"
+DATA_COMMAND = "tests/test_data_command.py"
+DATA_SPANS: List[Mutation] = [
+    Mutation("spans/no-reach-back-to-the-prompt", CHAT_PY,
+             "        if shared < at:", "        if False:", (SPANS,),
+             "Qwen3's last turn trained without the <think>\\n that opens its reasoning"),
+    Mutation("spans/no-end-of-turn", CHAT_PY,
+             "            return j + len(token)", "            return end", (SPANS,),
+             "the end-of-turn token is not trained: the draft never learns to end a turn"),
+    Mutation("spans/end-of-turn-only-when-adjacent", CHAT_PY,
+             "    while j < len(text) and text[j].isspace():", "    while False:", (SPANS,),
+             "Llama-2's ' ' + eos_token: its eos is not trained"),
+    Mutation("spans/only-tokens-inside-the-answer", CHAT_PY,
+             "return (a < stop and b > start) if b > a else start <= a < stop",
+             "return (a >= start and b <= stop) if b > a else start <= a < stop", (SPANS,),
+             "the token holding the answer's first character (' ' + content) is not trained"),
+    Mutation("spans/header-tokens-trained", CHAT_PY,
+             "return (a < stop and b > start) if b > a else start <= a < stop",
+             "return (a < stop and b > start - 2) if b > a else start - 2 <= a < stop", (SPANS,),
+             "the tokens just before the answer (the header's tail) are trained"),
+    Mutation("spans/ids-used-when-the-template-rewrote-the-answer", CHAT_PY,
+             'if ids is not None and text[start:end] != message["content"]:', "if False:", (SPANS,),
+             "generated ids of the untrimmed answer spliced where the template rendered the trimmed one"),
+    Mutation("spans/whitespace-answers-trained", CHAT_PY,
+             "if text[s.start:s.end].strip()]", "if s.end > s.start]", (SPANS, DATA_COMMAND),
+             "an answer that renders as whitespace is trained (and its row not skipped)"),
+    Mutation("spans/prefix-search-short", CHAT_PY,
+             "            hi = mid - 1\n    return lo\n\n\ndef _common_suffix",
+             "            hi = mid - 2\n    return lo\n\n\ndef _common_suffix", (SPANS,),
+             "the shared prefix of the two renders found short: the answer starts inside its header"),
+    Mutation("spans/suffix-search-short", CHAT_PY,
+             "        if a[len(a) - mid:] == b[len(b) - mid:]:", "        if a[len(a) - mid - 1:] == b[len(b) - mid - 1:]:",
+             (SPANS,), "the shared suffix found one character short: the answer ends one character late"),
+    Mutation("spans/truncated-answer-ends-its-turn", CHAT_PY,
+             'stop = end if message.get("truncated") else', "stop = end if False else", (SPANS,),
+             "an answer cut at its token budget is trained with an end-of-turn: the draft learns to stop mid-sentence"),
+    Mutation("data/strict-skips-anyway", PACKING_PY,
+             "                if strict:\n                    raise", "                if False:\n                    raise",
+             (f"{DATA_COMMAND}::test_data_strict_refuses_the_first_row_with_nothing_to_learn",),
+             "data_strict: true no longer refuses a row with nothing to learn"),
+    Mutation("data/skipped-rows-unnamed", PACKING_PY,
+             "                rows.write(json.dumps({\"source\": where, \"skipped\": skip.reason}) + \"\\n\")",
+             "                pass", (DATA_COMMAND,), "--json loses the skipped rows and every later row's source"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
+    "data-spans": DATA_SPANS,
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
     "decoding": DECODING,
