@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, write_error, write_failure
 
 EXIT_USER_ERROR = 2
 
@@ -195,11 +195,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.run(args)
     except SpecdraftError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank hits the same mistake: say it once
-            print(f"specdraft: error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error_line(str(err))
     except KeyboardInterrupt:
         return 130
+    except Exception as err:  # a failed write (full disk, read-only, immutable): its path and the OS's reason
+        if write_failure(err) is None:
+            raise  # a bug: the traceback is what we need
+        return _error_line(str(write_error(err)))
+
+
+def _error_line(message: str) -> int:
+    """Every rank hits the same mistake (under torchrun / deepspeed): rank 0 says it, all exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"specdraft: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

@@ -1,0 +1,322 @@
+"""Nothing a user owns is ever lost (issue 30, items 1, 2, 5, 7): each refusal or failure is exit
+code 2, one line on stderr, and every file that was there before is byte-identical afterwards.
+
+The CLI runs in-process (specdraft.cli.main); refusals happen before the target is loaded (the
+loader is made to fail loudly if it is reached)."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run_overrides, torchrun, train_run
+from specdraft.cli import main
+from specdraft.run import COMMITTED, MARKER, committed_slots
+
+IMMUTABLE_NOTE = "root ignores permission bits: chattr +i makes the directory refuse writes instead"
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def tree(*roots) -> dict:
+    """sha256 of every file (and the name of every directory) under each root."""
+    found = {}
+    for root in map(Path, roots):
+        if root.is_file():
+            found[str(root)] = hashlib.sha256(root.read_bytes()).hexdigest()
+            continue
+        for path in sorted(root.rglob("*")):
+            found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+    return found
+
+
+def refused(capsys, argv, line, *roots, code=2):
+    """Run the CLI; assert the exit code, one stderr line holding `line`, and nothing under roots changed."""
+    before = tree(*roots)
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == code
+    err = capsys.readouterr().err  # `demo` logs its asset cache lines first
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and [l for l in lines if "error" in l.lower()] == lines[-1:], err
+    assert lines[-1].startswith("specdraft: error: ") and line in lines[-1], err
+    assert tree(*roots) == before
+    return lines[-1]
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Refusals must come before the target, the data or DeepSpeed's engine are touched."""
+    def reached(*args, **kwargs):
+        raise AssertionError("the target was loaded / the data tokenised before the refusal")
+
+    from specdraft.train import loop
+
+    for name in ("load_frozen_target", "prepare_data", "build_engine", "load_target_tokenizer"):
+        monkeypatch.setattr(loop, name, reached)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("userfiles")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_target_dir, data_dir, work):
+    """A finished 2-step run: ckpt/step_2 committed, step_2/ exported."""
+    train_run(tiny_target_dir, data_dir, work, "run", max_steps=2, save_steps=2)
+    return work / "run"
+
+
+def config_file(tmp_path, target, data_dir, out, cache, **extra) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text("".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}\n"
+                            for o in run_overrides(target, data_dir, out, cache, **extra)))
+    return path
+
+
+@pytest.fixture
+def user_dir(tmp_path):
+    """A folder of the user's own files."""
+    folder = tmp_path / "mine"
+    (folder / "notes").mkdir(parents=True)
+    (folder / "notes" / "todo.txt").write_text("keep me\n")
+    (folder / "config.yaml").write_text("not: ours\n")
+    (folder / "step_1").mkdir()
+    (folder / "step_1" / "weights.bin").write_bytes(os.urandom(64))
+    return folder
+
+
+# -- 1. never delete or replace what we did not write ------------------------------------------
+
+def test_export_refuses_a_users_folder_a_file_and_any_run(run_dir, user_dir, tmp_path, capsys):
+    refused(capsys, ["export", run_dir, "--out", user_dir],
+            f"--out {user_dir}: exists, is not empty and is not an export specdraft wrote (no {MARKER})",
+            user_dir, run_dir)
+    a_file = tmp_path / "draft.bin"
+    a_file.write_bytes(b"\x00" * 10)
+    refused(capsys, ["export", run_dir, "--out", a_file],
+            f"--out {a_file}: is a file, not a directory; specdraft never replaces it", a_file, run_dir)
+    assert not (tmp_path / "draft.bin.old").exists()
+    refused(capsys, ["export", run_dir, "--out", run_dir],
+            f"--out {run_dir}: is the specdraft run {run_dir.resolve()}", run_dir)
+    refused(capsys, ["export", run_dir, "--out", run_dir / "step_2"],
+            f"--out {run_dir / 'step_2'}: is inside the specdraft run {run_dir.resolve()}", run_dir)
+    refused(capsys, ["export", run_dir, "--out", run_dir / "new"],
+            f"--out {run_dir / 'new'}: is inside the specdraft run", run_dir)
+    assert not (run_dir / "new").exists()
+    refused(capsys, ["export", run_dir, "--out", run_dir.parent],
+            f"--out {run_dir.parent}: exists, is not empty and is not an export specdraft wrote (it holds the "
+            f"specdraft run", run_dir.parent)
+
+
+def test_export_replaces_only_its_own_earlier_export_whose_marker_names_run_and_step(run_dir, tmp_path, capsys):
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    marker = json.loads((out / MARKER).read_text())
+    assert (marker["kind"], marker["run"], marker["step"]) == ("export", str(run_dir.resolve()), 2)
+    first = tree(out)
+    (out / "model.safetensors").write_bytes(b"stale")  # replaced whole by the next export
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    assert tree(out) == first and not list(tmp_path.glob("exported.*"))  # no .old / .tmp left
+    # the run's own default, export_step_<N>, is inside the run and allowed
+    assert main(["export", str(run_dir)]) == 0 and (run_dir / "export_step_2" / MARKER).is_file()
+    # training's exports carry the marker too
+    assert json.loads((run_dir / "step_2" / MARKER).read_text())["step"] == 2
+    # an export of ours that someone trained a run inside is not replaced either
+    shutil.copytree(run_dir / "ckpt", out / "inner" / "ckpt")
+    refused(capsys, ["export", run_dir, "--out", out], f"--out {out}: holds the specdraft run {out / 'inner'}", out)
+
+
+def test_train_refuses_a_users_folder_before_loading_anything(tiny_target_dir, data_dir, user_dir, tmp_path,
+                                                             capsys, no_target_load):
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, user_dir, tmp_path / "cache")
+    refused(capsys, ["train", cfg], f"output_dir {user_dir}: exists, is not empty and is not a specdraft run "
+                                    f"(no {MARKER}); specdraft never writes into it", user_dir)
+
+
+def test_demo_refuses_a_users_folder(tiny_target_dir, user_dir, capsys, monkeypatch, no_target_load):
+    monkeypatch.setenv("SPECDRAFT_HOME", str(Path(tiny_target_dir).parents[1]))  # the tiny demo's cache
+    refused(capsys, ["demo", "--preset", "tiny", f"output_dir={user_dir}"],
+            f"output_dir {user_dir}: exists, is not empty and is not a specdraft run", user_dir)
+
+
+@pytest.fixture(scope="module")
+def other_run(tiny_target_dir, data_dir, work):
+    return train_run(tiny_target_dir, data_dir, work, "other", max_steps=1, save_steps=1).run_dir
+
+
+def test_resume_no_into_committed_checkpoints_is_refused_naming_the_newest(tiny_target_dir, data_dir, run_dir,
+                                                                          other_run, tmp_path, capsys,
+                                                                          no_target_load):
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=4)
+    refused(capsys, ["train", cfg, "resume=no"],
+            f"output_dir {run_dir}: holds committed checkpoints (newest {run_dir / 'ckpt' / 'step_2'}); resume=no "
+            f"would mix a new run into them: choose a new output_dir", run_dir)
+    other = other_run
+    refused(capsys, ["train", cfg, f"resume={other / 'ckpt' / 'step_1'}"],
+            f"output_dir {run_dir}: holds committed checkpoints of its own (newest {run_dir / 'ckpt' / 'step_2'}) "
+            f"that resuming {other / 'ckpt' / 'step_1'} would overwrite", run_dir, other)
+    refused(capsys, ["train", cfg, f"output_dir={run_dir / 'nested'}"],
+            f"output_dir {run_dir / 'nested'}: inside the specdraft run {run_dir.resolve()}", run_dir)
+
+
+def test_regenerate_refuses_a_users_folder_and_a_file(tiny_target_dir, tiny_data, user_dir, tmp_path, capsys):
+    prompts = tiny_data.prompts_file
+    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", user_dir],
+            f"--out {user_dir}: exists, is not empty and is not a `specdraft regenerate` output", user_dir)
+    a_file = tmp_path / "rows.jsonl"
+    a_file.write_text("{}\n")
+    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", a_file],
+            f"--out {a_file}: is a file, not a directory", a_file)
+
+
+def test_eval_plot_refuses_a_users_file_and_a_directory(run_dir, tiny_data, user_dir, capsys, monkeypatch):
+    import specdraft.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "load_frozen_target", lambda *a, **k: pytest.fail("target loaded"))
+    picture = user_dir / "notes" / "todo.txt"
+    refused(capsys, ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", picture],
+            f"--plot {picture}: the file exists and specdraft did not write it", user_dir)
+    refused(capsys, ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", user_dir],
+            f"--plot {user_dir}: is a directory", user_dir)
+
+
+def test_eval_plot_replaces_its_own_png(run_dir, tiny_data, tmp_path):
+    plot = tmp_path / "acc.png"
+    args = ["eval", str(run_dir), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "1",
+            "--max-new-tokens", "4", "--device", "cpu", "--plot", str(plot)]
+    assert main(args) == 0 and plot.is_file()
+    from specdraft.run import is_our_plot
+
+    assert is_our_plot(plot)
+    assert main(args) == 0  # ours: replaced
+
+
+def test_consolidate_into_a_run_whose_consolidated_is_a_file(run_dir, capsys):
+    blocker = run_dir / "consolidated"
+    blocker.write_text("a user's file")
+    try:
+        refused(capsys, ["consolidate", run_dir], f"{blocker / 'step_2'}: writing failed: Not a directory", run_dir)
+    finally:
+        blocker.unlink()
+
+
+# -- 2. write failures: one line, nothing lost -------------------------------------------------
+
+def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(tiny_target_dir, data_dir, tmp_path, capsys,
+                                                                 no_target_load):
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("mine")
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, a_file, tmp_path / "cache")
+    refused(capsys, ["train", cfg], f"output_dir {a_file}: is a file, not a directory", a_file)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "theirs.txt").write_text("x")
+    with unwritable(locked) as reason:
+        refused(capsys, ["train", cfg, f"output_dir={locked / 'run'}"],
+                f"{locked / 'run'}: preparing the output_dir failed: {reason}", locked)
+
+
+class unwritable:
+    """A directory that refuses writes: chattr +i as root (which ignores mode bits), chmod 555 else."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def __enter__(self):
+        if os.geteuid() == 0:
+            proc = subprocess.run(["chattr", "+i", str(self.path)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"chattr +i failed here ({proc.stderr.strip()}); {IMMUTABLE_NOTE}")
+            return "Operation not permitted"
+        self.path.chmod(0o555)
+        return "Permission denied"
+
+    def __exit__(self, *exc):
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(self.path)], check=True)
+        else:
+            self.path.chmod(0o755)
+
+
+def test_an_immutable_ckpt_dir_fails_at_start_and_the_run_resumes_once_writable(tiny_target_dir, data_dir,
+                                                                               tmp_path, capsys):
+    run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=2).run_dir
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=2)
+    with unwritable(run / "ckpt") as reason:
+        refused(capsys, ["train", cfg], f"{run / 'ckpt'}/.specdraft-write-check.tmp: preparing the output_dir "
+                                        f"failed: {reason}", run / "ckpt", run / "step_2")
+    assert main(["train", str(cfg)]) == 0  # resumes from step_2
+    assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
+
+
+def full_disk(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_target_dir, data_dir, tmp_path,
+                                                                        capsys, monkeypatch):
+    """ENOSPC on the config, the metrics log, a checkpoint file and the export: each one line naming
+    the path, exit 2, the committed slot and its export byte-identical, and the run resumes after."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    import specdraft.config
+    import specdraft.train.export
+    import specdraft.train.metrics
+
+    run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=2).run_dir
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=2)
+    kept = (run / "ckpt" / "step_2", run / "step_2")
+
+    def fail_on_write(path, *args, **kwargs):
+        raise full_disk(path)
+
+    class FullFile:  # metrics.jsonl on a full disk: opens, then every write fails
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            pass
+
+    real_save = TorchCheckpointEngine.save
+
+    def save(self, state_dict, path):  # the step-4 save's first file
+        if "step_4" in str(path):
+            raise full_disk(path)
+        return real_save(self, state_dict, path)
+
+    def export_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    cases = [
+        ("config", specdraft.config, "write_atomic", fail_on_write,
+         f"{run / 'config.yaml'}: writing failed: No space left on device"),
+        ("metrics", specdraft.train.metrics, "open", FullFile,
+         f"{run / 'metrics.jsonl'}: writing metrics failed: No space left on device"),
+        ("checkpoint", TorchCheckpointEngine, "save", save,
+         f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on device; this save is discarded, "
+         f"the committed slots (step_2) and the exports are untouched"),
+        ("export", specdraft.train.export, "publish_dir", export_full,
+         f"{run / 'step_4'}: writing the draft export failed (No space left on device)"),
+    ]
+    for name, owner, attr, replacement, line in cases:
+        with monkeypatch.context() as m:
+            m.setattr(owner, attr, replacement, raising=False)
+            refused(capsys, ["train", cfg], line, *kept)
+        if name == "export":  # the slot was committed before its export failed: the rerun trains it again
+            assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
+            shutil.rmtree(run / "ckpt" / "step_4")
+        assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2"], name
+        assert not (run / "ckpt" / "step_4").exists() and not (run / "step_4").exists(), name
+    assert main(["train", str(cfg)]) == 0  # step_2 resumes
+    assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
+    assert (run / "step_4" / "model.safetensors").is_file()
