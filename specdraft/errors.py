@@ -9,16 +9,30 @@ class SpecdraftError(ValueError):
     """A problem with the user's input (config, files, checkpoints) — never an internal bug."""
 
 
-def write_failure(err: Optional[BaseException]) -> Optional[str]:
+# torch.save's C++ writer reports a failed write (a full disk, measured on a tmpfs) in these words,
+# without the OS's errno
+TORCH_WRITE_FAILURES = ("file write failed", "iostream error", "inline_container.cc")
+
+
+def write_failure(err: Optional[BaseException], where=None) -> Optional[str]:
     """The OS's reason a write failed ("No space left on device"), looking through the causes of
-    `err`; None when no write failed."""
+    `err`; None when no write failed. `where`: the path written, to name a full disk behind
+    torch.save's errno-less wording."""
     while err is not None:
         if isinstance(err, OSError):
             return err.strerror or str(err)
-        if isinstance(err, RuntimeError) and "file write failed" in str(err):  # torch.save's wording
-            return "a file write failed (disk full?)"
+        if isinstance(err, RuntimeError) and any(words in str(err) for words in TORCH_WRITE_FAILURES):
+            return "No space left on device" if where is not None and _disk_full(where) else "a file write failed"
         err = err.__cause__ or err.__context__
     return None
+
+
+def _disk_full(path) -> bool:
+    import shutil
+    from pathlib import Path
+
+    existing = next((p for p in (Path(path), *Path(path).parents) if p.exists()), Path("/"))
+    return shutil.disk_usage(existing).free < (1 << 20)
 
 
 def failed_path(err: Optional[BaseException]) -> Optional[str]:

@@ -147,7 +147,7 @@ class CheckpointManager:
 
     def _write_error(self, err: BaseException, slot_dir: Path, step: int) -> BaseException:
         """A failed write becomes one line saying what survived; anything else stays as it is."""
-        reason = write_failure(err)
+        reason = write_failure(err, slot_dir)
         if reason is None:
             return err
         if (slot_dir / COMMITTED).is_file():  # only the `latest` hint failed

@@ -74,9 +74,10 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
         publish_dir(tmp, out_dir)
     except Exception as err:  # a full disk: one line; earlier exports are untouched
         shutil.rmtree(tmp, ignore_errors=True)
-        if write_failure(err) is None:
+        reason = write_failure(err, out_dir)
+        if reason is None:
             raise
-        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({write_failure(err)})") from err
+        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({reason})") from err
     return out_dir
 
 

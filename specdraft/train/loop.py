@@ -65,14 +65,14 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     # -- setup -------------------------------------------------------------------------------
     seed_everything(cfg.seed)
     run_dir = Path(cfg.output_dir)
-    # Before anything is loaded: output_dir is new, empty or this run's, and takes files.
-    run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
     checkpoints = CheckpointManager(run_dir, cfg, rank, world_size)
     # A bad `resume:` fails before anything is written. The plan may change
     # gradient_accumulation_steps: the global batch is the checkpoint's.
     plan = checkpoints.plan_resume(log)
     # draft.init_from is read and checked now, before anything is written; never on a resume
     imported = planned_import(cfg, resuming=plan is not None, log=log)
+    # Before anything is loaded: output_dir is new, empty or this run's, and takes files.
+    run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
     tokenizer = load_target_tokenizer(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
     sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed,
