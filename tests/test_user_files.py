@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -373,3 +374,115 @@ def test_a_real_full_disk_fails_the_save_in_one_line_and_the_run_resumes_after(t
         capsys.readouterr()
         assert main(["train", str(cfg)]) == 0, capsys.readouterr().err
         assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
+
+
+# -- 5. runs that cannot work are refused at start-up -----------------------------------------
+
+def target_copy(tiny_target_dir, where: Path, tokenizer=True, **config) -> Path:
+    """The tiny target with some config.json fields changed (and its tokenizer files, or none)."""
+    copy = where / "target"
+    shutil.copytree(tiny_target_dir, copy, ignore=None if tokenizer else shutil.ignore_patterns("tokenizer*"))
+    fields = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**fields, **config}))
+    return copy
+
+
+@pytest.mark.parametrize("rope, seq, allowed", [
+    (None, 64, False),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, 64, True),
+    ({"rope_type": "linear", "factor": 1.5, "rope_theta": 10000.0}, 64, False),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}, 64, True),
+])
+def test_max_seq_length_above_the_targets_positions_unless_rope_scaling_covers_it(tiny_target_dir, data_dir,
+                                                                                  tmp_path, capsys, rope, seq,
+                                                                                  allowed):
+    from specdraft.config import load_config
+
+    extra = {} if rope is None else {"rope_parameters": rope}
+    target = target_copy(tiny_target_dir, tmp_path, max_position_embeddings=32, **extra)
+    overrides = run_overrides(target, data_dir, tmp_path / "out", tmp_path / "cache", max_seq_length=seq)
+    if allowed:
+        assert load_config(None, overrides).max_seq_length == seq
+        return
+    scaled = "" if rope is None else " (48 with its rope scaling)"
+    cfg = config_file(tmp_path, target, data_dir, tmp_path / "out", tmp_path / "cache", max_seq_length=seq)
+    refused(capsys, ["train", cfg], f"key 'max_seq_length': {seq} is above the target's max_position_embeddings "
+                                    f"32{scaled}", target)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_legacy_rope_scaling_field_counts_too(tiny_target_dir, data_dir, tmp_path):
+    from specdraft.config import load_config
+
+    target = target_copy(tiny_target_dir, tmp_path, max_position_embeddings=32,
+                         rope_scaling={"type": "linear", "factor": 2.0})
+    assert load_config(None, run_overrides(target, data_dir, tmp_path / "o", tmp_path / "c", max_seq_length=64))
+
+
+def test_a_target_without_a_tokenizer_is_refused_in_train_and_regenerate(tiny_target_dir, tiny_data, data_dir,
+                                                                         tmp_path, capsys):
+    target = target_copy(tiny_target_dir, tmp_path, tokenizer=False)
+    cfg = config_file(tmp_path, target, data_dir, tmp_path / "out", tmp_path / "cache")
+    refused(capsys, ["train", cfg], f"key 'target': {target} has no tokenizer (none of tokenizer.json, "
+                                    f"tokenizer_config.json, tokenizer.model, vocab.json)", target)
+    refused(capsys, ["regenerate", "--target", target, "--data", tiny_data.prompts_file, "--out", tmp_path / "rows"],
+            f"--target: {target} has no tokenizer", target)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "rows").exists()
+
+
+# -- 7. errors name the right thing ------------------------------------------------------------
+
+def test_an_unknown_key_names_the_override_or_the_file_that_gave_it(tiny_target_dir, data_dir, tmp_path, capsys):
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
+    refused(capsys, ["train", cfg, "max_steps=3", "draft.max_lagg=2"],
+            "specdraft: error: override 'draft.max_lagg=2': unknown key 'draft.max_lagg' (did you mean "
+            "'draft.max_lag'?)", cfg)
+    refused(capsys, ["train", cfg, "zero_stage=4"], "specdraft: error: override 'zero_stage=4': key 'zero_stage': 4 "
+                                                    "is not one of 0, 1, 2, 3", cfg)
+    cfg.write_text(cfg.read_text() + "warmup_ratio: 0.1\n")
+    refused(capsys, ["train", cfg, "max_steps=3"], f"specdraft: error: {cfg}: unknown key 'warmup_ratio'", cfg)
+
+
+def test_yaml_syntax_errors_give_file_line_and_column(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("max_steps: 3\ndraft:\n  type: glide\n   max_lag: 2\n")
+    refused(capsys, ["train", broken], f"specdraft: error: {broken}:4:11: not valid YAML: mapping values are not "
+                                       f"allowed in this context", broken)
+    refused(capsys, ["regenerate", "--config", broken], f"{broken}:4:11: not valid YAML", broken)
+
+
+def test_a_directory_as_config_or_data_files_says_so(tiny_target_dir, data_dir, tmp_path, capsys):
+    refused(capsys, ["train", data_dir], f"specdraft: error: {data_dir}: is a directory, not a YAML config file",
+            data_dir)
+    refused(capsys, ["regenerate", "--config", data_dir], f"{data_dir}: is a directory, not a YAML config file")
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
+    refused(capsys, ["train", cfg, f"data_files={data_dir}"],
+            f"key 'data_files': {data_dir} is a directory; name its files or a glob such as {data_dir}/*.jsonl",
+            data_dir)
+    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", data_dir, "--out", tmp_path / "rows"],
+            f"--data: {data_dir} is a directory", data_dir)
+
+
+def test_a_resume_refused_for_a_changed_config_names_each_key_and_both_values(tiny_target_dir, data_dir, run_dir,
+                                                                              tmp_path, capsys, no_target_load):
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=4)
+    refused(capsys, ["train", cfg, "draft.max_lag=2", "max_seq_length=48"],
+            f"{run_dir / 'ckpt' / 'step_2'}: saved with other settings (draft.max_lag: saved 4, this run 2, "
+            f"max_seq_length: saved 64, this run 48); set them back to resume, or choose a new output_dir", run_dir)
+
+
+def test_under_torchrun_rank_0_alone_prints_and_every_rank_exits_2(tiny_target_dir, data_dir, user_dir, tmp_path):
+    """A config mistake (before the process group) and a refused output_dir (after it)."""
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, user_dir, tmp_path / "cache")
+    cases = [["train", str(cfg), "max_stepz=3"], ["train", str(cfg)]]
+    before = tree(user_dir)
+    proc = torchrun(REPO / "tests" / "cli_ranks_script.py", tmp_path, json.dumps(cases))
+    assert proc.returncode != 0
+    codes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert codes == [[2, 2], [2, 2]], proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "specdraft: error:" in line]
+    assert len(errors) == 2, proc.stderr
+    assert not re.search(r'File ".*/(specdraft|tests)/', proc.stderr), proc.stderr  # only torchrun's own report
+    assert "override 'max_stepz=3': unknown key" in errors[0]
+    assert f"output_dir {user_dir}: exists, is not empty and is not a specdraft run" in errors[1]
+    assert tree(user_dir) == before
