@@ -93,11 +93,20 @@ def _cmd_regenerate(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage error, said once under torchrun / deepspeed (rank 0); every rank exits 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(EXIT_USER_ERROR)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
+    parser = _Parser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
     subparsers = parser.add_subparsers(dest="command", required=True)
 
     class Commands:

@@ -11,7 +11,16 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from specdraft.cli import main  # noqa: E402
 
 out, cases = sys.argv[1], json.loads(sys.argv[2])
-codes = [main(argv) for argv in cases]
+
+
+def run(argv):
+    try:
+        return main(argv)
+    except SystemExit as exit:  # argparse's usage errors
+        return exit.code
+
+
+codes = [run(argv) for argv in cases]
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(codes, f)
 sys.exit(codes[-1])

@@ -472,17 +472,18 @@ def test_a_resume_refused_for_a_changed_config_names_each_key_and_both_values(ti
 
 
 def test_under_torchrun_rank_0_alone_prints_and_every_rank_exits_2(tiny_target_dir, data_dir, user_dir, tmp_path):
-    """A config mistake (before the process group) and a refused output_dir (after it)."""
+    """A usage error, a config mistake (before the process group) and a refused output_dir (after it)."""
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, user_dir, tmp_path / "cache")
-    cases = [["train", str(cfg), "max_stepz=3"], ["train", str(cfg)]]
+    cases = [["train"], ["train", str(cfg), "max_stepz=3"], ["train", str(cfg)]]
     before = tree(user_dir)
     proc = torchrun(REPO / "tests" / "cli_ranks_script.py", tmp_path, json.dumps(cases))
     assert proc.returncode != 0
     codes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert codes == [[2, 2], [2, 2]], proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if "specdraft: error:" in line]
-    assert len(errors) == 2, proc.stderr
+    assert codes == [[2, 2, 2], [2, 2, 2]], proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if ": error:" in line]
+    assert len(errors) == 3, proc.stderr
     assert not re.search(r'File ".*/(specdraft|tests)/', proc.stderr), proc.stderr  # only torchrun's own report
-    assert "override 'max_stepz=3': unknown key" in errors[0]
-    assert f"output_dir {user_dir}: exists, is not empty and is not a specdraft run" in errors[1]
+    assert "specdraft train: error: the following arguments are required: config" in errors[0]
+    assert "specdraft: error: override 'max_stepz=3': unknown key" in errors[1]
+    assert f"specdraft: error: output_dir {user_dir}: exists, is not empty and is not a specdraft run" in errors[2]
     assert tree(user_dir) == before
