@@ -3,6 +3,7 @@
 mixed into; each refusal is one line, before anything is touched or any compute is spent.
 
     claim_run_dir(output_dir, resume)    `train`, `demo` (rank 0, before the target is loaded)
+    start_run_dir(output_dir)            then creates it, with its marker
     check_export_out(out, run_dir, default)   `export --out`
     claim_regenerate_out(out)            `regenerate --out`
     check_plot_file(path, flag)          `eval --plot`
@@ -10,6 +11,7 @@ mixed into; each refusal is one line, before anything is touched or any compute 
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Optional
@@ -19,12 +21,12 @@ from specdraft.errors import SpecdraftError, write_error
 from specdraft.run import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
                            is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text)
 
-WRITE_PROBE = ".specdraft-write-check"  # written and removed at start: the directory takes files
 
 
 def claim_run_dir(run_dir, resume: str) -> None:
-    """`output_dir` of a training run: new, empty, or a specdraft run this run may continue.
-    Creates it with its marker and proves ckpt/ writable, so a bad output_dir fails in seconds."""
+    """`output_dir` of a training run: new, empty, or a specdraft run this run may continue; and
+    writable (so a bad output_dir fails in seconds, not after the target is loaded). Writes nothing:
+    start_run_dir creates it once start-up has passed."""
     run_dir = Path(run_dir)
     flag = f"output_dir {run_dir}"
     _refuse_file(run_dir, flag)
@@ -42,22 +44,36 @@ def claim_run_dir(run_dir, resume: str) -> None:
         if slots and resume != "auto" and not _within(Path(resume), run_dir):
             raise SpecdraftError(f"{flag}: holds committed checkpoints of its own (newest {slots[-1]}) that "
                                  f"resuming {resume} would overwrite: choose a new output_dir")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if marker_kind(run_dir) != RUN:
-            write_atomic(run_dir / MARKER, marker_text(RUN))
-        probe_writable(ckpt_dir(run_dir))
-    except OSError as err:
-        raise write_error(err, doing="preparing the output_dir") from None
+    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    for directory in (existing, ckpt_dir(run_dir)):
+        if directory.is_dir():
+            try:
+                probe_writable(directory)
+            except OSError as err:
+                raise SpecdraftError(f"{flag}: cannot write in {directory}: {err.strerror}") from None
+        elif directory.exists():  # a file where a directory must be
+            raise SpecdraftError(f"{flag}: {directory} is a file, not a directory")
+
+
+def start_run_dir(run_dir) -> None:
+    """Create the run directory with its marker (rank 0, after claim_run_dir)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if marker_kind(run_dir) != RUN:
+        write_atomic(run_dir / MARKER, marker_text(RUN))
 
 
 def probe_writable(directory: Path) -> None:
-    """Create `directory` if needed and write and remove a file in it (an immutable or read-only
-    directory, or one on a full disk, fails here rather than at the first save)."""
-    directory.mkdir(exist_ok=True)
-    probe = directory / WRITE_PROBE
-    write_atomic(probe, "")
-    probe.unlink()
+    """Raise the OS's error if no file can be created in `directory` (read-only, immutable, no
+    permission), leaving nothing behind: an unnamed O_TMPFILE, else os.access where the
+    filesystem has no O_TMPFILE."""
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600))
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(directory)) from None
 
 
 def check_export_out(out, run_dir, default) -> None:

@@ -222,7 +222,7 @@ def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(tiny_target_dir
     (locked / "theirs.txt").write_text("x")
     with unwritable(locked) as reason:
         refused(capsys, ["train", cfg, f"output_dir={locked / 'run'}"],
-                f"{locked / 'run'}: preparing the output_dir failed: {reason}", locked)
+                f"output_dir {locked / 'run'}: cannot write in {locked}: {reason}", locked)
 
 
 class unwritable:
@@ -252,8 +252,8 @@ def test_an_immutable_ckpt_dir_fails_at_start_and_the_run_resumes_once_writable(
     run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=2).run_dir
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=2)
     with unwritable(run / "ckpt") as reason:
-        refused(capsys, ["train", cfg], f"{run / 'ckpt'}/.specdraft-write-check.tmp: preparing the output_dir "
-                                        f"failed: {reason}", run / "ckpt", run / "step_2")
+        refused(capsys, ["train", cfg], f"output_dir {run}: cannot write in {run / 'ckpt'}: {reason}",
+                run / "ckpt", run / "step_2")
     assert main(["train", str(cfg)]) == 0  # resumes from step_2
     assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
 

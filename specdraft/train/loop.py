@@ -22,7 +22,7 @@ from specdraft.config import resolve_data_files, save_config
 from specdraft.data.packing import PackedData, build_packed_cache, cache_key, open_packed_cache
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import DraftLoss, HostBatch, build_draft
-from specdraft.outputs import claim_run_dir
+from specdraft.outputs import claim_run_dir, start_run_dir
 from specdraft.paths import specdraft_home
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.run import config_file, export_dir
@@ -98,7 +98,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
         log(f"resumed from {plan.slot} at step {state.step}")
 
     def write_config():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        start_run_dir(run_dir)
         save_config(cfg, config_file(run_dir))
 
     run_shared(write_config)
