@@ -44,8 +44,9 @@ def failed_path(err: Optional[BaseException]) -> Optional[str]:
     return None
 
 
-def write_error(err: BaseException, path=None, doing: str = "writing") -> SpecdraftError:
-    """One line for a failed file operation: 'PATH: writing failed: No space left on device'."""
+def write_error(err: BaseException, path=None, doing: Optional[str] = None) -> SpecdraftError:
+    """One line for a failed file operation: 'PATH: [DOING failed: ]No space left on device'."""
     where = path if path is not None else failed_path(err)
-    reason = write_failure(err) or str(err)
-    return SpecdraftError(f"{where}: {doing} failed: {reason}" if where is not None else f"{doing} failed: {reason}")
+    reason = write_failure(err, where) or str(err)
+    what = f"{doing} failed: {reason}" if doing else reason
+    return SpecdraftError(f"{where}: {what}" if where is not None else what)

@@ -204,7 +204,7 @@ def test_consolidate_into_a_run_whose_consolidated_is_a_file(run_dir, capsys):
     blocker = run_dir / "consolidated"
     blocker.write_text("a user's file")
     try:
-        refused(capsys, ["consolidate", run_dir], f"{blocker / 'step_2'}: writing failed: Not a directory", run_dir)
+        refused(capsys, ["consolidate", run_dir], f"{blocker / 'step_2'}: Not a directory", run_dir)
     finally:
         blocker.unlink()
 
@@ -301,7 +301,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
 
     cases = [
         ("config", specdraft.config, "write_atomic", fail_on_write,
-         f"{run / 'config.yaml'}: writing failed: No space left on device"),
+         f"{run / 'config.yaml'}: No space left on device"),
         ("metrics", specdraft.train.metrics, "open", FullFile,
          f"{run / 'metrics.jsonl'}: writing metrics failed: No space left on device"),
         ("checkpoint", TorchCheckpointEngine, "save", save,
