@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -107,9 +108,14 @@ def split_objective(text: str):
 
 
 def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=()) -> Path:
-    """The family's demo config on this target and data, `steps` steps, one export at the end."""
+    """The family's demo config on this target and data, `steps` steps, one export at the end. A
+    run this bench left in out_dir before is trained anew (resume=no never mixes into it)."""
     from specdraft.config import load_config
+    from specdraft.run import is_run_dir
     from specdraft.train.loop import train
+
+    if is_run_dir(out_dir):
+        shutil.rmtree(out_dir)
 
     cfg = load_config(CONFIGS[family],
                       [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",

@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, write_error, write_failure
 
 EXIT_USER_ERROR = 2
 
@@ -101,11 +101,20 @@ def _cmd_regenerate(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage error, said once under torchrun / deepspeed (rank 0); every rank exits 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(EXIT_USER_ERROR)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
+    parser = _Parser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
     subparsers = parser.add_subparsers(dest="command", required=True)
 
     class Commands:
@@ -213,11 +222,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.run(args)
     except SpecdraftError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank hits the same mistake: say it once
-            print(f"specdraft: error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error_line(str(err))
     except KeyboardInterrupt:
         return 130
+    except Exception as err:  # a failed write (full disk, read-only, immutable): its path and the OS's reason
+        if write_failure(err) is None:
+            raise  # a bug: the traceback is what we need
+        return _error_line(str(write_error(err)))
+
+
+def _error_line(message: str) -> int:
+    """Every rank hits the same mistake (under torchrun / deepspeed): rank 0 says it, all exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"specdraft: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

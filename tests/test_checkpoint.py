@@ -349,7 +349,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny
     with pytest.raises(SpecdraftError) as err:
         train(cfg, **quiet)
     message = str(err.value)
-    assert "\n" not in message and "saving step 18 failed: no space left on device" in message
+    assert "\n" not in message and "saving step 18 failed: No space left on device" in message
     assert "committed slots (step_6, step_12)" in message
     assert {name: _snapshot(victim / "ckpt" / name) for name in committed} == committed
     assert {name: _snapshot(victim / name) for name in exports} == exports

@@ -19,6 +19,7 @@ from specdraft.data.generation import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
 from specdraft.regenerate import RegenerateConfig, regenerate, written_keys
+from specdraft.run import MARKER, REGENERATE, marker_text
 
 ROWS = [
     {"prompt": "def add(a, b):"},
@@ -131,6 +132,7 @@ def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks
     data = source(tmp_path, prompts_from(tiny_data, 2))
     out = tmp_path / "o"
     out.mkdir()
+    (out / MARKER).write_text(marker_text(REGENERATE))  # what the killed run wrote first
     ours = out / "shard-r000-20260101000000-abcdef-00003.jsonl.tmp"
     theirs = out / "shard-r001-20260101000000-fedcba-00000.jsonl.tmp"
     for stale in (ours, theirs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from specdraft.decode.speculative import Generation
+from specdraft.run import PLOT_SOFTWARE
 
 
 def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str, Any]:
@@ -113,5 +114,5 @@ def plot_acceptance(report: Dict[str, Any], path, title: Optional[str] = None) -
     ax.set_title(title or f"{report.get('method')}: tau = {report['tau']:.2f}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png", metadata={"Software": PLOT_SOFTWARE})  # ours to replace
     plt.close(fig)
