@@ -1,4 +1,4 @@
-"""`specdraft train|demo|inspect|export|consolidate|eval|regenerate`.
+"""`specdraft train|config|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -24,6 +24,13 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from specdraft.config import load_config, resolved_config_yaml
+
+    print(resolved_config_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -107,10 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands = Commands()
 
-    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]")
+    keys_help = ("Every key, its type, default and family: docs/config-reference.md. `specdraft config "
+                 "CONFIG [key=value ...]` prints the config resolved with every default, as a run records it "
+                 "in config.yaml.")
+    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]", epilog=keys_help)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
+
+    p = commands.add_parser("config", help="print CONFIG.yaml [key=value ...] resolved with every default",
+                            epilog=keys_help)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    p.set_defaults(run=_cmd_config)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
