@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--plot", default=None, help="PNG of acceptance per draft position")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="bar charts of acceptance per draft position and tau (needs specdraft[plots])")
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
