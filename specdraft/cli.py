@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
@@ -100,6 +101,11 @@ def _cmd_regenerate(args) -> int:
     return 0
 
 
+def _packaged_demo_configs() -> List[str]:
+    """The names `specdraft demo --config` takes (read from the package, without importing config.py)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "configs").glob("demo*.yaml"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
@@ -131,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--config", default=None,
-                   help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
+                   help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); "
+                        f"default: demo")
     p.add_argument("--answer-temperature", type=float, default=0.0,
                    help="train on the target's answers sampled at this temperature (a separate cached "
                         "dataset); default 0: its greedy answers")

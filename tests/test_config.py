@@ -241,3 +241,13 @@ def test_train_help_names_the_config_command_and_the_reference(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "specdraft config CONFIG [key=value ...]" in text and "docs/config-reference.md" in text
+
+
+def test_demo_help_names_every_packaged_demo_config(capsys):
+    from specdraft.config import family_demo_configs
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
+    names = sorted(Path(path).stem for path in family_demo_configs().values())
+    assert len(names) == len(FAMILIES) and f"({','.join(names)})" in text
