@@ -201,3 +201,14 @@ def test_each_dependency_floor_is_the_pinned_version_and_its_ceiling_the_next_ma
         major = int(floor.split(".")[0])
         assert ceiling == (str(major + 1) if major else "1"), requirement
     assert not any(r.startswith("matplotlib") for r in project["dependencies"])  # an extra: specdraft[plots]
+
+
+def test_every_file_of_ours_the_pages_name_exists():
+    """A path into this repository (specdraft/..., tests/..., bench/..., drafts/..., a test_*.py)
+    names a file that is there: moving a module means updating the pages that name it."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    ours = r"(?:(?:specdraft|tests|bench|drafts|train|decode|data|target|demo)/[\w./-]*|test_\w*)\.py"
+    named = {(path.relative_to(REPO).as_posix(), m) for path in USER_TEXT
+             for m in re.findall(rf"(?<![\w/.-])({ours})\b", path.read_text())}
+    missing = sorted((page, m) for page, m in named if not any(f == m or f.endswith("/" + m) for f in files))
+    assert len(named) >= 30 and not missing, missing
