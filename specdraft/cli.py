@@ -1,4 +1,4 @@
-"""`specdraft train|data|demo|inspect|export|consolidate|eval|regenerate`.
+"""`specdraft train|config|data|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
@@ -32,6 +33,13 @@ def _cmd_data(args) -> int:
     from specdraft.data_report import data_report
 
     data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from specdraft.config import load_config, resolved_config_yaml
+
+    print(resolved_config_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -110,6 +118,11 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def _packaged_demo_configs() -> List[str]:
+    """The names `specdraft demo --config` takes (read from the package, without importing config.py)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "configs").glob("demo*.yaml"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
@@ -124,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands = Commands()
 
-    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]")
+    keys_help = ("Every key, its type, default and family: docs/config-reference.md. `specdraft config "
+                 "CONFIG [key=value ...]` prints the config resolved with every default, as a run records it "
+                 "in config.yaml.")
+    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]", epilog=keys_help)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
@@ -139,10 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one JSON object per row: source, tokens, trained, trained_text")
     p.set_defaults(run=_cmd_data)
 
+    p = commands.add_parser("config", help="print CONFIG.yaml [key=value ...] resolved with every default",
+                            epilog=keys_help)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    p.set_defaults(run=_cmd_config)
+
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--config", default=None,
-                   help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
+                   help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); "
+                        f"default: demo")
     p.add_argument("--answer-temperature", type=float, default=0.0,
                    help="train on the target's answers sampled at this temperature (a separate cached "
                         "dataset); default 0: its greedy answers")
@@ -185,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--plot", default=None, help="PNG of acceptance per draft position")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="bar charts of acceptance per draft position and tau (needs specdraft[plots])")
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")

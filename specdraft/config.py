@@ -66,7 +66,7 @@ TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
 class WandbConfig:
     project: Optional[str] = None  # None: W&B off
     mode: str = "offline"  # offline needs no network; "online" syncs
-    run_name: Optional[str] = None
+    run_name: Optional[str] = None  # the W&B run's name; None: W&B picks one
 
 
 @dataclass
@@ -87,11 +87,11 @@ class TrainConfig:
     document_mask: bool = True
     per_device_batch_size: int = 2  # sequences per rank per micro step
     gradient_accumulation_steps: int = 1  # micro steps per optimizer step
-    learning_rate: float = 5e-4
+    learning_rate: float = 5e-4  # AdamW peak learning rate (LongSpec's)
     weight_decay: float = 0.1  # applied to matrices only, never to norms
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-6
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-6  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
     num_train_epochs: int = 1  # used when max_steps < 0
     max_steps: int = -1  # optimizer steps; overrides num_train_epochs when > 0
@@ -104,14 +104,14 @@ class TrainConfig:
     eval_temperature: float = 0.0  # the in-training tau's sampling temperature (0: greedy)
     keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
     resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
-    seed: int = 42
-    precision: str = "fp32"  # fp32 | bf16 (fp16 refused: see _validate)
+    seed: int = 42  # data order, per-batch randomness and initial weights; a resume keeps it
+    precision: str = "fp32"  # fp32 | bf16 (fp16 is refused: the chunked losses' gradients would underflow)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     # ZeRO-3: the frozen target "replicated" on every device (no gathers), "partitioned" (for
     # targets that do not fit), or "auto": replicated when the memory model says it fits
     target_placement: str = "auto"
     loss_chunk_size: int = 0  # tokens per cross-entropy chunk; 0: from the vocab (~256 MiB fp32 logits)
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/default"  # the run directory: config.yaml, ckpt/, step_<N>/ exports, metrics
     export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
     draft: DraftConfig = field(default_factory=DraftConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -356,8 +356,13 @@ def own_draft_keys(cfg: DictConfig) -> dict:
             if key in own or key == "type" or (key in SHARED_KEYS and value is not None)}
 
 
-def save_config(cfg: DictConfig, path: Path) -> None:
-    """The resolved config, its `draft:` section limited to the family's own keys."""
+def resolved_config_yaml(cfg: DictConfig) -> str:
+    """The resolved config with every default, its `draft:` section limited to the family's own
+    keys: what a run records in config.yaml and `specdraft config` prints."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved["draft"] = own_draft_keys(cfg)
-    write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    return OmegaConf.to_yaml(OmegaConf.create(resolved))
+
+
+def save_config(cfg: DictConfig, path: Path) -> None:
+    write_atomic(path, resolved_config_yaml(cfg))

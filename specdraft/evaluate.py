@@ -18,7 +18,7 @@ import torch
 
 from specdraft.decode.measure import METHODS, NEEDS_DRAFT, check_shape, compare, make_drafter
 from specdraft.decode.prompts import read_prompts, stop_tokens
-from specdraft.decode.report import plot_acceptance
+from specdraft.decode.report import plot_acceptance, require_matplotlib
 from specdraft.drafts import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.outputs import check_plot_file
@@ -105,6 +105,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if max_new_tokens < 1:
         raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_shape(gamma, tree)
+    if plot_path is not None:
+        require_matplotlib()
     if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
         raise SpecdraftError(f"--confidence-threshold: must be in [0, 1], got {confidence_threshold}")
     if plot_path is not None:  # before the target is loaded
@@ -140,6 +142,9 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
                           stop=stop_tokens(target, tokenizer), record_tv=record_tv))
     report["plot"] = None
     if plot_path is not None:
-        plot_acceptance(report, plot_path)
+        drafter_label = getattr(draft, "label", None) or method.replace("_", " ")
+        plot_acceptance([(drafter_label, report)], plot_path,
+                        title=f"{drafter_label}, {'tree' if tree else 'chain'}, T = {temperature:g}: "
+                              f"tau = {report['tau']:.2f}")
         report["plot"] = str(plot_path)
     return report

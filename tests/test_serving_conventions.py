@@ -1,8 +1,8 @@
-"""The servers' conventions, one test per row of README's "Serving conventions" table.
+"""The servers' conventions, one test per row of the "Conventions" table of docs/serving.md.
 
 Where the consumer runs here (speculators, through tests/speculators_env.py) the test runs its
 classes; where it does not (SGLang, vLLM's capture), the test checks our files against the rule
-its source states (cited in each docstring and in the README).
+its source states (cited in each docstring and in docs/serving.md).
 """
 
 import json

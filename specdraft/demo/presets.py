@@ -1,5 +1,5 @@
 """The sizes of demo assets: "demo" (the CPU walkthrough), "tiny" (tests) and "bench" (the target
-the README's acceptance tables are measured on: bigger, trained longer, answers that are not loops;
+the acceptance tables of docs/benchmarks.md are measured on: bigger, trained longer, answers that are not loops;
 bench/answer_quality.py measures that). Every preset pre-trains in fp32, on every CPU."""
 
 from __future__ import annotations

@@ -22,9 +22,12 @@ from specdraft.errors import SpecdraftError
 FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
-# `draft.` keys of every family: the family, and the existing draft a new run starts from
-# (train/imports.py; a path: an export, a run, or another tool's files)
-SHARED_KEYS = ("type", "init_from")
+# `draft.` keys of every family, with their meaning (the configuration reference prints it)
+SHARED_KEYS = {
+    "type": f"the draft family: {', '.join(FAMILIES)}",
+    # train/imports.py
+    "init_from": "an existing draft the run starts from: an export, a run, or another tool's files (a path)",
+}
 
 
 def _draft_config_schema() -> type:
