@@ -25,7 +25,6 @@ exit 1 (so `regenerate && train` stops); skipped rows do not (a rerun would skip
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -37,9 +36,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from specdraft.atomic import write_atomic
+from specdraft.config import read_yaml, resolve_data_files
 from specdraft.data.generation import Request, Sampling
 from specdraft.data.sources import iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
+from specdraft.outputs import claim_regenerate_out
+from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.jsonl"
@@ -75,11 +77,9 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
     from omegaconf.errors import OmegaConfBaseException
 
     layers = [OmegaConf.structured(RegenerateConfig)]
+    if path is not None:
+        layers.append(read_yaml(path))
     try:
-        if path is not None:
-            if not os.path.isfile(path):
-                raise SpecdraftError(f"{path}: config file not found")
-            layers.append(OmegaConf.load(path))
         layers.append(OmegaConf.create({k: v for k, v in values.items() if v is not None}))
         cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as err:
@@ -92,18 +92,6 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
         raise SpecdraftError(f"timeout must be > 0 seconds, got {cfg.timeout}")
     cfg.sampling().check()
     return cfg
-
-
-def expand_data(patterns: List[str]) -> List[str]:
-    files = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matched or not all(os.path.isfile(f) for f in matched):
-            raise SpecdraftError(f"data: no file matches {pattern!r}")
-        files.extend(matched)
-    if not files:
-        raise SpecdraftError("data: no input files given (--data GLOB)")
-    return files
 
 
 def row_key(record, messages) -> str:
@@ -242,10 +230,11 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
     """Run (or resume) a regeneration; returns the summary (its "failed": rows the servers did not
     answer, a non-zero exit for the command). `backend`: an already built one (the demo passes its
     in-process model); default: built from cfg."""
-    files = expand_data(cfg.data)
+    files = resolve_data_files(cfg.data, "command line", "--data")
+    check_tokenizer(cfg.target, "--target")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    claim_regenerate_out(out, rank)  # before the target is loaded
     settings = run_settings(cfg, files)
     _check_manifest(out, settings)
     items, errors, total = read_rows(files, cfg.samples, rank, world, written_keys(out))
@@ -371,12 +360,10 @@ def _ids_note(backend) -> str:
 
 
 def _build_backend(cfg: RegenerateConfig):
-    from transformers import AutoTokenizer
-
     if cfg.backend == "openai":
         from specdraft.data.openai_backend import OpenAIBackend
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        tokenizer = load_target_tokenizer(cfg.target)
         return OpenAIBackend(cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model,
                              timeout_s=cfg.timeout)
     from specdraft.data.generation import HFBackend

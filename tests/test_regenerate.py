@@ -20,6 +20,7 @@ from specdraft.data.generation import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
 from specdraft.regenerate import RegenerateConfig, regenerate, written_keys
+from specdraft.run import MARKER, REGENERATE, marker_text
 
 ROWS = [
     {"prompt": "def add(a, b):"},
@@ -92,7 +93,8 @@ def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(
     for where, messages in iter_conversations([str(p) for p in sorted((tmp_path / "a").glob("shard-*"))]):
         ids, mask = tokenize_conversation(tokenizer, messages, where)
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        expected = [t for m in messages if m["role"] == "assistant" for t in own_ids(tokenizer, m) + [im_end]]
+        expected = [t for m in messages if m["role"] == "assistant"  # a truncated answer ends no turn
+                    for t in own_ids(tokenizer, m) + ([] if m.get("truncated") else [im_end])]
         assert [t for t, k in zip(ids, mask) if k] == expected
 
 
@@ -133,6 +135,7 @@ def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks
     data = source(tmp_path, prompts_from(tiny_data, 2))
     out = tmp_path / "o"
     out.mkdir()
+    (out / MARKER).write_text(marker_text(REGENERATE))  # what the killed run wrote first
     ours = out / "shard-r000-20260101000000-abcdef-00003.jsonl.tmp"
     theirs = out / "shard-r001-20260101000000-fedcba-00000.jsonl.tmp"
     for stale in (ours, theirs):
