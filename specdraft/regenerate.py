@@ -335,11 +335,10 @@ def _check_manifest(out: Path, settings: dict) -> None:
         if recorded.get(name) != value:
             if name == "sources":
                 differ = sorted(set(value) ^ set(recorded.get(name) or [])) or ["their order"]
-                raise SpecdraftError(f"{path}: the rows there were regenerated from other --data files "
-                                     f"(differing: {differ[0]}); use a new --out directory")
-            raise SpecdraftError(f"{path}: the rows there were regenerated with {name}={recorded.get(name)!r}, "
-                                 f"this run asks {name}={value!r}; rerun with the same settings or use a new "
-                                 f"--out directory")
+                raise SpecdraftError(f"{out}: holds rows regenerated with other --data files (differing: "
+                                     f"{differ[0]}); use a new --out directory")
+            raise SpecdraftError(f"{out}: holds rows regenerated with other {name}: {recorded.get(name)!r} there, "
+                                 f"{value!r} asked; rerun with the same settings or use a new --out directory")
 
 
 def _reasons(errors: List[dict]) -> str:

@@ -124,7 +124,7 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
     third = regenerate(cfg, real, log=lambda m: None, progress_bar=False)
     assert third["rows"] == 0 and third["skipped_done"] == 6
     assert len({(r["id"], r["sample"]) for r in out_rows(tmp_path / "o")}) == len(out_rows(tmp_path / "o")) == 6
-    with pytest.raises(SpecdraftError, match="regenerated with temperature=0.0, this run asks temperature=0.5"):
+    with pytest.raises(SpecdraftError, match="regenerated with other temperature: 0.0 there, 0.5 asked"):
         regenerate(config(tiny_target_dir, data, tmp_path / "o", temperature=0.5), real, log=lambda m: None)
 
 
@@ -296,16 +296,17 @@ def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_
     assert manifest["sampling"]["temperature"] == 0.7 and manifest["sources"] == [str(data)]
     with pytest.raises(SpecdraftError) as err:
         regenerate(config(tiny_target_dir, data, out, temperature=0.5), real, log=lambda m: None)
-    assert str(err.value) == (f"{out / 'manifest.json'}: the rows there were regenerated with temperature=0.7, "
-                              f"this run asks temperature=0.5; rerun with the same settings or use a new --out directory")
+    assert str(err.value) == (f"{out}: holds rows regenerated with other temperature: 0.7 there, 0.5 asked; "
+                              f"rerun with the same settings or use a new --out directory")
     other = tmp_path / "other-target"
     shutil.copytree(tiny_target_dir, other)
     config_json = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config_json, "rms_norm_eps": 1e-5}))
-    with pytest.raises(SpecdraftError, match=r"regenerated with target='[0-9a-f]{16}', this run asks target="):
+    with pytest.raises(SpecdraftError, match=r"with other target: '[0-9a-f]{16}' there, '[0-9a-f]{16}' asked"):
         regenerate(config(other, data, out, temperature=0.7), log=lambda m: None)
-    with pytest.raises(SpecdraftError, match="regenerated from other --data files"):
-        regenerate(config(tiny_target_dir, source(tmp_path / "o", ROWS), out, temperature=0.7), real,
+    with pytest.raises(SpecdraftError, match="holds rows regenerated with other --data files"):
+        (tmp_path / "elsewhere").mkdir()
+        regenerate(config(tiny_target_dir, source(tmp_path / "elsewhere", ROWS), out, temperature=0.7), real,
                    log=lambda m: None)
     done = regenerate(cfg, real, log=lambda m: None, progress_bar=False)  # the same settings resume
     assert done["skipped_done"] == before and done["rows"] + done["errors"] == 40 - before
@@ -371,7 +372,8 @@ def test_rows_the_template_refuses_are_skipped_with_the_reason_and_the_rest_fini
     code = cli.main(["regenerate", "--target", str(target), "--data", str(data), "--out", str(out),
                      "--max-new-tokens", "4"])
     assert code == 0 and [r["id"] for r in out_rows(out)] == ["fine"]
-    errors = {e["source"].rsplit(":", 1)[1]: e for e in map(json.loads, (out / "errors.jsonl").read_text().splitlines())}
+    lines = (out / "errors.jsonl").read_text().splitlines()
+    errors = {e["source"].rsplit(":", 1)[1]: e for e in map(json.loads, lines)}  # by line number
     assert {k: e["kind"] for k, e in errors.items()} == {"1": "skipped", "2": "skipped", "4": "skipped"}
     assert errors["1"]["reason"] == "turn 0: no prompt: the row starts with an assistant turn"
     assert errors["2"]["reason"] == ("turn 0: the chat template cannot render this conversation: "

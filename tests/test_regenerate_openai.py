@@ -192,7 +192,8 @@ def test_backoff_has_jitter(stub, tiny_target_dir, tokenizer, tmp_path, monkeypa
 
 
 def test_timeout_is_an_option(tiny_target_dir, tmp_path):
-    args = cli.build_parser().parse_args(["regenerate", "--target", "t", "--data", "d", "--out", "o", "--timeout", "7.5"])
+    args = cli.build_parser().parse_args(["regenerate", "--target", "t", "--data", "d", "--out", "o",
+                                          "--timeout", "7.5"])
     assert args.timeout == 7.5
     cfg = RegenerateConfig(target=str(tiny_target_dir), data=["x"], out="o", backend="openai",
                            servers=["http://127.0.0.1:1"], timeout=7.5)
