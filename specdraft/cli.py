@@ -17,7 +17,7 @@ from specdraft.demo.presets import PRESETS  # a light module: --help stays insta
 from specdraft.errors import SpecdraftError, write_error, write_failure
 
 EXIT_USER_ERROR = 2
-EXIT_ROWS_FAILED = 1  # regenerate: rows the servers did not answer (rerun to retry them)
+EXIT_ROWS_FAILED = 1  # regenerate: rows the servers did not answer (rerun to retry them), or no row at all
 
 
 def _cmd_train(args) -> int:
@@ -108,7 +108,7 @@ def _cmd_regenerate(args) -> int:
                   servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard,
                   timeout=args.timeout)
     summary = regenerate(load_regenerate_config(args.config, values))
-    return EXIT_ROWS_FAILED if summary["failed"] else 0
+    return EXIT_ROWS_FAILED if summary["failed"] or not summary["rows_written"] else 0  # `&& train` stops
 
 
 class _Parser(argparse.ArgumentParser):

@@ -308,7 +308,7 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
         + (f"; {len(skipped)} rows skipped ({_reasons(skipped)})" if skipped else "")
         + (f"; {len(failed)} rows FAILED (server errors: rerun the same command to retry them)" if failed else "")
         + (f" (see {errors_file})" if errors else "")
-        + f"; {len(written)} rows in {out}")
+        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}"))
     return summary
 
 

@@ -40,6 +40,7 @@ def tokenizer(tiny_target_dir):
 
 
 def source(tmp_path, rows):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -380,6 +381,11 @@ def test_rows_the_template_refuses_are_skipped_with_the_reason_and_the_rest_fini
                                      "Conversation roles must alternate user/assistant/user/assistant/...")
     assert errors["4"]["reason"] == "turn 0 has no text 'content'"
     assert "; 3 rows skipped (" in capsys.readouterr().out
+    only_bad = source(tmp_path / "bad", [{"id": "two-users", "messages": [{"role": "user", "content": "a"},
+                                                                        {"role": "user", "content": "b"}]}])
+    assert cli.main(["regenerate", "--target", str(target), "--data", str(only_bad), "--out", str(tmp_path / "none"),
+                     "--max-new-tokens", "4"]) == 1  # no row at all: `regenerate && train` stops
+    assert capsys.readouterr().out.rstrip().endswith(f"; NO rows in {tmp_path / 'none'}")
 
 
 def test_rows_are_keyed_by_file_and_id_and_duplicate_ids_in_a_file_are_reported(tiny_target_dir, tmp_path):
