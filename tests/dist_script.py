@@ -21,6 +21,7 @@ from specdraft.train.loop import train  # noqa: E402
 target, data_dir, work, out_json = sys.argv[1:5]
 rank = int(os.environ["RANK"])
 events = []  # ("fsync" | "verified" | "loaded", path), in order
+verifying = []  # non-empty inside verify_files, whose own weights-only unpickling is the check, not a load
 
 real_fsync, real_load, real_verify = os.fsync, torch.load, slots.verify_files
 
@@ -31,13 +32,17 @@ def spy_fsync(fd):
 
 
 def spy_load(f, *args, **kwargs):
-    if isinstance(f, (str, os.PathLike)) and "/ckpt/" in str(f):
+    if isinstance(f, (str, os.PathLike)) and "/ckpt/" in str(f) and not verifying:
         events.append(("loaded", os.path.abspath(f)))
     return real_load(f, *args, **kwargs)
 
 
 def spy_verify(slot_dir, record, names=None):
-    real_verify(slot_dir, record, names)
+    verifying.append(slot_dir)
+    try:
+        real_verify(slot_dir, record, names)
+    finally:
+        verifying.pop()
     for name in (sorted(record["files"]) if names is None else names):
         events.append(("verified", os.path.abspath(os.path.join(slot_dir, name))))
 

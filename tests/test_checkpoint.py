@@ -2,7 +2,6 @@
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -468,17 +467,17 @@ class _EnumByName:
         return getattr, (ZeroStageEnum, "gradients")
 
 
-def test_the_universal_optimizer_state_loads_an_enum_pickled_by_name_and_nothing_callable(tmp_path):
+def test_a_checkpoint_pickle_loads_an_enum_pickled_by_name_and_nothing_callable(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from specdraft.train.universal import load_universal_optimizer_state
+    from specdraft.train import safe_load
 
     path = tmp_path / "optimizer_state.pt"
     torch.save({"zero_stage": _EnumByName(), "step": torch.tensor(6)}, path)
-    assert load_universal_optimizer_state(path)["zero_stage"] is ZeroStageEnum.gradients
+    assert safe_load.load(path)["zero_stage"] is ZeroStageEnum.gradients
     torch.save({"evil": _Call()}, path)  # any other global is still refused
-    with pytest.raises(pickle.UnpicklingError):
-        load_universal_optimizer_state(path)
+    with pytest.raises(SpecdraftError, match="its pickle calls posix.system"):
+        safe_load.load(path)
 
 
 class _Call:

@@ -28,8 +28,8 @@ from specdraft.target.weights import target_identity
 from specdraft.train import slots
 from specdraft.train.collectives import raise_everywhere, run_shared
 from specdraft.train.engine import gather_draft_state_dict
-from specdraft.train.frozen_state import (check_fingerprint, draft_fingerprint, frozen_state, read_frozen_state,
-                                          restore_frozen_state, write_frozen_state)
+from specdraft.train.frozen_state import (FINGERPRINT_KEY, check_fingerprint, draft_fingerprint, frozen_state,
+                                          read_frozen_state, restore_frozen_state, write_frozen_state)
 from specdraft.train.rng import rng_state, set_rng_state
 from specdraft.train.universal import universal_copy
 
@@ -119,7 +119,7 @@ class CheckpointManager:
             try:
                 write_frozen_state(slot_dir, frozen_state(draft, draft_weights))
                 record = dict(self._record(step), draft=draft.export_config(),
-                              draft_fingerprint=draft_fingerprint(draft_weights))
+                              **{FINGERPRINT_KEY: draft_fingerprint(draft_weights)})
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err

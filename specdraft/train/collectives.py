@@ -8,6 +8,7 @@ with whatever tensor is at hand. A failure on one rank reaches every rank throug
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -40,6 +41,23 @@ def any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(value)
     return bool(value.item())
+
+
+def agree_max(value: int) -> int:
+    """The largest `value` over all ranks, on every rank. Runs on the host (over gloo, beside an
+    NCCL group where there is one), so a call every step neither waits for the device nor stalls it."""
+    if dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_host_group())
+    return int(flag.item())
+
+
+@functools.lru_cache(maxsize=None)
+def _host_group():
+    """A process group whose collectives run on CPU tensors: the default one if it is gloo's. Made
+    by the first agree_max, which every rank reaches at the same point."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 def raise_everywhere(error: Optional[BaseException]) -> None:

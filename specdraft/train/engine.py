@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from specdraft.target.model import hold_weights_as_buffers
 from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_peak, reduce_bucket_elements
 from specdraft.train.model import TargetWithDraft
+from specdraft.train.safe_load import load_weights_only
 
 
 def _free_port() -> int:
@@ -143,6 +144,7 @@ def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, targ
         model_parameters=optimizer_groups(model, cfg.weight_decay),
         config=config,
     )
+    load_weights_only(engine)
     return engine
 
 

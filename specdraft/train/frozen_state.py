@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Dict
 
 import torch
 
@@ -14,34 +14,49 @@ from specdraft.errors import SpecdraftError
 from specdraft.run import FROZEN_FILE
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's dtype, shape and bytes: equal exactly when the tensors are bit for bit
-    (a float sum is not: its last bits follow the reduction's thread count)."""
-    t = t.detach().cpu().contiguous()
-    digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+FINGERPRINT_KEY = "draft_sha256"  # in COMMITTED; slots saved before it carry LEGACY_KEY
+LEGACY_KEY = "draft_fingerprint"
 
 
 def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, str]:
-    """Per-tensor digest of the draft's weights. Saved with each slot and compared after a load:
-    proof that the draft came back, whatever the threads, world size or ZeRO stage of either run."""
-    return {name: tensor_digest(t) for name, t in weights.items()}
+    """Per tensor: sha256 of its dtype, shape and bytes. Saved with each slot and compared after a
+    load: proof that the draft came back bit for bit, whatever the thread count, world size or
+    ZeRO stage of the saving and the loading run (a float sum's last bits depend on how many
+    threads reduced it, so sums refused right resumes)."""
+    return {name: tensor_sha256(t) for name, t in weights.items()}
 
 
-def _legacy_sums(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
-    """The fingerprint slots held before the digests: per tensor (sum, sum of squares)."""
-    return {name: [float(t.double().sum()), float(t.double().pow(2).sum())] for name, t in weights.items()}
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{flat.dtype}{tuple(tensor.shape)}".encode())
+    digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def check_fingerprint(slot_dir: Path, weights: dict, record: dict) -> None:
-    saved: Dict[str, Union[str, List[float]]] = record["draft_fingerprint"]
-    legacy = any(isinstance(v, list) for v in saved.values())
-    if (_legacy_sums(weights) if legacy else draft_fingerprint(weights)) != saved:
-        different = sorted(name for name, value in draft_fingerprint(weights).items()
-                           if not legacy and saved.get(name) != value) or sorted(set(weights) ^ set(saved))
-        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones"
-                             f"{f' ({len(different)} tensors differ, e.g. {different[0]})' if different else ''}")
+    if FINGERPRINT_KEY in record:
+        saved, now = record[FINGERPRINT_KEY], draft_fingerprint(weights)
+        differ = sorted(set(saved) ^ set(now)) or [name for name in sorted(now) if now[name] != saved[name]]
+    else:
+        differ = _legacy_differences(weights, record[LEGACY_KEY])
+    if differ:
+        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones ({differ[0]} differs)")
+
+
+def _legacy_differences(weights: Dict[str, torch.Tensor], saved: Dict[str, list]) -> list:
+    """Slots saved before the sha256s carry (sum, sum of squares) per tensor, whose last bits
+    depend on the summing thread count: equal within twice the rounding bound of a sum of n
+    doubles in any order, n * eps * sum(|x|) (and sum(x^2) for the squares)."""
+    if set(saved) != set(weights):
+        return sorted(set(saved) ^ set(weights))
+    differ = []
+    for name, tensor in sorted(weights.items()):
+        x = tensor.double()
+        now, bounds = (x.sum(), x.pow(2).sum()), (x.abs().sum(), x.pow(2).sum())
+        slack = 2 * x.numel() * torch.finfo(torch.float64).eps
+        if any(abs(float(a) - b) > slack * float(bound) for a, b, bound in zip(now, saved[name], bounds)):
+            differ.append(name)
+    return differ
 
 
 def frozen_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

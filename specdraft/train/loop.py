@@ -31,6 +31,7 @@ from specdraft.train.engine import (build_engine, draft_parameter_count, gather_
                                     init_distributed, resolve_target_placement, steps_of_their_own)
 from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.train.imports import apply_import, planned_import
+from specdraft.train.interrupt import StopSignals, TrainingInterrupted
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.model import TargetWithDraft
 from specdraft.transfer import to_device
@@ -54,11 +55,16 @@ class TrainResult:
 
 def train(cfg: DictConfig, log=print) -> TrainResult:
     rank, world_size = init_distributed()
-    with contextlib.ExitStack() as closing:  # a failure closes the progress bar: its line ends before the error's
-        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing)
+    stop = StopSignals(rank)
+    # a failure closes the progress bar (its line ends before the error's); the caller's signal
+    # handlers come back whatever happens (train() runs in-process too: tests, notebooks)
+    with contextlib.ExitStack() as closing:
+        closing.callback(stop.restore)
+        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing, stop)
 
 
-def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib.ExitStack) -> TrainResult:
+def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib.ExitStack,
+           stop: StopSignals) -> TrainResult:
     from tqdm import tqdm
 
     # -- setup -------------------------------------------------------------------------------
@@ -122,6 +128,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     exporter = BackgroundExporter()
     started = time.perf_counter()
     start_step = state.step
+    stop.install()  # from here SIGINT / SIGTERM stop at a step boundary, after a save
 
     # -- loop --------------------------------------------------------------------------------
     while state.step < total_steps:
@@ -137,8 +144,9 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
         window.end_step()
         progress.update(1)
         last = state.step == total_steps
+        stop_signal = stop.agreed()  # collective: every rank stops after the same step
 
-        if state.step % cfg.logging_steps == 0 or last:
+        if state.step % cfg.logging_steps == 0 or last or stop_signal:
             elapsed = time.perf_counter() - started
             step_losses, values = window.reduce()  # the loop's one host sync per log interval
             result.losses.extend(step_losses)
@@ -147,25 +155,31 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
             log_metrics(state.step, values)
             progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
-        if eval_prompts and (state.step % cfg.eval_steps == 0 or last):
+        if eval_prompts and (state.step % cfg.eval_steps == 0 or last) and not stop_signal:
             tau = measure_draft_tau(engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
             log_metrics(state.step, tau)
             log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
 
-        if state.step % cfg.save_steps == 0 or last:
+        if state.step % cfg.save_steps == 0 or last or stop_signal:
             run_shared(exporter.wait)  # the previous export's failure (rank 0) stops every rank here
             draft_weights = gather_draft_state_dict(engine)  # rank 0; CPU copies, safe to write later
-            checkpoints.save(engine, state.step, {"train_state": asdict(state), "sampler": sampler.state_dict()},
-                             draft_weights)
+            client_state = {"train_state": asdict(state), "sampler": sampler.state_dict()}
+            slot = checkpoints.save(engine, state.step, client_state, draft_weights)
             result.export_dir = export_dir(run_dir, state.step)
             if rank == 0:  # written on the export thread, off the training path
                 exporter.submit(write_draft_export, result.export_dir, draft_weights, engine.module.draft_model,
                                 cfg, tokenizer, run_dir=run_dir, step=state.step)
+        if stop_signal:
+            break
 
     # -- summary -----------------------------------------------------------------------------
     run_shared(exporter.close)  # the last export is on disk before train() returns
     progress.close()
     run_shared(metrics.close)
+    if state.step < total_steps:  # stopped by a signal, its step committed and exported
+        interrupted = TrainingInterrupted(stop_signal, state.step, slot.name)
+        log(str(interrupted))
+        raise interrupted
     elapsed = time.perf_counter() - started
     result.tokens_per_second = _rate(state, start_step, cfg, world_size, elapsed)
     if result.losses:

@@ -24,7 +24,9 @@ from specdraft.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.run import (CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, committed_slots, slot_name,
                            slot_step, step_of)
+from specdraft.train import safe_load
 
+PICKLE_SUFFIX = ".pt"  # DeepSpeed's files; the rest of a slot is JSON, safetensors and zero_to_fp32.py
 VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)
 
 
@@ -96,8 +98,9 @@ def read_commit(slot_dir: Path) -> dict:
 
 
 def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None) -> None:
-    """Check files against the COMMITTED manifest BEFORE anything unpickles them: `names`, or
-    every file of the slot (and no file outside the manifest) when None."""
+    """Check files against the COMMITTED manifest, and each pickle for what it would call
+    (safe_load.check), BEFORE anything else unpickles them: `names`, or every file of the slot
+    (and no file outside the manifest) when None."""
     expected = record.get("files", {})
     if names is None:
         present = {str(p.relative_to(slot_dir)) for p in slot_files(slot_dir)}
@@ -113,6 +116,8 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
                                  f"(truncated or replaced)")
         if file_sha256(path) != entry["sha256"]:
             raise SpecdraftError(f"{path}: sha256 does not match the {COMMITTED} manifest (modified)")
+        if path.suffix == PICKLE_SUFFIX:  # a valid manifest proves who wrote the manifest, not what the pickle runs
+            safe_load.check(path)
 
 
 def verify_slot(slot_dir: Path) -> dict:

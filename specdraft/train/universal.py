@@ -18,6 +18,7 @@ import torch
 from specdraft.atomic import publish_dir, write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.run import COMMITTED, universal_dir
+from specdraft.train import safe_load
 from specdraft.train.collectives import run_shared
 from specdraft.train.slots import file_entry, file_sha256, read_commit, remove_slot, slot_files, verify_slot
 
@@ -54,18 +55,6 @@ def convert_to_universal(slot_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(tmp_parent)
 
 
-def load_universal_optimizer_state(path: Path) -> dict:
-    """zero/optimizer_state.pt of a universal copy this process just wrote from a verified slot.
-    Python 3.11.0-3.11.4 pickle an int Enum member as getattr(ZeroStageEnum, "gradients") (later
-    ones as ZeroStageEnum(2)), so getattr is allowed for this load; weights_only still refuses to
-    call anything outside the list."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, getattr]):
-        return torch.load(path, weights_only=True)
-
-
 def _serve_every_stage(out: Path) -> None:
     """ds_to_universal writes a ZeRO-1/2 slot and a ZeRO-3 slot differently, and each stage's loader
     reads only its own form: fill in what the other stage reads, so the copy loads at any stage 1-3.
@@ -82,7 +71,7 @@ def _serve_every_stage(out: Path) -> None:
         if not (out / name).is_file():
             shutil.copyfile(out / present[0], out / name)
     zero = out / "zero"
-    optim = load_universal_optimizer_state(zero / "optimizer_state.pt")
+    optim = safe_load.load(zero / "optimizer_state.pt")
     params = sorted(p for p in zero.iterdir() if p.is_dir())
     # ds_to_universal writes a folder per buffer too (fp32.pt only); they are never loaded
     # (buffers come back from FROZEN_FILE), and at ZeRO-1/2 the step is read from a parameter's
