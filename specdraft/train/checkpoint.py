@@ -21,8 +21,8 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
-from specdraft.config import config_hash
-from specdraft.errors import SpecdraftError
+from specdraft.config import config_hash, config_identity, identity_change
+from specdraft.errors import SpecdraftError, write_failure
 from specdraft.run import COMMITTED, FROZEN_FILE, LATEST, ckpt_dir, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.train import slots
@@ -141,12 +141,13 @@ class CheckpointManager:
                 "global_batch": cfg.per_device_batch_size * self.world_size * cfg.gradient_accumulation_steps,
                 "per_device_batch_size": cfg.per_device_batch_size,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                "config_hash": config_hash(cfg), "target": os.path.abspath(cfg.target),
+                "config_hash": config_hash(cfg), "config_identity": config_identity(cfg),
+                "target": os.path.abspath(cfg.target),
                 "target_identity": self.target_identity}
 
     def _write_error(self, err: BaseException, slot_dir: Path, step: int) -> BaseException:
         """A failed write becomes one line saying what survived; anything else stays as it is."""
-        reason = slots.write_failure(err)
+        reason = write_failure(err, slot_dir)
         if reason is None:
             return err
         if (slot_dir / COMMITTED).is_file():  # only the `latest` hint failed
@@ -235,9 +236,7 @@ class CheckpointManager:
         if record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
             raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
         if record.get("config_hash") != config_hash(cfg):
-            raise SpecdraftError(f"{slot_dir}: saved with draft {record['draft']['dims']}; this run's draft or "
-                                 f"max_seq_length differ (config hash {record.get('config_hash')} != "
-                                 f"{config_hash(cfg)})")
+            raise SpecdraftError(f"{slot_dir}: {identity_change(record.get('config_identity'), cfg)}")
         if record.get("target_identity") != self.target_identity:
             raise SpecdraftError(f"{slot_dir}: trained against another target than {cfg.target} (its "
                                  f"config.json or weights differ from those of {record['target']})")
