@@ -15,15 +15,15 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
-from specdraft.config import config_hash
+from specdraft.config import config_hash, draft_names, draft_view
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED, FROZEN_FILE, LATEST, ckpt_dir, slot_name, universal_dir
+from specdraft.run import COMMITTED, FROZEN_FILE, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.train import slots
 from specdraft.train.collectives import raise_everywhere, run_shared
@@ -85,6 +85,11 @@ class CheckpointManager:
     def save(self, engine, step: int, client_state: dict, draft_weights: Optional[dict]) -> Path:
         """Every rank calls (draft_weights: the gathered draft on rank 0, None elsewhere).
         Returns the committed slot; raises the same error on every rank if any rank failed."""
+        return self.save_drafts([DraftPart(None, engine, draft_weights)], step, client_state)
+
+    def save_drafts(self, parts: List["DraftPart"], step: int, client_state: dict) -> Path:
+        """save() of every draft of the run into one slot, committed by one manifest: a crash
+        leaves all of them at the new step or all at the old one."""
         import torch.distributed as dist
 
         slot_dir = self.ckpt_dir / slot_name(step)
@@ -100,12 +105,14 @@ class CheckpointManager:
         dist.all_gather_object(rng, rng_state())
         state = {UNIVERSAL_INFO: {}, CLIENT_KEY: dict(client_state, rng=rng)}
         written, errors = {}, []
-        try:
-            with slots.recording_writes(engine, slot_dir, written, errors, self._sleep):
-                engine.save_checkpoint(str(self.ckpt_dir), tag=slot_dir.name, client_state=state,
-                                       save_latest=False, exclude_frozen_parameters=True)
-        except Exception as err:
-            errors.append(err)
+        for part in parts:
+            where = draft_part(slot_dir, part.name)
+            try:
+                with slots.recording_writes(part.engine, slot_dir, written, errors, self._sleep):
+                    part.engine.save_checkpoint(str(where.parent), tag=where.name, client_state=state,
+                                                save_latest=False, exclude_frozen_parameters=True)
+            except Exception as err:
+                errors.append(err)
         error = self._write_error(errors[0], slot_dir, step) if errors else None
         if error is not None and self.rank == 0 and not (slot_dir / COMMITTED).exists():
             shutil.rmtree(slot_dir, ignore_errors=True)  # give a full disk its space back
@@ -115,11 +122,18 @@ class CheckpointManager:
         dist.all_gather_object(manifests, written)
 
         def commit():
-            draft = engine.module.draft_model
             try:
-                write_frozen_state(slot_dir, frozen_state(draft, draft_weights))
-                record = dict(self._record(step), draft=draft.export_config(),
-                              draft_fingerprint=draft_fingerprint(draft_weights))
+                described = {}
+                for part in parts:
+                    draft = part.engine.module.draft_model
+                    write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))
+                    described[part.name] = self._draft_record(draft, part.weights)
+                if parts[0].name is None:  # a one-draft run: its record as it always was
+                    record = dict(self._record(step), **described[None])
+                else:
+                    record = dict(self._record(step), drafts={
+                        name: dict(entry, config_hash=config_hash(draft_view(self.cfg, name)))
+                        for name, entry in described.items()})
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
@@ -132,6 +146,11 @@ class CheckpointManager:
         run_shared(commit)
         run_shared(lambda: self._expect_visible(slot_dir / COMMITTED), on_rank=None)
         return slot_dir
+
+    @staticmethod
+    def _draft_record(draft, weights: dict) -> dict:
+        """What COMMITTED says of one draft: what rebuilds it, and what proves a load brought it back."""
+        return {"draft": draft.export_config(), "draft_fingerprint": draft_fingerprint(weights)}
 
     def _record(self, step: int) -> dict:
         """What COMMITTED says of the run besides the files: what a resume must match or adopt."""
@@ -214,8 +233,15 @@ class CheckpointManager:
         """What this rank will read: rank 0 reads the whole slot to convert it; otherwise each
         rank its own files (the converted copy is verified on every rank before it is loaded)."""
         if self._universal_needed(record):
-            return None if self.rank == 0 else [FROZEN_FILE]
-        return [*slots.files_rank_loads(record, self.rank, record["zero_stage"]), FROZEN_FILE]
+            return None if self.rank == 0 else [FROZEN_FILE if name is None else f"{name}/{FROZEN_FILE}"
+                                                for name in record_names(record)]
+        names = []
+        for name in record_names(record):
+            prefix = "" if name is None else f"{name}/"
+            own = {key[len(prefix):]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
+            names += [prefix + n for n in slots.files_rank_loads({"files": own}, self.rank, record["zero_stage"])]
+            names.append(prefix + FROZEN_FILE)
+        return names
 
     def _universal_needed(self, record: dict) -> bool:
         stages = (record["zero_stage"], self.cfg.zero_stage)
@@ -232,9 +258,22 @@ class CheckpointManager:
 
     def _check_compatible(self, slot_dir: Path, record: dict) -> None:
         cfg = self.cfg
-        if record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
+        names = draft_names(cfg)
+        if record_names(record) != names:
+            def say(found):
+                return "one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}"
+            raise SpecdraftError(f"{slot_dir}: saved a run of {say(record_names(record))}; this run trains "
+                                 f"{say(names)} (another output_dir, or resume=no, to start anew)")
+        if names != [None]:
+            for name in names:
+                view, saved = draft_view(cfg, name), record["drafts"][name]
+                if saved.get("config_hash") != config_hash(view):
+                    raise SpecdraftError(f"{slot_dir}: draft {name} was saved as a {saved['draft'].get('family')} "
+                                         f"draft {saved['draft']['dims']}; this run's drafts.{name} or max_seq_length "
+                                         f"differ (config hash {saved.get('config_hash')} != {config_hash(view)})")
+        elif record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
             raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
-        if record.get("config_hash") != config_hash(cfg):
+        elif record.get("config_hash") != config_hash(cfg):
             raise SpecdraftError(f"{slot_dir}: saved with draft {record['draft']['dims']}; this run's draft or "
                                  f"max_seq_length differ (config hash {record.get('config_hash')} != "
                                  f"{config_hash(cfg)})")
@@ -266,12 +305,27 @@ class CheckpointManager:
     def resume(self, engine, plan: ResumePlan, log: Callable[[str], None]) -> dict:
         """Load the planned slot into the engine (built with load_universal=plan.universal);
         returns our client state (step, sampler, ...)."""
+        return self.resume_drafts([DraftPart(None, engine)], plan, log)
+
+    def resume_drafts(self, parts: List["DraftPart"], plan: ResumePlan, log: Callable[[str], None]) -> dict:
+        """resume() of every draft of the run from its folder of the one slot."""
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record
-        load_dir = slot_dir
-        if plan.universal:
-            load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}")
+        for part in parts:
+            ours = self._load_draft(part, slot_dir, record, plan.universal, log)
+        if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
+            set_rng_state(ours["rng"][self.rank])
+        dist.barrier()
+        return ours
+
+    def _load_draft(self, part: "DraftPart", slot_dir: Path, record: dict, universal: bool, log) -> dict:
+        engine = part.engine
+        source = draft_part(slot_dir, part.name)
+        load_dir = source
+        if universal:
+            load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}",
+                                      part.name)
         # ZeRO-3's universal load gives every param group the hyperparameters of group 0 (weight
         # decay on the norms), and one shared `step` tensor that torch's Adam then increments once
         # per group: put back each group's own hyperparameters (lr is the scheduler's) and step.
@@ -281,20 +335,31 @@ class CheckpointManager:
             load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise SpecdraftError(f"{load_dir}: DeepSpeed found no checkpoint to load there")
-        if plan.universal:
+        if universal:
             for group, own in zip(engine.optimizer.param_groups, groups):
                 group.update(own)
             for param_state in engine.optimizer.optimizer.state.values():
                 if torch.is_tensor(param_state.get("step")):
                     param_state["step"] = param_state["step"].clone()
-        ours = client_state[CLIENT_KEY]
         # DeepSpeed restores trained parameters only (frozen ones are not in the slot, a universal
         # copy has no buffers): the rest comes back, exactly, from our side file.
-        restore_frozen_state(engine.module.draft_model, read_frozen_state(slot_dir), str(slot_dir))
+        restore_frozen_state(engine.module.draft_model, read_frozen_state(source), str(source))
         # The load was non-strict: prove the draft came back, buffers and frozen parameters included.
         loaded = gather_draft_state_dict(engine)
-        run_shared(lambda: check_fingerprint(slot_dir, loaded, record))
-        if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
-            set_rng_state(ours["rng"][self.rank])
-        dist.barrier()
-        return ours
+        own = record if part.name is None else record["drafts"][part.name]
+        run_shared(lambda: check_fingerprint(source, loaded, own))
+        return client_state[CLIENT_KEY]
+
+
+@dataclass
+class DraftPart:
+    """One draft of a save or a resume: its name (None: a one-draft run), its engine, and (save)
+    its gathered weights on rank 0."""
+    name: Optional[str]
+    engine: object
+    weights: Optional[dict] = None
+
+
+def record_names(record: dict) -> List[Optional[str]]:
+    """The drafts a slot's COMMITTED record holds: [None] for a one-draft run's slot."""
+    return list(record["drafts"]) if "drafts" in record else [None]
