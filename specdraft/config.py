@@ -350,22 +350,6 @@ def draft_view(cfg: DictConfig, name: Optional[str]) -> DictConfig:
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), base)
 
 
-def named_draft(cfg: DictConfig, name: Optional[str], what: str) -> Optional[str]:
-    """`--draft NAME` of an offline command against a run's config: the draft it means (None: a
-    one-draft run). A several-draft run needs one; a one-draft run takes none."""
-    names = draft_names(cfg)
-    if names == [None]:
-        if name is not None:
-            raise SpecdraftError(f"--draft {name}: this run trains one draft (no drafts: in its config); "
-                                 f"{what} without --draft")
-        return None
-    if name is None:
-        raise SpecdraftError(f"this run trains several drafts; {what} needs --draft NAME, one of: {', '.join(names)}")
-    if name not in names:
-        raise SpecdraftError(f"--draft {name}: not a draft of this run (its drafts: {', '.join(names)})")
-    return name
-
-
 def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> None:
     """A several-draft run: the names, then each draft as a run of its own would be checked, its
     errors naming `drafts.<name>.<key>`."""

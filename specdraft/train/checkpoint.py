@@ -234,9 +234,9 @@ class CheckpointManager:
         rank its own files (the converted copy is verified on every rank before it is loaded)."""
         if self._universal_needed(record):
             return None if self.rank == 0 else [FROZEN_FILE if name is None else f"{name}/{FROZEN_FILE}"
-                                                for name in record_names(record)]
+                                                for name in slots.record_names(record)]
         names = []
-        for name in record_names(record):
+        for name in slots.record_names(record):
             prefix = "" if name is None else f"{name}/"
             own = {key[len(prefix):]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
             names += [prefix + n for n in slots.files_rank_loads({"files": own}, self.rank, record["zero_stage"])]
@@ -259,10 +259,10 @@ class CheckpointManager:
     def _check_compatible(self, slot_dir: Path, record: dict) -> None:
         cfg = self.cfg
         names = draft_names(cfg)
-        if record_names(record) != names:
+        if slots.record_names(record) != names:
             def say(found):
                 return "one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}"
-            raise SpecdraftError(f"{slot_dir}: saved a run of {say(record_names(record))}; this run trains "
+            raise SpecdraftError(f"{slot_dir}: saved a run of {say(slots.record_names(record))}; this run trains "
                                  f"{say(names)} (another output_dir, or resume=no, to start anew)")
         if names != [None]:
             for name in names:
@@ -359,7 +359,3 @@ class DraftPart:
     engine: object
     weights: Optional[dict] = None
 
-
-def record_names(record: dict) -> List[Optional[str]]:
-    """The drafts a slot's COMMITTED record holds: [None] for a one-draft run's slot."""
-    return list(record["drafts"]) if "drafts" in record else [None]
