@@ -1,6 +1,7 @@
 """Crash-safe checkpoints that resume exactly, at any world size: the policy. What a save writes
 and commits, which slot a resume takes and what it checks first, and how the run adapts to it.
-The files are elsewhere: the layout in specdraft/run.py, the manifest and removal in slots.py, the
+The files are elsewhere: the layout in specdraft/run.py, the manifest and removal in slots.py, each
+draft's part of a slot in draft_parts.py (several drafts: one folder each, one commit for all), the
 draft state DeepSpeed does not save in frozen_state.py, other world sizes in universal.py.
 
 The checkpoint directory must be on a filesystem every node sees at the same path: rank 0 commits
@@ -17,19 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import torch
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
 from specdraft.config import config_hash, draft_names, draft_view
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED, FROZEN_FILE, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
+from specdraft.run import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.train import slots
 from specdraft.train.collectives import raise_everywhere, run_shared
-from specdraft.train.engine import gather_draft_state_dict
-from specdraft.train.frozen_state import (check_fingerprint, draft_fingerprint, frozen_state, read_frozen_state,
-                                          restore_frozen_state, write_frozen_state)
+from specdraft.train.draft_parts import (DraftPart, commit_draft, files_rank_loads, frozen_files, load_draft,
+                                         save_draft)
 from specdraft.train.rng import rng_state, set_rng_state
 from specdraft.train.universal import universal_copy
 
@@ -87,9 +86,8 @@ class CheckpointManager:
         Returns the committed slot; raises the same error on every rank if any rank failed."""
         return self.save_drafts([DraftPart(None, engine, draft_weights)], step, client_state)
 
-    def save_drafts(self, parts: List["DraftPart"], step: int, client_state: dict) -> Path:
-        """save() of every draft of the run into one slot, committed by one manifest: a crash
-        leaves all of them at the new step or all at the old one."""
+    def save_drafts(self, parts: List[DraftPart], step: int, client_state: dict) -> Path:
+        """save() of every draft into one slot under one manifest: a crash leaves all at one step."""
         import torch.distributed as dist
 
         slot_dir = self.ckpt_dir / slot_name(step)
@@ -106,13 +104,7 @@ class CheckpointManager:
         state = {UNIVERSAL_INFO: {}, CLIENT_KEY: dict(client_state, rng=rng)}
         written, errors = {}, []
         for part in parts:
-            where = draft_part(slot_dir, part.name)
-            try:
-                with slots.recording_writes(part.engine, slot_dir, written, errors, self._sleep):
-                    part.engine.save_checkpoint(str(where.parent), tag=where.name, client_state=state,
-                                                save_latest=False, exclude_frozen_parameters=True)
-            except Exception as err:
-                errors.append(err)
+            save_draft(part, slot_dir, state, written, errors, self._sleep)
         error = self._write_error(errors[0], slot_dir, step) if errors else None
         if error is not None and self.rank == 0 and not (slot_dir / COMMITTED).exists():
             shutil.rmtree(slot_dir, ignore_errors=True)  # give a full disk its space back
@@ -123,17 +115,13 @@ class CheckpointManager:
 
         def commit():
             try:
-                described = {}
-                for part in parts:
-                    draft = part.engine.module.draft_model
-                    write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))
-                    described[part.name] = self._draft_record(draft, part.weights)
-                if parts[0].name is None:  # a one-draft run: its record as it always was
-                    record = dict(self._record(step), **described[None])
+                described = {part.name: commit_draft(part, slot_dir) for part in parts}
+                record = self._record(step)
+                if None in described:  # a one-draft run: its record as it always was
+                    record.update(described[None])
                 else:
-                    record = dict(self._record(step), drafts={
-                        name: dict(entry, config_hash=config_hash(draft_view(self.cfg, name)))
-                        for name, entry in described.items()})
+                    record["drafts"] = {name: dict(entry, config_hash=config_hash(draft_view(self.cfg, name)))
+                                        for name, entry in described.items()}
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
@@ -146,11 +134,6 @@ class CheckpointManager:
         run_shared(commit)
         run_shared(lambda: self._expect_visible(slot_dir / COMMITTED), on_rank=None)
         return slot_dir
-
-    @staticmethod
-    def _draft_record(draft, weights: dict) -> dict:
-        """What COMMITTED says of one draft: what rebuilds it, and what proves a load brought it back."""
-        return {"draft": draft.export_config(), "draft_fingerprint": draft_fingerprint(weights)}
 
     def _record(self, step: int) -> dict:
         """What COMMITTED says of the run besides the files: what a resume must match or adopt."""
@@ -233,15 +216,8 @@ class CheckpointManager:
         """What this rank will read: rank 0 reads the whole slot to convert it; otherwise each
         rank its own files (the converted copy is verified on every rank before it is loaded)."""
         if self._universal_needed(record):
-            return None if self.rank == 0 else [FROZEN_FILE if name is None else f"{name}/{FROZEN_FILE}"
-                                                for name in slots.record_names(record)]
-        names = []
-        for name in slots.record_names(record):
-            prefix = "" if name is None else f"{name}/"
-            own = {key[len(prefix):]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
-            names += [prefix + n for n in slots.files_rank_loads({"files": own}, self.rank, record["zero_stage"])]
-            names.append(prefix + FROZEN_FILE)
-        return names
+            return None if self.rank == 0 else frozen_files(record)
+        return files_rank_loads(record, self.rank)
 
     def _universal_needed(self, record: dict) -> bool:
         stages = (record["zero_stage"], self.cfg.zero_stage)
@@ -260,10 +236,10 @@ class CheckpointManager:
         cfg = self.cfg
         names = draft_names(cfg)
         if slots.record_names(record) != names:
-            def say(found):
-                return "one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}"
-            raise SpecdraftError(f"{slot_dir}: saved a run of {say(slots.record_names(record))}; this run trains "
-                                 f"{say(names)} (another output_dir, or resume=no, to start anew)")
+            saved, ours = (("one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}")
+                           for found in (slots.record_names(record), names))
+            raise SpecdraftError(f"{slot_dir}: saved a run of {saved}; this run trains {ours} (another output_dir, "
+                                 f"or resume=no, to start anew)")
         if names != [None]:
             for name in names:
                 view, saved = draft_view(cfg, name), record["drafts"][name]
@@ -307,55 +283,18 @@ class CheckpointManager:
         returns our client state (step, sampler, ...)."""
         return self.resume_drafts([DraftPart(None, engine)], plan, log)
 
-    def resume_drafts(self, parts: List["DraftPart"], plan: ResumePlan, log: Callable[[str], None]) -> dict:
+    def resume_drafts(self, parts: List[DraftPart], plan: ResumePlan, log: Callable[[str], None]) -> dict:
         """resume() of every draft of the run from its folder of the one slot."""
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record
         for part in parts:
-            ours = self._load_draft(part, slot_dir, record, plan.universal, log)
+            load_dir = draft_part(slot_dir, part.name)
+            if plan.universal:
+                load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}",
+                                          part.name)
+            ours = load_draft(part, slot_dir, load_dir, record, plan.universal)[CLIENT_KEY]
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
             set_rng_state(ours["rng"][self.rank])
         dist.barrier()
         return ours
-
-    def _load_draft(self, part: "DraftPart", slot_dir: Path, record: dict, universal: bool, log) -> dict:
-        engine = part.engine
-        source = draft_part(slot_dir, part.name)
-        load_dir = source
-        if universal:
-            load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}",
-                                      part.name)
-        # ZeRO-3's universal load gives every param group the hyperparameters of group 0 (weight
-        # decay on the norms), and one shared `step` tensor that torch's Adam then increments once
-        # per group: put back each group's own hyperparameters (lr is the scheduler's) and step.
-        groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
-        load_path, client_state = engine.load_checkpoint(
-            str(load_dir.parent), tag=load_dir.name, load_module_strict=False,
-            load_optimizer_states=True, load_lr_scheduler_states=True)
-        if load_path is None:
-            raise SpecdraftError(f"{load_dir}: DeepSpeed found no checkpoint to load there")
-        if universal:
-            for group, own in zip(engine.optimizer.param_groups, groups):
-                group.update(own)
-            for param_state in engine.optimizer.optimizer.state.values():
-                if torch.is_tensor(param_state.get("step")):
-                    param_state["step"] = param_state["step"].clone()
-        # DeepSpeed restores trained parameters only (frozen ones are not in the slot, a universal
-        # copy has no buffers): the rest comes back, exactly, from our side file.
-        restore_frozen_state(engine.module.draft_model, read_frozen_state(source), str(source))
-        # The load was non-strict: prove the draft came back, buffers and frozen parameters included.
-        loaded = gather_draft_state_dict(engine)
-        own = record if part.name is None else record["drafts"][part.name]
-        run_shared(lambda: check_fingerprint(source, loaded, own))
-        return client_state[CLIENT_KEY]
-
-
-@dataclass
-class DraftPart:
-    """One draft of a save or a resume: its name (None: a one-draft run), its engine, and (save)
-    its gathered weights on rank 0."""
-    name: Optional[str]
-    engine: object
-    weights: Optional[dict] = None
-
