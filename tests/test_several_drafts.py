@@ -238,3 +238,25 @@ def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupt
         logged = losses_by_step(run_dir / "metrics.jsonl", name)
         assert {step for step, _ in logged} == set(range(1, steps + 1))
         assert all(loss == straight.draft_losses[name][step - 1] for step, loss in logged), name
+
+
+# -- ZeRO-3 and the in-training tau ------------------------------------------------------------------
+
+def test_zero3_several_drafts_train_as_alone_and_each_tau_is_logged_under_its_name(tiny_target_dir, tiny_data,
+                                                                                    data_dir, tmp_path):
+    """At ZeRO-3 the target is replicated outside the drafts' engines; each draft still trains as
+    it does alone (its engine partitions it alone), and the tau of each is measured."""
+    common = dict(max_steps=2, save_steps=2, zero_stage=3, target_placement="replicated", eval_steps=2,
+                  eval_prompts=tiny_data.prompts_file)
+    together = train_run(tiny_target_dir, data_dir, tmp_path, "together", drafts=sections(["g", "e3"]), **common)
+    rows = [json.loads(line) for line in open(tmp_path / "together" / "metrics.jsonl")]
+    for name in ("g", "e3"):
+        alone = train_run(tiny_target_dir, data_dir, tmp_path, name, **alone_overrides(name), **common)
+        assert together.draft_losses[name] == alone.losses and len(alone.losses) == 2
+        got = load_file(str(tmp_path / "together" / "step_2" / name / "model.safetensors"))
+        want = load_file(str(tmp_path / name / "step_2" / "model.safetensors"))
+        assert all(torch.equal(got[key], want[key]) for key in want)
+        taus = [row[f"{name}/eval/tau"] for row in rows if f"{name}/eval/tau" in row]
+        alone_taus = [json.loads(line)["eval/tau"] for line in open(tmp_path / name / "metrics.jsonl")
+                      if "eval/tau" in line]
+        assert len(taus) == 1 and taus == alone_taus
