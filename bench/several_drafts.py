@@ -22,7 +22,7 @@ seconds of this 1-thread process (bench/step_efficiency.py's timed()).
         [--shapes bench,deep] [--zero 2] [--rounds 3] [--warmup 1]
 
 Shapes: "bench" is the bench preset's target (Llama, 6 layers, hidden 256, vocab 4096) at 1 x 2048;
-"deep" the same layers 24 deep at 1 x 2048 (a target whose forward dominates the step); "tiny"
+"deep" the same layers 48 deep at 1 x 2048 (a target whose forward is most of a solo step); "tiny"
 only keeps the script from rotting. Drafts: the demo configs' settings (step_efficiency's
 FAMILY_SETTINGS). The last line: `ratio=<x> step_ratio=<y> target_share=<z>` of the last shape,
 target_share the smallest over the families.
@@ -54,7 +54,7 @@ from specdraft.train.model import DraftWithLoss, TargetWithDraft  # noqa: E402
 
 BENCH = preset_shape("bench", "bench", batch=1, seq=2048, window=512)
 SHAPES = {"tiny": STEP_SHAPES["tiny"], "bench": BENCH,
-          "deep": dataclasses.replace(BENCH, name="deep", layers=24)}
+          "deep": dataclasses.replace(BENCH, name="deep", layers=48)}
 
 
 class SeveralBench:
