@@ -36,6 +36,9 @@ def _export_drafts(export_dir: Path) -> List[Optional[str]]:
 
 
 def _newest_export(run_dir: Path) -> Path:
+    """A run's newest step_<N>/ export (run_dir itself when it is a several-draft run's step_<N>/)."""
+    if _export_drafts(run_dir):
+        return run_dir
     steps = [d for d in exports(run_dir) if _export_drafts(d)]
     if not steps:
         raise SpecdraftError(f"{run_dir}: neither a draft export (no {CONFIG_NAME}) nor a run "

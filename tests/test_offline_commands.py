@@ -276,3 +276,6 @@ def test_eval_of_a_several_draft_run_puts_every_draft_side_by_side(runs, tiny_da
     assert main([*args, "--draft", "eagle3", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)
     assert one["draft"] == str(work / SEVERAL / f"step_{STEPS}" / "eagle3") and one["tau"] == reports["eagle3"]["tau"]
+    args[1] = str(work / SEVERAL / f"step_{STEPS}")  # the step's export directory of every draft
+    assert main([*args, "--draft", "glide", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tau"] == reports["glide"]["tau"]
