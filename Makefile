@@ -1,5 +1,7 @@
-# `make demo`: venv + install + the offline CPU demo.   `make test`: both venvs + pytest.
-# `make mutation`: semantic mutants of drafts/ and decode/ against the tests (slow; see README).
+# `make demo`: venv + install + the offline CPU demo.   `make test`: both venvs + pytest (which
+# builds the docs with mkdocs --strict).   `make docs`: the documentation site into site/
+# (`.venv/bin/mkdocs serve` to read it).   `make mutation`: semantic mutants of drafts/ and decode/
+# against the tests (slow; see docs/architecture.md).
 VENV   ?= .venv
 PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.
@@ -17,13 +19,13 @@ SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test venv speculators-venv bench mutation clean
+.PHONY: demo test docs venv speculators-venv bench mutation clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	# One pip command with torch pinned, so pip never swaps in a multi-GB CUDA build; the other
 	# packages at the exact versions the suite passes with (pyproject.toml only declares ranges).
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints.txt "$(TORCH)" -e ".[test]"
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints.txt "$(TORCH)" -e ".[test,plots,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -47,9 +49,14 @@ test: $(STAMP) $(SPECULATORS_STAMP)
 mutation: $(STAMP) $(SPECULATORS_STAMP)
 	OMP_NUM_THREADS=1 SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python tests/mutation/run.py
 
+# The configuration reference is generated from the schema; tests/test_docs.py fails when it is stale.
+docs: $(STAMP)
+	$(VENV)/bin/python -m specdraft.config_reference > docs/config-reference.md
+	$(VENV)/bin/python -m mkdocs build --strict
+
 # Every bench script, then one summary table of their key=value last lines.
 bench: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/python bench/summary.py
 
 clean:
-	rm -rf $(VENV) $(SPECULATORS_VENV) runs
+	rm -rf $(VENV) $(SPECULATORS_VENV) runs site

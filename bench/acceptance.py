@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ import torch  # noqa: E402
 
 from specdraft.decode.measure import compare, make_drafter, run_plain  # noqa: E402
 from specdraft.decode.prompts import read_prompts, stop_tokens  # noqa: E402
+from specdraft.decode.report import plot_acceptance, require_matplotlib  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
@@ -82,6 +84,8 @@ def parse_args(argv=None):
     parser.add_argument("--confidence-threshold", default="0.5",
                         help="drafters with a confidence head (DSpark) are measured again with each of these "
                              "stops (comma-separated, e.g. 0.05,0.1,0.5)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="bar charts of acceptance per draft position and tau per drafter (specdraft[plots])")
     parser.add_argument("--out", default="runs/bench-acceptance", help="where the trained drafts and results go")
     return parser.parse_args(argv)
 
@@ -107,9 +111,14 @@ def split_objective(text: str):
 
 
 def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=()) -> Path:
-    """The family's demo config on this target and data, `steps` steps, one export at the end."""
+    """The family's demo config on this target and data, `steps` steps, one export at the end. A
+    run this bench left in out_dir before is trained anew (resume=no never mixes into it)."""
     from specdraft.config import load_config
+    from specdraft.run import is_run_dir
     from specdraft.train.loop import train
+
+    if is_run_dir(out_dir):
+        shutil.rmtree(out_dir)
 
     cfg = load_config(CONFIGS[family],
                       [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
@@ -169,6 +178,8 @@ def main(argv=None) -> dict:
     if any(not 0.0 <= c <= 1.0 for c in thresholds):
         sys.exit(f"--confidence-threshold {args.confidence_threshold}: each stop must lie in [0, 1]")
     try:
+        if args.plot:
+            require_matplotlib()
         objectives = [split_objective(text) for text in args.objectives]
     except SpecdraftError as err:
         print(f"bench/acceptance.py: {err}", file=sys.stderr)
@@ -309,6 +320,12 @@ def main(argv=None) -> dict:
                "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds}
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
     (out / "acceptance.md").write_text(text + "\n")
+    if args.plot:
+        def plot_label(r):
+            return f"{r['label']}, {'tree' if r['tree'] else 'γ=' + str(r['gamma'])}, T={r['temperature']:g}"
+
+        plot_acceptance([(plot_label(r), r) for r in rows], args.plot)
+        print(f"[bench] plot: {args.plot}")
     return results
 
 

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from specdraft.decode.prompts import encode_messages, read_prompts, stop_tokens  # noqa: E402
 from specdraft.evaluate import load_tokenizer  # noqa: E402
 from specdraft.demo.cache import read_stamp  # noqa: E402
+from specdraft.demo.machine import describe  # noqa: E402
 from specdraft.demo.presets import PRESETS, get_preset  # noqa: E402
 from specdraft.demo.quality import held_out_prompts, measure_answer_quality, unseen_prompts  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
@@ -65,7 +66,8 @@ def build_figures(stamp: dict | None) -> str:
         return "build figures not recorded" + (f"; final loss {stamp['final_loss']:.3f}" if stamp else "")
     return (f"{stamp['params'] / 1e6:.2f}M params, {stamp['tokens_seen'] / 1e6:.2f}M tokens seen "
             f"({stamp['tokens_seen'] / stamp['corpus_tokens']:.1f} passes), final loss {stamp['final_loss']:.3f}, "
-            f"built in {stamp['build_seconds']:.0f}s wall / {stamp['build_cpu_seconds']:.0f}s CPU")
+            f"built in {stamp['build_seconds']:.0f}s wall / {stamp['build_cpu_seconds']:.0f}s CPU"
+            + (f" on {describe(stamp['cpu'])}" if "cpu" in stamp else ""))
 
 
 def main(argv=None) -> dict:

@@ -1,4 +1,4 @@
-"""`specdraft train|demo|inspect|export|consolidate|eval|regenerate`.
+"""`specdraft train|config|data|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -10,12 +10,14 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from specdraft.demo.presets import PRESETS  # a light module: --help stays instant
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, write_error, write_failure
 
 EXIT_USER_ERROR = 2
+EXIT_ROWS_FAILED = 1  # regenerate: rows the servers did not answer (rerun to retry them), or no row at all
 
 
 def _cmd_train(args) -> int:
@@ -24,6 +26,21 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from specdraft.config import load_config
+    from specdraft.data_report import data_report
+
+    data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from specdraft.config import load_config, resolved_config_yaml
+
+    print(resolved_config_yaml(load_config(args.config, args.overrides)), end="")
     return 0
 
 
@@ -100,16 +117,31 @@ def _cmd_regenerate(args) -> int:
                   temperature=args.temperature, top_p=args.top_p, samples=args.samples,
                   max_new_tokens=args.max_new_tokens, max_length=args.max_length, thinking=thinking,
                   seed=args.seed, batch_size=args.batch_size, concurrency=args.concurrency, model=args.model,
-                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard)
-    regenerate(load_regenerate_config(args.config, values))
-    return 0
+                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard,
+                  timeout=args.timeout)
+    summary = regenerate(load_regenerate_config(args.config, values))
+    return EXIT_ROWS_FAILED if summary["failed"] or not summary["rows_written"] else 0  # `&& train` stops
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's usage error, said once under torchrun / deepspeed (rank 0); every rank exits 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(EXIT_USER_ERROR)
+        super().error(message)
+
+
+def _packaged_demo_configs() -> List[str]:
+    """The names `specdraft demo --config` takes (read from the package, without importing config.py)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "configs").glob("demo*.yaml"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     # `deepspeed --num_gpus N --module specdraft ...` appends --local_rank=K; the rank comes from env.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
+    parser = _Parser(prog="specdraft", description=__doc__.splitlines()[0], parents=[common])
     subparsers = parser.add_subparsers(dest="command", required=True)
 
     class Commands:
@@ -119,15 +151,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands = Commands()
 
-    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]")
+    keys_help = ("Every key, its type, default and family: docs/config-reference.md. `specdraft config "
+                 "CONFIG [key=value ...]` prints the config resolved with every default, as a run records it "
+                 "in config.yaml.")
+    p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]", epilog=keys_help)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
 
+    p = commands.add_parser("data", help="tokenise the training data as train would and report what is "
+                                         "trained: CONFIG.yaml [key=value ...]")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print N conversations with the trained tokens highlighted")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per row: source, tokens, trained, trained_text")
+    p.set_defaults(run=_cmd_data)
+
+    p = commands.add_parser("config", help="print CONFIG.yaml [key=value ...] resolved with every default",
+                            epilog=keys_help)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    p.set_defaults(run=_cmd_config)
+
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--config", default=None,
-                   help="a config file, or a packaged one by name (demo, demo-eagle3); default: demo")
+                   help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); "
+                        f"default: demo")
     p.add_argument("--answer-temperature", type=float, default=0.0,
                    help="train on the target's answers sampled at this temperature (a separate cached "
                         "dataset); default 0: its greedy answers")
@@ -174,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--plot", default=None, help="PNG of acceptance per draft position")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="bar charts of acceptance per draft position and tau (needs specdraft[plots])")
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
@@ -201,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", default=None, help="openai: base URLs, comma separated (round robin)")
     p.add_argument("--concurrency", type=int, default=None, help="openai: requests in flight (default 8)")
     p.add_argument("--model", default=None, help="openai: the served model's name")
+    p.add_argument("--timeout", type=float, default=None, help="openai: seconds per request (default 600)")
     p.add_argument("--rows-per-shard", type=int, default=None, help="default 1000")
     p.set_defaults(run=_cmd_regenerate)
     return parser
@@ -211,11 +265,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.run(args)
     except SpecdraftError as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank hits the same mistake: say it once
-            print(f"specdraft: error: {err}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error_line(str(err))
     except KeyboardInterrupt:
         return 130
+    except Exception as err:  # a failed write (full disk, read-only, immutable): its path and the OS's reason
+        if write_failure(err) is None:
+            raise  # a bug: the traceback is what we need
+        return _error_line(str(write_error(err)))
+
+
+def _error_line(message: str) -> int:
+    """Every rank hits the same mistake (under torchrun / deepspeed): rank 0 says it, all exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"specdraft: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

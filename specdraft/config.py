@@ -26,7 +26,7 @@ from specdraft.drafts.objectives import validate_objective_options
 from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
-from specdraft.target.model import load_target_config
+from specdraft.target.model import check_sequence_length, check_tokenizer, load_target_config
 
 # `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
 if not OmegaConf.has_resolver("specdraft_home"):
@@ -67,7 +67,7 @@ TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
 class WandbConfig:
     project: Optional[str] = None  # None: W&B off
     mode: str = "offline"  # offline needs no network; "online" syncs
-    run_name: Optional[str] = None
+    run_name: Optional[str] = None  # the W&B run's name; None: W&B picks one
 
 
 @dataclass
@@ -80,16 +80,19 @@ class TrainConfig:
     thinking: Optional[bool] = None
     data_cache_dir: Optional[str] = None  # tokenised + packed data; default $SPECDRAFT_HOME/data
     max_seq_length: int = 512  # tokens per packed training sequence
+    # true: a row with nothing to learn (no assistant turn, template refusal, empty answers) stops the
+    # data build naming file:line; false: it is skipped and counted in the start-up summary
+    data_strict: bool = False
     # packed conversations: positions restart and attention stops at each conversation border
     # (target and draft); false: a window is one stream across borders (LongSpec's packing)
     document_mask: bool = True
     per_device_batch_size: int = 2  # sequences per rank per micro step
     gradient_accumulation_steps: int = 1  # micro steps per optimizer step
-    learning_rate: float = 5e-4
+    learning_rate: float = 5e-4  # AdamW peak learning rate (LongSpec's)
     weight_decay: float = 0.1  # applied to matrices only, never to norms
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-6
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-6  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
     num_train_epochs: int = 1  # used when max_steps < 0
     max_steps: int = -1  # optimizer steps; overrides num_train_epochs when > 0
@@ -102,14 +105,14 @@ class TrainConfig:
     eval_temperature: float = 0.0  # the in-training tau's sampling temperature (0: greedy)
     keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
     resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
-    seed: int = 42
-    precision: str = "fp32"  # fp32 | bf16 (fp16 refused: see _validate)
+    seed: int = 42  # data order, per-batch randomness and initial weights; a resume keeps it
+    precision: str = "fp32"  # fp32 | bf16 (fp16 is refused: the chunked losses' gradients would underflow)
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     # ZeRO-3: the frozen target "replicated" on every device (no gathers), "partitioned" (for
     # targets that do not fit), or "auto": replicated when the memory model says it fits
     target_placement: str = "auto"
     loss_chunk_size: int = 0  # tokens per cross-entropy chunk; 0: from the vocab (~256 MiB fp32 logits)
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/default"  # the run directory: config.yaml, ckpt/, step_<N>/ exports, metrics
     export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
     draft: DraftConfig = field(default_factory=DraftConfig)
     # several drafts trained from one target pass: {name: the keys of a `draft:` section, plus
@@ -119,28 +122,45 @@ class TrainConfig:
 
 
 def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
-    """Schema defaults <- YAML file <- `key=value` overrides, validated; raises SpecdraftError."""
-    schema = OmegaConf.structured(TrainConfig)
-    layers = [schema]
+    """Schema defaults <- YAML file <- `key=value` overrides, validated; raises SpecdraftError.
+    A key the schema lacks is blamed on where it was given: the file, or the override itself."""
+    layers = [OmegaConf.structured(TrainConfig)]
+    cfg = layers[0]
     if path is not None:
-        layers.append(_read_yaml(path))
+        layers.append(read_yaml(path))
+        cfg = _merge(cfg, layers[-1], lambda key: path)
     layers.append(_parse_overrides(overrides))
-    source = path or "command line"
-    try:
-        cfg = OmegaConf.merge(*layers)
-    except ConfigKeyError as err:
-        raise SpecdraftError(f"{source}: {_unknown_key_message(err)}") from None
-    except ValidationError as err:
-        raise SpecdraftError(f"{source}: {_validation_message(err)}") from None
-    except OmegaConfBaseException as err:
-        raise SpecdraftError(f"{source}: {str(err).splitlines()[0]}") from None
-    except TypeError as err:  # e.g. a list over a mapping of an untyped key (draft.loss)
-        raise SpecdraftError(f"{source}: cannot merge the overrides into the config ({err})") from None
+    cfg = _merge(cfg, layers[-1], lambda key: _override_naming(key, overrides))
+    overridden = {item.split("=", 1)[0] for item in overrides}
+    source_of = lambda key: _override_naming(key, overrides) if key in overridden else (path or "command line")  # noqa: E731
     if cfg.drafts is None:
-        _validate(cfg, source, given_draft_keys(layers[1:]))
+        _validate(cfg, path or "command line", given_draft_keys(layers[1:]), source_of)
     else:
-        _validate_drafts(cfg, source, given_draft_keys(layers[1:]))
+        _validate_drafts(cfg, path or "command line", given_draft_keys(layers[1:]))
     return cfg
+
+
+def _merge(cfg: DictConfig, layer: DictConfig, source_of) -> DictConfig:
+    """cfg <- layer; an error is one line led by source_of(the offending key)."""
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except ConfigKeyError as err:
+        raise SpecdraftError(f"{source_of(err.full_key)}: {_unknown_key_message(err)}") from None
+    except ValidationError as err:
+        raise SpecdraftError(f"{source_of(err.full_key)}: {_validation_message(err)}") from None
+    except OmegaConfBaseException as err:
+        raise SpecdraftError(f"{source_of(err.full_key)}: {str(err).splitlines()[0]}") from None
+    except TypeError as err:  # e.g. a list over a mapping of an untyped key (draft.loss)
+        raise SpecdraftError(f"{source_of(None)}: cannot merge it into the config ({err})") from None
+
+
+def _override_naming(key: Optional[str], overrides: List[str]) -> str:
+    """"override 'k=v'" for the override that set `key` (or a key under it); all of them if unsure."""
+    for item in overrides:
+        given = item.split("=", 1)[0]
+        if key and (given == key or given.startswith(f"{key}.") or str(key).startswith(f"{given}.")):
+            return f"override '{item}'"
+    return "overrides " + " ".join(overrides)
 
 
 def given_draft_keys(layers: List[DictConfig]) -> List[str]:
@@ -153,12 +173,22 @@ def given_draft_keys(layers: List[DictConfig]) -> List[str]:
     return list(dict.fromkeys(keys))
 
 
-def _read_yaml(path: str) -> DictConfig:
+def read_yaml(path: str) -> DictConfig:
+    """A YAML config file as a mapping; a directory, a missing file or a syntax error (with its
+    file:line:column) is one line."""
+    import yaml
+
+    if os.path.isdir(path):
+        raise SpecdraftError(f"{path}: is a directory, not a YAML config file")
     if not os.path.isfile(path):
         raise SpecdraftError(f"{path}: config file not found")
     try:
         loaded = OmegaConf.load(path)
-    except Exception as err:  # yaml's parser errors have many types; all mean "not valid YAML"
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        raise SpecdraftError(f"{where}: not valid YAML: {err.problem or err.context}") from None
+    except Exception as err:  # other parser errors: still "not valid YAML", in one line
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpecdraftError(f"{path}: not valid YAML: {first}") from None
     if not isinstance(loaded, DictConfig):
@@ -204,9 +234,9 @@ def _validation_message(err: ValidationError) -> str:
     return f"key '{err.full_key}': value {err.value!r} is not a valid {expected}"
 
 
-def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = ()) -> None:
+def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_of=None) -> None:
     def fail(key: str, why: str) -> None:
-        raise SpecdraftError(f"{source}: key '{key}': {why}")
+        raise SpecdraftError(f"{source_of(key) if source_of else source}: key '{key}': {why}")
 
     for key in ("target", "data_files"):
         if OmegaConf.is_missing(cfg, key):
@@ -243,7 +273,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = ()) -> None:
         fail("target", f"directory not found: {cfg.target}")
     if cfg.draft.init_from is not None and not os.path.exists(cfg.draft.init_from):
         fail("draft.init_from", f"not found: {cfg.draft.init_from}")
-    family.validate_config(cfg.draft, _target_config_if_readable(cfg.target), source, cfg.max_seq_length)
+    target_config = _target_config_if_readable(cfg.target)
+    if target_config is not None:  # a model directory: it must hold a tokenizer and cover the sequences
+        check_tokenizer(cfg.target, f"{source}: key 'target'")
+        check_sequence_length(target_config, cfg.max_seq_length, source)
+    family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_formats:
             fail("export_formats", f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
@@ -263,36 +297,63 @@ def _target_config_if_readable(target_dir: str):
     return load_target_config(target_dir)
 
 
-def resolve_data_files(spec: Any, source: str = "config") -> List[str]:
-    """A path, a glob or a list of them -> sorted unique existing files; a miss is an error."""
+def resolve_data_files(spec: Any, source: str = "config", key: str = "key 'data_files'") -> List[str]:
+    """A path, a glob or a list of them -> sorted unique existing files; a miss is an error, and
+    so is a directory (its files are not guessed)."""
     items = list(spec) if OmegaConf.is_list(spec) or isinstance(spec, (list, tuple)) else [spec]
     files: List[str] = []
     for item in items:
         item = str(item)
+        if os.path.isdir(item):
+            raise SpecdraftError(f"{source}: {key}: {item} is a directory; name its files or a glob such as "
+                                 f"{os.path.join(item, '*.jsonl')}")
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
-            raise SpecdraftError(f"{source}: key 'data_files': no file matches {item}")
+            raise SpecdraftError(f"{source}: {key}: no file matches {item}")
         files.extend(matches)
+    if not files:
+        raise SpecdraftError(f"{source}: {key}: no input files given")
     return list(dict.fromkeys(files))
 
 
-def config_hash(cfg: DictConfig) -> str:
+def config_identity(cfg: DictConfig) -> dict:
     """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
     identified by its content, see target.weights.target_identity, not by its path.) A run of
     several drafts: the identity of each, by name."""
     if cfg.get("drafts") is not None:
-        each = {name: config_hash(draft_view(cfg, name)) for name in cfg.drafts}
-        return hashlib.sha256(json.dumps(each, sort_keys=True).encode()).hexdigest()[:16]
+        return {name: config_identity(draft_view(cfg, name)) for name in cfg.drafts}
     draft = own_draft_keys(cfg)
     draft.pop("init_from", None)  # where a run started, not what it trains: resume ignores it
     draft.pop("gradient_checkpointing", None)  # memory, not the draft: a resume may switch it
     draft = draft_family(cfg.draft.type).identity_options(draft, _target_config_if_readable(cfg.target))
-    identity = {
-        "draft": draft,
-        "max_seq_length": cfg.max_seq_length,
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return {"draft": draft, "max_seq_length": cfg.max_seq_length}
+
+
+def config_hash(cfg: DictConfig) -> str:
+    return hashlib.sha256(json.dumps(config_identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_change(saved: Optional[dict], cfg: DictConfig) -> str:
+    """Why a checkpoint's identity (its COMMITTED `config_identity`) differs from this run's: each
+    differing key with both values. A checkpoint from before that record: its hash only."""
+    if not saved:
+        return (f"saved with another draft or max_seq_length (config hash differs; this checkpoint does not "
+                f"record its keys)")
+    old, new = _dotted(saved), _dotted(config_identity(cfg))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k, "unset") != new.get(k, "unset"))
+    changes = ", ".join(f"{k}: saved {old.get(k, 'unset')!r}, this run {new.get(k, 'unset')!r}" for k in keys)
+    return f"saved with other settings ({changes}); set them back to resume, or choose a new output_dir"
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def own_draft_keys(cfg: DictConfig) -> dict:
@@ -305,8 +366,9 @@ def own_draft_keys(cfg: DictConfig) -> dict:
             if key in own or key == "type" or (key in SHARED_KEYS and value is not None)}
 
 
-def save_config(cfg: DictConfig, path: Path) -> None:
-    """The resolved config, its `draft:` section limited to the family's own keys."""
+def resolved_config_yaml(cfg: DictConfig) -> str:
+    """The resolved config with every default, its `draft:` section limited to the family's own
+    keys: what a run records in config.yaml and `specdraft config` prints."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if cfg.get("drafts") is None:
         resolved.pop("drafts", None)  # a one-draft run's file as it always was
@@ -316,7 +378,11 @@ def save_config(cfg: DictConfig, path: Path) -> None:
         resolved["drafts"] = {name: dict(own_draft_keys(draft_view(cfg, name)),
                                          **{k: v for k, v in entry.items() if k in PER_DRAFT_KEYS})
                               for name, entry in resolved["drafts"].items()}
-    write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    return OmegaConf.to_yaml(OmegaConf.create(resolved))
+
+
+def save_config(cfg: DictConfig, path: Path) -> None:
+    write_atomic(path, resolved_config_yaml(cfg))
 
 
 # -- several drafts (`drafts:`) -------------------------------------------------------------------

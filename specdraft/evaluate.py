@@ -18,10 +18,12 @@ import torch
 
 from specdraft.decode.measure import METHODS, NEEDS_DRAFT, check_shape, compare, make_drafter
 from specdraft.decode.prompts import read_prompts, stop_tokens
-from specdraft.decode.report import plot_acceptance
+from specdraft.decode.report import plot_acceptance, require_matplotlib
 from specdraft.drafts import draft_from_export_config
 from specdraft.errors import SpecdraftError
+from specdraft.outputs import check_plot_file
 from specdraft.run import CONFIG_NAME, draft_part, exports
+from specdraft.target.model import has_tokenizer, load_frozen_target, load_target_tokenizer
 from specdraft.train.export import load_exported_draft, read_export_config
 from specdraft.train.slots import choose_draft
 
@@ -90,13 +92,8 @@ def resolve_export(path, target=None, draft_name: Optional[str] = None) -> Tuple
 
 
 def load_tokenizer(export_dir: Optional[Path], target_dir: Path):
-    from transformers import AutoTokenizer
-
-    for directory in (export_dir, target_dir):
-        if directory is not None and any((directory / name).is_file()
-                                         for name in ("tokenizer.json", "tokenizer_config.json")):
-            return AutoTokenizer.from_pretrained(str(directory))
-    raise SpecdraftError(f"{target_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    """The export's tokenizer (it carries the target's), else the target's."""
+    return load_target_tokenizer(export_dir if export_dir is not None and has_tokenizer(export_dir) else target_dir)
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -130,7 +127,6 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     confidence_threshold: a draft with a confidence head stops a block at the first slot below it
     (None: the draft's own default, draft.confidence_threshold).
     """
-    from specdraft.target.model import load_frozen_target
 
     if method not in METHODS:
         raise SpecdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -139,8 +135,12 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if max_new_tokens < 1:
         raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_shape(gamma, tree)
+    if plot_path is not None:
+        require_matplotlib()
     if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
         raise SpecdraftError(f"--confidence-threshold: must be in [0, 1], got {confidence_threshold}")
+    if plot_path is not None:  # before the target is loaded
+        check_plot_file(plot_path)
     export_dir, target_dir = resolve_export(path, target, draft_name)
     if export_dir is None and method in NEEDS_DRAFT:
         raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
@@ -172,6 +172,9 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
                           stop=stop_tokens(target, tokenizer), record_tv=record_tv))
     report["plot"] = None
     if plot_path is not None:
-        plot_acceptance(report, plot_path)
+        drafter_label = getattr(draft, "label", None) or method.replace("_", " ")
+        plot_acceptance([(drafter_label, report)], plot_path,
+                        title=f"{drafter_label}, {'tree' if tree else 'chain'}, T = {temperature:g}: "
+                              f"tau = {report['tau']:.2f}")
         report["plot"] = str(plot_path)
     return report

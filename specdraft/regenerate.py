@@ -6,32 +6,42 @@ Every assistant turn of every row is replaced by the target's own answer, condit
 earlier answers (a row ending in a user turn, or holding only a prompt, gets one appended). The
 output directory holds what `specdraft train` reads directly:
 
-    OUT/shard-r<rank>-<run>-<k>.jsonl   rows {"id", "sample", "source", "conversations"}; each
-                                        regenerated assistant turn carries its "token_ids"
-    OUT/manifest.json                   sources, target identity, sampling, counts
-    OUT/errors[-r<rank>].jsonl          rows that failed this run, with the reason (retried next run)
+    OUT/shard-r<rank>-<run>-<k>.jsonl   rows {"id", "sample", "file", "source", "conversations"};
+                                        each regenerated assistant turn carries its "token_ids", and
+                                        "truncated": true when cut at its budget (finish=length:
+                                        training learns no end-of-turn after it)
+    OUT/manifest.json                   sources, target identity, sampling (written before the first
+                                        shard, checked by every rerun), then counts
+    OUT/errors[-r<rank>].jsonl          this run's rows without an answer, with the reason and kind:
+                                        "failed" (the server did not answer) or "skipped" (the row
+                                        itself: template refused, too long, empty answer, duplicate)
 
-Resume is keyed by row id ("id" field, else a hash of the row's content) and sample index: a row
-is written only once it is complete, a shard appears whole (written atomically) or not at all, so
-a rerun after any crash writes exactly the rows no shard holds yet, each once.
+Resume is keyed by (source file, row id) and sample index; the row id is its "id" field, else a
+hash of its content. A row is written only once it is complete, a shard appears whole (written
+atomically) or not at all, so a rerun after any crash writes exactly the rows no shard holds yet,
+each once. Error rows of both kinds are asked again by the next run. Failed rows make the command
+exit 1 (so `regenerate && train` stops); skipped rows do not (a rerun would skip them again).
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
+import re
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from specdraft.atomic import write_atomic
+from specdraft.config import read_yaml, resolve_data_files
 from specdraft.data.generation import Request, Sampling
 from specdraft.data.sources import iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
+from specdraft.outputs import claim_regenerate_out
+from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.jsonl"
@@ -55,6 +65,7 @@ class RegenerateConfig:
     concurrency: int = 8  # openai: requests in flight
     model: Optional[str] = None  # openai: the served model's name
     rows_per_shard: int = 1000  # a shard is written when this many rows are complete (and at the end)
+    timeout: float = 600.0  # openai: seconds per request
 
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.max_length, self.thinking)
@@ -66,11 +77,9 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
     from omegaconf.errors import OmegaConfBaseException
 
     layers = [OmegaConf.structured(RegenerateConfig)]
+    if path is not None:
+        layers.append(read_yaml(path))
     try:
-        if path is not None:
-            if not os.path.isfile(path):
-                raise SpecdraftError(f"{path}: config file not found")
-            layers.append(OmegaConf.load(path))
         layers.append(OmegaConf.create({k: v for k, v in values.items() if v is not None}))
         cfg = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as err:
@@ -79,20 +88,10 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
         raise SpecdraftError(f"backend must be hf or openai, got {cfg.backend!r}")
     if cfg.samples < 1 or cfg.batch_size < 1 or cfg.rows_per_shard < 1 or cfg.concurrency < 1:
         raise SpecdraftError("samples, batch_size, rows_per_shard and concurrency must be >= 1")
+    if not cfg.timeout > 0:
+        raise SpecdraftError(f"timeout must be > 0 seconds, got {cfg.timeout}")
     cfg.sampling().check()
     return cfg
-
-
-def expand_data(patterns: List[str]) -> List[str]:
-    files = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matched or not all(os.path.isfile(f) for f in matched):
-            raise SpecdraftError(f"data: no file matches {pattern!r}")
-        files.extend(matched)
-    if not files:
-        raise SpecdraftError("data: no input files given (--data GLOB)")
-    return files
 
 
 def row_key(record, messages) -> str:
@@ -107,10 +106,16 @@ def row_seed(seed: int, key: str, sample: int, turn: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
+def row_owner(row: str, sample: int, world: int) -> int:
+    """The rank that writes (row id, sample)."""
+    return int(hashlib.sha256(f"{row}#{sample}".encode()).hexdigest(), 16) % world
+
+
 @dataclass
 class Item:
     """One output row in the making: the source's turns are consumed left to right."""
-    key: str
+    file: str  # the source file (absolute): rows are keyed by (file, id, sample)
+    key: str  # the row's id
     sample: int
     where: str
     source: list
@@ -118,6 +123,8 @@ class Item:
     next: int = 0  # index into source
     turn: int = 0
     error: Optional[str] = None
+    failed: bool = False  # the error is the server's (a rerun asks again), else the row's own
+    truncated: int = 0  # answers cut at their token budget
 
     def advance(self) -> Optional[list]:
         """Copy source turns up to the next answer to write; the prompt for it, or None when complete."""
@@ -128,16 +135,24 @@ class Item:
             return list(self.done)
         return None
 
-    def answer(self, text: str, token_ids) -> None:
+    def answer(self, text: str, token_ids, finish: str = "stop") -> None:
         message = {"role": "assistant", "content": text}
         if token_ids is not None:
             message["token_ids"] = token_ids
+        if finish == "length":  # cut at its budget: training must not learn an end-of-turn after it
+            message["truncated"] = True
+            self.truncated += 1
         self.done.append(message)
         self.next += 1  # past the source's assistant turn (or the end, for a trailing prompt)
         self.turn += 1
 
     def row(self) -> dict:
-        return {"id": self.key, "sample": self.sample, "source": self.where, "conversations": self.done}
+        return {"id": self.key, "sample": self.sample, "file": self.file, "source": self.where,
+                "conversations": self.done}
+
+    def error_row(self) -> dict:
+        return {"id": self.key, "sample": self.sample, "source": self.where,
+                "kind": "failed" if self.failed else "skipped", "reason": self.error}
 
 
 class ShardWriter:
@@ -167,48 +182,71 @@ class ShardWriter:
         self.pending.clear()
 
 
-def written_keys(out: Path) -> Dict[str, int]:
-    """(id#sample) -> answer tokens of every row in the committed shards."""
-    keys: Dict[str, int] = {}
+def written_keys(out: Path) -> Dict[Tuple[str, str, int], Tuple[int, int]]:
+    """(file, id, sample) -> (answer tokens, truncated answers) of every row in the committed shards."""
+    keys = {}
     for path in sorted(out.glob(SHARD_GLOB)):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
-                keys[f"{row['id']}#{row['sample']}"] = sum(len(m.get("token_ids") or ()) for m in row["conversations"])
+                answers = [m for m in row["conversations"] if m["role"] == "assistant"]
+                keys[(row.get("file", ""), str(row["id"]), row["sample"])] = (
+                    sum(len(m.get("token_ids") or ()) for m in answers), sum(bool(m.get("truncated")) for m in answers))
     return keys
+
+
+def read_rows(files: List[str], samples: int, rank: int, world: int, done) -> Tuple[List[Item], List[dict], int]:
+    """(items to generate, error rows, rows owned) of this rank: rows keyed by (file, id); a row whose
+    shape is wrong, or a second row with an id (or content) already seen in its file, is an error row."""
+    items, errors, total = [], [], 0
+    for file in files:
+        path, first = os.path.abspath(file), {}
+        for where, record in iter_records([file]):
+            try:
+                messages = normalise_conversation(record, where, require_answer=False)
+            except SpecdraftError as err:
+                errors.append({"id": None, "sample": None, "source": where, "kind": "skipped",
+                               "reason": str(err)[len(where) + 2:] if str(err).startswith(where) else str(err)})
+                continue
+            key = row_key(record, messages)
+            if key in first:
+                if row_owner(key, 0, world) == rank:
+                    what = f"duplicate id {key!r}" if record.get("id") not in (None, "") else "duplicate row"
+                    errors.append({"id": key, "sample": None, "source": where, "kind": "skipped",
+                                   "reason": f"{what}: {first[key]} has it (the first is kept)"})
+                continue
+            first[key] = where
+            for sample in range(samples):
+                if row_owner(key, sample, world) != rank:
+                    continue
+                total += 1
+                if (path, key, sample) not in done:
+                    items.append(Item(path, key, sample, where, messages))
+    return items, errors, total
 
 
 def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] = print,
                progress_bar: bool = True) -> dict:
-    """Run (or resume) a regeneration; returns the summary. `backend`: an already built one (the
-    demo passes its in-process model); default: built from cfg."""
-    from specdraft.target.weights import target_identity
-
-    files = expand_data(cfg.data)
+    """Run (or resume) a regeneration; returns the summary (its "failed": rows the servers did not
+    answer, a non-zero exit for the command). `backend`: an already built one (the demo passes its
+    in-process model); default: built from cfg."""
+    files = resolve_data_files(cfg.data, "command line", "--data")
+    check_tokenizer(cfg.target, "--target")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    settings = {"target": target_identity(cfg.target), "sampling": asdict(cfg.sampling()), "seed": cfg.seed,
-                "samples": cfg.samples, "sources": [os.path.abspath(f) for f in files]}
+    claim_regenerate_out(out, rank)  # before the target is loaded
+    settings = run_settings(cfg, files)
     _check_manifest(out, settings)
-    done = written_keys(out)
-    items, total = [], 0
-    for where, record in iter_records(files):
-        messages = normalise_conversation(record, where, require_answer=False)
-        key = row_key(record, messages)
-        for sample in range(cfg.samples):
-            name = f"{key}#{sample}"
-            owner = int(hashlib.sha256(name.encode()).hexdigest(), 16) % world
-            total += owner == rank
-            if owner == rank and name not in done:
-                done[name] = -1  # a duplicate row later in the input is the same row
-                items.append(Item(key, sample, where, messages))
+    items, errors, total = read_rows(files, cfg.samples, rank, world, written_keys(out))
     if backend is None:
         backend = _build_backend(cfg)
+    if hasattr(backend, "check"):
+        backend.check()  # every server answers, before the first row
+    if not (out / MANIFEST).is_file():  # the settings go on disk before the first shard
+        write_atomic(out / MANIFEST, json.dumps({**settings, "backend": backend.name}, indent=1))
     suffix = "" if world == 1 else f"-r{rank:03d}"
     writer = ShardWriter(out, rank, cfg.rows_per_shard)
-    errors: List[dict] = []
-    stats = {"rows": 0, "tokens": 0}
+    stats = {"rows": 0, "tokens": 0, "truncated": 0}
     t0 = time.perf_counter()
     bar = _progress(len(items), progress_bar)
 
@@ -229,66 +267,104 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
                 if answer.error is None and not answer.text.strip():
                     answer.error = "empty answer"
                 if answer.error is not None:
-                    item.error = f"turn {item.turn}: {answer.error}"
+                    item.error, item.failed = f"turn {item.turn}: {answer.error}", answer.server_error
                 else:
-                    item.answer(answer.text, answer.token_ids)
+                    item.answer(answer.text, answer.token_ids, answer.finish)
             for item in finished:
                 writer.add(item.row())
                 stats["rows"] += 1
+                stats["truncated"] += item.truncated
                 bar.update(1)
             for item in active:
                 if item.error is not None:
-                    errors.append({"id": item.key, "sample": item.sample, "source": item.where, "reason": item.error})
+                    errors.append(item.error_row())
                     bar.update(1)
             complete = {id(item) for item in finished}
             active = [item for item in active if item.error is None and id(item) not in complete]
     writer.flush()
     bar.close()
     elapsed = time.perf_counter() - t0
-    write_atomic(out / f"errors{suffix}.jsonl", "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors))
+    errors_file = out / f"errors{suffix}.jsonl"
+    write_atomic(errors_file, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors))
     written = written_keys(out)
+    failed = [e for e in errors if e["kind"] == "failed"]
+    skipped = [e for e in errors if e["kind"] == "skipped"]
     summary = {"rows": stats["rows"], "tokens": stats["tokens"], "seconds": round(elapsed, 2),
                "tok_per_s": round(stats["tokens"] / elapsed, 1) if elapsed > 0 else 0.0,
-               "errors": len(errors), "rows_total": total, "rows_written": len(written),
+               "truncated": stats["truncated"], "errors": len(errors), "failed": len(failed),
+               "skipped": len(skipped), "rows_total": total, "rows_written": len(written),
                "skipped_done": total - len(items)}
     if rank == 0:
         manifest = {**settings, "backend": backend.name, "token_ids": _ids_note(backend),
-                    "counts": {"rows_written": len(written), "answer_tokens": sum(max(v, 0) for v in written.values()),
+                    "counts": {"rows_written": len(written), "answer_tokens": sum(t for t, _ in written.values()),
+                               "truncated_answers": sum(n for _, n in written.values()),
                                "errors_last_run": len(errors)},
                     "shards": sorted(p.name for p in out.glob(SHARD_GLOB))}
+        if getattr(backend, "refused_fields", None):
+            manifest["server_refused_fields"] = backend.refused_fields()
         write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
     log(f"regenerate: {stats['rows']} rows, {stats['tokens']} tokens in {elapsed:.1f}s "
-        f"({summary['tok_per_s']:.0f} tok/s), {len(errors)} errors"
-        + (f" (see {out / f'errors{suffix}.jsonl'})" if errors else "")
-        + f"; {len(written)} rows in {out}")
+        f"({summary['tok_per_s']:.0f} tok/s), {stats['truncated']} answers cut at max_new_tokens"
+        + (f"; {len(skipped)} rows skipped ({_reasons(skipped)})" if skipped else "")
+        + (f"; {len(failed)} rows FAILED (server errors: rerun the same command to retry them)" if failed else "")
+        + (f" (see {errors_file})" if errors else "")
+        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}"))
     return summary
 
 
+def run_settings(cfg: RegenerateConfig, files: List[str]) -> dict:
+    """What decides the rows written: a rerun into the same directory must have the same."""
+    from specdraft.target.weights import target_identity
+
+    return {"target": target_identity(cfg.target), "sampling": asdict(cfg.sampling()), "seed": cfg.seed,
+            "samples": cfg.samples, "sources": [os.path.abspath(f) for f in files]}
+
+
 def _check_manifest(out: Path, settings: dict) -> None:
+    """The directory's recorded settings are this run's (one line naming the first that differs)."""
     path = out / MANIFEST
     if not path.is_file():
+        if any(out.glob(SHARD_GLOB)):
+            raise SpecdraftError(f"{out}: holds shards but no {MANIFEST}, so their settings are unknown; "
+                                 f"use a new --out directory")
         return
     old = json.loads(path.read_text())
-    changed = [k for k in ("target", "sampling", "seed", "samples") if old.get(k) != settings[k]]
-    if changed:
-        raise SpecdraftError(f"{out}: holds rows regenerated with other {', '.join(changed)}; "
-                             f"use a new --out directory (or delete it)")
+    recorded = {**{k: old.get(k) for k in ("target", "seed", "samples", "sources")}, **(old.get("sampling") or {})}
+    asked = {**{k: settings[k] for k in ("target", "seed", "samples", "sources")}, **settings["sampling"]}
+    for name, value in asked.items():
+        if recorded.get(name) != value:
+            if name == "sources":
+                differ = sorted(set(value) ^ set(recorded.get(name) or [])) or ["their order"]
+                raise SpecdraftError(f"{out}: holds rows regenerated with other --data files (differing: "
+                                     f"{differ[0]}); use a new --out directory")
+            raise SpecdraftError(f"{out}: holds rows regenerated with other {name}: {recorded.get(name)!r} there, "
+                                 f"{value!r} asked; rerun with the same settings or use a new --out directory")
+
+
+def _reasons(errors: List[dict]) -> str:
+    """'too long 2, template refused 1' from the error rows' reasons."""
+    counts: Dict[str, int] = {}
+    for e in errors:
+        short = re.sub(r"^turn \d+: ", "", e["reason"]).split(":")[0]
+        counts[short] = counts.get(short, 0) + 1
+    return ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
 
 
 def _ids_note(backend) -> str:
     if backend.name == "hf":
         return "generated ids"
-    return "server ids" if not getattr(backend, "_no_ids", None) else "none from some servers: text tokenised"
+    refused = getattr(backend, "refused_fields", lambda: {})()
+    return "none from some servers: text tokenised" if any("return_token_ids" in f for f in refused.values()) \
+        else "server ids"
 
 
 def _build_backend(cfg: RegenerateConfig):
-    from transformers import AutoTokenizer
-
     if cfg.backend == "openai":
         from specdraft.data.openai_backend import OpenAIBackend
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-        return OpenAIBackend(cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model)
+        tokenizer = load_target_tokenizer(cfg.target)
+        return OpenAIBackend(cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model,
+                             timeout_s=cfg.timeout)
     from specdraft.data.generation import HFBackend
 
     local = os.environ.get("LOCAL_RANK")

@@ -1,6 +1,7 @@
 """A run directory's layout: the one place that names its files.
 
 run/
+  specdraft.json             the marker: this directory is a specdraft run (written first)
   config.yaml                the resolved config of the run
   ckpt/step_<N>/             DeepSpeed state of the draft only (params, optimizer, scheduler)
   ckpt/step_<N>/draft_frozen.safetensors   the draft's untrained state (buffers such as EAGLE-3's
@@ -22,8 +23,14 @@ run/
     <format>/                  each serving format of the draft's family (e.g. speculators/, sglang/):
                                the files that engine loads (config.json + model.safetensors)
     tokenizer files, training_config.yaml
+    specdraft.json             the marker: an export specdraft wrote, naming its run and step
   export_step_<N>/           `specdraft export` (the same layout as step_<N>/)
   consolidated/step_<N>/     `specdraft consolidate`: draft_fp32.safetensors
+
+What specdraft owns, and so may replace or add to, is decided here and only here (is_run_dir,
+is_export_dir, is_regenerate_dir): a directory holding our marker file `specdraft.json` of that
+kind; a run made before markers existed is one whose ckpt/ holds a committed slot. Everything else
+a user points us at is theirs (specdraft/outputs.py refuses to write over it).
 
 A run of several drafts (`drafts:` in its config) keeps one level more, a folder per draft name,
 under one commit: ckpt/step_<N>/<name>/ (each draft's DeepSpeed state and frozen state; the one
@@ -36,8 +43,11 @@ under a temp name and renamed, so it exists whole or not at all.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional
+
+from specdraft import __version__
 
 CONFIG_FILE = "config.yaml"
 CKPT_DIR = "ckpt"
@@ -53,6 +63,9 @@ CONFIG_NAME = "config.json"
 PTH_NAME = "draft_model_weights.pth"
 TARGET_HEADS_NAME = "target_heads.safetensors"
 TRAINING_CONFIG_NAME = "training_config.yaml"
+# the marker of a directory specdraft owns: {"kind": RUN | EXPORT | REGENERATE, ...}
+MARKER = "specdraft.json"
+RUN, EXPORT, REGENERATE = "run", "export", "regenerate"
 
 
 def slot_name(step: int) -> str:
@@ -105,3 +118,62 @@ def draft_part(directory, name: Optional[str]) -> Path:
     """A draft's folder inside a slot, an export or a consolidated step: the directory itself for a
     one-draft run (name None), its <name>/ in a run of several drafts."""
     return Path(directory) if name is None else Path(directory) / name
+
+
+# -- what specdraft owns --------------------------------------------------------------------------
+
+def marker_text(kind: str, **fields) -> str:
+    return json.dumps({"kind": kind, **fields, "specdraft_version": __version__}, indent=1)
+
+
+def marker_kind(directory) -> Optional[str]:
+    """The kind our marker in `directory` names; None without a readable one."""
+    try:
+        return json.loads((Path(directory) / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def committed_slots(ckpt: Path) -> List[Path]:
+    """Slots with a COMMITTED marker, oldest first."""
+    if not ckpt.is_dir():
+        return []
+    return sorted((p for p in ckpt.iterdir() if p.is_dir() and step_of(p.name) is not None
+                   and (p / COMMITTED).is_file()), key=slot_step)
+
+
+def is_run_dir(path) -> bool:
+    """A specdraft run: our run marker, or (a run from before markers) a committed checkpoint slot."""
+    path = Path(path)
+    return path.is_dir() and (marker_kind(path) == RUN or bool(committed_slots(ckpt_dir(path))))
+
+
+def is_export_dir(path) -> bool:
+    return Path(path).is_dir() and marker_kind(path) == EXPORT
+
+
+def is_regenerate_dir(path) -> bool:
+    return Path(path).is_dir() and marker_kind(path) == REGENERATE
+
+
+def enclosing_run(path) -> Optional[Path]:
+    """`path` itself or the nearest directory above it that is a specdraft run; None if none is."""
+    path = Path(path).resolve()
+    for directory in (path, *path.parents):
+        if is_run_dir(directory):
+            return directory
+    return None
+
+
+# `eval --plot` PNGs carry this in their "Software" text chunk: the mark of a plot we may replace
+PLOT_SOFTWARE = "specdraft"
+
+
+def is_our_plot(path) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.text.get("Software", "").startswith(PLOT_SOFTWARE)
+    except Exception:  # not an image, unreadable: not ours
+        return False

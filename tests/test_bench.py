@@ -1,6 +1,6 @@
 """bench/acceptance.py end to end on the tiny demo: it trains one GLIDE per --objectives entry with
 that entry's keys, measures every drafter greedy and sampled, and writes its results. A small run
-keeps the script from rotting between the long runs whose figures the README quotes."""
+keeps the script from rotting between the long runs whose figures docs/benchmarks.md quotes."""
 
 import importlib.util
 import json
@@ -67,7 +67,8 @@ def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target
     results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
                           "--data", data_glob, "--families", "dspark", "--train-steps", "2",
                           "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3",
-                          "--tree", "", "--confidence-threshold", "0,1", "--out", str(tmp_path)])
+                          "--tree", "", "--confidence-threshold", "0,1", "--out", str(tmp_path),
+                          "--plot", str(tmp_path / "acceptance.png")])
     rows = {(row["label"], row["gamma"]): row for row in results["rows"]}
     assert {label for label, _ in rows} == {"DSpark", "DSpark (stop c=0)", "DSpark (stop c=1)", "prompt lookup"}
     assert all(row["matches_target"] for row in rows.values())  # lossless at every stop
@@ -76,6 +77,7 @@ def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target
         assert never["proposed_per_round"] == gamma and never["tau"] == rows["DSpark", gamma]["tau"]
         assert always["proposed_per_round"] == 0 and always["tau"] == 1.0
     assert set(results["ratios"]) >= {"DSpark (stop c=1) ÷ DSpark (chain γ=3, T=0)"}
+    assert (tmp_path / "acceptance.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")  # every row's bars
     with pytest.raises(SystemExit):
         bench.main(["--confidence-threshold", "1.5", "--draft", str(tmp_path)])
 

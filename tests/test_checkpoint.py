@@ -349,7 +349,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny
     with pytest.raises(SpecdraftError) as err:
         train(cfg, **quiet)
     message = str(err.value)
-    assert "\n" not in message and "saving step 18 failed: no space left on device" in message
+    assert "\n" not in message and "saving step 18 failed: No space left on device" in message
     assert "committed slots (step_6, step_12)" in message
     assert {name: _snapshot(victim / "ckpt" / name) for name in committed} == committed
     assert {name: _snapshot(victim / name) for name in exports} == exports
@@ -382,7 +382,7 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
     """Same world size, another ZeRO stage: through the universal format. Registered buffers are
     not in it; the draft's extra state comes back from the client state."""
     from specdraft import drafts
-    from specdraft.drafts.glide import GlideDraft
+    from specdraft.drafts.glide.model import GlideDraft
 
     full, _ = zero_runs[2]
     resumed = run(tiny_target_dir, data_dir, work, "two_to_three", zero_stage=3, max_steps=12, save_steps=6,

@@ -53,7 +53,7 @@ def test_unknown_key_in_yaml_and_broken_yaml(valid_config, tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("target: [unclosed\n")
     code, err = run_cli(capsys, "train", str(broken))
-    assert code == 2 and f"{broken}: not valid YAML" in err and err.count("\n") == 0
+    assert code == 2 and f"{broken}:2:1: not valid YAML: did not find expected" in err and err.count("\n") == 0
     code, err = run_cli(capsys, "train", str(tmp_path / "missing.yaml"))
     assert code == 2 and "config file not found" in err
 
@@ -82,31 +82,6 @@ def test_shipped_configs_are_valid(name, tmp_path):
 def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys):
     code, err = run_cli(capsys, "train", str(valid_config), "max_stepz=1", "--local_rank=3")
     assert code == 2 and "max_stepz" in err  # parsed fine; the config error is what is reported
-
-
-def readme_yaml_blocks():
-    import re
-
-    from helpers import REPO
-
-    text = (REPO / "README.md").read_text()
-    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
-
-
-def test_readme_has_yaml_blocks():
-    assert len(readme_yaml_blocks()) >= 3  # the training config and each family's draft section
-
-
-@pytest.mark.parametrize("index", range(len(readme_yaml_blocks())))
-def test_every_readme_yaml_block_is_a_valid_config(index, tmp_path):
-    """What the README shows a user to copy must load: its keys, types and values (the target and
-    data are this test's; the target has no config.json, so layer ids are checked at training)."""
-    (tmp_path / "t").mkdir()
-    (tmp_path / "d.jsonl").write_text("{}\n")
-    block = tmp_path / "block.yaml"
-    block.write_text(readme_yaml_blocks()[index])
-    cfg = load_config(str(block), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"])
-    assert cfg.draft.type in FAMILIES
 
 
 @pytest.mark.parametrize("given, family, owner", [
@@ -167,12 +142,13 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     target = valid_config.parent / "target"
     (target / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64,
                                                     "num_attention_heads": 4, "num_hidden_layers": 2}))
+    (target / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer (checked at load)
     cfg = load_config(str(valid_config))
     now = config_hash(cfg)
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     del older.draft["attention_bias"]  # a config written before the key existed
     with pytest.MonkeyPatch.context() as patch:  # its hash then: the draft's keys as they were
-        patch.setattr("specdraft.drafts.glide.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
+        patch.setattr("specdraft.drafts.glide.model.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
         before_the_key = config_hash(older)
     assert (now == before_the_key) is not biased
     cfg.draft.attention_bias = not biased  # set against the target's default: another draft
@@ -231,3 +207,48 @@ def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
     for family, cls in FAMILIES.items():
         assert cls.label and cls.label not in {c.label for f, c in FAMILIES.items() if f != family}
         assert OmegaConf.load(configs[family]).draft.get("type", "glide") == family
+
+
+def test_config_command_prints_the_resolved_config_as_a_run_records_it(valid_config, capsys, tmp_path):
+    """`specdraft config` prints what save_config writes into a run's config.yaml: every default,
+    the overrides, the family's own draft keys only; it writes nothing."""
+    from omegaconf import OmegaConf
+
+    from specdraft.config import save_config
+
+    code = main(["config", str(valid_config), "max_steps=7", "draft.sliding_window=64"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    save_config(load_config(str(valid_config), ["max_steps=7", "draft.sliding_window=64"]),
+                tmp_path / "config.yaml")
+    assert printed == (tmp_path / "config.yaml").read_text()
+    shown = OmegaConf.create(printed)
+    assert shown.max_steps == 7 and shown.keep_last == 2 and shown.seed == 42 and shown.eval_steps == -1
+    assert (shown.draft.type, shown.draft.sliding_window, shown.draft.max_lag) == ("glide", 64, 3)
+    assert "ttt_steps" not in shown.draft and "block_size" not in shown.draft
+    assert shown.wandb.mode == "offline" and shown.resume == "auto"
+    assert not (valid_config.parent / "out").exists()
+
+
+def test_config_command_refuses_like_train_in_one_line(valid_config, capsys):
+    code = main(["config", str(valid_config), "max_stepz=3"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and "unknown key 'max_stepz' (did you mean 'max_steps'?)" in captured.err
+
+
+def test_train_help_names_the_config_command_and_the_reference(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "specdraft config CONFIG [key=value ...]" in text and "docs/config-reference.md" in text
+
+
+def test_demo_help_names_every_packaged_demo_config(capsys):
+    from specdraft.config import family_demo_configs
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
+    names = sorted(Path(path).stem for path in family_demo_configs().values())
+    assert len(names) == len(FAMILIES) and f"({','.join(names)})" in text

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 import specdraft
 from specdraft.config import DraftConfig
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
-from specdraft.drafts.glide_decode import GlideDrafter
+from specdraft.drafts.glide.decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft
 from specdraft.drafts.loss import chunked_cross_entropy

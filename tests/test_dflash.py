@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash_reference as reference
 from specdraft.drafts import DraftConfig
-from specdraft.drafts.dflash import (BlockLayout, BlockVisibility, DFlashDraft, default_target_layers,
-                                     loss_weights, sample_training_blocks)
+from specdraft.drafts.dflash.model import DFlashDraft
+from specdraft.drafts.dflash_backbone import default_target_layers
+from specdraft.drafts.dflash_blocks import BlockLayout, BlockVisibility, loss_weights, sample_training_blocks
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import TargetFeatures, capture

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from helpers import random_llama
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig
-from specdraft.drafts.dflash import DFlashDraft
+from specdraft.drafts.dflash.model import DFlashDraft
 from test_decode import chi2_critical, chi2_statistic, three_token_joint
 
 torch.set_num_threads(1)

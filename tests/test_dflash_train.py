@@ -10,7 +10,7 @@ import pytest
 from helpers import run_overrides, train_run
 from specdraft.config import load_config
 from specdraft.evaluate import evaluate
-from specdraft.drafts.dflash import DFlashDraft
+from specdraft.drafts.dflash.model import DFlashDraft
 from specdraft.train.export import load_exported_draft
 from specdraft.errors import SpecdraftError
 

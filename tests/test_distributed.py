@@ -199,7 +199,7 @@ def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused
         "commit": "saving step 2 failed: Input/output error",
         "prune": "deleting an old checkpoint slot failed (Permission denied)",
         "export": "writing the draft export failed (No space left on device)",
-        "metrics": "rank 0 failed: OSError: [Errno 5] metrics disk gone",
+        "metrics": "metrics disk gone",  # a failed write is one line on every rank
         "not_shared": "must be on a filesystem every node shares",
     }
     for case, text in expected.items():
@@ -207,7 +207,7 @@ def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused
         assert ranks["0"] == ranks["1"], (case, ranks)  # the same error, on both ranks
         kind, message = ranks["0"]
         assert text in message and "\n" not in message, (case, message)
-        assert kind == ("RuntimeError" if case == "metrics" else "SpecdraftError"), (case, kind)
+        assert kind == "SpecdraftError", (case, kind)
     # the failed commit left no committed slot behind; the run whose prune failed kept its new slot
     assert not slots.committed_slots(dist_work / "fail_commit" / "ckpt")
     assert [s.name for s in slots.committed_slots(dist_work / "fail_prune" / "ckpt")] == ["step_2", "step_4"]

@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, check_family_keys, draft_family
-from specdraft.drafts.dflash import loss_weights, sample_training_blocks
-from specdraft.drafts.dspark import DSparkDraft, acceptance_targets
+from specdraft.drafts.dflash_blocks import loss_weights, sample_training_blocks
+from specdraft.drafts.dspark.model import DSparkDraft, acceptance_targets
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 

@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculators_env import require_speculators_python
 from specdraft.drafts import DraftConfig, draft_from_export_config
-from specdraft.drafts.dspark import DSparkDraft
-from specdraft.drafts.dspark_speculators import write_speculators_export
+from specdraft.drafts.dspark.model import DSparkDraft
+from specdraft.drafts.dspark.speculators import write_speculators_export
 from specdraft.target.capture import capture
 
 torch.set_num_threads(1)

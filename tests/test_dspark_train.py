@@ -6,7 +6,7 @@ import json
 
 from helpers import run_overrides, train_run
 from specdraft.cli import main
-from specdraft.drafts.dspark import DSparkDraft
+from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.evaluate import evaluate
 from specdraft.train.export import load_exported_draft
 

@@ -1,6 +1,7 @@
 """`specdraft regenerate`: both backends, resume, kill trials, and output that training reads."""
 
 import json
+import shutil
 import os
 import random
 import signal
@@ -19,6 +20,7 @@ from specdraft.data.generation import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
 from specdraft.regenerate import RegenerateConfig, regenerate, written_keys
+from specdraft.run import MARKER, REGENERATE, marker_text
 
 ROWS = [
     {"prompt": "def add(a, b):"},
@@ -38,6 +40,7 @@ def tokenizer(tiny_target_dir):
 
 
 def source(tmp_path, rows):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -62,7 +65,7 @@ def own_ids(tokenizer, message):
 
 
 def config(target, data, out, **kw):
-    return RegenerateConfig(target=str(target), data=[str(data)], out=str(out), max_new_tokens=16, **kw)
+    return RegenerateConfig(target=str(target), data=[str(data)], out=str(out), **{"max_new_tokens": 16, **kw})
 
 
 def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(tiny_target_dir, tokenizer, tmp_path):
@@ -91,7 +94,8 @@ def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(
     for where, messages in iter_conversations([str(p) for p in sorted((tmp_path / "a").glob("shard-*"))]):
         ids, mask = tokenize_conversation(tokenizer, messages, where)
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        expected = [t for m in messages if m["role"] == "assistant" for t in own_ids(tokenizer, m) + [im_end]]
+        expected = [t for m in messages if m["role"] == "assistant"  # a truncated answer ends no turn
+                    for t in own_ids(tokenizer, m) + ([] if m.get("truncated") else [im_end])]
         assert [t for t, k in zip(ids, mask) if k] == expected
 
 
@@ -109,18 +113,19 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
             Flaky.calls += 1
             if Flaky.calls == 1:
                 for a in answers[:2]:
-                    a.error = "server error after 5 attempts: HTTP 503"
+                    a.error, a.server_error = "server error after 5 attempts: HTTP 503", True
             return answers
 
     first = regenerate(cfg, Flaky(), log=lambda m: None, progress_bar=False)
     errors = [json.loads(l) for l in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
-    assert first["errors"] == 2 and all("HTTP 503" in e["reason"] and e["source"] for e in errors)
+    assert first["failed"] == 2 and all("HTTP 503" in e["reason"] and e["kind"] == "failed" and e["source"]
+                                        for e in errors)
     second = regenerate(cfg, real, log=lambda m: None, progress_bar=False)
     assert second["rows"] == 2 and second["skipped_done"] == 4 and second["errors"] == 0
     third = regenerate(cfg, real, log=lambda m: None, progress_bar=False)
     assert third["rows"] == 0 and third["skipped_done"] == 6
     assert len({(r["id"], r["sample"]) for r in out_rows(tmp_path / "o")}) == len(out_rows(tmp_path / "o")) == 6
-    with pytest.raises(SpecdraftError, match="other sampling"):
+    with pytest.raises(SpecdraftError, match="regenerated with other temperature: 0.0 there, 0.5 asked"):
         regenerate(config(tiny_target_dir, data, tmp_path / "o", temperature=0.5), real, log=lambda m: None)
 
 
@@ -131,6 +136,7 @@ def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks
     data = source(tmp_path, prompts_from(tiny_data, 2))
     out = tmp_path / "o"
     out.mkdir()
+    (out / MARKER).write_text(marker_text(REGENERATE))  # what the killed run wrote first
     ours = out / "shard-r000-20260101000000-abcdef-00003.jsonl.tmp"
     theirs = out / "shard-r001-20260101000000-fedcba-00000.jsonl.tmp"
     for stale in (ours, theirs):
@@ -241,10 +247,9 @@ def served_target(tiny_target_dir):
 
 
 def test_openai_backend_against_transformers_serve(served_target, tiny_target_dir, tiny_data, tmp_path):
+    """It refuses the sampling fields it does not know (422): greedy goes on without them."""
     data = source(tmp_path, prompts_from(tiny_data, 6))
-    dead = "http://127.0.0.1:9"  # a second server that refuses: its requests are retried on the live one
-    cfg = config(tiny_target_dir, data, tmp_path / "s", backend="openai", servers=[served_target, dead],
-                 concurrency=2)
+    cfg = config(tiny_target_dir, data, tmp_path / "s", backend="openai", servers=[served_target], concurrency=2)
     from specdraft.data.openai_backend import OpenAIBackend
 
     backend = OpenAIBackend(cfg.servers, AutoTokenizer.from_pretrained(tiny_target_dir), cfg.sampling(),
@@ -256,4 +261,165 @@ def test_openai_backend_against_transformers_serve(served_target, tiny_target_di
     regenerate(config(tiny_target_dir, data, tmp_path / "h"), log=lambda m: None, progress_bar=False)
     local = {r["id"]: r["conversations"][-1]["content"] for r in out_rows(tmp_path / "h")}
     assert served == {k: v for k, v in local.items() if k in served}
-    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["backend"] == "openai"
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["backend"] == "openai" and manifest["token_ids"] == "none from some servers: text tokenised"
+    assert set(manifest["server_refused_fields"][served_target + "/v1/chat/completions"]) >= {"top_k",
+                                                                                              "return_token_ids"}
+
+
+class Crashing:
+    """A backend that dies (as a SIGKILL would) at its `crash_at`-th generate call."""
+    name = "hf"
+
+    def __init__(self, real, crash_at):
+        self.real, self.crash_at, self.calls = real, crash_at, 0
+
+    def generate(self, requests, progress=lambda n: None):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise KeyboardInterrupt
+        return self.real.generate(requests, progress)
+
+
+def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_them(tiny_target_dir, tiny_data,
+                                                                                     tmp_path):
+    """A run killed early, then rerun with another temperature or target, would mix two settings in
+    one directory: refused in one line naming the setting (and, for the target, before loading it)."""
+    data = source(tmp_path, prompts_from(tiny_data, 40))
+    out = tmp_path / "o"
+    cfg = config(tiny_target_dir, data, out, temperature=0.7, rows_per_shard=8, max_new_tokens=4, batch_size=8)
+    real = HFBackend.load(tiny_target_dir, cfg.sampling(), 8)
+    with pytest.raises(KeyboardInterrupt):  # rows go in waves of 32: killed as the second starts
+        regenerate(cfg, Crashing(real, 2), log=lambda m: None, progress_bar=False)
+    before = len(out_rows(out))
+    assert before > 0  # (an empty sampled answer is an error row)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["sampling"]["temperature"] == 0.7 and manifest["sources"] == [str(data)]
+    with pytest.raises(SpecdraftError) as err:
+        regenerate(config(tiny_target_dir, data, out, temperature=0.5), real, log=lambda m: None)
+    assert str(err.value) == (f"{out}: holds rows regenerated with other temperature: 0.7 there, 0.5 asked; "
+                              f"rerun with the same settings or use a new --out directory")
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target_dir, other)
+    config_json = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config_json, "rms_norm_eps": 1e-5}))
+    with pytest.raises(SpecdraftError, match=r"with other target: '[0-9a-f]{16}' there, '[0-9a-f]{16}' asked"):
+        regenerate(config(other, data, out, temperature=0.7), log=lambda m: None)
+    with pytest.raises(SpecdraftError, match="holds rows regenerated with other --data files"):
+        (tmp_path / "elsewhere").mkdir()
+        regenerate(config(tiny_target_dir, source(tmp_path / "elsewhere", ROWS), out, temperature=0.7), real,
+                   log=lambda m: None)
+    done = regenerate(cfg, real, log=lambda m: None, progress_bar=False)  # the same settings resume
+    assert done["skipped_done"] == before and done["rows"] + done["errors"] == 40 - before
+
+
+def test_each_row_gets_its_own_budget_whatever_its_batch(tiny_target_dir, tiny_data):
+    """Budgets differ (max_length minus the prompt): in a batch with larger budgets a row still
+    stops at its own and its answer is the one it gets alone (greedy). The tiny target is made to
+    stop at token 'P' (its 4th greedy token) so answers end inside the batch's largest budget."""
+    from specdraft.data.generation import Request, Sampling, prompt_ids
+
+    prompts = [r["prompt"] for r in prompts_from(tiny_data, 8)]
+    requests = [Request([{"role": "user", "content": p}], 0, str(i)) for i, p in enumerate(prompts)]
+    loaded = HFBackend.load(tiny_target_dir, Sampling(), 1)
+    loaded.model.generation_config.eos_token_id = [1, 4, loaded.tokenizer.convert_tokens_to_ids("P")]
+    lengths = [len(prompt_ids(loaded.tokenizer, r, Sampling())[0]) for r in requests]
+    sampling = Sampling(max_new_tokens=12, max_length=max(lengths) + 2)
+    budgets = [min(12, sampling.max_length - n) for n in lengths]
+    assert min(budgets) == 2 and max(budgets) == 12
+
+    def answers(batch_size):
+        backend = HFBackend(loaded.model, loaded.tokenizer, sampling, batch_size)
+        return [(a.token_ids, a.finish) for a in backend.generate(requests)]
+
+    alone, batched = answers(1), answers(8)
+    assert batched == alone
+    assert all(len(ids) <= b for (ids, _), b in zip(batched, budgets))
+    short = [k for k, b in enumerate(budgets) if b == 2]
+    assert [batched[k] for k in short] == [(alone[k][0][:2], "length") for k in short]
+    assert any(finish == "stop" and len(ids) > 2 for ids, finish in batched)  # a stop the short rows must not reach
+
+
+def alternating_template_target(tiny_target_dir, tmp_path):
+    """The tiny target with a template that raises on roles out of order (as Llama-2's and
+    Mistral's do)."""
+    target = tmp_path / "strict-target"
+    shutil.copytree(tiny_target_dir, target)
+    (target / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    return target
+
+
+def test_rows_the_template_refuses_are_skipped_with_the_reason_and_the_rest_finish(tiny_target_dir, tmp_path,
+                                                                                     capsys):
+    """A row the template cannot render is the row's problem: it goes to errors.jsonl as "skipped"
+    with the reason, every other row is written, and the command exits 0 (a rerun would skip it again;
+    only rows the servers failed make it fail)."""
+    from specdraft import cli
+
+    target = alternating_template_target(tiny_target_dir, tmp_path)
+    data = source(tmp_path, [
+        {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "hi"},
+                                             {"from": "gpt", "value": "x"}]},
+        {"id": "two-users", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                         {"role": "assistant", "content": "x"}]},
+        {"id": "fine", "prompt": "def add(a, b):"},
+        {"id": "bad-shape", "messages": [{"role": "user", "content": 3}]}])
+    out = tmp_path / "o"
+    code = cli.main(["regenerate", "--target", str(target), "--data", str(data), "--out", str(out),
+                     "--max-new-tokens", "4"])
+    assert code == 0 and [r["id"] for r in out_rows(out)] == ["fine"]
+    lines = (out / "errors.jsonl").read_text().splitlines()
+    errors = {e["source"].rsplit(":", 1)[1]: e for e in map(json.loads, lines)}  # by line number
+    assert {k: e["kind"] for k, e in errors.items()} == {"1": "skipped", "2": "skipped", "4": "skipped"}
+    assert errors["1"]["reason"] == "turn 0: no prompt: the row starts with an assistant turn"
+    assert errors["2"]["reason"] == ("turn 0: the chat template cannot render this conversation: "
+                                     "Conversation roles must alternate user/assistant/user/assistant/...")
+    assert errors["4"]["reason"] == "turn 0 has no text 'content'"
+    assert "; 3 rows skipped (" in capsys.readouterr().out
+    only_bad = source(tmp_path / "bad", [{"id": "two-users", "messages": [{"role": "user", "content": "a"},
+                                                                        {"role": "user", "content": "b"}]}])
+    assert cli.main(["regenerate", "--target", str(target), "--data", str(only_bad), "--out", str(tmp_path / "none"),
+                     "--max-new-tokens", "4"]) == 1  # no row at all: `regenerate && train` stops
+    assert capsys.readouterr().out.rstrip().endswith(f"; NO rows in {tmp_path / 'none'}")
+
+
+def test_rows_are_keyed_by_file_and_id_and_duplicate_ids_in_a_file_are_reported(tiny_target_dir, tmp_path):
+    class Echo:  # answers at once: the keys are what is tested
+        name = "hf"
+
+        def generate(self, requests, progress=lambda n: None):
+            from specdraft.data.generation import Answer
+
+            return [Answer(text="re: " + r.messages[-1]["content"], tokens=1) for r in requests]
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"id": i, "prompt": f"a{i}"}) + "\n" for i in range(3))
+                 + json.dumps({"id": 1, "prompt": "a1 again"}) + "\n")
+    b.write_text("".join(json.dumps({"id": i, "prompt": f"b{i}"}) + "\n" for i in range(3)))
+    cfg = RegenerateConfig(target=str(tiny_target_dir), data=[str(a), str(b)], out=str(tmp_path / "o"))
+    first = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
+    answers = sorted(r["conversations"][-1]["content"] for r in out_rows(tmp_path / "o"))
+    assert answers == ["re: a0", "re: a1", "re: a2", "re: b0", "re: b1", "re: b2"] and first["rows"] == 6
+    (dup,) = [json.loads(line) for line in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
+    assert dup == {"id": "1", "sample": None, "source": f"{a}:4", "kind": "skipped",
+                   "reason": f"duplicate id '1': {a}:2 has it (the first is kept)"}
+    again = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
+    assert again["rows"] == 0 and again["skipped_done"] == 6 and again["skipped"] == 1
+
+
+def test_a_truncated_answer_is_kept_without_a_trained_end_of_turn(tiny_target_dir, tokenizer, tiny_data, tmp_path):
+    data = source(tmp_path, prompts_from(tiny_data, 2))
+    summary = regenerate(config(tiny_target_dir, data, tmp_path / "o", max_new_tokens=3), log=lambda m: None,
+                         progress_bar=False)
+    rows = out_rows(tmp_path / "o")
+    answers = [r["conversations"][-1] for r in rows]
+    assert all(a["truncated"] is True and len(a["token_ids"]) == 3 for a in answers) and summary["truncated"] == 2
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["counts"]["truncated_answers"] == 2
+    for where, messages in iter_conversations([str(p) for p in sorted((tmp_path / "o").glob("shard-*"))]):
+        ids, mask = tokenize_conversation(tokenizer, messages, where)
+        assert [t for t, k in zip(ids, mask) if k] == messages[-1]["token_ids"]  # no <|im_end|> after it

@@ -1,8 +1,8 @@
-"""The servers' conventions, one test per row of README's "Serving conventions" table.
+"""The servers' conventions, one test per row of the "Conventions" table of docs/serving.md.
 
 Where the consumer runs here (speculators, through tests/speculators_env.py) the test runs its
 classes; where it does not (SGLang, vLLM's capture), the test checks our files against the rule
-its source states (cited in each docstring and in the README).
+its source states (cited in each docstring and in docs/serving.md).
 """
 
 import json
@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from helpers import random_llama
-from specdraft.drafts.eagle3_export import serving_refusal
+from specdraft.drafts.eagle3.export import serving_refusal
 from specdraft.drafts.vocab import draft_to_target_ids
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
@@ -78,7 +78,7 @@ def test_captured_states_concatenate_in_increasing_layer_order(plain_dir, tmp_pa
 
 
 def test_duplicate_layers_are_refused_in_one_line(plain_dir, tmp_path):
-    from specdraft.drafts.eagle3 import Eagle3Draft
+    from specdraft.drafts.eagle3.model import Eagle3Draft
 
     cfg = run_cfg(plain_dir, tmp_path, target_layers=[2, 4, 2])
     with pytest.raises(SpecdraftError) as err:

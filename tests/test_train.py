@@ -7,7 +7,7 @@ import pytest
 from helpers import train_run
 
 
-def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path):
+def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path, capsys):
     result = train_run(tiny_target_dir, data_dir, tmp_path, "long", max_steps=30, save_steps=30)
     first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < first - 0.5, result.losses  # nats: from ~ln(vocab) to well below
@@ -16,7 +16,16 @@ def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path):
     assert [r["step"] for r in logged] == list(range(1, 31))
     assert logged[-1]["loss"] == pytest.approx(result.losses[-1])
     assert (tmp_path / "long" / "tb").is_dir()
-    assert (tmp_path / "long" / "config.yaml").is_file()
+    # `specdraft config` with the run's settings prints exactly the config.yaml the run recorded
+    from specdraft.cli import main
+
+    from helpers import run_overrides
+
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "long", tmp_path / "cache",
+                              max_steps=30, save_steps=30)
+    assert main(["config", str(tmp_path / "empty.yaml"), *overrides]) == 0
+    assert capsys.readouterr().out == (tmp_path / "long" / "config.yaml").read_text()
 
 
 def test_zero_stages_0_to_3_run_and_agree_on_the_first_loss(tiny_target_dir, data_dir, tmp_path):

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from specdraft.drafts.eagle3 import ttt_visibility
+from specdraft.drafts.eagle3.model import ttt_visibility
 from specdraft.drafts.layers import attend
 from specdraft.drafts.ttt_attention import ttt_attention
 

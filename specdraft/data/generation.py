@@ -6,8 +6,9 @@ ids the target generated (its stop token included when it stopped) and their tex
     HFBackend       transformers `generate` in batches (left padding, KV cache), bf16 on a GPU
     (OpenAIBackend  in data/openai_backend.py: OpenAI-compatible servers)
 
-Sampling is seeded per request, not per batch: each row draws from its own generator, so an
-answer does not depend on which rows shared its batch, and a rerun (or a resume) writes it again.
+Nothing about an answer depends on which rows shared its batch: each row samples from its own
+seeded generator, and each row stops at its own budget (a row that reaches it is finished, padded
+while the others go on), so a rerun (or a resume) writes it again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from specdraft.data.chat import render_prompt, special_ids
 from specdraft.errors import SpecdraftError
@@ -51,12 +53,20 @@ class Answer:
     token_ids: Optional[List[int]] = None  # what the target generated; None: the server did not say
     tokens: int = 0  # generated tokens (for tok/s)
     finish: str = "stop"  # stop | length
-    error: Optional[str] = None  # set: the request failed (the row goes to the errors file)
+    error: Optional[str] = None  # set: no answer (the row goes to the errors file)
+    server_error: bool = False  # the server gave no answer (HTTP, transport): the row "failed", else "skipped"
 
 
 def prompt_ids(tokenizer, request: Request, sampling: Sampling):
-    """(ids, new-token budget) of a request, or an error string when its prompt is too long."""
-    text = render_prompt(tokenizer, request.messages, request.where, sampling.thinking)
+    """(ids, new-token budget, None), or (.., .., why) when the row cannot be asked: the template
+    refuses it (assistant first, roles that do not alternate) or its prompt is too long."""
+    if not request.messages:
+        return [], 0, "no prompt: the row starts with an assistant turn"
+    try:
+        text = render_prompt(tokenizer, request.messages, request.where, sampling.thinking)
+    except SpecdraftError as err:  # the row's problem, not the run's: the others go on
+        reason = str(err)
+        return [], 0, reason[len(request.where) + 2:] if reason.startswith(f"{request.where}: ") else reason
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     room = sampling.max_length - len(ids)
     if room < 1:
@@ -73,11 +83,11 @@ def stop_ids(tokenizer, model=None) -> set:
 
 
 def finish_answer(tokenizer, generated: Sequence[int], stops: set, budget: int) -> Answer:
-    """Cut the generated ids after their first stop token; the text is the ids before it."""
-    ids = [int(t) for t in generated]
+    """Cut the generated ids after their first stop token within the row's budget; the text is the
+    ids before it. No stop within the budget: the answer is truncated (finish "length")."""
+    ids = [int(t) for t in generated][:budget]
     cut = next((k for k, t in enumerate(ids) if t in stops), None)
     if cut is None:
-        ids = ids[:budget]
         return Answer(tokenizer.decode(ids), ids, len(ids), "length")
     return Answer(tokenizer.decode(ids[:cut]), ids[:cut + 1], cut + 1, "stop")
 
@@ -101,6 +111,18 @@ class RowSampler:
                               for r, g in enumerate(self.generators)])  # (B, 1)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(-1, choice, 0.0)
+
+
+class RowBudgets(StoppingCriteria):
+    """Each row of a batch is done once it has generated its own budget of tokens: its answer is
+    the one it gets alone, and generate stops when every row is done."""
+
+    def __init__(self, prompt_width: int, budgets: Sequence[int], device):
+        self.prompt_width = prompt_width
+        self.budgets = torch.tensor(list(budgets), device=device)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.prompt_width) >= self.budgets  # (B,) bool
 
 
 @dataclass
@@ -156,6 +178,8 @@ class HFBackend:
             processors = [RowSampler(seeds, self.sampling.temperature, self.sampling.top_p, device)]
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=budget,
                                   do_sample=False, logits_processor=processors, eos_token_id=sorted(stops),
+                                  stopping_criteria=StoppingCriteriaList([RowBudgets(width, [b for _, b in prompts],
+                                                                                     device)]),
                                   pad_token_id=pad, temperature=None, top_p=None, top_k=None)
         return [finish_answer(self.tokenizer, out[j, width:].tolist(), stops, prompts[j][1])
                 for j in range(len(prompts))]

@@ -26,12 +26,16 @@ import torch
 
 from specdraft.atomic import publish_dir
 from specdraft.data.chat import tokenize_conversation
-from specdraft.data.sources import iter_conversations
+from specdraft.data.sources import SkippedRow, iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
+from specdraft.paths import specdraft_home
 
-CACHE_FORMAT = 3  # 2: doc_start.bin; 3: masks from one render, answer + end-of-turn, token_ids honoured
+CACHE_FORMAT = 4  # 2: doc_start.bin; 3: masks from one render, answer + end-of-turn, token_ids honoured;
+# 4: spans located by marker renders, rows with nothing to learn skipped (rows.jsonl names each row)
 TOKEN_DTYPE = np.uint32
 FLUSH_TOKENS = 1 << 20  # write to disk every ~1M tokens: bounded builder memory
+ROWS_FILE = "rows.jsonl"  # per row: its source and token count, or the reason it was skipped
+SKIPPED_NAMED = 100  # rows named per skip reason in meta.json
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -72,39 +76,75 @@ def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int, thinkin
     return digest.hexdigest()[:20]
 
 
+def packed_cache_dir(files: List[str], tokenizer_dir: str, max_seq_length: int, thinking=None,
+                     data_cache_dir=None) -> Path:
+    """Where train (and `specdraft data`) keep the packed tokens of these inputs."""
+    root = Path(data_cache_dir) if data_cache_dir else specdraft_home() / "data"
+    return root / cache_key(files, tokenizer_dir, max_seq_length, thinking)
+
+
 def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir: Path,
-                       log: Callable[[str], None] = print, thinking=None) -> None:
-    """Stream every conversation into out_dir (created atomically); no-op if it already exists."""
+                       log: Callable[[str], None] = print, thinking=None, strict: bool = False) -> dict:
+    """Stream every conversation into out_dir (created atomically) unless it exists; -> its meta.
+
+    A row with nothing to learn is skipped and counted by reason (strict: refused, naming it)."""
     out_dir = Path(out_dir)
     if (out_dir / "meta.json").is_file():
-        return
+        meta = json.loads((out_dir / "meta.json").read_text())
+        if strict and meta.get("skipped"):  # the cache was built leniently: refuse as a strict build would
+            raise SpecdraftError(next(iter(meta["skipped"].values()))["first"])
+        for line in summary_lines(meta):
+            log(line)
+        return meta
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        stats = _stream_tokens(files, tokenizer, tmp, thinking)
+        stats = _stream_tokens(files, tokenizer, tmp, max_seq_length, thinking, strict)
         sequences = stats["tokens"] // max_seq_length
         if sequences == 0:
             raise SpecdraftError(f"data_files: only {stats['tokens']} tokens in total, fewer than "
                                  f"max_seq_length={max_seq_length}")
         if stats["assistant_tokens"] == 0:
-            raise SpecdraftError("data_files: no assistant tokens found (nothing to learn from)")
+            raise SpecdraftError("data_files: no assistant tokens found (nothing to learn from)"
+                                 + (f"; {skipped_summary(stats)}" if stats["skipped"] else ""))
         meta = dict(stats, sequences=sequences, max_seq_length=max_seq_length, files=files,
                     format=CACHE_FORMAT)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, out_dir)
-        log(f"data: {stats['conversations']} conversations, {stats['tokens']} tokens "
-            f"({stats['assistant_tokens']} assistant) -> {sequences} sequences of {max_seq_length}")
+        for line in summary_lines(meta):
+            log(line)
+        return meta
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _stream_tokens(files, tokenizer, out: Path, thinking=None) -> dict:
-    stats = {"conversations": 0, "tokens": 0, "assistant_tokens": 0}
+def summary_lines(meta: dict) -> List[str]:
+    lines = [f"data: {meta['conversations']} conversations, {meta['tokens']} tokens "
+             f"({meta['assistant_tokens']} assistant) -> {meta['sequences']} sequences of {meta['max_seq_length']}; "
+             f"{meta['truncated']} rows longer than max_seq_length (truncated)"]
+    if meta["skipped"]:
+        lines.append(f"data: {skipped_summary(meta)}")
+    return lines
+
+
+def skipped_summary(meta: dict, named: int = 3) -> str:
+    """`skipped 3 of 2000 rows: no assistant turn (a.jsonl:6, …), template refused (b.jsonl:9)`."""
+    skipped = meta["skipped"]
+    total = sum(entry["count"] for entry in skipped.values())
+    parts = []
+    for reason, entry in skipped.items():
+        names = entry["rows"][:named] + (["…"] if entry["count"] > named else [])
+        parts.append(f"{reason} ({', '.join(names)})")
+    return f"skipped {total} of {total + meta['conversations']} rows: {', '.join(parts)}"
+
+
+def _stream_tokens(files, tokenizer, out: Path, max_seq_length: int, thinking=None, strict=False) -> dict:
+    stats = {"conversations": 0, "tokens": 0, "assistant_tokens": 0, "truncated": 0, "skipped": {}}
     ids_buf: List[int] = []
     mask_buf: List[int] = []
     start_buf: List[int] = []
     with open(out / "tokens.bin", "wb") as ids_file, open(out / "loss_mask.bin", "wb") as mask_file, \
-            open(out / "doc_start.bin", "wb") as start_file:
+            open(out / "doc_start.bin", "wb") as start_file, open(out / ROWS_FILE, "w", encoding="utf-8") as rows:
         def flush():
             np.asarray(ids_buf, dtype=TOKEN_DTYPE).tofile(ids_file)
             np.asarray(mask_buf, dtype=np.uint8).tofile(mask_file)
@@ -113,14 +153,26 @@ def _stream_tokens(files, tokenizer, out: Path, thinking=None) -> dict:
             mask_buf.clear()
             start_buf.clear()
 
-        for where, messages in iter_conversations(files):
-            ids, mask = tokenize_conversation(tokenizer, messages, where, thinking)
+        for where, record in iter_records(files):
+            try:
+                ids, mask = tokenize_conversation(tokenizer, normalise_conversation(record, where), where, thinking)
+            except SkippedRow as skip:
+                if strict:
+                    raise
+                entry = stats["skipped"].setdefault(skip.reason, {"count": 0, "rows": [], "first": str(skip)})
+                entry["count"] += 1
+                if len(entry["rows"]) < SKIPPED_NAMED:
+                    entry["rows"].append(where)
+                rows.write(json.dumps({"source": where, "skipped": skip.reason}) + "\n")
+                continue
             ids_buf.extend(ids)
             mask_buf.extend(mask)
             start_buf.extend([1] + [0] * (len(ids) - 1))
+            rows.write(json.dumps({"source": where, "tokens": len(ids)}) + "\n")
             stats["conversations"] += 1
             stats["tokens"] += len(ids)
             stats["assistant_tokens"] += sum(mask)
+            stats["truncated"] += len(ids) > max_seq_length
             if len(ids_buf) >= FLUSH_TOKENS:
                 flush()
         flush()

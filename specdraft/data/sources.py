@@ -5,7 +5,8 @@ Accepted record shapes (one conversation per line / row):
     {"messages": [...same...]}
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}   (ShareGPT)
 An assistant turn may carry "token_ids" (the ids the target generated, from `specdraft
-regenerate`); training then uses those ids for its text. `specdraft regenerate` also reads rows
+regenerate`); training then uses those ids for its text. "truncated": true marks an answer cut at
+its token budget: it is trained without the end-of-turn the template renders after it. `specdraft regenerate` also reads rows
 that hold only prompts: {"prompt": "..."} or a conversation without assistant turns.
 """
 
@@ -21,6 +22,16 @@ ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt"
                 "system": "system"}
 
 Message = Dict[str, Any]  # role, content, and optionally token_ids (assistant turns)
+
+
+class SkippedRow(SpecdraftError):
+    """A row with nothing to learn (no assistant turn, a template that refuses it, empty answers):
+    skipped and counted by `reason` when building training data, unless data_strict."""
+
+    def __init__(self, where: str, reason: str, detail: str = ""):
+        super().__init__(f"{where}: {detail or reason}")
+        self.where = where
+        self.reason = reason
 
 
 def iter_conversations(files: List[str]) -> Iterator[Tuple[str, List[Message]]]:
@@ -97,7 +108,9 @@ def normalise_conversation(record, where: str, require_answer: bool = True) -> L
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise SpecdraftError(f"{where}: turn {i} has 'token_ids' that are not a list of token ids")
             message["token_ids"] = ids
+        if turn.get("truncated") is True and role == "assistant":
+            message["truncated"] = True  # cut at the token budget: its end-of-turn is not trained
         messages.append(message)
     if require_answer and not any(m["role"] == "assistant" for m in messages):
-        raise SpecdraftError(f"{where}: no assistant turn (nothing to learn from)")
+        raise SkippedRow(where, "no assistant turn", "no assistant turn (nothing to learn from)")
     return messages

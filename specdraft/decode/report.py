@@ -11,9 +11,11 @@ also accepted the j-th (the usual per-position acceptance rate).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from specdraft.decode.speculative import Generation
+from specdraft.errors import SpecdraftError
+from specdraft.run import PLOT_SOFTWARE
 
 
 def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str, Any]:
@@ -106,26 +108,49 @@ def format_comparison(reports: Dict[str, Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_acceptance(report: Dict[str, Any], path, title: Optional[str] = None) -> None:
-    """A PNG bar chart of acceptance per draft position (matplotlib, Agg backend)."""
+def require_matplotlib(flag: str = "--plot") -> None:
+    """A plot asked for without matplotlib (an optional extra): one line, before any work is done."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SpecdraftError(f"{flag}: matplotlib is not installed; pip install specdraft[plots]") from None
+
+
+def acceptance_figure(reports: Sequence[Tuple[str, Dict[str, Any]]], title: Optional[str] = None):
+    """Two bar charts of (label, report) pairs: acceptance per draft position of each drafter
+    (P(accepted length >= position)), and each drafter's tau beside the target alone (1)."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    positions = list(range(1, len(report["acceptance_per_position"]) + 1))
-    width = 0.4
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([p - width / 2 for p in positions], report["acceptance_per_position"], width,
-           label="P(accepted length >= position)")
-    ax.bar([p + width / 2 for p in positions], report["conditional_acceptance_per_position"], width,
-           label="P(position accepted | previous accepted)")
-    ax.set_xlabel("draft position (tree depth)")
-    ax.set_ylabel("acceptance")
-    ax.set_ylim(0, 1.3)  # headroom for the legend
-    ax.set_xticks(positions)
-    ax.set_title(title or f"{report.get('method')}: tau = {report['tau']:.2f}")
-    ax.legend(fontsize=8)
+    fig, (by_position, by_drafter) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(reports)
+    depth = max(len(report["acceptance_per_position"]) for _, report in reports)
+    for i, (label, report) in enumerate(reports):
+        acceptance = report["acceptance_per_position"]
+        by_position.bar([j + 1 - 0.4 + width * (i + 0.5) for j in range(len(acceptance))], acceptance, width,
+                        label=label, color=f"C{i}")
+    by_position.set(xlabel="draft position (tree depth)", ylabel="P(accepted length >= position)",
+                    ylim=(0, 1.05), xticks=range(1, depth + 1))
+    by_position.legend(fontsize=7)
+    labels = [label for label, _ in reports] + ["target alone"]
+    taus = [report["tau"] for _, report in reports] + [1.0]
+    by_drafter.bar(range(len(labels)), taus, color=[f"C{i}" for i in range(len(reports))] + ["grey"])
+    by_drafter.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+    by_drafter.set_ylabel("tau (tokens per target forward)")
+    for x, tau in enumerate(taus):
+        by_drafter.text(x, tau, f"{tau:.2f}", ha="center", va="bottom", fontsize=7)
+    fig.suptitle(title or "acceptance per draft position, tau per drafter")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_acceptance(reports: Sequence[Tuple[str, Dict[str, Any]]], path, title: Optional[str] = None) -> None:
+    """acceptance_figure as a PNG (matplotlib, Agg backend)."""
+    import matplotlib.pyplot as plt
+
+    fig = acceptance_figure(reports, title)
+    fig.savefig(path, dpi=100, format="png", metadata={"Software": PLOT_SOFTWARE})  # ours to replace
     plt.close(fig)

@@ -1,10 +1,10 @@
 """The sizes of demo assets: "demo" (the CPU walkthrough), "tiny" (tests) and "bench" (the target
-the README's acceptance tables are measured on: bigger, trained longer, answers that are not loops;
-bench/answer_quality.py measures that)."""
+the acceptance tables of docs/benchmarks.md are measured on: bigger, trained longer, answers that are not loops;
+bench/answer_quality.py measures that). Every preset pre-trains in fp32, on every CPU."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import asdict, dataclass
 
 from specdraft.errors import SpecdraftError
 
@@ -36,14 +36,12 @@ class DemoPreset:
     max_prompt_tokens: int  # longer prompts (long docstrings) are skipped
     max_new_tokens: int  # regenerated answers stop here if the target does not end its turn
     generate_batch: int
-    # Added after the first presets: a field at its default is left out of the fingerprint, so
-    # targets built before it existed still match their cache.
-    bf16_autocast: bool = False  # pre-train with bf16 matmuls (fp32 weights): ~1.6x the tokens/s
 
     def fingerprint(self) -> dict:
-        """What a cached build was made from; a changed preset invalidates the cache."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.default is MISSING or getattr(self, f.name) != f.default}
+        """What a cached build was made from; a changed preset invalidates the cache. (The bench
+        preset's targets pre-trained with bf16 matmuls recorded `bf16_autocast: true` here, so
+        they no longer match and are rebuilt in fp32.)"""
+        return asdict(self)
 
 
 PRESETS = {
@@ -66,14 +64,15 @@ PRESETS = {
     # The benchmark target. Its pre-training text is the dataset's own functions (the chat form
     # of the 451 documented functions in 0.8 MB of stdlib files, 0.1M tokens) seen ~28 times: at
     # this budget, more passes over fewer functions is what turns the demo target's one repeated
-    # line into code (1.6 MB seen 12 times: distinct-2 0.31, 14% degenerate). ~18 CPU minutes.
+    # line into code (1.6 MB seen 12 times: distinct-2 0.31, 14% degenerate). Pre-training in fp32
+    # on 2 AVX2 cores (AMD EPYC): 2.1 s a step, ~25 minutes for the 700 steps.
     "bench": DemoPreset(
         name="bench", corpus_bytes=800_000,
         vocab_size=4096, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=688, max_position_embeddings=4096,
         train_steps=700, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=40, log_every=50,
         train_rows=2000, prompt_rows=64, train_files=4, max_prompt_tokens=192,
-        max_new_tokens=96, generate_batch=64, bf16_autocast=True,
+        max_new_tokens=96, generate_batch=64,
     ),
 }
 

@@ -18,6 +18,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from specdraft.demo.cache import building, log_stderr, no_progress_bars
 from specdraft.demo.corpus import FunctionExample, extract_functions, read_corpus
+from specdraft.demo.machine import describe, this_cpu
 from specdraft.demo.presets import DemoPreset, get_preset
 from specdraft.demo.tokenizer import BOS, EOS, IM_END, PAD, train_tokenizer
 
@@ -37,14 +38,13 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
         log(f"[demo target] tokenizer: vocab {len(tokenizer)} from {len(files)} stdlib files "
             f"({sum(len(f.text) for f in files) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
 
-        t1 = time.perf_counter()
+        t1, cpu = time.perf_counter(), this_cpu()
         stream = _token_stream(extract_functions(files), tokenizer, seed)
         model = _new_model(p, tokenizer, seed)
         params = sum(x.numel() for x in model.parameters())
         seen = p.train_steps * p.batch_size * p.seq_len
         log(f"[demo target] training {params / 1e6:.2f}M params on {stream.numel() / 1e6:.2f}M "
-            f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len}"
-            + (" (bf16 matmuls)" if p.bf16_autocast else ""))
+            f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len} in fp32 on {describe(cpu)}")
         final_loss = pretrain(model, stream, p, seed, log)
         log(f"[demo target] trained in {time.perf_counter() - t1:.1f}s, final loss "
             f"{final_loss:.3f}")
@@ -52,15 +52,14 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
         with no_progress_bars():
             model.save_pretrained(tmp, max_shard_size=_shard_bytes(model, SHARDS))
         tokenizer.save_pretrained(tmp)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        wall, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
         # the build's own figures, also kept in the stamp (bench/answer_quality.py prints them)
         stamp.update(final_loss=final_loss, params=params, tokens_seen=seen,
                      corpus_tokens=stream.numel(), build_seconds=round(wall, 1),
-                     build_cpu_seconds=round(cpu, 1))
+                     build_cpu_seconds=round(cpu_seconds, 1), cpu=cpu)
         log(f"[demo target] {p.name}: {params / 1e6:.2f}M params, {seen / 1e6:.2f}M tokens seen "
             f"({seen / stream.numel():.1f} passes over {stream.numel() / 1e6:.2f}M), final loss "
-            f"{final_loss:.3f}; built in {wall:.0f}s wall, {cpu:.0f}s CPU ({torch.get_num_threads()} "
-            f"threads)")
+            f"{final_loss:.3f}; built in {wall:.0f}s wall, {cpu_seconds:.0f}s CPU ({describe(cpu)})")
     log(f"[demo target] saved to {out_dir}")
     return out_dir
 
@@ -77,9 +76,9 @@ def pretrain(model: LlamaForCausalLM, stream: torch.Tensor, p: DemoPreset, seed:
     for step in range(1, p.train_steps + 1):
         starts = torch.randint(0, stream.numel() - p.seq_len, (p.batch_size,), generator=gen)
         batch = torch.stack([stream[s:s + p.seq_len] for s in starts.tolist()])  # (B, T)
-        # bf16 autocast: matmuls in bf16, weights, optimizer and loss reduction in fp32
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.bf16_autocast):
-            loss = model(input_ids=batch, labels=batch).loss
+        # fp32 on every CPU: one recipe everywhere, and bf16 matmuls run ~20-47x slower than fp32
+        # on a CPU without native bf16 (AVX2 only)
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -151,6 +150,7 @@ def _shard_bytes(model: torch.nn.Module, shards: int) -> int:
 
 def target_inputs(preset: str, seed: int) -> dict:
     """What a target build depends on (its cache key). The corpus is this Python's stdlib, so
-    another Python version builds a different target."""
+    another Python version builds a different target. The CPU is recorded in the stamp, not
+    keyed: a target copied to another machine stays usable."""
     return {"kind": "target", "preset": get_preset(preset).fingerprint(), "seed": seed,
             "python": platform.python_version()}

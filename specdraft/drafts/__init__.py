@@ -1,7 +1,9 @@
 """Draft families, looked up by the `draft.type` config key or an export's `architecture`.
 
-A family is one module here (its Draft subclass, with its `options` dataclass of `draft.` keys)
-plus one line in FAMILIES. The `draft:` config section is the union of every family's keys.
+A family is one folder here (drafts/<family>/: its Draft subclass in model.py, with its `options`
+dataclass of `draft.` keys, beside its drafter and export formats) plus one line in FAMILIES; the
+modules directly in drafts/ are the shared blocks a family folder imports (never another family's
+folder). The `draft:` config section is the union of every family's keys.
 """
 
 from __future__ import annotations
@@ -11,18 +13,21 @@ import typing
 from typing import Any, Dict, Iterable, List, Optional, Type
 
 from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures
-from specdraft.drafts.dflash import DFlashDraft
-from specdraft.drafts.dspark import DSparkDraft
-from specdraft.drafts.eagle3 import Eagle3Draft
-from specdraft.drafts.glide import GlideDraft
+from specdraft.drafts.dflash.model import DFlashDraft
+from specdraft.drafts.dspark.model import DSparkDraft
+from specdraft.drafts.eagle3.model import Eagle3Draft
+from specdraft.drafts.glide.model import GlideDraft
 from specdraft.errors import SpecdraftError
 
 FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
-# `draft.` keys of every family: the family, and the existing draft a new run starts from
-# (train/imports.py; a path: an export, a run, or another tool's files)
-SHARED_KEYS = ("type", "init_from")
+# `draft.` keys of every family, with their meaning (the configuration reference prints it)
+SHARED_KEYS = {
+    "type": f"the draft family: {', '.join(FAMILIES)}",
+    # train/imports.py
+    "init_from": "an existing draft the run starts from: an export, a run, or another tool's files (a path)",
+}
 
 
 def _draft_config_schema() -> type:

@@ -29,6 +29,58 @@ def load_target_config(target_dir: str):
     return config
 
 
+# What AutoTokenizer reads from a model directory: one of them must be there.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# RoPE types that stretch the positions a model was pretrained on by `factor` (transformers'
+# modeling_rope_utils); "default" and unknown types stretch nothing.
+SCALING_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def has_tokenizer(model_dir) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
+
+
+def check_tokenizer(model_dir, source: str) -> None:
+    if not has_tokenizer(model_dir):
+        raise SpecdraftError(f"{source}: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                             f"copy the target model's tokenizer files into it")
+
+
+def load_target_tokenizer(model_dir):
+    """The target's tokenizer; a directory without one is one line, not a transformers traceback."""
+    from transformers import AutoTokenizer
+
+    check_tokenizer(model_dir, "target")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as err:
+        raise SpecdraftError(f"target: the tokenizer in {model_dir} does not load ({str(err).splitlines()[0]})") from None
+
+
+def supported_positions(config) -> int:
+    """The longest sequence the target's positions cover: max_position_embeddings, or, with a
+    RoPE scaling of `factor` over original_max_position_embeddings (default: the former), their
+    product when larger (as transformers reads config.json's rope_scaling / rope_parameters)."""
+    limit = config.max_position_embeddings
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor = rope.get("factor")
+    if kind in SCALING_ROPE_TYPES and factor:
+        original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+        limit = max(limit, int(factor * original))
+    return limit
+
+
+def check_sequence_length(config, max_seq_length: int, source: str) -> None:
+    limit = supported_positions(config)
+    if max_seq_length > limit:
+        scaled = "" if limit == config.max_position_embeddings else f" ({limit} with its rope scaling)"
+        raise SpecdraftError(f"{source}: key 'max_seq_length': {max_seq_length} is above the target's "
+                             f"max_position_embeddings {config.max_position_embeddings}{scaled}; positions past "
+                             f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
+                             f"covers it)")
+
+
 def load_frozen_target(target_dir: str, precision: str = "fp32",
                        device: Optional[torch.device] = None) -> nn.Module:
     """AutoModelForCausalLM from a local directory, every parameter requires_grad=False.

@@ -21,8 +21,8 @@ from typing import Callable, List, Optional
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
-from specdraft.config import config_hash, draft_names, draft_view
-from specdraft.errors import SpecdraftError
+from specdraft.config import config_hash, config_identity, draft_names, draft_view, identity_change
+from specdraft.errors import SpecdraftError, write_failure
 from specdraft.run import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.train import slots
@@ -120,8 +120,11 @@ class CheckpointManager:
                 if None in described:  # a one-draft run: its record as it always was
                     record.update(described[None])
                 else:
-                    record["drafts"] = {name: dict(entry, config_hash=config_hash(draft_view(self.cfg, name)))
-                                        for name, entry in described.items()}
+                    record["drafts"] = {}
+                    for name, entry in described.items():  # each draft's identity, as its run alone records it
+                        view = draft_view(self.cfg, name)
+                        record["drafts"][name] = dict(entry, config_hash=config_hash(view),
+                                                      config_identity=config_identity(view))
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
@@ -143,12 +146,13 @@ class CheckpointManager:
                 "global_batch": cfg.per_device_batch_size * self.world_size * cfg.gradient_accumulation_steps,
                 "per_device_batch_size": cfg.per_device_batch_size,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                "config_hash": config_hash(cfg), "target": os.path.abspath(cfg.target),
+                "config_hash": config_hash(cfg), "config_identity": config_identity(cfg),
+                "target": os.path.abspath(cfg.target),
                 "target_identity": self.target_identity}
 
     def _write_error(self, err: BaseException, slot_dir: Path, step: int) -> BaseException:
         """A failed write becomes one line saying what survived; anything else stays as it is."""
-        reason = slots.write_failure(err)
+        reason = write_failure(err, slot_dir)
         if reason is None:
             return err
         if (slot_dir / COMMITTED).is_file():  # only the `latest` hint failed
@@ -244,15 +248,11 @@ class CheckpointManager:
             for name in names:
                 view, saved = draft_view(cfg, name), record["drafts"][name]
                 if saved.get("config_hash") != config_hash(view):
-                    raise SpecdraftError(f"{slot_dir}: draft {name} was saved as a {saved['draft'].get('family')} "
-                                         f"draft {saved['draft']['dims']}; this run's drafts.{name} or max_seq_length "
-                                         f"differ (config hash {saved.get('config_hash')} != {config_hash(view)})")
+                    raise SpecdraftError(f"{slot_dir}: draft {name}: {identity_change(saved.get('config_identity'), view)}")
         elif record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
             raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
         elif record.get("config_hash") != config_hash(cfg):
-            raise SpecdraftError(f"{slot_dir}: saved with draft {record['draft']['dims']}; this run's draft or "
-                                 f"max_seq_length differ (config hash {record.get('config_hash')} != "
-                                 f"{config_hash(cfg)})")
+            raise SpecdraftError(f"{slot_dir}: {identity_change(record.get('config_identity'), cfg)}")
         if record.get("target_identity") != self.target_identity:
             raise SpecdraftError(f"{slot_dir}: trained against another target than {cfg.target} (its "
                                  f"config.json or weights differ from those of {record['target']})")

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, write_error, write_failure
 
 
 def collective_device() -> torch.device:
@@ -45,10 +45,13 @@ def any_rank(flag: bool) -> bool:
 def raise_everywhere(error: Optional[BaseException]) -> None:
     """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
     the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
-    one-line user error everywhere), anything else becomes the same RuntimeError on every rank
-    (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
+    one-line user error everywhere), so does a failed write (its path and the OS's reason), anything
+    else becomes the same RuntimeError on every rank (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
     if not any_rank(error is not None):
         return
+    if error is not None and not isinstance(error, SpecdraftError) and write_failure(error) is not None:
+        original, error = error, write_error(error)  # a full disk: one line, on every rank
+        error.__cause__ = original
     reports = [None] * dist.get_world_size()
     mine = None if error is None else (isinstance(error, SpecdraftError), f"{type(error).__name__}: {error}"
                                        if not isinstance(error, SpecdraftError) else str(error))

@@ -20,9 +20,12 @@ from specdraft import __version__
 from specdraft.atomic import publish_dir, write_atomic
 from specdraft.config import config_hash, draft_view
 from specdraft.drafts import Draft, draft_from_export_config
-from specdraft.errors import SpecdraftError
-from specdraft.run import (CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME, TRAINING_CONFIG_NAME,
-                           config_file, consolidated_file, draft_part, offline_export_dir)
+from specdraft.errors import SpecdraftError, write_failure
+from specdraft.run import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,
+                           TRAINING_CONFIG_NAME, config_file, consolidated_file, draft_part, marker_text,
+                           offline_export_dir)
+from specdraft.outputs import check_export_out
+from specdraft.target.model import has_tokenizer, load_target_tokenizer
 from specdraft.train.frozen_state import read_frozen_state
 from specdraft.train.slots import choose_draft, record_names, run_slot
 from specdraft.train.model import DRAFT_PREFIX
@@ -50,8 +53,9 @@ def serving_formats(draft, cfg: DictConfig) -> Sequence[str]:
 
 def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
                        tokenizer=None, formats=NATIVE_FILES, target_heads=None,
-                       serving: Optional[Sequence[str]] = None) -> Path:
-    """Write a complete draft export directory atomically (rank 0 only).
+                       serving: Optional[Sequence[str]] = None, run_dir=None, step: Optional[int] = None) -> Path:
+    """Write a complete draft export directory atomically (rank 0 only); its marker names the run
+    and step it came from.
 
     formats: which native weight files (pth, safetensors). serving: the serving formats written
     into subdirectories (None: serving_formats(draft, cfg)). target_heads: optional
@@ -65,16 +69,20 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
                                  f"(it has: {', '.join(['native', *draft.serving_formats])})")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    origin = {"run": None if run_dir is None else os.path.abspath(run_dir), "step": step}
     try:
-        _write_export_files(tmp, state_dict, draft, cfg, tokenizer, formats, target_heads, serving)
+        _write_export_files(tmp, state_dict, draft, cfg, tokenizer, formats, target_heads, serving, origin)
         publish_dir(tmp, out_dir)
-    except OSError as err:  # a full disk: one line; earlier exports are untouched
+    except Exception as err:  # a full disk: one line; earlier exports are untouched
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({err.strerror or err})") from err
+        reason = write_failure(err, out_dir)
+        if reason is None:
+            raise
+        raise SpecdraftError(f"{out_dir}: writing the draft export failed ({reason})") from err
     return out_dir
 
 
-def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, target_heads, serving) -> None:
+def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, target_heads, serving, origin) -> None:
     from safetensors.torch import save_file
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -97,6 +105,7 @@ def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, t
     OmegaConf.save(cfg, tmp / TRAINING_CONFIG_NAME, resolve=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
+    (tmp / MARKER).write_text(marker_text(EXPORT, **origin))  # ours: `specdraft export` may replace it
 
 
 # -- reading an export back ------------------------------------------------------------------------
@@ -206,11 +215,12 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     """Write a draft export from a committed slot: `native` (both weight files + config.json), one
     native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
     directory that engine loads). draft_name: the draft of a several-draft run (required there)."""
-    from transformers import AutoTokenizer
-
     slot_dir, record = run_slot(run_dir, step=step)
     name = choose_draft(record_names(record), draft_name, "export")
     own = record if name is None else record["drafts"][name]
+    default = draft_part(offline_export_dir(run_dir, record["step"]), name)
+    out = Path(out_dir) if out_dir else default
+    check_export_out(out, run_dir, default)  # before the weights are consolidated
     draft = draft_from_export_config(own["draft"])
     if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
         raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
@@ -219,8 +229,7 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     cfg = OmegaConf.load(config_file(run_dir))
     cfg = cfg if name is None else draft_view(cfg, name)  # the config of this draft, as trained alone
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target) if Path(cfg.target).is_dir() else None
-    out = Path(out_dir) if out_dir else draft_part(offline_export_dir(run_dir, record["step"]), name)
+    tokenizer = load_target_tokenizer(cfg.target) if has_tokenizer(cfg.target) else None
     heads = None
     if with_target_heads:  # two tensors straight from the target's files: the target is never built
         from specdraft.target.weights import load_target_head_weights
@@ -231,5 +240,5 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     serving = [fmt] if fmt in draft.serving_formats else []
     files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES
     written = write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=files, target_heads=heads,
-                                 serving=serving)
+                                 serving=serving, run_dir=run_dir, step=record["step"])
     return written / fmt if serving else written

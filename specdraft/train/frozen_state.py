@@ -4,8 +4,9 @@ fingerprint of its weights that proves a load brought the draft back."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Union
 
 import torch
 
@@ -13,15 +14,34 @@ from specdraft.errors import SpecdraftError
 from specdraft.run import FROZEN_FILE
 
 
-def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
-    """Per-tensor (sum, sum of squares) of the draft's weights. Saved with each slot and compared
-    after a load: proof that the draft came back."""
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes: equal exactly when the tensors are bit for bit
+    (a float sum is not: its last bits follow the reduction's thread count)."""
+    t = t.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def draft_fingerprint(weights: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """Per-tensor digest of the draft's weights. Saved with each slot and compared after a load:
+    proof that the draft came back, whatever the threads, world size or ZeRO stage of either run."""
+    return {name: tensor_digest(t) for name, t in weights.items()}
+
+
+def _legacy_sums(weights: Dict[str, torch.Tensor]) -> Dict[str, List[float]]:
+    """The fingerprint slots held before the digests: per tensor (sum, sum of squares)."""
     return {name: [float(t.double().sum()), float(t.double().pow(2).sum())] for name, t in weights.items()}
 
 
 def check_fingerprint(slot_dir: Path, weights: dict, record: dict) -> None:
-    if draft_fingerprint(weights) != record["draft_fingerprint"]:
-        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones")
+    saved: Dict[str, Union[str, List[float]]] = record["draft_fingerprint"]
+    legacy = any(isinstance(v, list) for v in saved.values())
+    if (_legacy_sums(weights) if legacy else draft_fingerprint(weights)) != saved:
+        different = sorted(name for name, value in draft_fingerprint(weights).items()
+                           if not legacy and saved.get(name) != value) or sorted(set(weights) ^ set(saved))
+        raise SpecdraftError(f"{slot_dir}: the draft weights loaded do not match the saved ones"
+                             f"{f' ({len(different)} tensors differ, e.g. {different[0]})' if different else ''}")
 
 
 def frozen_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

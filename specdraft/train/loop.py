@@ -9,6 +9,7 @@ the target runs once per micro-batch outside them (forward_drafts), one save com
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
@@ -22,11 +23,11 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.config import draft_names, draft_view, resolve_data_files, save_config
-from specdraft.data.packing import PackedData, build_packed_cache, cache_key, open_packed_cache
+from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
-from specdraft.paths import specdraft_home
-from specdraft.target.model import load_frozen_target
+from specdraft.outputs import claim_run_dir, start_run_dir
+from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.run import config_file, draft_part, export_dir
 from specdraft.train.checkpoint import CheckpointManager, DraftPart
 from specdraft.train.collectives import all_reduce, any_rank, run_shared
@@ -59,12 +60,12 @@ class TrainResult:
 
 def train(cfg: DictConfig, log=print) -> TrainResult:
     rank, world_size = init_distributed()
-    return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None))
+    with contextlib.ExitStack() as closing:  # a failure closes the progress bar: its line ends before the error's
+        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing)
 
 
-def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
+def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib.ExitStack) -> TrainResult:
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
     # -- setup -------------------------------------------------------------------------------
     seed_everything(cfg.seed)
@@ -76,7 +77,9 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     # draft.init_from is read and checked now, before anything is written; never on a resume
     imports = {name: planned_import(draft_view(cfg, name), resuming=plan is not None, log=log)
                for name in draft_names(cfg)}
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    # Before anything is loaded: output_dir is new, empty or this run's, and takes files.
+    run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
+    tokenizer = load_target_tokenizer(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
     sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed,
                                   cfg.gradient_accumulation_steps)
@@ -97,7 +100,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         log(f"resumed from {plan.slot} at step {state.step}")
 
     def write_config():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        start_run_dir(run_dir)
         save_config(cfg, config_file(run_dir))
 
     run_shared(write_config)
@@ -121,7 +124,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
         run_shared(lambda: metrics.log(step, values))
 
     eval_prompts = load_eval_prompts(cfg, tokenizer)
-    progress = tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
+    progress = closing.enter_context(tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train",
+                                          unit="step"))
     result = TrainResult(steps=total_steps, run_dir=run_dir)
     exporter = BackgroundExporter()
     started = time.perf_counter()
@@ -181,7 +185,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
                 checkpoints.save(parts[0].engine, state.step, client_state, parts[0].weights)
             result.export_dir = export_dir(run_dir, state.step)
             if rank == 0:  # written on the export thread, off the training path
-                exporter.submit(write_exports, result.export_dir, parts, trainees, tokenizer)
+                exporter.submit(write_exports, result.export_dir, parts, trainees, tokenizer, run_dir, state.step)
 
     # -- summary -----------------------------------------------------------------------------
     run_shared(exporter.close)  # the last export is on disk before train() returns
@@ -199,7 +203,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log) -> TrainResult:
     else:  # resumed a finished run: say so instead of silently doing nothing
         result.export_dir = export_dir(run_dir, state.step)
         log(f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
-            f"its draft is in {result.export_dir} (resume=no or another output_dir to train anew)")
+            f"its draft is in {result.export_dir} (another output_dir trains anew)")
     return result
 
 
@@ -245,10 +249,12 @@ def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, 
     return Trainee(name, view, engine)
 
 
-def write_exports(out_dir: Path, parts: List[DraftPart], trainees: List[Trainee], tokenizer) -> None:
+def write_exports(out_dir: Path, parts: List[DraftPart], trainees: List[Trainee], tokenizer, run_dir: Path,
+                  step: int) -> None:
     """Rank 0, on the export thread: each draft's export (a draft of several in out_dir/<name>/)."""
     for part, t in zip(parts, trainees):
-        write_draft_export(draft_part(out_dir, t.name), part.weights, t.draft, t.cfg, tokenizer)
+        write_draft_export(draft_part(out_dir, t.name), part.weights, t.draft, t.cfg, tokenizer, run_dir=run_dir,
+                           step=step)
 
 
 def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
@@ -334,12 +340,12 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
 def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
     files = resolve_data_files(cfg.data_files)
-    root = Path(cfg.data_cache_dir) if cfg.data_cache_dir else specdraft_home() / "data"
-    cache_dir = root / cache_key(files, cfg.target, cfg.max_seq_length, cfg.thinking)
+    cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
     error = None
     if rank == 0:
         try:
-            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking)
+            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
+                               strict=cfg.data_strict)
         except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
             error = err
     failed = any_rank(error is not None)

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, write_error
 
 
 class MetricsLogger:
@@ -20,7 +20,11 @@ class MetricsLogger:
         self._wandb = None
         if not enabled:
             return
-        self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self.path = Path(run_dir) / "metrics.jsonl"
+        try:
+            self._jsonl = open(self.path, "a", encoding="utf-8")
+        except OSError as err:
+            raise write_error(err, self.path, "opening the metrics log") from err
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
@@ -30,8 +34,11 @@ class MetricsLogger:
     def log(self, step: int, values: Dict[str, float]) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self._jsonl.flush()
+        except OSError as err:  # a full disk: one line naming the file (every rank stops: run_shared)
+            raise write_error(err, self.path, "writing metrics") from err
         for key, value in values.items():
             self._tb.add_scalar(key, value, step)
         if self._wandb is not None:

@@ -11,7 +11,6 @@ the highest step, whatever `latest` says.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -23,22 +22,13 @@ from typing import Callable, Dict, List, Optional
 
 from specdraft.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import (CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, slot_name, slot_step,
-                           step_of)
+from specdraft.run import (CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, committed_slots, slot_name,
+                           slot_step, step_of)
 
 VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)
 
 
 # -- which slots exist ----------------------------------------------------------------------------
-
-def committed_slots(ckpt_dir: Path) -> List[Path]:
-    """Slots with a COMMITTED marker, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    slots = [p for p in ckpt_dir.iterdir()
-             if p.is_dir() and step_of(p.name) is not None and (p / COMMITTED).is_file()]
-    return sorted(slots, key=slot_step)
-
 
 def newest_committed(ckpt_dir: Path) -> Optional[Path]:
     """The committed slot with the highest step. (`latest` can lag behind: a crash between the
@@ -209,17 +199,6 @@ def commit_slot(slot_dir: Path, manifests: List[Dict[str, dict]], record: dict, 
     write_atomic(slot_dir / COMMITTED, json.dumps(dict(record, files=files, time=time.time()), indent=1))
     pause()
     write_atomic(ckpt_dir / LATEST, slot_dir.name)
-
-
-def write_failure(err: BaseException) -> Optional[str]:
-    """Why a save failed, when a write did (a full disk, a quota, an I/O error); None otherwise."""
-    while err is not None:
-        if isinstance(err, OSError):
-            return "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
-        if isinstance(err, RuntimeError) and "file write failed" in str(err):  # torch.save's wording
-            return "a file write failed (disk full?)"
-        err = err.__cause__ or err.__context__
-    return None
 
 
 # -- removing -----------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ GLIDE_DECODE = (f"{SEMANTICS}::test_chain_drafting_logits_equal_training_logits_
 SAMPLING = (f"{DECODE}::test_rejection_rule_reproduces_the_target_distribution",
             f"{DECODE}::test_speculative_sampling_matches_the_target_distribution_end_to_end")
 
-GLIDE_PY = "specdraft/drafts/glide.py"
-GLIDE_DECODE_PY = "specdraft/drafts/glide_decode.py"
+GLIDE_PY = "specdraft/drafts/glide/model.py"
+GLIDE_DECODE_PY = "specdraft/drafts/glide/decode.py"
 LAYERS_PY = "specdraft/drafts/layers.py"
 CAPTURE_PY = "specdraft/target/capture.py"
 
@@ -229,8 +229,8 @@ DECODING: List[Mutation] = [
 ]
 
 # EAGLE-3 (from notes/eagle3-mutations.py)
-E3 = "specdraft/drafts/eagle3.py"
-E3_DECODE = "specdraft/drafts/eagle3_decode.py"
+E3 = "specdraft/drafts/eagle3/model.py"
+E3_DECODE = "specdraft/drafts/eagle3/decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"
@@ -324,7 +324,7 @@ EAGLE3: List[Mutation] = [
 ]
 
 # DFlash (from notes/dflash_mutations.py)
-DFLASH_PY = "specdraft/drafts/dflash.py"
+DFLASH_PY = "specdraft/drafts/dflash_backbone.py"
 DFLASH_BLOCKS_PY = "specdraft/drafts/dflash_blocks.py"
 DFLASH_DECODE_PY = "specdraft/drafts/dflash_decode.py"
 DFLASH_SPEC_PY = "specdraft/drafts/dflash_speculators.py"
@@ -465,7 +465,7 @@ DISTILL_TOKENS: List[Mutation] = [
 ]
 
 # Serving conventions (issue 19): what a server computes from our files equals what we trained
-E3_EXPORT = "specdraft/drafts/eagle3_export.py"
+E3_EXPORT = "specdraft/drafts/eagle3/export.py"
 CONV = "tests/test_serving_conventions.py"
 E3_TEACHER = ("tests/test_eagle3.py", "-k", "objectives_read")
 
@@ -563,8 +563,8 @@ MEMORY = [
 ]
 
 # DSpark: the head wiring, the Markov shift, the confidence target, the stop
-DSPARK_PY = "specdraft/drafts/dspark.py"
-DSPARK_DECODE_PY = "specdraft/drafts/dspark_decode.py"
+DSPARK_PY = "specdraft/drafts/dspark/model.py"
+DSPARK_DECODE_PY = "specdraft/drafts/dspark/decode.py"
 DSPARK_TESTS = ("tests/test_dspark.py",)
 DSPARK_EXPORT = ("tests/test_dspark_export.py",)  # needs the speculators venv for the forward check
 DSPARK: List[Mutation] = [
@@ -616,7 +616,7 @@ DSPARK: List[Mutation] = [
              'hidden[first + depth].expand(count, -1), new_tokens.to(self.device),',
              'hidden[first + depth].expand(count, -1), new_tokens.to(self.device) * 0 + int(tokens[-1]),',
              DSPARK_TESTS, "a tree node's children read the anchor, not their parent's token"),
-    Mutation('dspark/export-head-type', "specdraft/drafts/dspark_speculators.py",
+    Mutation('dspark/export-head-type', "specdraft/drafts/dspark/speculators.py",
              'markov_rank=dims.markov_rank, markov_head_type=dims.markov_head_type,',
              'markov_rank=dims.markov_rank, markov_head_type="vanilla",', DSPARK_EXPORT),
 ]
@@ -626,20 +626,20 @@ IMPORTS_TESTS = ("tests/test_imports.py",)
 IMPORTS_TRAIN = ("tests/test_imports_train.py",)
 
 IMPORTS = [
-    Mutation("imports/longspec-norms-swapped", "specdraft/drafts/glide_longspec.py",
+    Mutation("imports/longspec-norms-swapped", "specdraft/drafts/glide/longspec.py",
              'RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",\n'
              '           "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight"}',
              'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
              '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
              IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
-    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3/export.py",
              '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
              '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
              IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
-    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3/export.py",
              '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
              IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
-    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3/export.py",
              '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
              '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
     Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
@@ -728,7 +728,55 @@ DOCUMENTS: List[Mutation] = [
              DOCUMENT_TESTS, "on CUDA, a packed block attends to the conversations before its own"),
 ]
 
+CHAT_PY = "specdraft/data/chat.py"
+PACKING_PY = "specdraft/data/packing.py"
+SPANS = "tests/test_spans.py"
+DATA_COMMAND = "tests/test_data_command.py"
+DATA_SPANS: List[Mutation] = [
+    Mutation("spans/no-reach-back-to-the-prompt", CHAT_PY,
+             "        if shared < at:", "        if False:", (SPANS,),
+             "Qwen3's last turn trained without the <think>\\n that opens its reasoning"),
+    Mutation("spans/no-end-of-turn", CHAT_PY,
+             "            return j + len(token)", "            return end", (SPANS,),
+             "the end-of-turn token is not trained: the draft never learns to end a turn"),
+    Mutation("spans/end-of-turn-only-when-adjacent", CHAT_PY,
+             "    while j < len(text) and text[j].isspace():", "    while False:", (SPANS,),
+             "Llama-2's ' ' + eos_token: its eos is not trained"),
+    Mutation("spans/only-tokens-inside-the-answer", CHAT_PY,
+             "return (a < stop and b > start) if b > a else start <= a < stop",
+             "return (a >= start and b <= stop) if b > a else start <= a < stop", (SPANS,),
+             "the token holding the answer's first character (' ' + content) is not trained"),
+    Mutation("spans/header-tokens-trained", CHAT_PY,
+             "return (a < stop and b > start) if b > a else start <= a < stop",
+             "return (a < stop and b > start - 2) if b > a else start - 2 <= a < stop", (SPANS,),
+             "the tokens just before the answer (the header's tail) are trained"),
+    Mutation("spans/ids-used-when-the-template-rewrote-the-answer", CHAT_PY,
+             'if ids is not None and text[start:end] != message["content"]:', "if False:", (SPANS,),
+             "generated ids of the untrimmed answer spliced where the template rendered the trimmed one"),
+    Mutation("spans/whitespace-answers-trained", CHAT_PY,
+             "if text[s.start:s.end].strip()]", "if s.end > s.start]", (SPANS, DATA_COMMAND),
+             "an answer that renders as whitespace is trained (and its row not skipped)"),
+    Mutation("spans/prefix-search-short", CHAT_PY,
+             "            hi = mid - 1\n    return lo\n\n\ndef _common_suffix",
+             "            hi = mid - 2\n    return lo\n\n\ndef _common_suffix", (SPANS,),
+             "the shared prefix of the two renders found short: the answer starts inside its header"),
+    Mutation("spans/suffix-search-short", CHAT_PY,
+             "        if a[len(a) - mid:] == b[len(b) - mid:]:", "        if a[len(a) - mid - 1:] == b[len(b) - mid - 1:]:",
+             (SPANS,), "the shared suffix found one character short: the answer ends one character late"),
+    Mutation("spans/truncated-answer-ends-its-turn", CHAT_PY,
+             'stop = end if message.get("truncated") else', "stop = end if False else", (SPANS,),
+             "an answer cut at its token budget is trained with an end-of-turn: the draft learns to stop mid-sentence"),
+    Mutation("data/strict-skips-anyway", PACKING_PY,
+             "                if strict:\n                    raise", "                if False:\n                    raise",
+             (f"{DATA_COMMAND}::test_data_strict_refuses_the_first_row_with_nothing_to_learn",),
+             "data_strict: true no longer refuses a row with nothing to learn"),
+    Mutation("data/skipped-rows-unnamed", PACKING_PY,
+             "                rows.write(json.dumps({\"source\": where, \"skipped\": skip.reason}) + \"\\n\")",
+             "                pass", (DATA_COMMAND,), "--json loses the skipped rows and every later row's source"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
+    "data-spans": DATA_SPANS,
     "glide": GLIDE,
     "glide-drafter": GLIDE_DRAFTER,
     "decoding": DECODING,

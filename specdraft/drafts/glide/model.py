@@ -22,8 +22,8 @@ from torch import nn
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, FileFormat, HostBatch,
                                    TargetFeatures, document_starts, rows_where, target_layer_shape, target_text_config)
-from specdraft.drafts.glide_longspec import longspec_refusal, longspec_state_dict, write_longspec
-from specdraft.drafts.glide_decode import GlideDrafter, SlidingWindowCache
+from specdraft.drafts.glide.longspec import longspec_refusal, longspec_state_dict, write_longspec
+from specdraft.drafts.glide.decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
                                     lagged_cross_attention, sliding_window_attention)
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,

@@ -35,8 +35,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
-from specdraft.drafts.eagle3_decode import Eagle3Drafter
-from specdraft.drafts.eagle3_export import FILE_FORMATS, serving_refusal, write_sglang, write_speculators
+from specdraft.drafts.eagle3.decode import Eagle3Drafter
+from specdraft.drafts.eagle3.export import FILE_FORMATS, serving_refusal, write_sglang, write_speculators
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.ttt_attention import ttt_attention

@@ -1,4 +1,5 @@
-"""DFlash: a block drafter. One forward pass drafts a whole block of tokens.
+"""DFlash's block backbone, a shared block: DFlash (drafts/dflash/) is this backbone as it is, DSpark
+(drafts/dspark/) adds its heads. A block drafter: one forward pass drafts a whole block of tokens.
 
     ctx    = hidden_norm(fc(cat(target hidden states of draft.target_layers)))     (B, T, H)
     block  = [anchor token, MASK x (S - 1)] at positions a .. a + S - 1            S = block_size
@@ -154,10 +155,10 @@ class DFlashLayer(nn.Module):
 
 # -- the draft -------------------------------------------------------------------------------------
 
-class DFlashDraft(Draft):
-    family = "dflash"
-    label = "DFlash"
-    architecture = "DFlashDraft"
+class DFlashBackbone(Draft):
+    """DFlash's backbone with no head of its own (the target's lm_head): the DFlash family as it is
+    (drafts/dflash/), and the base of the families that add a head (drafts/dspark/)."""
+
     options = DFlashOptions
     dims_type = DFlashDims
     serving_formats = {"speculators": write_speculators_export}
@@ -237,7 +238,7 @@ class DFlashDraft(Draft):
             fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")
 
     @classmethod
-    def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashDraft":
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashBackbone":
         return cls(cls.dims_type(**cls.dims_fields(target_config, draft_cfg)),
                    objective=objective_from_options(draft_cfg, default=cls.default_loss))
 

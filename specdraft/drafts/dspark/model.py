@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.dflash import BlockHead, DFlashDims, DFlashDraft, DFlashOptions
-from specdraft.drafts.dspark_decode import DSparkDrafter
-from specdraft.drafts.dspark_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
+from specdraft.drafts.dflash_backbone import BlockHead, DFlashBackbone, DFlashDims, DFlashOptions
+from specdraft.drafts.dspark.decode import DSparkDrafter
+from specdraft.drafts.dspark.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.objectives import Objective, parse_objective
 from specdraft.errors import SpecdraftError
@@ -132,7 +132,7 @@ def acceptance_targets(student: torch.Tensor, weight: torch.Tensor, teacher: tor
     return out
 
 
-class DSparkDraft(DFlashDraft):
+class DSparkDraft(DFlashBackbone):
     family = "dspark"
     label = "DSpark"
     architecture = "DSparkDraft"
@@ -141,8 +141,8 @@ class DSparkDraft(DFlashDraft):
     default_loss = DEFAULT_LOSS
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
-    import_settings = (*DFlashDraft.import_settings, "markov_head_type", "confidence_with_markov")
-    tensor_keys = (*DFlashDraft.tensor_keys, ("markov_head.gate_proj.*", "draft.markov_head_type"),
+    import_settings = (*DFlashBackbone.import_settings, "markov_head_type", "confidence_with_markov")
+    tensor_keys = (*DFlashBackbone.tensor_keys, ("markov_head.gate_proj.*", "draft.markov_head_type"),
                    ("markov_head.joint_proj.*", "draft.markov_head_type"), ("markov_head.*", "draft.markov_rank"),
                    ("confidence_head.*", "draft.confidence_with_markov"))
 

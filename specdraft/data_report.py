@@ -1,0 +1,101 @@
+"""`specdraft data CONFIG`: what training will learn from, before spending GPU hours.
+
+Tokenises exactly as `train` does (the same packed cache, built by the same code, or reused when
+train built it) and reports rows, skipped rows by reason, tokens, trained tokens, packed sequences
+and truncated rows; `--show N` prints conversations with the trained tokens highlighted, `--json`
+one object per row. Loads the target's tokenizer only: no weights, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Iterator, List, TextIO, Tuple
+
+import numpy as np
+
+from specdraft.config import resolve_data_files
+from specdraft.data.packing import (ROWS_FILE, TOKEN_DTYPE, build_packed_cache, packed_cache_dir,
+                                    skipped_summary)
+
+HIGHLIGHT = ("\x1b[1;32m", "\x1b[0m")  # a terminal: trained text in bold green
+MARKERS = ("[[", "]]")  # otherwise
+
+
+def data_report(cfg, show: int = 0, as_json: bool = False, out: TextIO = sys.stdout,
+                log=lambda line: print(line, file=sys.stderr)) -> None:
+    from transformers import AutoTokenizer
+
+    files = resolve_data_files(cfg.data_files)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
+    meta = build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
+                              strict=cfg.data_strict)
+    if as_json:
+        for row in iter_rows(cache_dir):
+            out.write(json.dumps(row_json(tokenizer, row)) + "\n")
+        return
+    for line in summary(meta, cache_dir):
+        out.write(line + "\n")
+    marks = HIGHLIGHT if out.isatty() else MARKERS
+    for row in [r for r in iter_rows(cache_dir) if "skipped" not in r][:show]:
+        out.write(f"\n== {row['source']}: {len(row['ids'])} tokens, {int(row['mask'].sum())} trained\n")
+        out.write(highlighted(tokenizer, row["ids"], row["mask"], marks) + "\n")
+
+
+def summary(meta: dict, cache_dir: Path) -> List[str]:
+    skipped = meta["skipped"]
+    rows = meta["conversations"] + sum(e["count"] for e in skipped.values())
+    trained = meta["assistant_tokens"]
+    lines = [f"cache: {cache_dir}",
+             f"rows: {rows}",
+             f"skipped rows: {rows - meta['conversations']}"
+             + "".join(f"\n  {reason}: {e['count']} ({', '.join(e['rows'][:3])}{', …' if e['count'] > 3 else ''})"
+                       for reason, e in skipped.items()),
+             f"tokens: {meta['tokens']}",
+             f"trained tokens: {trained} ({100 * trained / max(meta['tokens'], 1):.1f}%)",
+             f"packed sequences: {meta['sequences']} of {meta['max_seq_length']} tokens",
+             f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})"]
+    if skipped:
+        lines.append(skipped_summary(meta))
+    return lines
+
+
+def iter_rows(cache_dir: Path) -> Iterator[dict]:
+    """Every row of the cache in order: source, its ids and mask, or the reason it was skipped."""
+    cache_dir = Path(cache_dir)
+    tokens = np.memmap(cache_dir / "tokens.bin", dtype=TOKEN_DTYPE, mode="r")  # the whole stream,
+    mask = np.memmap(cache_dir / "loss_mask.bin", dtype=np.uint8, mode="r")  # tail window included
+    at = 0
+    with open(cache_dir / ROWS_FILE, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if "skipped" not in row:
+                n = row.pop("tokens")
+                row["ids"], row["mask"] = tokens[at:at + n], mask[at:at + n]
+                at += n
+            yield row
+
+
+def row_json(tokenizer, row: dict) -> dict:
+    if "skipped" in row:
+        return {"source": row["source"], "skipped": row["skipped"], "tokens": 0, "trained": 0, "trained_text": []}
+    return {"source": row["source"], "tokens": len(row["ids"]), "trained": int(row["mask"].sum()),
+            "trained_text": [tokenizer.decode(ids) for trained, ids in runs(row["ids"], row["mask"]) if trained]}
+
+
+def runs(ids, mask) -> List[Tuple[bool, List[int]]]:
+    """Contiguous (trained?, ids) pieces of a row."""
+    pieces: List[Tuple[bool, List[int]]] = []
+    for token, m in zip(ids, mask):
+        if pieces and pieces[-1][0] == bool(m):
+            pieces[-1][1].append(int(token))
+        else:
+            pieces.append((bool(m), [int(token)]))
+    return pieces
+
+
+def highlighted(tokenizer, ids, mask, marks: Tuple[str, str]) -> str:
+    return "".join(f"{marks[0]}{tokenizer.decode(p)}{marks[1]}" if trained else tokenizer.decode(p)
+                   for trained, p in runs(ids, mask))

@@ -1,0 +1,214 @@
+"""The documentation: the README stays short, the site builds with --strict, what the pages show a
+user to copy (YAML configs, commands, config files) exists and loads, the configuration reference
+names exactly the schema's keys, and the troubleshooting page quotes errors the code still raises."""
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdraft.cli import build_parser
+from specdraft.config import load_config
+from specdraft.drafts import FAMILIES
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+USER_TEXT = [REPO / "README.md", *PAGES]
+
+
+def code_blocks(language: str):
+    """(file name, block) of every fenced block in that language, README and docs pages."""
+    return [(path.relative_to(REPO).as_posix(), block) for path in USER_TEXT
+            for block in re.findall(rf"```{language}\n(.*?)```", path.read_text(), flags=re.S)]
+
+
+def test_readme_reads_in_five_minutes():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_site_builds_with_strict_links_anchors_and_nav(tmp_path):
+    """mkdocs --strict: a broken link or anchor, or a page left out of nav, fails the build."""
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "site" / "config-reference" / "index.html").is_file()
+
+
+# -- the configuration reference -----------------------------------------------------------------
+
+def schema_keys():
+    from omegaconf import DictConfig, OmegaConf
+
+    from specdraft.config import TrainConfig, _all_keys
+
+    schema = OmegaConf.structured(TrainConfig)
+    return {key for key in _all_keys(schema) if not isinstance(OmegaConf.select(schema, key), DictConfig)}
+
+
+def reference_page_keys():
+    text = (DOCS / "config-reference.md").read_text()
+    return re.findall(r"^\| `([\w.]+)` \|", text, flags=re.M)
+
+
+def test_the_reference_names_every_schema_key_once_and_no_other():
+    keys = reference_page_keys()
+    assert len(keys) == len(set(keys))
+    assert set(keys) == schema_keys()
+    assert {"eval_prompts", "eval_steps", "keep_last", "seed", "thinking", "export_formats",
+            "draft.type", "draft.init_from", "draft.markov_rank", "wandb.project"} <= set(keys)
+
+
+def test_the_reference_page_is_the_generated_one():
+    from specdraft.config_reference import reference_markdown
+
+    assert (DOCS / "config-reference.md").read_text() == reference_markdown(), \
+        "docs/config-reference.md is stale: run `make docs` (python -m specdraft.config_reference)"
+
+
+def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
+    from specdraft.config_reference import reference_rows
+
+    rows = {row[0]: row for row in reference_rows()}
+    assert all(kind and default and families and meaning.strip() for _, kind, default, families, meaning in rows.values())
+    assert rows["draft.max_lag"][1:4] == ("int", "4", "glide")
+    assert rows["draft.block_size"][3] == "dflash, dspark"
+    assert rows["draft.loss"][3] == "all" and rows["target"][2] == "required"
+    assert rows["draft.draft_vocab_size"][1:3] == ("int or null", "null")
+    # a key two families read with other meanings gets each family's
+    assert rows["draft.target_layers"][4].startswith("eagle3: ") and "dflash, dspark: " in rows["draft.target_layers"][4]
+
+
+def test_a_field_s_meaning_is_its_trailing_comment_or_the_comment_lines_above_it():
+    from dataclasses import dataclass
+
+    from specdraft.config_reference import field_comments
+
+    @dataclass
+    class Base:
+        a: int = 1  # trailing
+
+    @dataclass
+    class Options(Base):
+        # above, line one
+        # and line two
+        b: str = "x"
+        c: int = 2  # c's own
+        # not c's: it is below c
+        d: bool = False
+
+    assert field_comments(Options) == {"a": "trailing", "b": "above, line one and line two", "c": "c's own",
+                                       "d": "not c's: it is below c"}
+
+
+# -- what the pages show a user to copy ----------------------------------------------------------
+
+YAML_BLOCKS = code_blocks("yaml")
+
+
+def test_the_pages_show_yaml_configs():
+    assert len(YAML_BLOCKS) >= 5  # the training config and each family's draft section
+
+
+@pytest.mark.parametrize("index", range(len(YAML_BLOCKS)), ids=[f"{name}#{i}" for i, (name, _) in enumerate(YAML_BLOCKS)])
+def test_every_yaml_block_is_a_valid_config(index, tmp_path):
+    """What a page shows a user to copy must load: its keys, types and values (the target and
+    data are this test's; the target has no config.json, so layer ids are checked at training)."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    block = tmp_path / "block.yaml"
+    block.write_text(YAML_BLOCKS[index][1])
+    cfg = load_config(str(block), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"])
+    assert cfg.draft.type in FAMILIES
+
+
+def specdraft_command_lines():
+    """Every `specdraft SUBCOMMAND ...` line of a bash block (continuations joined), with the
+    launchers' `-m specdraft` / `--module specdraft` forms."""
+    found = []
+    for name, block in code_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0] if not line.lstrip().startswith("#") else ""
+            match = re.search(r"(?:^|\s)(?:specdraft|-m specdraft|--module specdraft)\s+([a-z]+)(.*)", line)
+            if match:
+                found.append((name, match.group(1), match.group(2)))
+    return found
+
+
+COMMAND_LINES = specdraft_command_lines()
+
+
+def test_the_pages_show_commands():
+    assert {command for _, command, _ in COMMAND_LINES} >= {"train", "eval", "regenerate", "config"}
+
+
+@pytest.mark.parametrize("name, command, rest", COMMAND_LINES, ids=[f"{n}:{c}" for n, c, _ in COMMAND_LINES])
+def test_every_command_shown_exists_with_its_options(name, command, rest):
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert command in subcommands, f"{name}: `specdraft {command}` is not a command"
+    options = set(subcommands[command]._option_string_actions)
+    words = shlex.split(rest.replace("...", ""), posix=True) if rest.count("'") % 2 == 0 else rest.split()
+    for word in words:
+        flag = word.strip("[]").split("=")[0]
+        if flag.startswith("--"):
+            assert flag in options, f"{name}: `specdraft {command}` has no option {flag}"
+
+
+def test_every_config_file_the_pages_name_is_shipped():
+    named = {m for path in USER_TEXT for m in re.findall(r"configs/([\w.-]+\.yaml)", path.read_text())}
+    assert named and all((REPO / "configs" / m).is_file() for m in named), sorted(named)
+
+
+def test_every_error_quoted_in_troubleshooting_is_still_raised_by_the_code():
+    import ast
+
+    texts = []  # the code's string literals (implicit concatenations joined), f-strings' literal runs
+    for path in (REPO / "specdraft").rglob("*.py"):
+        texts += [node.value for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    source = "\n".join(texts)
+    text = (DOCS / "troubleshooting.md").read_text()
+    # the first column's quoted fragments; a parenthesis there holds an example, not the message
+    quoted = [re.findall(r"`([^`]+)`", re.sub(r"\(`[^)]*\)", "", row.split(" | ")[0]))
+              for row in text.splitlines() if row.startswith("| `")]
+    fragments = [f for row in quoted for f in row]
+    assert len(fragments) >= 40
+    missing = [f for f in fragments if f not in source]
+    assert not missing, missing
+
+
+# -- the install story: pyproject's ranges are what the suite runs ----------------------------------
+
+def test_each_dependency_floor_is_the_pinned_version_and_its_ceiling_the_next_major():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    pins = {name.lower().replace("_", "-"): version for name, version in pins.items()}
+    torch_pin = re.search(r"TORCH\s+\?=\s+torch==([\d.]+)", (REPO / "Makefile").read_text()).group(1)
+    pins["torch"] = torch_pin
+    requirements = project["dependencies"] + [r for extra, reqs in project["optional-dependencies"].items()
+                                              if extra != "wandb" for r in reqs]
+    for requirement in requirements:
+        name, floor, ceiling = re.fullmatch(r"([\w-]+)(?:\[\w+\])?>=([\d.]+),<([\d.]+)", requirement).groups()
+        assert floor == pins[name.lower()], requirement
+        major = int(floor.split(".")[0])
+        assert ceiling == (str(major + 1) if major else "1"), requirement
+    assert not any(r.startswith("matplotlib") for r in project["dependencies"])  # an extra: specdraft[plots]
+
+
+def test_every_file_of_ours_the_pages_name_exists():
+    """A path into this repository (specdraft/..., tests/..., bench/..., drafts/..., a test_*.py)
+    names a file that is there: moving a module means updating the pages that name it."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    ours = r"(?:(?:specdraft|tests|bench|drafts|train|decode|data|target|demo)/[\w./-]*|test_\w*)\.py"
+    named = {(path.relative_to(REPO).as_posix(), m) for path in USER_TEXT
+             for m in re.findall(rf"(?<![\w/.-])({ours})\b", path.read_text())}
+    missing = sorted((page, m) for page, m in named if not any(f == m or f.endswith("/" + m) for f in files))
+    assert len(named) >= 30 and not missing, missing
