@@ -32,6 +32,9 @@ from specdraft.target.weights import load_target_tensors, target_tensor_keys, ta
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+# vLLM's --speculative-config method for a target's native MTP layer (vllm/config/speculative.py,
+# MTPModelTypes; SpeculativeConfig.hf_config_override maps model_type qwen3_next to qwen3_next_mtp)
+VLLM_METHOD = "mtp"
 
 # speculators' names are ours: an import (draft.init_from) of its saves maps each tensor to itself
 FILE_FORMAT = FileFormat(lambda draft, state: dict(state))
