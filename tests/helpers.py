@@ -214,3 +214,32 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
         if "token" in path.name or path.name.endswith(".jinja"):
             shutil.copy(path, directory / path.name)
     return directory
+
+
+def random_qwen3_next(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                      init: float = 0.2, seed: int = 0, max_positions: int = 512):
+    """A randomly initialised, frozen qwen3_next target built in memory (every layer full attention,
+    MoE MLPs): the target of a family that drafts only for it (MTP; its draft then has a random
+    layer of its own, there being no files to read the target's from)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+                             num_hidden_layers=layers, layer_types=["full_attention"] * layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_positions,
+                             initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return Qwen3NextForCausalLM(config).eval().requires_grad_(False)
+
+
+def random_target_for(family: str, **kwargs):
+    """random_llama, or for a family that drafts only for other model types its own target."""
+    from specdraft.drafts import FAMILIES
+
+    types = FAMILIES[family].target_model_types
+    if types is None or "llama" in types:
+        return random_llama(**kwargs)
+    assert "qwen3_next" in types, types
+    return random_qwen3_next(**kwargs)

@@ -97,12 +97,24 @@ class MTPDraft(Draft):
     serving_formats = {"speculators": write_speculators, "stitched": write_stitched}
     on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
     file_formats = {"speculators": FILE_FORMAT}
+    target_model_types = tuple(LAYER_CLASSES)
 
     def __init__(self, dims: MTPDims):
         super().__init__()
         self.dims = dims
         self.config = layer_config(dims.target_config)
         self.mtp_layers = nn.ModuleList([build_mtp_layer(self.config)])
+        self.init_weights(self.config.initializer_range)
+
+    def init_weights(self, std: float) -> None:
+        """A layer of its own when no target file gives one (a config built in memory): matrices
+        and expert tensors ~ N(0, std) from a fixed seed, the (1 + w) norms at w = 0, as
+        transformers initialises Qwen3-Next (its expert tensors are otherwise uninitialised memory)."""
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, param in sorted(self.named_parameters()):
+                value = torch.zeros(param.shape) if param.dim() == 1 else torch.randn(param.shape, generator=generator) * std
+                param.copy_(value)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -126,8 +138,11 @@ class MTPDraft(Draft):
         draft = cls(MTPDims(target_config=text_config_dict(target_config),
                             num_speculative_steps=int(draft_cfg.num_speculative_steps),
                             step_weight_beta=float(draft_cfg.step_weight_beta)))
-        if torch.empty(0).device.type != "meta":  # a real draft starts as the target's own MTP layer
-            draft.load_state_dict(read_target_mtp(target_path(target_config), draft.state_dict()), strict=True)
+        path = target_path(target_config)
+        # a new draft starts as the target's own MTP layer (read from its files: not on the meta
+        # device, and not for a config built in memory, which has no files: init_weights then)
+        if path and torch.empty(0).device.type != "meta":
+            draft.load_state_dict(read_target_mtp(path, draft.state_dict()), strict=True)
         return draft
 
     def describe(self) -> str:
