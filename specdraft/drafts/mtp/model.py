@@ -215,15 +215,18 @@ class MTPDraft(Draft):
         tokens = shape.B * shape.T
         heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         mlp = self.mtp_layers[0].mlp
-        if hasattr(mlp, "experts"):  # MoE: router logits, each token's top-k experts and the shared expert
-            inner = c.num_experts + c.num_experts_per_tok * 3 * c.moe_intermediate_size \
-                + 3 * c.shared_expert_intermediate_size + 2 * H
+        if hasattr(mlp, "experts"):  # MoE: per routed expert its gathered input, gate/up, product and
+            # output; router logits and weights; the shared expert's gate, up, act, product, output
+            inner = c.num_experts_per_tok * (3 * H + 4 * c.moe_intermediate_size) + 3 * c.num_experts \
+                + 5 * c.shared_expert_intermediate_size
         else:
-            inner = 3 * c.intermediate_size
-        # per step and token, saved for backward: the 2H concatenation, input_proj's and the
-        # residuals' H, q with its gate (2 heads hd), k, v, the gated attention output, the MLP's
-        # inner activations; six RMSNorms keep their inputs in fp32
-        step = (2 * H + 4 * H + 3 * heads * hd + 2 * kv * hd + inner) * p + shape.fp32_norm_inputs(6 * H)
+            inner = 5 * c.intermediate_size
+        # per step and token, saved for backward (counted with tests/test_memory.py's LiveTensorBytes:
+        # 9.8 K floats per token on its qwen3_next): the norms' inputs and outputs, the 2H
+        # concatenation, input_proj's output and the residuals (13 H); q with its gate, the q/k norms,
+        # the rotated q/k, the attention output and its gating (7 heads hd, 6 kv hd); the MLP's; six
+        # RMSNorms keep their inputs in fp32
+        step = (13 * H + 7 * heads * hd + 6 * kv * hd + inner) * p + shape.fp32_norm_inputs(6 * H)
         held = steps * step if not self.gradient_checkpointing else steps * 2 * H * p + step
         return {
             # the input embeddings, cos/sin and the target's final hidden state
