@@ -88,7 +88,7 @@ class MTPDrafter(Drafter):
         past keys/values (R, KV, S, D) -> (output (R, N, H), all keys, all values)."""
         cos, sin = self.target_model.rotary_emb(hidden, positions[None].expand(hidden.shape[0], -1))
         cache = RoundCache(keys, values)
-        mask = None if visible is None else visible.to(self.device)[None, None].expand(hidden.shape[0], 1, -1, -1)
+        mask = None if visible is None else visible[None, None].expand(hidden.shape[0], 1, -1, -1)
         out = self.draft.step(hidden, self._embed(ids), cos, sin, mask, cache)
         if keys is None:
             return out, cache.new_keys, cache.new_values
@@ -100,8 +100,8 @@ class MTPDrafter(Drafter):
         self._crop(n - 1)  # index n-1 is fed again if it was already (a second proposal this round)
         start = self.fed
         count = n - start
-        visible = torch.cat([torch.ones(count, start, dtype=torch.bool),
-                             torch.ones(count, count, dtype=torch.bool).tril()], dim=1)
+        visible = torch.cat([torch.ones(count, start, dtype=torch.bool, device=self.device),
+                             torch.ones(count, count, dtype=torch.bool, device=self.device).tril()], dim=1)
         out, self.keys, self.values = self._pass(self.hidden[None, start:n], tokens[start + 1:n + 1][None],
                                                  torch.arange(start, n, device=self.device), self.keys, self.values,
                                                  visible)
