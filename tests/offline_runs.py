@@ -11,6 +11,13 @@ SMALL = {
     "dspark": {"draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16, "draft.markov_rank": 8},
 }
 STEPS, SAVE_STEPS = 4, 2
+# a family that drafts only for targets of its own kind trains on one (MTP: the tiny qwen3_next
+# with an MTP layer, tests/helpers.qwen3_next_mtp_target)
+OWN_TARGET = {"mtp"}
+
+
+def target_of(family, target, mtp_target):
+    return mtp_target if family in OWN_TARGET else target
 
 
 def run_config(target, data_dir, work, family, name, *extra):

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, torchrun, write_chat_files
-from offline_runs import STEPS, SAVE_STEPS, run_config
+from offline_runs import STEPS, SAVE_STEPS, run_config, target_of
 from specdraft.cli import main
 from specdraft.drafts import FAMILIES
 from specdraft.train.export import load_exported_draft
@@ -39,22 +39,23 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(served_target_dir, work):
+def runs(served_target_dir, mtp_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
-    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out,
-                    timeout=400)
+    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, mtp_target_dir, work / "data", work, out,
+                    timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def shrunk(served_target_dir, work, runs):
+def shrunk(served_target_dir, mtp_target_dir, work, runs):
     """Each family's 2-rank step 2 resumed on 1 rank: {family: (losses, log lines)}."""
     results = {}
     for family in FAMILIES:
         lines = []
-        cfg = run_config(served_target_dir, work / "data", work, family, f"{family}_shrunk",
+        cfg = run_config(target_of(family, served_target_dir, mtp_target_dir), work / "data", work, family,
+                         f"{family}_shrunk",
                          f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}")
         results[family] = (train(cfg, log=lines.append).losses, lines)
     return results
@@ -152,7 +153,9 @@ def test_consolidate_writes_the_whole_trained_draft(runs, work, family):
 # -- eval ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, tiny_data, work, family, capsys):
+def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, mtp_target_dir, tiny_data, work,
+                                                            family, capsys):
+    served_target_dir = target_of(family, served_target_dir, mtp_target_dir)
     moved = work / f"{family}_elsewhere"
     shutil.copytree(work / family / f"step_{STEPS}", moved)
     config = json.loads((moved / "config.json").read_text())
