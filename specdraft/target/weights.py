@@ -107,26 +107,17 @@ def load_target_head_weights(target_dir, dtype=None, expected_vocab: int | None 
     return TargetHeadWeights(embed, lm_head, False, plan.embed, plan.lm_head)
 
 
-def target_tensor_keys(target_dir) -> list[str]:
-    """Every tensor key the target's weight files hold (from headers and the index only)."""
-    return sorted(_open_checkpoint(_require_directory(target_dir)).weight_map)
-
-
 def load_target_tensors(target_dir, prefix: str, dtype=None) -> dict[str, torch.Tensor]:
-    """{key: tensor} of every stored tensor whose key starts with `prefix` (a native MTP layer's
-    "mtp.", which transformers' loader drops), read one at a time on CPU; {} when there is none."""
-    checkpoint = _open_checkpoint(_require_directory(target_dir))
-    dtype = _resolve_dtype(dtype)
+    """{key: tensor} of the stored tensors whose key starts with `prefix` (a native MTP layer's
+    "mtp.", which transformers' loader drops), read one at a time on CPU; {} when none."""
+    checkpoint, dtype = _open_checkpoint(_require_directory(target_dir)), _resolve_dtype(dtype)
     return {key: checkpoint.read(checkpoint.location(key), dtype)
             for key in sorted(checkpoint.weight_map) if key.startswith(prefix)}
 
 
-def target_weight_files(target_dir) -> tuple[Path | None, dict[str, Path]]:
-    """(the index file or None, {tensor key: the file holding it}) of the target's weights."""
-    target_dir = _require_directory(target_dir)
-    checkpoint = _open_checkpoint(target_dir)
-    index = checkpoint.source if checkpoint.source.name.endswith(".index.json") else None
-    return index, dict(checkpoint.weight_map)
+def target_weight_files(target_dir) -> dict[str, Path]:
+    """{tensor key: the file holding it} of the target's weights (headers and index only)."""
+    return dict(_open_checkpoint(_require_directory(target_dir)).weight_map)
 
 
 def describe_target(target_dir) -> dict:

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from specdraft.drafts.base import FileFormat
 from specdraft.drafts.mtp.layer import TARGET_PREFIX, ours_from_target, target_from_ours
 from specdraft.errors import SpecdraftError
-from specdraft.target.weights import load_target_tensors, target_tensor_keys, target_weight_files
+from specdraft.target.weights import load_target_tensors, target_weight_files
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
 WEIGHTS_NAME = "model.safetensors"
@@ -41,7 +41,7 @@ FILE_FORMAT = FileFormat(lambda draft, state: dict(state))
 
 
 def target_has_mtp(target_dir: str) -> bool:
-    return any(key.startswith(TARGET_PREFIX) for key in target_tensor_keys(target_dir))
+    return any(key.startswith(TARGET_PREFIX) for key in target_weight_files(target_dir))
 
 
 def read_target_mtp(target_dir: str, expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ def write_stitched(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, ta
     allows, else copied."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     trained = target_from_ours(state_dict)
-    _, weight_map = target_weight_files(target_dir)
+    weight_map = target_weight_files(target_dir)
     stored = {key for key in weight_map if key.startswith(TARGET_PREFIX)}
     if set(trained) != stored:
         raise SpecdraftError(f"{target_dir}: its mtp.* tensors are not the trained layer's "
