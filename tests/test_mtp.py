@@ -312,3 +312,54 @@ def test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line(tiny_target_dir,
     with pytest.raises(SpecdraftError, match="linear-attention") as err:
         speculative_generate(target, draft.make_drafter(target), ids[0, :8].tolist(), max_new_tokens=8, gamma=2)
     assert "\n" not in str(err.value)
+
+
+# -- draft.init_from ------------------------------------------------------------------------------
+
+SPECULATORS_SAVE = r"""
+import json, sys, torch
+from safetensors import safe_open
+from speculators.convert.mtp.converter import MTPConverter
+from speculators.models.mtp import MTPDraftModel
+
+target, converted, out = sys.argv[1:4]
+MTPConverter().convert(target, converted, base_model=target, num_speculative_steps=3)  # speculators' own tool
+model = MTPDraftModel.from_pretrained(converted)
+generator = torch.Generator().manual_seed(7)
+with torch.no_grad():  # fine-tuned weights of its own; the verifier's tensors stay the verifier's
+    for name, p in model.mtp_layers.named_parameters():
+        p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+model.save_pretrained(out)
+with safe_open(out + "/model.safetensors", "pt") as f:
+    print(json.dumps({"saved": sorted(f.keys())}))
+"""
+
+
+def test_init_from_our_exports_and_speculators_saves(mtp_target_dir, tmp_path):
+    from speculators_env import run_in_speculators
+    from specdraft.config import TrainConfig
+    from specdraft.train.export import write_draft_export
+    from specdraft.train.imports import read_init_from
+
+    def imported(source):
+        cfg = OmegaConf.structured(TrainConfig(target=str(mtp_target_dir), data_files="unused"))
+        cfg.draft = OmegaConf.merge(cfg.draft, dict(type="mtp", init_from=str(source)))
+        result = read_init_from(cfg, load_target_config(str(mtp_target_dir)))
+        draft = new_draft(mtp_target_dir)
+        draft.load_state_dict(result.state, strict=True)
+        return result.fmt, draft.state_dict()
+
+    ours = perturbed(new_draft(mtp_target_dir))
+    cfg = OmegaConf.structured(TrainConfig(target=str(mtp_target_dir), data_files="unused"))
+    cfg.draft = OmegaConf.merge(cfg.draft, dict(type="mtp"))
+    export = write_draft_export(tmp_path / "step_1", ours.state_dict(), ours, cfg)
+    for source, fmt in ((export, "native"), (export / "speculators", "speculators")):
+        got_fmt, state = imported(source)
+        assert got_fmt == fmt and all(torch.equal(v, ours.state_dict()[k]) for k, v in state.items())
+    report = run_in_speculators(SPECULATORS_SAVE, mtp_target_dir, tmp_path / "converted", tmp_path / "theirs")
+    fmt, state = imported(tmp_path / "theirs")
+    saved = load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    target_layer = new_draft(mtp_target_dir).state_dict()
+    assert fmt == "speculators" and set(state) == set(saved) == set(report["saved"])
+    for name, value in state.items():  # speculators' fine-tuned weights, not the target's layer
+        assert torch.equal(value, saved[name]) and not torch.equal(value, target_layer[name]), name
