@@ -182,6 +182,13 @@ def test_packed_documents_count_no_row_whose_token_is_in_the_next_document(mtp_t
     for k in range(3):  # rows t < V whose x_{t+k+2} is in t's document: all but the k+2 before the border
         expected = sum(1 for t in range(V) if (t < 20) == (t + k + 2 < 20))
         assert int(loss.metrics[f"step_{k}/loss"][1]) == expected
+    # the second conversation attends to itself only: its rows are those of the conversation alone
+    args = (features.final_hidden, features.input_embeds, features.cos, features.sin)
+    with torch.no_grad():
+        packed = draft.unroll(*args, documents=documents)
+        alone = draft.unroll(*(a[:, 20:] for a in args))
+    for k in range(3):
+        torch.testing.assert_close(packed[k][0, 20:], alone[k][0, :V - 20], rtol=1e-5, atol=1e-5)
 
 
 # -- training -----------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
+from transformers import AttentionInterface
+
+from specdraft.drafts.documents import PackedDocuments, flex_attention
 from specdraft.errors import SpecdraftError
 
 
@@ -50,6 +53,32 @@ def last_full_attention(config) -> int:
     if not full:
         raise SpecdraftError(f"draft.type mtp: the target has no full-attention layer (layer_types {types})")
     return full[-1]
+
+
+ATTENTION = "specdraft_packed_documents"  # the layer's transformers attention implementation
+
+
+def packed_document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa for a mask tensor or None (causal); packed documents (PackedDocuments)
+    without a (T, T) mask (drafts/documents.py): one causal call per conversation slice on the CPU,
+    flex_attention's block mask on CUDA, the dense mask elsewhere. Returns (B, T, heads, D), None."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa(q, k, v, mask):
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling)[0]
+
+    if not isinstance(attention_mask, PackedDocuments):
+        return sdpa(query, key, value, attention_mask), None
+    if attention_mask.segments is not None:
+        rows = [torch.cat([sdpa(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], None)
+                           for s, e in row], dim=1) for b, row in enumerate(attention_mask.segments)]
+        return torch.cat(rows, dim=0), None
+    if attention_mask.block_mask is not None:
+        return flex_attention(query, key, value, attention_mask.block_mask, scale=scaling).transpose(1, 2), None
+    return sdpa(query, key, value, attention_mask.dense()), None
+
+
+AttentionInterface.register(ATTENTION, packed_document_attention)
 
 
 def build_mtp_layer(config) -> nn.Module:

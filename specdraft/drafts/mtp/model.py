@@ -34,7 +34,8 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.mtp.decode import MTPDrafter
 from specdraft.drafts.mtp.export import FILE_FORMAT, read_target_mtp, target_has_mtp, write_speculators, write_stitched
-from specdraft.drafts.mtp.layer import LAYER_CLASSES, build_mtp_layer
+from specdraft.drafts.documents import PackedDocuments
+from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer
 from specdraft.errors import SpecdraftError
 
 
@@ -75,7 +76,7 @@ def layer_config(target_config: Dict[str, Any]):
 
     fields = {k: v for k, v in target_config.items() if k != "model_type"}
     config = AutoConfig.for_model(target_config["model_type"], **fields)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ATTENTION  # sdpa, as speculators sets, and packed documents without a T x T mask
     config._experts_implementation = "eager"  # the plain loop over experts (transformers warns when unset)
     return config
 
@@ -166,11 +167,8 @@ class MTPDraft(Draft):
         T = final_hidden.shape[1]
         steps = min(self.dims.num_speculative_steps, max(0, T - 2))
         V = T - steps - 1
-        mask = None  # sdpa's causal mask
-        if documents is not None:
-            docs = documents[:, :V]
-            causal = torch.ones(V, V, dtype=torch.bool, device=docs.device).tril()
-            mask = (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
+        # causal (None), inside each packed conversation (layer.packed_document_attention)
+        mask = None if documents is None else PackedDocuments.of(documents[:, :V])
         hidden, outputs = final_hidden[:, :V], []
         for k in range(steps):
             hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V], cos[:, :V], sin[:, :V], mask)
