@@ -273,25 +273,32 @@ def test_decoding_with_the_draft_is_lossless_and_accepts_its_tokens(mtp_target_d
 
 
 def test_the_drafter_proposes_what_training_step_zero_predicts(mtp_target_dir, target):
-    """With x_0..x_{n-1} verified and x_n the round's root, the first drafted token is training's
-    step-0 argmax at row n - 1 (which reads h_{n-1} and x_n). Later drafted tokens attend to the
-    verified entries (step 0's), as vLLM's proposer does, where training's step k attends to step k's."""
+    """With x_0..x_{n-1} verified and x_n the round's root, the first drafted token is drawn from
+    training's step-0 distribution at row n - 1 (which reads h_{n-1} and x_n). The second is drawn
+    from the layer's own output at n - 1 with the first drafted token, at position n, attending to
+    the verified entries (step 0's), as vLLM's proposer runs it (training's step k attends to step
+    k's): pinned against a causal pass over those entries plus that row."""
+    from specdraft.decode.cache import forward_with_hidden, new_cache
+
     draft = perturbed(new_draft(mtp_target_dir))
     ids = batch(seed=11, length=20)[0]
     drafter = draft.make_drafter(target)
-    from specdraft.decode.cache import forward_with_hidden, new_cache
-
     cache = new_cache(target)
     n = 15  # tokens 0..14 verified (in the cache), x_15 the round's root
     _, hidden = forward_with_hidden(target, cache, ids[0, :n], torch.arange(n), layers=drafter.target_layers)
     drafter.start()
     drafter.observe_target(hidden, 0)
-    tree = drafter.propose_chain(ids[0], cache, 2, 0.0, None)
+    tree = drafter.propose_chain(ids[0], cache, 2, 1.0, torch.Generator().manual_seed(0))
     features = capture(target.model, ids, torch.arange(20)[None], draft.capture_request())
+    head = target.lm_head.weight.t()
     with torch.no_grad():
         step0 = draft.unroll(features.final_hidden, features.input_embeds, features.cos, features.sin)[0]
-    logits = step0[0, n - 1] @ target.lm_head.weight.t()  # row n-1 reads (h_{n-1}, x_n), predicts x_{n+1}
-    assert int(tree.tokens[0]) == int(logits.argmax())
+        torch.testing.assert_close(tree.q[0], torch.softmax(step0[0, n - 1] @ head, -1), rtol=1e-4, atol=1e-6)
+        first = int(tree.tokens[0])
+        hidden = torch.cat([features.final_hidden[:, :n], step0[:, n - 1:n]], dim=1)
+        embeds = target.model.embed_tokens(torch.cat([ids[:, 1:n + 1], torch.tensor([[first]])], dim=1))
+        out = draft.step(hidden, embeds, features.cos[:, :n + 1], features.sin[:, :n + 1])
+        torch.testing.assert_close(tree.q[1], torch.softmax(out[0, n] @ head, -1), rtol=1e-4, atol=1e-6)
 
 
 def test_eval_decodes_losslessly_with_a_trained_draft(mtp_target_dir, data_dir, tiny_data, tmp_path, capsys):
