@@ -27,6 +27,7 @@ from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 from specdraft.target.model import check_sequence_length, check_tokenizer, load_target_config
+from specdraft.run import step_of
 
 # `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
 if not OmegaConf.has_resolver("specdraft_home"):
@@ -427,9 +428,10 @@ def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> Non
     seen = {}
     for name in cfg.drafts:
         name = str(name)
-        if not DRAFT_NAME.fullmatch(name) or name.lower() in RESERVED_NAMES:
+        if not DRAFT_NAME.fullmatch(name) or name.lower() in RESERVED_NAMES or step_of(name.lower()) is not None:
             raise SpecdraftError(f"{source}: key 'drafts.{name}': a draft name must be 1-64 letters, digits, '_' or "
-                                 f"'-', starting with a letter or digit, and none of {', '.join(RESERVED_NAMES)} "
+                                 f"'-', starting with a letter or digit, neither step_<N> nor any of "
+                                 f"{', '.join(RESERVED_NAMES)} "
                                  f"(it names the draft's folders)")
         if name.lower() in seen:
             raise SpecdraftError(f"{source}: key 'drafts.{name}': the same folder name as drafts.{seen[name.lower()]} "

@@ -22,7 +22,7 @@ from specdraft.decode.report import plot_acceptance, require_matplotlib
 from specdraft.drafts import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.outputs import check_plot_file
-from specdraft.run import CONFIG_NAME, draft_part, exports, is_run_dir
+from specdraft.run import CONFIG_NAME, draft_part, exports, step_of
 from specdraft.target.model import has_tokenizer, load_frozen_target, load_target_tokenizer
 from specdraft.train.export import load_exported_draft, read_export_config
 from specdraft.train.slots import choose_draft
@@ -34,12 +34,14 @@ def _export_drafts(export_dir: Path) -> List[Optional[str]]:
     """[None] for a draft export; the names of a several-draft run's step_<N>/<name>/ exports."""
     if (export_dir / CONFIG_NAME).is_file():
         return [None]
-    return sorted(p.name for p in export_dir.iterdir() if p.is_dir() and (p / CONFIG_NAME).is_file())
+    # a run's own step_<N>/ exports hold a config.json too: they are steps, not drafts
+    return sorted(p.name for p in export_dir.iterdir()
+                  if p.is_dir() and (p / CONFIG_NAME).is_file() and step_of(p.name) is None)
 
 
 def _newest_export(run_dir: Path) -> Path:
     """A run's newest step_<N>/ export (run_dir itself when it is a several-draft run's step_<N>/)."""
-    if not is_run_dir(run_dir) and _export_drafts(run_dir):  # a run's step_<N>/ exports hold config.json too
+    if _export_drafts(run_dir):
         return run_dir
     steps = [d for d in exports(run_dir) if _export_drafts(d)]
     if not steps:

@@ -58,6 +58,7 @@ def losses_by_step(metrics_file, name):
                                                      "(several), not both (draft.max_lag is set)"),
     ('drafts={"a b": {type: glide}}', "key 'drafts.a b': a draft name must be"),
     ("drafts={ckpt: {type: glide}}", "key 'drafts.ckpt': a draft name must be"),
+    ("drafts={step_3: {type: glide}}", "key 'drafts.step_3': a draft name must be"),  # a run's export name
     ("drafts={e3: {type: eagle3}, E3: {type: glide}}", "key 'drafts.E3': the same folder name as drafts.e3 on a "
                                                        "case-insensitive filesystem"),
     ("drafts={g: {type: glide, block_size: 4}}", "key 'drafts.g.block_size': not a key of draft.type 'glide'"),
