@@ -792,6 +792,15 @@ LOSS_FORMULAS: List[Mutation] = [
              "alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)",
              "alpha = acceptance_rate(target_probs, draft_logits, temperature)", LOSS_FORMULAS_TESTS,
              "acceptance counts target mass outside the draft vocab"),
+    Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
+             'if self.dims.loss_weighting == "dpace" else None', "if False else None",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "draft.loss_weighting: dpace trains with the exp(-j / gamma) decay"),
+    Mutation("losses/dpace-weights-on-the-decay", "specdraft/drafts/dflash_backbone.py",
+             "total = total + out.loss + weights[j] * extra",
+             "total = total + weights[j] * (out.loss + extra)",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "D-PACE's weights multiplied by the decay too"),
 ]
 
 MUTATIONS: Dict[str, List[Mutation]] = {
