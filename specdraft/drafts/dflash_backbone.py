@@ -43,11 +43,13 @@ from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, Traini
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
+from specdraft.drafts.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, chunked_objective,
-                                        objective_from_options, shared_head_objective, term_metrics)
+                                        dpace_weights, objective_from_options, shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
 
 DEFAULT_NUM_TARGET_LAYERS = 5
+LOSS_WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass
@@ -59,6 +61,8 @@ class DFlashOptions(ObjectiveOptions):
     block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
     sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
     loss_decay_gamma: float = 4.0  # the j-th predicted token of a block weighs exp(-j / gamma)
+    loss_weighting: str = "decay"  # decay: exp(-j / gamma); dpace: D-PACE (draft.loss: ce; gamma: DSpark's BCE)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing constant, in (0, 1]
     max_anchors: int = 512  # blocks trained per sequence
     mask_token_id: Optional[int] = None  # target token whose embedding is MASK; None: the last id
     train_mask_embedding: bool = False  # train the draft's own MASK row (then native export only)
@@ -93,6 +97,8 @@ class DFlashDims(LayerDims):
     mask_token_id: int = 0
     train_mask_embedding: bool = False
     loss_decay_gamma: float = 4.0
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     max_anchors: int = 512
     initializer_range: float = 0.02
     target_num_layers: Optional[int] = None  # the target's decoder layers (None: an export older than the field)
@@ -223,6 +229,17 @@ class DFlashBackbone(Draft):
                                f"max_seq_length {max_seq_length} leaves no room for one")
         if not draft_cfg.loss_decay_gamma > 0:
             fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
+        weighting = draft_cfg.get("loss_weighting", "decay")
+        if weighting not in LOSS_WEIGHTINGS:
+            fail("loss_weighting", f"must be one of {' | '.join(LOSS_WEIGHTINGS)}, got {weighting!r}")
+        if weighting == "dpace":
+            objective = objective_from_options(draft_cfg, default=cls.default_loss)
+            if objective != CE:  # D-PACE's confidence is exp(-CE) of the very term it weighs
+                fail("loss_weighting", f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), "
+                                       f"got {objective}")
+            alpha = draft_cfg.get("dpace_alpha", 0.5)
+            if not 0.0 < alpha <= 1.0:
+                fail("dpace_alpha", f"must be in (0, 1], got {alpha}")
         if draft_cfg.max_anchors < 1:
             fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
         if target_config is None:
@@ -261,6 +278,8 @@ class DFlashBackbone(Draft):
             mask_token_id=int(text.vocab_size - 1 if mask_id is None else mask_id),
             train_mask_embedding=bool(draft_cfg.train_mask_embedding),
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
+            loss_weighting=str(draft_cfg.get("loss_weighting", "decay")),
+            dpace_alpha=float(draft_cfg.get("dpace_alpha", 0.5)),
             max_anchors=int(draft_cfg.max_anchors),
             target_num_layers=int(text.num_hidden_layers),
         )
@@ -378,6 +397,7 @@ class DFlashBackbone(Draft):
         correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         head = self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight))  # (B, A, S, F)
+        dpace = self.dpace_row_weights(head, blocks, counted, chunk_size) if self.dims.loss_weighting == "dpace" else None
         for j in range(self.layout.predictions):
             slot = counted[..., j]
             rows, n = rows_where(slot, device)  # over the (B * A) blocks
@@ -386,7 +406,9 @@ class DFlashBackbone(Draft):
             ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])  # CE learns answers only
             student = head.features[:, :, first + j].flatten(0, 1)[rows]
             objective = self.objective.over_rows(rows.numel(), answers)
-            if head.weight is lm_head_weight:  # the target's own head: its cheapest path
+            if dpace is not None:  # CE only (validate_config): each row weighted by D-PACE, no decay
+                out = dpace_slot_loss(student, head.weight, lm_head_weight, labels, dpace[:, j][rows], chunk_size)
+            elif head.weight is lm_head_weight:  # the target's own head: its cheapest path
                 out = shared_head_objective(student, lm_head_weight, teacher, ce_labels, objective, chunk_size)
             else:  # a head of the draft's own: the teacher is still the target's lm_head
                 out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective,
@@ -394,7 +416,10 @@ class DFlashBackbone(Draft):
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
             extra, extra_metrics = self.head_terms(head, first + j, rows, student, teacher, lm_head_weight,
                                                    chunk_size, n)
-            total = total + weights[j] * (out.loss + extra)
+            if dpace is not None:  # D-PACE's weights are inside out.loss; gamma weighs only a head's own term
+                total = total + out.loss + weights[j] * extra
+            else:
+                total = total + weights[j] * (out.loss + extra)
             for name, (value, count) in extra_metrics.items():
                 term_sum, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (term_sum + value, seen + count)
@@ -405,6 +430,18 @@ class DFlashBackbone(Draft):
                 term_sum, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (term_sum + value, seen + count)
         return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
+
+    def dpace_row_weights(self, head: BlockHead, blocks: TrainingBlocks, counted: torch.Tensor,
+                          chunk_size: int) -> torch.Tensor:
+        """(B*A, P) D-PACE weights of the blocks' predicting slots from their CE (a no-grad head pass)."""
+        first, device = self.layout.first_slot, head.features.device
+        mask = counted.flatten(0, 1)  # (B*A, P) on the host
+        ce = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        for j in range(self.layout.predictions):
+            rows, _ = rows_where(counted[..., j], device)
+            slot = head.features[..., first + j, :].flatten(0, 1)
+            ce[rows, j] = row_cross_entropy(slot[rows], head.weight, blocks.labels[..., j].flatten()[rows], chunk_size)
+        return dpace_weights(ce, mask.to(device), self.dims.dpace_alpha)
 
     def head_terms(self, head: BlockHead, slot: int, rows: torch.Tensor, student: torch.Tensor,
                    teacher: Optional[torch.Tensor], lm_head_weight: torch.Tensor, chunk_size: int,

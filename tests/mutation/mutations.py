@@ -842,6 +842,34 @@ DATA_SPANS: List[Mutation] = [
              "                pass", (DATA_COMMAND,), "--json loses the skipped rows and every later row's source"),
 ]
 
+# issue 35's losses (D-PACE, LK) as formulas on per-position tensors
+LOSS_FORMULAS_TESTS = ("tests/test_loss_formulas.py",)
+LOSS_FORMULAS: List[Mutation] = [
+    Mutation("losses/dpace-no-suffix-sum", OBJECTIVES_PY,
+             "return (prefix * m).flip(-1).cumsum(-1).flip(-1) * m", "return prefix * m", LOSS_FORMULAS_TESTS,
+             "D-PACE weighs a slot by its own survival, not by the expected length still riding on it"),
+    Mutation("losses/dpace-unsmoothed-confidence", OBJECTIVES_PY,
+             "(1.0 - alpha) * torch.exp(-ce.float()) + alpha", "torch.exp(-ce.float())", LOSS_FORMULAS_TESTS,
+             "D-PACE without its smoothing constant alpha"),
+    Mutation("losses/lk-lambda-not-detached", OBJECTIVES_PY,
+             "lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())",
+             "lam = kl_scale * torch.exp(-kl_decay * mean_alpha)", LOSS_FORMULAS_TESTS,
+             "LK's KL weight differentiated through"),
+    Mutation("losses/lk-acceptance-renormalised", OBJECTIVES_PY,
+             "alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)",
+             "alpha = acceptance_rate(target_probs, draft_logits, temperature)", LOSS_FORMULAS_TESTS,
+             "acceptance counts target mass outside the draft vocab"),
+    Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
+             'if self.dims.loss_weighting == "dpace" else None', "if False else None",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "draft.loss_weighting: dpace trains with the exp(-j / gamma) decay"),
+    Mutation("losses/dpace-weights-on-the-decay", "specdraft/drafts/dflash_backbone.py",
+             "total = total + out.loss + weights[j] * extra",
+             "total = total + weights[j] * (out.loss + extra)",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "D-PACE's weights multiplied by the decay too"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "data-spans": DATA_SPANS,
     "glide": GLIDE,
@@ -857,6 +885,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "memory": MEMORY,
     "imports": IMPORTS,
     "documents": DOCUMENTS,
+    "losses": LOSS_FORMULAS,
 }
 
 
