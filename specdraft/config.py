@@ -296,6 +296,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")
 
 
+def data_world(cfg: DictConfig, world_size: int) -> int:
+    """The ranks reading distinct batches: the ranks of one sequence-parallel group read the same."""
+    return world_size // cfg.get("sequence_parallel_size", 1)
+
+
 def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None) -> Optional[str]:
     """Why `size` ranks cannot share each sequence, in one line naming the numbers; None if they can."""
     if size < 1:

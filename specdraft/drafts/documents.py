@@ -67,6 +67,15 @@ def document_causal_attention(q, k, v, documents: Optional[PackedDocuments] = No
     return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense(), scale=scale, enable_gqa=gqa)
 
 
+def document_attention(document_ids: Optional[torch.Tensor]):
+    """The target's core attention for packed data (target/capture.py's `attention`): causal
+    inside each document of document_ids (B, T); None (plain causal) without documents."""
+    if document_ids is None:
+        return None
+    documents = PackedDocuments.of(document_ids)
+    return lambda q, k, v, scale: document_causal_attention(q, k, v, documents, scale)
+
+
 def document_segments(documents: torch.Tensor) -> List[List[Tuple[int, int]]]:
     """documents (B, T) on the host -> per row the [start, end) of each conversation (contiguous ids)."""
     T = documents.shape[1]

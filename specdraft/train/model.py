@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specdraft.drafts import Draft, DraftLoss, HostBatch
-from specdraft.drafts.documents import PackedDocuments, document_causal_attention
+from specdraft.drafts.documents import document_attention
 from specdraft.parallel.sequence import SequenceParallel, SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures, capture
 from specdraft.transfer import to_device
@@ -30,11 +30,9 @@ def target_features(base_model: nn.Module, request: CaptureRequest, input_ids: t
         document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
     if position_ids is not None:
         document_positions = to_device(position_ids, input_ids.device)[document_positions]
-    attention = None
-    if document_ids is not None:  # causal inside each document, no (T, T) mask (documents.py)
-        documents = PackedDocuments.of(document_ids)
-        attention = lambda q, k, v, scale: document_causal_attention(q, k, v, documents, scale)  # noqa: E731
-    return capture(base_model, input_ids, document_positions.expand(B, T), request, attention, shard)
+    # causal inside each document, no (T, T) mask (documents.py)
+    return capture(base_model, input_ids, document_positions.expand(B, T), request, document_attention(document_ids),
+                   shard)
 
 
 class TargetWithDraft(nn.Module):

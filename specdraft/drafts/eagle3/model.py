@@ -187,12 +187,6 @@ def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] 
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """x[:, t + shift] at t, zeros past the end (along dim 1)."""
-    pad = torch.zeros_like(x[:, :shift])
-    return torch.cat([x[:, shift:], pad], dim=1)
-
-
 SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 
 
@@ -228,7 +222,6 @@ class Eagle3Draft(Draft):
         self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
         self.init_linear_weights(self.dims.initializer_range)
 
-    # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
@@ -304,7 +297,6 @@ class Eagle3Draft(Draft):
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return serving_refusal(self.dims, fmt)
 
-    # -- the vocabulary maps ---------------------------------------------------------------
 
     def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         with torch.no_grad():
@@ -335,7 +327,6 @@ class Eagle3Draft(Draft):
     def draft_to_target(self) -> torch.Tensor:
         return draft_to_target_ids(self.d2t)
 
-    # -- the model ---------------------------------------------------------------------------
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """(..., 3 Ht) captured target states -> (..., H) the layer's first hidden input."""
@@ -405,9 +396,7 @@ class Eagle3Draft(Draft):
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        final, in_vocab = None, None
-        # SP: the teacher at t+1+k may be on the next rank: its first ttt_steps tokens come along
-        extend, local = (self.dims.ttt_steps if shard.parallel else 0), shard.local_length
+        final, in_vocab, extend, local = None, None, (self.dims.ttt_steps if shard.parallel else 0), shard.local_length  # SP: t+1+k may be next rank's
         if self.objective.needs_teacher:
             final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
             if self.teacher_rows == "in_vocab":
@@ -437,8 +426,7 @@ class Eagle3Draft(Draft):
                                 None if in_vocab is None else in_vocab[teacher_at])
             hits = (draft_ids[out.argmax] == labels).sum()
             step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
-            weighted = step_loss * self.dims.ttt_decay ** k
-            first_weight = weight if k == 0 else first_weight
+            weighted, first_weight = step_loss * self.dims.ttt_decay ** k, weight if k == 0 else first_weight
             loss = weighted if loss is None else loss + weighted
             metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
@@ -462,7 +450,6 @@ class Eagle3Draft(Draft):
         index = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
         return index.index_copy_(0, draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
 
-    # -- decoding --------------------------------------------------------------------------
 
     @property
     def trained_depth(self) -> int:
