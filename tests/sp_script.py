@@ -92,11 +92,31 @@ def model_part(sp):
     return report
 
 
+def train_part(target, data_dir, work, resume_from):
+    """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
+    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2."""
+    from helpers import run_overrides
+    from specdraft.config import load_config
+    from specdraft.train.loop import train
+
+    def run(name, *extra):
+        overrides = run_overrides(target, data_dir, f"{work}/{name}", f"{work}/cache", max_steps=8, save_steps=4,
+                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": "eagle3"})
+        return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
+
+    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4")}
+    if resume_from != "-":
+        results["sp1_to_sp2"] = run("sp1_to_sp2", f"resume={resume_from}")
+    return results
+
+
 if __name__ == "__main__":
     out_json = sys.argv[1]
     dist.init_process_group("gloo")
     sp = sequence_parallel_groups(2)
-    results = {"model": model_part(sp)}
+    results = {"model": model_part(sp)} if len(sys.argv) == 2 else {}
+    if len(sys.argv) > 2:  # target, data dir, work dir, the slot an SP=2 run resumes from ("-": none)
+        results["train"] = train_part(*sys.argv[2:6])
     if dist.get_rank() == 0:
         with open(out_json, "w") as f:
             json.dump(results, f, indent=1)
