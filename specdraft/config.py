@@ -282,6 +282,8 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
     why = sequence_parallel_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config)
+    if cfg.sequence_parallel_size > 1 and not family.sequence_parallel:
+        why = f"draft.type {cfg.draft.type} does not train on sequence shards yet (families that do: glide, eagle3, dflash, dspark)"
     if why:
         fail("sequence_parallel_size", why)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)

@@ -14,9 +14,18 @@ SMALL = {
     "dspark": {"draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16, "draft.markov_rank": 8},
 }
 STEPS, SAVE_STEPS = 4, 2
+# a family that drafts only for targets of its own kind trains on one (MTP: the tiny qwen3_next
+# with an MTP layer, tests/helpers.qwen3_next_mtp_target)
+OWN_TARGET = {"mtp"}
+
+
+def target_of(family, target, mtp_target):
+    return mtp_target if family in OWN_TARGET else target
 
 
 SEVERAL = "several"  # the run of every family at once (`drafts:`, one per family, named by it)
+# the families a several-draft run trains on the Llama target: those that draft for it
+SEVERAL_FAMILIES = [family for family in FAMILIES if family not in OWN_TARGET]
 
 
 def run_config(target, data_dir, work, family, name, *extra):
@@ -24,7 +33,7 @@ def run_config(target, data_dir, work, family, name, *extra):
     family), configured as each family's own run."""
     if family == SEVERAL:
         sections = {f: dict({"type": f}, **{k[len("draft."):]: v for k, v in SMALL.get(f, {}).items()})
-                    for f in FAMILIES}
+                    for f in SEVERAL_FAMILIES}
         options = [f"drafts={json.dumps(sections)}"]
     else:
         options = [f"draft.type={family}", *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]

@@ -162,6 +162,7 @@ class DFlashBackbone(Draft):
 
     options = DFlashOptions
     dims_type = DFlashDims
+    sequence_parallel = True
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
     import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")

@@ -193,6 +193,7 @@ SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 class Eagle3Draft(Draft):
     family = "eagle3"
     label = "EAGLE-3"
+    sequence_parallel = True
     architecture = "Eagle3Draft"
     default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
     options = Eagle3Options
@@ -370,7 +371,6 @@ class Eagle3Draft(Draft):
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.lm_head(head_in)
 
-    # -- training --------------------------------------------------------------------------
 
     def capture_request(self) -> CaptureRequest:
         # the final hidden state only when the objective reads the target's distribution

@@ -109,6 +109,7 @@ class GlideCrossAttention(Projections):
 class GlideDraft(Draft):
     family = "glide"
     label = "GLIDE"
+    sequence_parallel = True
     architecture = "GlideDraft"
     options = GlideOptions
     dims_type = GlideDims
