@@ -34,6 +34,8 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir,
         with pytest.raises(SpecdraftError, match=rf"{bad} does not divide the target's {heads} attention heads"):
             load(sequence_parallel_size=bad)
     assert load(sequence_parallel_size=2).sequence_parallel_size == 2
+    with pytest.raises(SpecdraftError, match=r"draft.type mtp does not train on sequence shards yet"):
+        load(sequence_parallel_size=2, **{"draft.type": "mtp"})
 
 
 def test_heads_and_kv_heads_that_sp_does_not_divide_are_named():

@@ -371,7 +371,6 @@ class Eagle3Draft(Draft):
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.lm_head(head_in)
 
-
     def capture_request(self) -> CaptureRequest:
         # the final hidden state only when the objective reads the target's distribution
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
