@@ -314,6 +314,8 @@ def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None
     text = target_config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        return "the target has layers that are not full attention (sliding or linear): its capture is not sharded"
     if heads % size:
         return f"{size} does not divide the target's {heads} attention heads (each rank attends with heads / {size})"
     if kv_heads % size and size % kv_heads:

@@ -151,9 +151,10 @@ def _core_attention(module, query, key, value, attention_mask, scaling=None, dro
                     specdraft_core: Optional[CoreAttention] = None, specdraft_shard: Optional[SequenceShard] = None,
                     **_):
     """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None."""
-    if sliding_window is not None and sliding_window < query.shape[2] * (specdraft_shard or SequenceShard.whole(1)).size:
+    shard = specdraft_shard or SequenceShard.whole(query.shape[2])
+    if sliding_window is not None and sliding_window < query.shape[2] * shard.size:
         raise NotImplementedError("capture: sliding-window target layers are not supported")
-    out = (specdraft_shard or SequenceShard.whole(query.shape[2])).attention(specdraft_core, query, key, value, scaling)
+    out = shard.attention(specdraft_core, query, key, value, scaling)
     return out.transpose(1, 2), None
 
 
@@ -205,7 +206,8 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
         if request.last_layer_kv else None
     stop_at_layer = may_stop and not request.last_layer_kv
     # a dict of masks: transformers builds none; the layers read none
-    no_masks = {"full_attention": None, "sliding_attention": None}
+    layer_types = getattr(base_model.config, "layer_types", None) or ()
+    no_masks = dict.fromkeys({"full_attention", "sliding_attention", *layer_types})
     with record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded, \
             core_attention_implementation(base_model):
         try:
