@@ -47,7 +47,8 @@ from step_efficiency import (FAMILY_SETTINGS, SHAPES as STEP_SHAPES, model_captu
                              preset_shape, random_target, run_config, timed)
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.drafts import build_draft  # noqa: E402
-from specdraft.target.capture import target_attention_mask  # noqa: E402
+from specdraft.drafts.documents import document_attention  # noqa: E402
+from specdraft.target.capture import CaptureRequest, capture  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
 from specdraft.train.model import DraftWithLoss, TargetWithDraft  # noqa: E402
@@ -77,9 +78,9 @@ class SeveralBench:
         self.sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
 
     def target_forward(self, ids, positions, documents) -> None:
-        mask = None if documents is None else target_attention_mask(self.target.model, ids, documents)
-        with torch.no_grad():
-            hidden = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state
+        with torch.no_grad():  # the capture's attention: inside each document, no (T, T) mask
+            hidden = capture(self.target.model, ids, positions, CaptureRequest(final_hidden=True),
+                             document_attention(documents)).final_hidden
             if self.reads_distribution:
                 self.target.lm_head(hidden)
 

@@ -72,8 +72,9 @@ from specdraft.data.packing import open_packed_cache  # noqa: E402
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.demo.presets import get_preset  # noqa: E402
 from specdraft.drafts import FAMILIES, build_draft, family_keys  # noqa: E402
+from specdraft.drafts.documents import document_attention  # noqa: E402
 from specdraft.drafts.objectives import CE, parse_objective  # noqa: E402
-from specdraft.target.capture import capture, target_attention_mask  # noqa: E402
+from specdraft.target.capture import CaptureRequest, capture  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402
@@ -218,9 +219,9 @@ class StepBench:
         # The attention the step needs: inside each document. Given positions alone, transformers 5
         # with SDPA does not infer the borders: it runs is_causal over the whole row, which costs
         # half of the masked attention at 4k tokens and is not the forward training needs.
-        mask = None if documents is None else target_attention_mask(self.target.model, ids, documents)
-        with torch.no_grad():
-            hidden = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask).last_hidden_state
+        with torch.no_grad():  # the capture's attention: inside each document, no (T, T) mask
+            hidden = capture(self.target.model, ids, positions, CaptureRequest(final_hidden=True),
+                             document_attention(documents)).final_hidden
             if self.reads_distribution:
                 return timed(lambda: self.target.lm_head(hidden))
         return 0.0
@@ -292,8 +293,7 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
 
 def model_capture(model: TargetWithDraft, ids, positions, documents):
     """What the training step runs in the target (the capture the draft asks for)."""
-    return capture(model.model, ids, positions, model.draft_model.capture_request(),
-                   target_attention_mask(model.model, ids, documents))
+    return capture(model.model, ids, positions, model.draft_model.capture_request(), document_attention(documents))
 
 
 def objective_specs(arg: str) -> List[Optional[str]]:

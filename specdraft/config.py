@@ -112,6 +112,9 @@ class TrainConfig:
     # ZeRO-3: the frozen target "replicated" on every device (no gathers), "partitioned" (for
     # targets that do not fit), or "auto": replicated when the memory model says it fits
     target_placement: str = "auto"
+    # ranks sharing each sequence (Ulysses sequence parallelism): T / N tokens each; divides the
+    # world size, max_seq_length and the target's attention heads
+    sequence_parallel_size: int = 1
     loss_chunk_size: int = 0  # tokens per cross-entropy chunk; 0: from the vocab (~256 MiB fp32 logits)
     output_dir: str = "runs/default"  # the run directory: config.yaml, ckpt/, step_<N>/ exports, metrics
     export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
@@ -278,6 +281,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     if target_config is not None:  # a model directory: it must hold a tokenizer and cover the sequences
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
+    why = sequence_parallel_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config)
+    if cfg.sequence_parallel_size > 1 and not family.sequence_parallel:
+        why = f"draft.type {cfg.draft.type} does not train on sequence shards yet (families that do: glide, eagle3, dflash, dspark)"
+    if why:
+        fail("sequence_parallel_size", why)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_formats:
@@ -288,6 +296,32 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")
+
+
+def data_world(cfg: DictConfig, world_size: int) -> int:
+    """The ranks reading distinct batches: the ranks of one sequence-parallel group read the same."""
+    return world_size // cfg.get("sequence_parallel_size", 1)
+
+
+def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None) -> Optional[str]:
+    """Why `size` ranks cannot share each sequence, in one line naming the numbers; None if they can."""
+    if size < 1:
+        return f"must be >= 1, got {size}"
+    if max_seq_length % size:
+        return f"{size} does not divide max_seq_length {max_seq_length} (each rank holds max_seq_length / {size} tokens)"
+    if target_config is None or size == 1:
+        return None
+    text = target_config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        return "the target has layers that are not full attention (sliding or linear): its capture is not sharded"
+    if heads % size:
+        return f"{size} does not divide the target's {heads} attention heads (each rank attends with heads / {size})"
+    if kv_heads % size and size % kv_heads:
+        return (f"the target's {kv_heads} key/value heads and {size} do not divide one another (each rank reads "
+                f"kv_heads / {size} of them, or one repeated)")
+    return None
 
 
 def _target_config_if_readable(target_dir: str):

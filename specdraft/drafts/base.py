@@ -195,6 +195,8 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
+    # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
+    sequence_parallel: ClassVar[bool] = False
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
     on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
     file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads

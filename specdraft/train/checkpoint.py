@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
-from specdraft.config import config_hash, config_identity, draft_names, draft_view, identity_change
+from specdraft.config import config_hash, config_identity, data_world, draft_names, draft_view, identity_change
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.run import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
@@ -143,7 +143,7 @@ class CheckpointManager:
         cfg = self.cfg
         return {"step": step, "world_size": self.world_size, "zero_stage": cfg.zero_stage,
                 "precision": cfg.precision, "seed": cfg.seed,
-                "global_batch": cfg.per_device_batch_size * self.world_size * cfg.gradient_accumulation_steps,
+                "global_batch": cfg.per_device_batch_size * data_world(cfg, self.world_size) * cfg.gradient_accumulation_steps,
                 "per_device_batch_size": cfg.per_device_batch_size,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "config_hash": config_hash(cfg), "config_identity": config_identity(cfg),
@@ -265,10 +265,10 @@ class CheckpointManager:
         """Keep the checkpoint's global batch: gradient_accumulation_steps follows the world size."""
         cfg = self.cfg
         saved = record["global_batch"]
-        per_step = cfg.per_device_batch_size * self.world_size
+        per_step = cfg.per_device_batch_size * data_world(cfg, self.world_size)
         if saved % per_step:
             raise SpecdraftError(
-                f"{slot_dir}: its global batch is {saved} sequences; {self.world_size} rank(s) x "
+                f"{slot_dir}: its global batch is {saved} sequences; {per_step // cfg.per_device_batch_size} data-parallel rank(s) x "
                 f"per_device_batch_size={cfg.per_device_batch_size} = {per_step} does not divide it (choose a "
                 f"per_device_batch_size or world size whose product divides {saved})")
         accumulation = saved // per_step

@@ -27,6 +27,7 @@ from specdraft.data.packing import PackedData, build_packed_cache, open_packed_c
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
 from specdraft.outputs import claim_run_dir, start_run_dir
+from specdraft.parallel.sequence import SequenceParallel, sequence_parallel_groups
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.run import config_file, draft_part, export_dir
 from specdraft.train.checkpoint import CheckpointManager, DraftPart
@@ -61,16 +62,18 @@ class TrainResult:
 
 def train(cfg: DictConfig, log=print) -> TrainResult:
     rank, world_size = init_distributed()
+    sequence_parallel = sequence_parallel_groups(cfg.sequence_parallel_size)  # collective
     stop = StopSignals(rank)
     # a failure closes the progress bar (its line ends before the error's); the caller's signal
     # handlers come back whatever happens (train() runs in-process too: tests, notebooks)
     with contextlib.ExitStack() as closing:
         closing.callback(stop.restore)
-        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing, stop)
+        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing, stop,
+                      sequence_parallel)
 
 
 def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib.ExitStack,
-           stop: StopSignals) -> TrainResult:
+           stop: StopSignals, sp: SequenceParallel) -> TrainResult:
     from tqdm import tqdm
 
     # -- setup -------------------------------------------------------------------------------
@@ -87,13 +90,15 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
     tokenizer = load_target_tokenizer(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
-    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, rank, world_size, cfg.seed,
+    # the ranks of one SP group read the same batches: batches are dealt to data-parallel ranks
+    data_rank, data_world = sp.data_rank, sp.data_world
+    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, data_rank, data_world, cfg.seed,
                                   cfg.gradient_accumulation_steps)
     total_steps = planned_steps(cfg, sampler)
 
     target = load_frozen_target(cfg.target, cfg.precision)
     placement = resolve_target_placement(cfg, target.config, world_size)
-    trainees = [build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log)
+    trainees = [build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log, sp)
                 for name in draft_names(cfg)]
     several = trainees[0].name is not None
     if several:  # outside every engine: placed as an engine places its module
@@ -122,7 +127,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     log(f"specdraft: {drafts}, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
         f"ZeRO-{cfg.zero_stage}{f' (target {placement})' if cfg.zero_stage == 3 else ''}, {cfg.precision}, "
-        f"{world_size} rank(s)")
+        f"{world_size} rank(s){f', {sp.size} per sequence' if sp.size > 1 else ''}")
 
     metrics = run_shared(lambda: MetricsLogger(run_dir, cfg, enabled=rank == 0), on_rank=None)
 
@@ -142,16 +147,16 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     while state.step < total_steps:
         for micro in range(cfg.gradient_accumulation_steps):
             batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
-            options = [t.draft.sample_batch_options(batch_generator(cfg.seed, state.step, micro * world_size + rank),
+            options = [t.draft.sample_batch_options(batch_generator(cfg.seed, state.step, micro * data_world + data_rank),
                                                     cfg.max_seq_length) for t in trainees]
             if several:
-                outs = forward_drafts(target, [t.engine for t in trainees], batch, options)
+                outs = forward_drafts(target, [t.engine for t in trainees], batch, options, sp)
             else:
                 outs = [forward_step(trainees[0].engine, batch, options[0])]
             for t, out in zip(trainees, outs):
                 t.window.add(out)
-            state.samples_seen += cfg.per_device_batch_size * world_size
-            state.tokens_seen += batch["input_ids"].numel() * world_size
+            state.samples_seen += cfg.per_device_batch_size * data_world
+            state.tokens_seen += batch["input_ids"].numel() * data_world
         state.step += 1
         for t in trainees:
             t.window.end_step()
@@ -167,7 +172,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
                 (result.losses if t.name is None else result.draft_losses.setdefault(t.name, [])).extend(step_losses)
                 own.update(lr=t.engine.get_lr()[0])
                 values.update(t.prefixed(own))
-            values.update(tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
+            values.update(tokens_per_s=_rate(state, start_step, cfg, data_world, elapsed),
                           samples_seen=state.samples_seen)
             log_metrics(state.step, values)
             if several:
@@ -206,7 +211,7 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
         log(str(interrupted))
         raise interrupted
     elapsed = time.perf_counter() - started
-    result.tokens_per_second = _rate(state, start_step, cfg, world_size, elapsed)
+    result.tokens_per_second = _rate(state, start_step, cfg, data_world, elapsed)
     if result.losses:
         log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
             f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
@@ -244,7 +249,7 @@ class Trainee:
 
 
 def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, plan, placement: str,
-                  total_steps: int, log) -> Trainee:
+                  total_steps: int, log, sp: SequenceParallel = SequenceParallel()) -> Trainee:
     """Draft `name` of the run and its engine. A one-draft run's engine holds the target beside the
     draft (TargetWithDraft); a draft of several runs outside it (DraftWithLoss)."""
     view = draft_view(cfg, name)
@@ -256,7 +261,7 @@ def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, 
         apply_import(draft, imported, data, log)
     serving_formats(draft, view)  # a format named in the config that cannot serve this draft: refused now
     if name is None:
-        model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
+        model = TargetWithDraft(target, draft, cfg.loss_chunk_size, sp)
     else:
         model = DraftWithLoss(draft, cfg.loss_chunk_size)
     engine = build_engine(view, model, total_steps, placement, load_universal=plan is not None and plan.universal)
@@ -282,7 +287,8 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     return out
 
 
-def forward_drafts(target, engines: list, batch: dict, options: List[dict]) -> List[DraftLoss]:
+def forward_drafts(target, engines: list, batch: dict, options: List[dict],
+                   sp: SequenceParallel = SequenceParallel()) -> List[DraftLoss]:
     """Several drafts, one target pass: the target captures the union of the drafts' requests
     once (no_grad), then each draft reads its part: forward, backward, step on its own engine."""
     device = engines[0].device
@@ -290,7 +296,7 @@ def forward_drafts(target, engines: list, batch: dict, options: List[dict]) -> L
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
     request = functools.reduce(CaptureRequest.merged, [e.module.draft_model.capture_request() for e in engines])
     features = target_features(target.model, request, inputs["input_ids"], inputs.get("document_positions"),
-                               inputs.get("document_ids"))
+                               inputs.get("document_ids"), shard=sp.shard(inputs["input_ids"].shape[1]))
     outs = []
     for engine, own in zip(engines, options):
         out: DraftLoss = engine(features, target.lm_head.weight, inputs["input_ids"], inputs["loss_mask"],

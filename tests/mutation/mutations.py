@@ -248,7 +248,7 @@ EAGLE3: List[Mutation] = [
              "d2t = torch.from_numpy(used - np.arange(draft_vocab_size))", "d2t = torch.from_numpy(used)",
              E3_TRAIN, "d2t stores target ids instead of offsets"),
     Mutation("eagle3/ttt-token-shift", E3,
-             "embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}", "embeds = shift_left(input_embeds, 1)",
+             "embeds = shard.shift_left(input_embeds, 1 + k)  # x_{t+1+k}", "embeds = shard.shift_left(input_embeds, 1)",
              E3_TRAIN, "every TTT step embeds x_{t+1} instead of x_{t+1+k}"),
     Mutation("eagle3/ttt-position-shift", E3,
              "index + 1 + k, keys, values,", "index + 1, keys, values,", E3_TRAIN + E3_SPEC,
