@@ -144,3 +144,37 @@ def test_glide_capture_skips_what_nobody_reads_and_keeps_one_layer_of_kv(target,
     new_loss = draft.training_loss(feats, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
     old_loss = draft.training_loss(old, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
     torch.testing.assert_close(new_loss, old_loss, rtol=1e-6, atol=1e-6)
+
+
+def test_a_sliding_window_shorter_than_the_sequences_is_refused_in_one_line():
+    """The capture's attention has no window yet: a target whose windowed layers would cut the
+    sequences is refused at the config (naming the window), never a traceback mid-step."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from specdraft.errors import SpecdraftError
+    from specdraft.target.model import check_sequence_length
+
+    mistral = MistralConfig(sliding_window=64, max_position_embeddings=512)
+    with pytest.raises(SpecdraftError, match=r"train\.yaml: key 'max_seq_length': 128 is above the target's sliding "
+                                             r"window of 64 tokens"):
+        check_sequence_length(mistral, 128, "train.yaml")
+    check_sequence_length(mistral, 64, "train.yaml")  # the window never cuts: every layer sees it all
+    check_sequence_length(Qwen2Config(sliding_window=64, use_sliding_window=False), 128, "train.yaml")
+    with pytest.raises(SpecdraftError, match="sliding window of 64"):
+        check_sequence_length(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1,
+                                          num_hidden_layers=2), 128, "train.yaml")
+
+
+def test_a_window_as_long_as_the_sequence_captures_what_transformers_computes():
+    """At T <= window the windowed layers attend causally: the capture equals transformers' forward."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    model = MistralForCausalLM(config).eval().requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 32))
+    positions = torch.arange(32)[None]
+    features = capture(model.model, ids, positions, CaptureRequest(layers=(1,)))
+    expected = model.model(ids, position_ids=positions, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(features.hidden[1], expected, rtol=1e-5, atol=1e-5)

@@ -80,6 +80,22 @@ def check_sequence_length(config, max_seq_length: int, source: str) -> None:
                              f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
                              f"covers it)")
 
+    window = sliding_window_below(config, max_seq_length)
+    if window is not None:
+        raise SpecdraftError(f"{source}: key 'max_seq_length': {max_seq_length} is above the target's sliding "
+                             f"window of {window} tokens, which the capture's attention does not apply yet "
+                             f"(lower max_seq_length to {window} or less)")
+
+
+def sliding_window_below(config, length: int) -> Optional[int]:
+    """The target's attention window when some of its layers attend through one shorter than
+    `length` (Mistral v0.1: every layer, 4096; Qwen2 with use_sliding_window: those of layer_types)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None)
+    windowed = "sliding_attention" in kinds if kinds else window is not None
+    return window if windowed and window is not None and window < length else None
+
 
 def load_frozen_target(target_dir: str, precision: str = "fp32",
                        device: Optional[torch.device] = None) -> nn.Module:
