@@ -1,7 +1,7 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark] [--lengths 2048,4096,8192]
-        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak]
+        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak] [--sp N]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
@@ -18,6 +18,11 @@ path of CUDA has no backward on CPU: --flex-sizes prints instead the bytes of th
 builds per batch (made here with the same mask_mods) beside those of the dense masks;
 --mask-peak the peak RSS of building one (GLIDE's lagged cross-attention mask, T x T) eager and
 compiled on CPU, as CUDA builds it (eager create_block_mask evaluates the whole (B, 1, T, T) grid).
+
+--sp N: each (family, T) also at sequence_parallel_size N on N CPU ranks (torchrun, gloo): the peak
+of the rank with the highest one, its ratio to SP=1 (the step's own peak: the sequence-proportional
+terms; the weights, the same on every rank, are in the base RSS it is measured above), and the
+step-time ratio SP=N / SP=1.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
+SP = int(os.environ.get("BENCH_SP", 1))  # ranks per sequence (the child runs under torchrun when > 1)
 PATH = os.environ.get("BENCH_PATH", "slices")  # the drafts' document attention path: slices (CPU's) or dense
 
 
@@ -68,7 +74,14 @@ def measure_one(family: str, T: int) -> dict:
     cfg.update({"glide": {"sliding_window": 512}, "eagle3": {"ttt_steps": 7},
                 "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512},
                 "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64}}[family])
-    model = TargetWithDraft(target, build_draft(cfg, config), loss_chunk_size=0)
+    sp = {}
+    if SP > 1:
+        import torch.distributed as dist
+
+        from specdraft.parallel.sequence import sequence_parallel_groups
+        dist.init_process_group("gloo")
+        sp = {"sequence_parallel": sequence_parallel_groups(SP)}
+    model = TargetWithDraft(target, build_draft(cfg, config), loss_chunk_size=0, **sp)
     ids = torch.randint(0, p.vocab_size, (1, T))
     conversation = ROW_CONVERSATION or T
     documents = (torch.arange(T) // conversation)[None] if ROW_CONVERSATION else None
@@ -89,7 +102,14 @@ def measure_one(family: str, T: int) -> dict:
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
-    return {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
+    result = {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
+    if SP > 1:  # the rank with the highest peak, the slowest step
+        ranks = [None] * SP
+        dist.all_gather_object(ranks, result)
+        result = {"family": family, "T": T, "peak_gb": max(r["peak_gb"] for r in ranks),
+                  "tokens_per_s": min(r["tokens_per_s"] for r in ranks)}
+        dist.destroy_process_group()
+    return result
 
 
 def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, block: int = 8) -> None:
@@ -184,6 +204,7 @@ def main() -> None:
                         help="the drafts' document attention on CPU: per conversation (its own) or dense")
     parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
     parser.add_argument("--mask-peak", action="store_true", help="peak RSS of building a block mask, eager vs compiled")
+    parser.add_argument("--sp", type=int, default=1, help="also at sequence_parallel_size N on N CPU ranks")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
     parser.add_argument("--one-mask", help=argparse.SUPPRESS)  # mode:T, in the child process
     args = parser.parse_args()
@@ -207,24 +228,35 @@ def main() -> None:
         return
     if args.one:
         family, T = args.one.split(":")
-        print(json.dumps(measure_one(family, int(T))))
+        result = measure_one(family, int(T))
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(json.dumps(result))
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu", BENCH_PATH=args.path)
     if args.no_documents:
         env["BENCH_CONVERSATION"] = "0"
     lengths = [int(t) for t in args.lengths.split(",")]
-    print(f"{'family':<7} {'T':>6} {'peak GB':>8} {'tokens/s':>9}")
+    print(f"{'family':<7} {'T':>6} {'SP':>3} {'peak GB/rank':>12} {'tokens/s':>9}")
     peaks = {}
     for family in args.families.split(","):
         for T in lengths:
-            run = subprocess.run([sys.executable, __file__, "--one", f"{family}:{T}"], env=env,
-                                 capture_output=True, text=True)
-            if run.returncode:
-                print(f"{family:<7} {T:>6} failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
-                continue
-            m = json.loads(run.stdout.strip().splitlines()[-1])
-            peaks[family, T] = m["peak_gb"]
-            print(f"{family:<7} {T:>6} {m['peak_gb']:8.2f} {m['tokens_per_s']:9.0f}", flush=True)
+            for sp in sorted({1, args.sp}):
+                launcher = [sys.executable] if sp == 1 else [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp)]
+                run = subprocess.run([*launcher, __file__, "--one", f"{family}:{T}"], env=dict(env, BENCH_SP=str(sp)),
+                                     capture_output=True, text=True)
+                if run.returncode:
+                    print(f"{family:<7} {T:>6} {sp:>3} failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
+                    continue
+                m = json.loads(run.stdout.strip().splitlines()[-1])
+                peaks[family, T, sp], rate = m["peak_gb"], m["tokens_per_s"]
+                peaks[family, T, sp, "rate"] = rate
+                ratio = "" if sp == 1 or (family, T, 1) not in peaks else (
+                    f"  peak/rank vs SP=1 {m['peak_gb'] / peaks[family, T, 1]:.2f}, step time vs SP=1 "
+                    f"{peaks[family, T, 1, 'rate'] / rate:.2f}")
+                print(f"{family:<7} {T:>6} {sp:>3} {m['peak_gb']:12.2f} {rate:9.0f}{ratio}", flush=True)
+    peaks = {(family, T): peaks[family, T, 1] for family in args.families.split(",") for T in lengths
+             if (family, T, 1) in peaks}
     top = max(lengths)
     print(" ".join(f"{family}_growth={peaks[family, top] / peaks[family, top // 2]:.2f}"
                    for family in args.families.split(",") if (family, top) in peaks and (family, top // 2) in peaks))

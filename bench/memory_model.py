@@ -226,8 +226,9 @@ def qwen3_8b_sequence_parallel_table(sizes=(1, 2, 4, 8)) -> None:
           f"(<= {USABLE:.0%} of 80 GB per GPU) at sequence_parallel_size")
     print(f"| family | {' | '.join(f'SP={s}' for s in sizes)} |")
     print(f"|---|{'---|' * len(sizes)}")
-    rows = [(family, cls.label, False) for family, cls in FAMILIES.items() if cls.__dict__.get("sequence_parallel", True)]
-    rows += [(family, f"{cls.label}, gradient_checkpointing", True) for family, cls in FAMILIES.items()
+    sharded = {family: cls for family, cls in FAMILIES.items() if cls.sequence_parallel}
+    rows = [(family, cls.label, False) for family, cls in sharded.items()]
+    rows += [(family, f"{cls.label}, gradient_checkpointing", True) for family, cls in sharded.items()
              if "gradient_checkpointing" in family_keys(cls)]
     for family, label, checkpointing in rows:
         cells = []

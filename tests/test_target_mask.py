@@ -11,14 +11,14 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdraft.config import DraftConfig
 from specdraft.drafts import build_draft
-from specdraft.target.capture import CaptureRequest, capture, target_attention_mask
+from specdraft.drafts.documents import document_attention
+from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 
 
 def target_features(base_model, ids, positions, documents=None):
-    """The capture GLIDE asks for, with the mask training gives it."""
-    return capture(base_model, ids, positions, CaptureRequest(last_layer_kv=True),
-                   target_attention_mask(base_model, ids, documents))
+    """The capture GLIDE asks for, with the attention training gives it."""
+    return capture(base_model, ids, positions, CaptureRequest(last_layer_kv=True), document_attention(documents))
 
 
 @pytest.fixture(scope="module")

@@ -203,6 +203,8 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
+    # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
+    sequence_parallel: ClassVar[bool] = False
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
     on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
     file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads
@@ -212,6 +214,9 @@ class Draft(nn.Module, ABC):
     # (fnmatch pattern of a tensor name, the config key that sets its shape or presence); other
     # tensors take their shape from the target's config
     tensor_keys: ClassVar[Tuple[Tuple[str, str], ...]] = ()
+    # the target model_types this family drafts for; None: any supported target (MTP: the targets
+    # that ship its layer)
+    target_model_types: ClassVar[Optional[Tuple[str, ...]]] = None
 
     def cast(self, dtype: torch.dtype) -> "Draft":
         """The draft in `dtype` as training holds it: parameters cast, buffers kept (cast_parameters)."""
@@ -235,6 +240,12 @@ class Draft(nn.Module, ABC):
                         max_seq_length: int) -> None:
         """Raise a one-line SpecdraftError naming the bad `draft.` key. target_config is None when
         the target directory has no readable config yet (checked again at training start)."""
+
+    @classmethod
+    def moves_target_positions(cls, draft_cfg) -> bool:
+        """Whether sample_batch_options gives the target other positions than the data's (a
+        "position_ids" entry): such a draft cannot share a target pass with other drafts."""
+        return False
 
     @classmethod
     def identity_options(cls, options: Dict[str, Any], target_config: Optional[Any]) -> Dict[str, Any]:

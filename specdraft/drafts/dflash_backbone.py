@@ -39,15 +39,18 @@ from torch import nn
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config, uncapturable_layer)
 from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
-                                           sample_training_blocks)
+                                           own_blocks, sample_training_blocks)
 from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope
+from specdraft.drafts.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, chunked_objective,
-                                        objective_from_options, shared_head_objective, term_metrics)
+                                        dpace_weights, objective_from_options, shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
+from specdraft.parallel.sequence import SequenceShard
 
 DEFAULT_NUM_TARGET_LAYERS = 5
+LOSS_WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass
@@ -59,6 +62,8 @@ class DFlashOptions(ObjectiveOptions):
     block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
     sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
     loss_decay_gamma: float = 4.0  # the j-th predicted token of a block weighs exp(-j / gamma)
+    loss_weighting: str = "decay"  # decay: exp(-j / gamma); dpace: D-PACE (draft.loss: ce; gamma: DSpark's BCE)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing constant, in (0, 1]
     max_anchors: int = 512  # blocks trained per sequence
     mask_token_id: Optional[int] = None  # target token whose embedding is MASK; None: the last id
     train_mask_embedding: bool = False  # train the draft's own MASK row (then native export only)
@@ -93,6 +98,8 @@ class DFlashDims(LayerDims):
     mask_token_id: int = 0
     train_mask_embedding: bool = False
     loss_decay_gamma: float = 4.0
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     max_anchors: int = 512
     initializer_range: float = 0.02
     target_num_layers: Optional[int] = None  # the target's decoder layers (None: an export older than the field)
@@ -161,6 +168,7 @@ class DFlashBackbone(Draft):
 
     options = DFlashOptions
     dims_type = DFlashDims
+    sequence_parallel = True
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
     import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")
@@ -223,6 +231,17 @@ class DFlashBackbone(Draft):
                                f"max_seq_length {max_seq_length} leaves no room for one")
         if not draft_cfg.loss_decay_gamma > 0:
             fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
+        weighting = draft_cfg.get("loss_weighting", "decay")
+        if weighting not in LOSS_WEIGHTINGS:
+            fail("loss_weighting", f"must be one of {' | '.join(LOSS_WEIGHTINGS)}, got {weighting!r}")
+        if weighting == "dpace":
+            objective = objective_from_options(draft_cfg, default=cls.default_loss)
+            if objective != CE:  # D-PACE's confidence is exp(-CE) of the very term it weighs
+                fail("loss_weighting", f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), "
+                                       f"got {objective}")
+            alpha = draft_cfg.get("dpace_alpha", 0.5)
+            if not 0.0 < alpha <= 1.0:
+                fail("dpace_alpha", f"must be in (0, 1], got {alpha}")
         if draft_cfg.max_anchors < 1:
             fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
         if target_config is None:
@@ -261,6 +280,8 @@ class DFlashBackbone(Draft):
             mask_token_id=int(text.vocab_size - 1 if mask_id is None else mask_id),
             train_mask_embedding=bool(draft_cfg.train_mask_embedding),
             loss_decay_gamma=float(draft_cfg.loss_decay_gamma),
+            loss_weighting=str(draft_cfg.get("loss_weighting", "decay")),
+            dpace_alpha=float(draft_cfg.get("dpace_alpha", 0.5)),
             max_anchors=int(draft_cfg.max_anchors),
             target_num_layers=int(text.num_hidden_layers),
         )
@@ -327,14 +348,19 @@ class DFlashBackbone(Draft):
         return sample_training_blocks(input_ids, loss_mask, self.layout, self.dims.max_anchors, anchor_seed, documents)
 
     def training_hidden(self, features: TargetFeatures, blocks: TrainingBlocks) -> torch.Tensor:
-        """The vectorised training forward: every block of every row at once -> (B, A, S, H)."""
+        """The vectorised training forward: every block of every row at once -> (B, A, S, H).
+        Sequence parallelism (features.shard): `blocks` are this rank's (anchors in its tokens);
+        the context is all-gathered once (differentiable), every layer's keys/values made from it:
+        block queries are not sequence positions, so there is no head exchange to make here."""
         B, A = blocks.anchors.shape
-        T = features.input_embeds.shape[1]
-        context = self.context(features.hidden)
-        context_kv = self.context_keys_values(context, features.cos, features.sin)
+        shard = features.shard or SequenceShard.whole(features.input_embeds.shape[1])
+        context = shard.gather(self.context(features.hidden))  # (B, T, H) the whole sequence
+        context_kv = self.context_keys_values(context, shard.gather(features.cos), shard.gather(features.sin))
+        T = context.shape[1]
         anchor_embeds = features.input_embeds.gather(
-            1, blocks.anchors[..., None].expand(B, A, features.input_embeds.shape[-1]))
-        cos, sin = features.rotary(blocks.slot_positions(features.position_ids.expand(B, T)).flatten(1))
+            1, (blocks.anchors - shard.start)[..., None].expand(B, A, features.input_embeds.shape[-1]))
+        positions = shard.gather(features.position_ids.expand(B, shard.local_length))
+        cos, sin = features.rotary(blocks.slot_positions(positions).flatten(1))
         hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
                       BlockVisibility(blocks.anchors, T, self.layout.block_size, blocks.context_start))
         return hidden.view(B, A, self.layout.block_size, -1)
@@ -346,6 +372,9 @@ class DFlashBackbone(Draft):
         # on the host; anchors among every token when the teacher terms learn them all
         host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed,
                                            host.documents)
+        group_tokens = int(host_blocks.counted.sum())  # on the host: the whole sequence's, every rank alike
+        shard = features.shard or SequenceShard.whole(input_ids.shape[1])
+        host_blocks = own_blocks(host_blocks, shard)
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
             metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
@@ -355,29 +384,39 @@ class DFlashBackbone(Draft):
         hidden = self.training_hidden(features, blocks)
         label_is_answer = host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(
             host_blocks.counted).bool()
+        final_hidden = features.final_hidden
+        if final_hidden is not None and shard.parallel:  # the teacher of a block's last label may be on the next rank
+            final_hidden = shard.extend_right(final_hidden, self.layout.span)
         return self.block_loss(hidden, blocks, host_blocks.counted, label_is_answer, lm_head_weight, chunk_size,
-                               features.final_hidden, blocks.previous_tokens(input_ids, self.layout.first_slot))
+                               final_hidden, blocks.previous_tokens(input_ids, self.layout.first_slot),
+                               shard=shard, group_tokens=group_tokens)
 
     def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, label_is_answer: torch.Tensor,
                    lm_head_weight, chunk_size: int, final_hidden: Optional[torch.Tensor] = None,
-                   previous_tokens: Optional[torch.Tensor] = None) -> DraftLoss:
+                   previous_tokens: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None,
+                   group_tokens: Optional[int] = None) -> DraftLoss:
         """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
         (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
         final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
         teacher of the token at anchor + 1 + j is the target's output at anchor + j);
         label_is_answer (B, A, P) bool on the host: the labels CE learns (answer tokens);
-        previous_tokens (B, A, S): each slot's previous token, for the head (block_head)."""
+        previous_tokens (B, A, S): each slot's previous token, for the head (block_head).
+        shard, group_tokens: sequence parallelism, final_hidden is this rank's tokens (then the
+        next ranks' first span), the loss this rank's share of the group's (SequenceShard.token_mean)."""
         B, A = blocks.anchors.shape
         first = self.layout.first_slot
         weights = loss_weights(self.layout, self.dims.loss_decay_gamma)
         device = hidden.device
         if final_hidden is not None:  # each block's anchor as a row of final_hidden.flatten(0, 1)
-            anchor_rows = (torch.arange(B, device=device)[:, None] * final_hidden.shape[1] + blocks.anchors).flatten()
+            start = 0 if shard is None else shard.start  # final_hidden's first token
+            anchor_rows = (torch.arange(B, device=device)[:, None] * final_hidden.shape[1]
+                           + blocks.anchors - start).flatten()
         total = hidden.new_zeros((), dtype=torch.float32)
         tokens = torch.zeros((), dtype=torch.long, device=device)
         correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         head = self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight))  # (B, A, S, F)
+        dpace = self.dpace_row_weights(head, blocks, counted, chunk_size) if self.dims.loss_weighting == "dpace" else None
         for j in range(self.layout.predictions):
             slot = counted[..., j]
             rows, n = rows_where(slot, device)  # over the (B * A) blocks
@@ -386,7 +425,9 @@ class DFlashBackbone(Draft):
             ce_labels, answers = answer_labels(labels, label_is_answer[..., j][slot])  # CE learns answers only
             student = head.features[:, :, first + j].flatten(0, 1)[rows]
             objective = self.objective.over_rows(rows.numel(), answers)
-            if head.weight is lm_head_weight:  # the target's own head: its cheapest path
+            if dpace is not None:  # CE only (validate_config): each row weighted by D-PACE, no decay
+                out = dpace_slot_loss(student, head.weight, lm_head_weight, labels, dpace[:, j][rows], chunk_size)
+            elif head.weight is lm_head_weight:  # the target's own head: its cheapest path
                 out = shared_head_objective(student, lm_head_weight, teacher, ce_labels, objective, chunk_size)
             else:  # a head of the draft's own: the teacher is still the target's lm_head
                 out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective,
@@ -394,7 +435,10 @@ class DFlashBackbone(Draft):
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
             extra, extra_metrics = self.head_terms(head, first + j, rows, student, teacher, lm_head_weight,
                                                    chunk_size, n)
-            total = total + weights[j] * (out.loss + extra)
+            if dpace is not None:  # D-PACE's weights are inside out.loss; gamma weighs only a head's own term
+                total = total + out.loss + weights[j] * extra
+            else:
+                total = total + weights[j] * (out.loss + extra)
             for name, (value, count) in extra_metrics.items():
                 term_sum, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (term_sum + value, seen + count)
@@ -404,7 +448,21 @@ class DFlashBackbone(Draft):
             for name, (value, count) in term_metrics(out.terms, n, answers).items():  # over every block slot
                 term_sum, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (term_sum + value, seen + count)
-        return DraftLoss(loss=total / tokens.clamp_min(1), tokens=tokens, correct=correct, metrics=metrics)
+        shard = shard or SequenceShard.whole(final_hidden.shape[1] if final_hidden is not None else 1)
+        loss, weight = shard.token_mean(total, group_tokens, tokens)
+        return DraftLoss(loss=loss, tokens=weight, correct=correct, metrics=metrics)
+
+    def dpace_row_weights(self, head: BlockHead, blocks: TrainingBlocks, counted: torch.Tensor,
+                          chunk_size: int) -> torch.Tensor:
+        """(B*A, P) D-PACE weights of the blocks' predicting slots from their CE (a no-grad head pass)."""
+        first, device = self.layout.first_slot, head.features.device
+        mask = counted.flatten(0, 1)  # (B*A, P) on the host
+        ce = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        for j in range(self.layout.predictions):
+            rows, _ = rows_where(counted[..., j], device)
+            slot = head.features[..., first + j, :].flatten(0, 1)
+            ce[rows, j] = row_cross_entropy(slot[rows], head.weight, blocks.labels[..., j].flatten()[rows], chunk_size)
+        return dpace_weights(ce, mask.to(device), self.dims.dpace_alpha)
 
     def head_terms(self, head: BlockHead, slot: int, rows: torch.Tensor, student: torch.Tensor,
                    teacher: Optional[torch.Tensor], lm_head_weight: torch.Tensor, chunk_size: int,

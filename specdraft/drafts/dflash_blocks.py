@@ -216,6 +216,28 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
 
 
+def own_blocks(blocks: TrainingBlocks, shard) -> TrainingBlocks:
+    """Sequence parallelism: the blocks whose anchor is among this rank's tokens (SequenceShard
+    [start, end)), still sorted, each row padded to the same count (at least 1: every rank runs
+    the layers and their collectives) with invalid blocks anchored at `start` that count nothing."""
+    if not shard.parallel or blocks.anchors.shape[1] == 0:
+        return blocks
+    mine = (blocks.anchors >= shard.start) & (blocks.anchors < shard.end)
+    A = max(1, int(mine.sum(dim=1).max()))
+    order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :A]  # own blocks first, in order
+    keep = mine.gather(1, order)
+
+    def pick(x, fill):
+        index = order.view(*order.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+        taken = x.gather(1, index)
+        return torch.where(keep.view(*keep.shape, *([1] * (x.dim() - 2))), taken, torch.full_like(taken, fill))
+
+    anchors = pick(blocks.anchors, shard.start)
+    return TrainingBlocks(anchors, pick(blocks.valid, False), pick(blocks.labels, 0), pick(blocks.counted, False),
+                          blocks.block_size, None if blocks.context_start is None else torch.where(
+                              keep, blocks.context_start.gather(1, order), anchors))
+
+
 def loss_weights(layout: BlockLayout, gamma: float) -> List[float]:
     """exp(-j / gamma) for the j-th predicted token (anchor + 1 + j) of a block: Python floats,
     constants of the step (no tensor to read back)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 
 def attention_path(device) -> str:
@@ -46,6 +47,33 @@ class PackedDocuments:
         T = self.ids.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
         return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]
+
+
+def document_causal_attention(q, k, v, documents: Optional[PackedDocuments] = None,
+                              scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention inside each conversation, without a (T, T) mask on CPU and CUDA.
+    q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D). documents None: one per row."""
+    gqa = q.shape[1] != k.shape[1]
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+    if documents is None:
+        return causal(q, k, v)
+    if documents.segments is not None:
+        return per_document(causal, documents.segments, q, k, v)
+    if documents.block_mask is not None:
+        return flex_attention(q, k, v, documents.block_mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense(), scale=scale, enable_gqa=gqa)
+
+
+def document_attention(document_ids: Optional[torch.Tensor]):
+    """The target's core attention for packed data (target/capture.py's `attention`): causal
+    inside each document of document_ids (B, T); None (plain causal) without documents."""
+    if document_ids is None:
+        return None
+    documents = PackedDocuments.of(document_ids)
+    return lambda q, k, v, scale: document_causal_attention(q, k, v, documents, scale)
 
 
 def document_segments(documents: torch.Tensor) -> List[List[Tuple[int, int]]]:

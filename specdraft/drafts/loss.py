@@ -24,8 +24,9 @@ def default_chunk_size(vocab_size: int) -> int:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size):
-        # hidden (N, H), weight (V, H) frozen, labels (N,) -> summed loss (scalar, fp32)
+    def forward(ctx, hidden, weight, labels, chunk_size, row_weights=None):
+        # hidden (N, H), weight (V, H) frozen, labels (N,), row_weights (N,) constants or None
+        # -> summed (weighted) loss (scalar, fp32)
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
@@ -41,10 +42,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             peak = logits.amax(dim=-1)
             probs = logits.sub_(peak[:, None]).exp_()  # exp(logit - max), in place
             sum_exp = probs.sum(dim=-1)
-            total += (peak + sum_exp.log() - label_logit).sum()  # log Z - logit[y]
+            w = None if row_weights is None else row_weights[start:start + chunk_size]
+            ce = peak + sum_exp.log() - label_logit  # log Z - logit[y]
+            total += (ce if w is None else ce * w).sum()
             if grad_hidden is not None:
                 probs.div_(sum_exp[:, None])
                 probs[rows, y] -= 1.0  # softmax - onehot
+                if w is not None:
+                    probs.mul_(w[:, None])
                 grad_hidden[start:start + chunk_size] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits, probs
         ctx.save_for_backward(grad_hidden)
@@ -54,15 +59,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output, _grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None
+        return grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                          chunk_size: int = 0, row_weights=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sum over rows of CE(hidden @ weight.T, labels), top-1 hits); weight is a constant.
-    chunk_size <= 0: default_chunk_size(vocab)."""
+    chunk_size <= 0: default_chunk_size(vocab). row_weights (N,): constants each row's CE (and its
+    gradient) is multiplied by (D-PACE's)."""
     if hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
         return hidden.sum() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
     if chunk_size <= 0:
         chunk_size = default_chunk_size(weight.shape[0])
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, row_weights)
+
+
+def row_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+    """(N,) CE of each row of hidden @ weight.T at labels, without gradient, a chunk at a time."""
+    if chunk_size <= 0:
+        chunk_size = default_chunk_size(weight.shape[0])
+    with torch.no_grad():
+        return torch.cat([torch.logsumexp(z, dim=-1) - z.gather(1, y[:, None]).squeeze(1)
+                          for z, y in (((h @ weight.t()).float(), y)
+                                       for h, y in zip(hidden.split(chunk_size), labels.split(chunk_size)))]
+                         or [hidden.new_zeros(0, dtype=torch.float32)])

@@ -392,3 +392,83 @@ def shared_head_objective(student_hidden: torch.Tensor, lm_head_weight: torch.Te
         return ObjectiveSums(total, correct, {}, argmax=None)
     return chunked_objective(student_hidden, lm_head_weight, teacher_hidden, lm_head_weight, labels, objective,
                              chunk_size)
+
+
+# -- the peers' newest losses, on per-position tensors (issue 35) ----------------------------------
+# Building blocks for a family whose loss has every position's value at hand (rows × vocab logits
+# or per-position CE); they are not yet wired into the chunked objective above.
+
+DPACE_ALPHA = 0.5  # speculators' default smoothing constant
+DPACE_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
+LK_MODES = ("alpha", "lambda")
+LK_KL_SCALE = 1.0  # SpecForge's defaults
+LK_KL_DECAY = 1.0
+
+
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE's per-position weights (speculators `losses/utils.py: dpace_loss_decay`), no grad.
+
+    ce, mask (blocks, S): each slot's cross-entropy and whether it counts (the anchor slot of a
+    DFlash block does not). q = exp(-ce) is the slot's confidence, s = (1 - alpha) q + alpha
+    (1 at an uncounted slot), prefix_k = prod_{j<=k} s_j: the chance the block survives to k;
+    w_k = sum_{j>=k} prefix_j m_j: how much the expected accepted length still depends on slot k.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"dpace alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        m = mask.float()
+        smooth = torch.where(m > 0, (1.0 - alpha) * torch.exp(-ce.float()) + alpha, torch.ones_like(m))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return (prefix * m).flip(-1).cumsum(-1).flip(-1) * m
+
+
+def dpace_loss(ce: torch.Tensor, mask: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """sum(w * ce * m) / (sum(m) + 1e-5) over blocks (blocks, S) of per-slot CE: speculators'
+    D-PACE reduction of one sequence (`loss_function` with `dpace_loss_decay`)."""
+    m = mask.to(ce.dtype)
+    return (dpace_weights(ce, mask, alpha) * ce * m).sum() / (m.sum() + DPACE_EPS)
+
+
+def acceptance_rate(target_probs: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """alpha = sum_v min(p_target, p_draft) per row (..., V) -> (...): the chance speculative
+    sampling accepts the draft's token. target_probs over the draft vocab, NOT renormalised
+    (SpecForge's target_p_on_draft: target mass outside the draft vocab is never accepted)."""
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    return torch.minimum(target_probs.float(), q).sum(dim=-1)
+
+
+def lk_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, target_probs_on_draft: torch.Tensor,
+            mask: torch.Tensor, mode: str, kl_scale: float = LK_KL_SCALE, kl_decay: float = LK_KL_DECAY,
+            temperature: float = 1.0) -> torch.Tensor:
+    """SpecForge's LK loss of one TTT step (`specforge/core/lk_loss.py`, sgl-project/SpecForge at
+    commit a6b6b0230009d15ec2a97a57384e6f53f0f96946; its last change c6100c46), over rows (N, V):
+
+        alpha_r = sum_v min(p_on_draft, q)       per counted row (mask (N,) bool)
+        alpha   mode: mean_r -log alpha_r         (a row with alpha_r = 0 adds 0, as SpecForge)
+        lambda  mode: lam = kl_scale * exp(-kl_decay * mean_r alpha_r) (detached: one per step)
+                      lam * mean_r KL(p || q) + (1 - lam) * (1 - mean_r alpha_r)
+
+    target_probs: the target renormalised over the draft vocab (the KL's teacher);
+    target_probs_on_draft: its probabilities before renormalising (acceptance). KL, not
+    SpecForge's soft CE: the two differ by the constant lam * H(p), same gradient. Means are over
+    the counted rows; a family weights its TTT steps 0.8^i on top (EAGLE-3's ttt_decay).
+    """
+    if mode not in LK_MODES:
+        raise ValueError(f"lk mode must be one of {LK_MODES}, got {mode!r}")
+    m = mask.float()
+    rows = m.sum().clamp_min(1e-8)
+    alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)
+    if mode == "alpha":
+        log_alpha = torch.where(alpha > 0, torch.log(alpha.clamp_min(1e-30)), torch.zeros_like(alpha))
+        return -(log_alpha * m).sum() / rows
+    mean_alpha = (alpha * m).sum() / rows
+    log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
+    p = target_probs.float()
+    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
+    lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())
+    return lam * (kl * m).sum() / rows + (1.0 - lam) * (1.0 - mean_alpha)
+
+
+def lk_ttt_loss(step_losses: Sequence[torch.Tensor], decay: float = 0.8) -> torch.Tensor:
+    """sum_i decay^i * loss_i over TTT steps (SpecForge's ploss weights 0.8^i)."""
+    return sum(decay ** i * loss for i, loss in enumerate(step_losses))

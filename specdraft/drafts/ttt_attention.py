@@ -22,7 +22,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafts.documents import PackedDocuments, flex_attention, per_document
+from specdraft.drafts.documents import PackedDocuments, document_causal_attention, flex_attention, per_document
 
 
 def _per_query_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -37,19 +37,10 @@ def ttt_attention(q: torch.Tensor, keys: List[torch.Tensor], values: List[torch.
     of the query's own conversation only, without a (T, T) mask on CPU and CUDA (documents.py).
     -> (B, Hq, T, D), equal to SDPA over cat(keys) under ttt_visibility's dense mask."""
     docs = PackedDocuments.of(documents)
-    gqa = q.shape[1] != keys[0].shape[1]
+    if len(keys) == 1:
+        return document_causal_attention(q, keys[0], values[0], docs)
     if docs is not None and docs.block_mask is not None:
         return _flex_ttt(q, keys, values, docs.block_mask)
-    if len(keys) == 1:
-        def causal(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-
-        if docs is None:
-            return causal(q, keys[0], values[0])
-        if docs.segments is not None:
-            return per_document(causal, docs.segments, q, keys[0], values[0])
-        return F.scaled_dot_product_attention(q, keys[0], values[0], attn_mask=docs.dense(), enable_gqa=gqa)
-
     log_zd, diag_out = _diagonal(q, keys[1:], values[1:])
     scale = q.shape[-1] ** -0.5
     q_ext = torch.cat([q, log_zd / scale], dim=-1)  # (B, H, T, D + 1): the sink's score coordinate
@@ -95,8 +86,6 @@ def _behind_a_sink(q_ext, keys, values, scale, visible=None):
 
 def _flex_ttt(q, keys, values, block_mask):
     """CUDA: flex_attention over the step-0 keys returns its log-sum-exp, so no sink is needed."""
-    if len(keys) == 1:
-        return flex_attention(q, keys[0], values[0], block_mask)
     log_zd, diag_out = _diagonal(q, keys[1:], values[1:])
     causal_out, log_z0 = flex_attention(q, keys[0], values[0], block_mask, return_lse=True)
     causal_weight = torch.sigmoid(log_z0.unsqueeze(-1) - log_zd).to(q.dtype)  # Z0 / (Z0 + Zd)

@@ -9,9 +9,15 @@ before the final norm.
 
 Only what is asked for is computed and kept: the pass stops right after the deepest layer input
 asked for, or right after the last layer has made its K/V (its attention, MLP and the final norm
-then never run); K/V are kept for the last layer only, never a cache of every layer. The mask is
-always given explicitly (target_attention_mask): without a mask and a cache, transformers reads
-jumps in position_ids as borders of packed sequences, and Anchor-Offset positions jump on purpose.
+then never run); K/V are kept for the last layer only, never a cache of every layer.
+
+Attention builds no mask: transformers' own mask (B, 1, T, T) for packed documents is quadratic in
+T (4.3 GB at 64k). The layers run our attention function (CORE_ATTENTION) instead, which calls a
+core handed in per pass: causal attention inside each document (drafts/documents.py: slices on CPU,
+flex block masks on CUDA) or plain causal SDPA. Nor is anything inferred from position_ids (without
+a mask transformers reads jumps in them as borders; Anchor-Offset positions jump on purpose).
+Under sequence parallelism (`shard`) each rank embeds and runs its own T/N tokens and the core sees
+the whole sequence with h/N heads (parallel/sequence.py): every feature comes back per shard.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+
+from specdraft.parallel.sequence import SequenceShard
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class TargetFeatures:
     final_hidden: Optional[torch.Tensor] = None  # (B, T, H) after the final norm
     token_embeds: Optional[torch.Tensor] = None  # (N, H) embeddings of request.token_embeddings
     position_ids: Optional[torch.Tensor] = None  # (B, T) the positions cos/sin are at
+    shard: Optional[SequenceShard] = None  # sequence parallelism: every (B, T, ...) above is this rank's T/N
     rotary: Optional[Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]] = None  # the target's RoPE
     #   at any position ids (B, N) -> cos, sin (B, N, D): for positions no input token has (DFlash's blocks)
 
@@ -127,47 +136,67 @@ class _LastLayerKV(DynamicCache):
         return key_states, value_states
 
 
-def target_attention_mask(base_model: nn.Module, input_ids: torch.Tensor,
-                          document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The mask we mean, given explicitly: causal, and inside each token's document.
+CORE_ATTENTION = "specdraft_core"  # the attention function the target runs while capturing
 
-    No documents: a 2-D all-ones mask, which turns transformers' border inference off and still
-    lets SDPA run is_causal. Documents (B, T): transformers' own causal mask for the model's
-    attention implementation, intersected with "same document" -> (B, 1, T, T).
-    """
-    B, T = input_ids.shape
-    if document_ids is None:
-        return torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-    documents = document_ids.to(input_ids.device).expand(B, T)
+# core(q (B, h, T, D), k, v (B, kv, T, D), scale) -> (B, h, T, D): causal over the whole sequence
+CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
 
-    def same_document(batch, head, q, kv):
-        return documents[batch, q] == documents[batch, kv]
 
-    shape_of = torch.empty(B, T, 0, dtype=base_model.embed_tokens.weight.dtype, device=input_ids.device)
-    return create_causal_mask(config=base_model.config, inputs_embeds=shape_of, attention_mask=None,
-                              past_key_values=None, position_ids=None, and_mask_function=same_document)
+def causal_attention(q, k, v, scale=None):
+    """One document per row: plain causal SDPA (its fast kernels, no mask)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _core_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                    specdraft_core: Optional[CoreAttention] = None, specdraft_shard: Optional[SequenceShard] = None,
+                    **_):
+    """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None."""
+    shard = specdraft_shard or SequenceShard.whole(query.shape[2])
+    if sliding_window is not None and sliding_window < query.shape[2] * shard.size:
+        raise NotImplementedError("capture: sliding-window target layers are not supported")
+    out = shard.attention(specdraft_core, query, key, value, scaling)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(CORE_ATTENTION, _core_attention)
+
+
+@contextlib.contextmanager
+def core_attention_implementation(base_model: nn.Module) -> Iterator[None]:
+    """While active, the target's layers call CORE_ATTENTION (transformers reads the name at call time)."""
+    config = base_model.config
+    before = config._attn_implementation
+    config._attn_implementation = CORE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 @torch.no_grad()
 def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            request: CaptureRequest, attention_mask: Optional[torch.Tensor] = None) -> TargetFeatures:
+            request: CaptureRequest, attention: Optional[CoreAttention] = None,
+            shard: Optional[SequenceShard] = None) -> TargetFeatures:
     """One target pass over (B, T) tokens, only as deep as `request` needs -> TargetFeatures.
 
-    attention_mask: from target_attention_mask (None: one document per row)."""
+    attention: the core every layer attends with (None: one document per row, causal_attention).
+    shard: sequence parallelism; input_ids / position_ids are the whole (B, T) on every rank of
+    the group, the features this rank's T/N tokens."""
+    shard = shard or SequenceShard.whole(input_ids.shape[1])
+    input_ids, position_ids = shard.local(input_ids), shard.local(position_ids.expand(input_ids.shape[0], -1))
     embeds = base_model.embed_tokens(input_ids)
     cos, sin = base_model.rotary_emb(embeds, position_ids)
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
     features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={}, position_ids=position_ids,
-                              rotary=lambda positions: base_model.rotary_emb(embeds, positions))
+                              rotary=lambda positions: base_model.rotary_emb(embeds, positions),
+                              shard=shard if shard.parallel else None)
     if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
         # filled on the device (a tensor of a Python list would be a host-to-device copy per batch)
         ids = torch.stack([input_ids.new_full((), token) for token in request.token_embeddings])
         features.token_embeds = base_model.embed_tokens(ids)
     if not request.layers and not whole and not request.last_layer_kv:
         return features
-    if attention_mask is None:
-        attention_mask = target_attention_mask(base_model, input_ids)
     # Under ZeRO-3 (target partitioned) the whole stack always runs: abandoning a forward would
     # leave a layer's gathered parameters behind.
     may_stop = not whole and not _is_zero3_partitioned(base_model)
@@ -176,10 +205,15 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     cache = _LastLayerKV(base_model.config, num_layers - 1, stop=may_stop and kv_is_deepest) \
         if request.last_layer_kv else None
     stop_at_layer = may_stop and not request.last_layer_kv
-    with record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded:
+    # a dict of masks: transformers builds none; the layers read none
+    layer_types = getattr(base_model.config, "layer_types", None) or ()
+    no_masks = dict.fromkeys({"full_attention", "sliding_attention", *layer_types})
+    with record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded, \
+            core_attention_implementation(base_model):
         try:
-            out = base_model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=attention_mask,
-                             past_key_values=cache, use_cache=cache is not None)
+            out = base_model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=no_masks,
+                             past_key_values=cache, use_cache=cache is not None,
+                             specdraft_core=attention or causal_attention, specdraft_shard=shard)
         except _DeepEnough:
             out = None
     features.hidden = {layer: recorded[layer] for layer in request.layers}

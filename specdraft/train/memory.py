@@ -17,7 +17,7 @@ the capture's working set. Weights, gradients and optimizer state do not. What i
 does not either: a context a family all-gathers (with its keys/values per layer) is the whole
 sequence's on every rank (MemoryShape.whole_T). The head exchange (all_to_all) of the target's
 attention adds its send/receive buffers to the capture's working set, and the capture builds no
-(T, T) mask under SP (the sp branch's document-aware core attention).
+(T, T) mask (its document-aware core attention).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from typing import Dict, Optional
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdraft.config import draft_names, draft_view
 from specdraft.drafts import build_draft
 from specdraft.drafts.base import MemoryShape, target_text_config
+from specdraft.target.capture import CaptureRequest
 from specdraft.drafts.loss import default_chunk_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -87,8 +89,8 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
                   documents: Optional[bool] = None, sequence_parallel: Optional[int] = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
-    (default: cfg.document_mask), which costs the target's (B, 1, T, T) boolean mask (the drafts'
-    attentions build none on CUDA). The family of cfg.draft supplies its own terms.
+    (default: cfg.document_mask): a family's own term where it has one (the capture builds no
+    (B, 1, T, T) mask). The family of cfg.draft supplies its own terms.
     sequence_parallel: ranks that share a sequence (default: cfg.sequence_parallel_size, or 1)."""
     text = target_text_config(target_config)
     target, draft = meta_models(target_config, cfg.draft)
@@ -135,11 +137,54 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
                                            target=text, whole_T=whole if S > 1 else 0))
     transient = {k: terms.pop(k) for k in ("draft activations", "loss chunk + hidden grads") if k in terms}
     est.parts.update(terms)
-    if with_documents and S == 1:  # the target's (B, 1, T, T) mask during the capture (none under SP)
-        est.parts["document masks"] = est.parts.get("document masks", 0) + B * T * T
+    # the capture builds no (B, 1, T, T) mask: its core attention is document-aware (target/capture.py)
     capture_transient = capture_working_set(text, tokens, p, S)
     if capture_transient > sum(transient.values()):
         est.parts["capture working set (transient)"] = capture_transient
     else:
         est.parts.update(transient)
     return est
+
+
+SHARED_PARTS = ("target weights", "document masks")  # held once however many drafts a run trains
+CAPTURE = "capture features"
+TRANSIENT = ("draft activations", "loss chunk + hidden grads", "capture working set (transient)")
+
+
+def estimate_run_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
+                      documents: Optional[bool] = None) -> MemoryEstimate:
+    """estimate_peak of a whole run: one draft's, or for a run of several drafts (`drafts:`) one
+    target and every draft. The drafts' weights, gradients, optimizer states and own terms add up;
+    the target, its masks and the captured features (the union of the drafts' requests, read by
+    all of them) count once; the transient working sets (the capture, then each draft's forward
+    and backward in turn) count as the largest of them."""
+    names = draft_names(cfg)
+    if names == [None]:
+        return estimate_peak(target_config, cfg, world_size, target_placement, documents)
+    est, transient, request = MemoryEstimate(), 0.0, CaptureRequest()
+    for name in names:
+        view = draft_view(cfg, name)
+        own = estimate_peak(target_config, view, world_size, target_placement, documents)
+        request = request.merged(meta_models(target_config, view.draft)[1].capture_request())
+        transient = max(transient, sum(own.parts.get(k, 0.0) for k in TRANSIENT))
+        for part, value in own.parts.items():
+            if part in SHARED_PARTS:
+                est.parts[part] = value
+            elif part != CAPTURE and part not in TRANSIENT:
+                est.parts[f"{name}: {part}"] = value
+    est.parts[CAPTURE] = union_capture_bytes(target_config, request, cfg.per_device_batch_size, cfg.max_seq_length,
+                                             BYTES[cfg.precision])
+    est.parts["largest working set (transient)"] = transient
+    return est
+
+
+def union_capture_bytes(target_config, request: CaptureRequest, B: int, T: int, dtype_bytes: int) -> float:
+    """What one capture of `request` keeps per micro-batch: the input embeddings and rotary tables,
+    the layers' hidden states, the last layer's K/V, the final hidden state."""
+    text = target_text_config(target_config)
+    H, heads = text.hidden_size, text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hd = getattr(text, "head_dim", None) or H // heads
+    per_token = H + 2 * hd + len(request.layers) * H + (2 * kv * hd if request.last_layer_kv else 0) \
+        + (H if request.final_hidden else 0)
+    return B * T * per_token * dtype_bytes

@@ -248,7 +248,7 @@ EAGLE3: List[Mutation] = [
              "d2t = torch.from_numpy(used - np.arange(draft_vocab_size))", "d2t = torch.from_numpy(used)",
              E3_TRAIN, "d2t stores target ids instead of offsets"),
     Mutation("eagle3/ttt-token-shift", E3,
-             "embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}", "embeds = shift_left(input_embeds, 1)",
+             "embeds = shard.shift_left(input_embeds, 1 + k)  # x_{t+1+k}", "embeds = shard.shift_left(input_embeds, 1)",
              E3_TRAIN, "every TTT step embeds x_{t+1} instead of x_{t+1+k}"),
     Mutation("eagle3/ttt-position-shift", E3,
              "index + 1 + k, keys, values,", "index + 1, keys, values,", E3_TRAIN + E3_SPEC,
@@ -534,9 +534,9 @@ CHECKPOINT = [
     Mutation("checkpoint/frozen-state-not-restored", FROZEN_STATE_PY,
              "tensor.copy_(state[name].to(tensor.device))", "pass", FROZEN_TRAVELS,
              "a resumed draft keeps its fresh build's buffers / frozen parameters"),
-    Mutation("checkpoint/frozen-state-not-saved", CHECKPOINT_PY,
-             "write_frozen_state(slot_dir, frozen_state(draft, draft_weights))",
-             "write_frozen_state(slot_dir, {})", FROZEN_TRAVELS, "the slot lacks the frozen state"),
+    Mutation("checkpoint/frozen-state-not-saved", "specdraft/train/draft_parts.py",
+             "write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))",
+             "write_frozen_state(draft_part(slot_dir, part.name), {})", FROZEN_TRAVELS, "the slot lacks the frozen state"),
     Mutation("checkpoint/export-without-frozen-state", "specdraft/train/export.py",
              "return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}",
              "return _trained_fp32(slot_dir, record)", FROZEN_TRAVELS,
@@ -619,6 +619,73 @@ DSPARK: List[Mutation] = [
     Mutation('dspark/export-head-type', "specdraft/drafts/dspark/speculators.py",
              'markov_rank=dims.markov_rank, markov_head_type=dims.markov_head_type,',
              'markov_rank=dims.markov_rank, markov_head_type="vanilla",', DSPARK_EXPORT),
+]
+
+# MTP: which token each recursive step reads and predicts, the recursion, the step weights, the
+# target's names and layout, the stitched target, the drafter's positions and hidden input
+MTP_PY = "specdraft/drafts/mtp/model.py"
+MTP_LAYER_PY = "specdraft/drafts/mtp/layer.py"
+MTP_TESTS = "tests/test_mtp.py"
+MTP_SEMANTICS = f"{MTP_TESTS}::test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2"
+MTP_SPECULATORS = f"{MTP_TESTS}::test_speculators_loads_the_export_and_computes_our_logits_and_loss"
+MTP_INIT = f"{MTP_TESTS}::test_the_new_draft_is_the_targets_own_mtp_layer"
+MTP_DRAFTER = f"{MTP_TESTS}::test_the_drafter_proposes_what_training_step_zero_predicts"
+MTP: List[Mutation] = [
+    Mutation("mtp/label-one-early", MTP_PY,
+             "labels = input_ids[:, k + 2:k + 2 + V].flatten()[rows]", "labels = input_ids[:, k + 1:k + 1 + V].flatten()[rows]",
+             (MTP_SEMANTICS, MTP_SPECULATORS), "step k learns x_{t+k+1}, the token it reads"),
+    Mutation("mtp/every-step-reads-the-next-token", MTP_PY,
+             "hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V]",
+             "hidden = self.step(hidden, input_embeds[:, 1:1 + V]", (MTP_SEMANTICS, MTP_SPECULATORS),
+             "the recursion's token input does not advance with the step"),
+    Mutation("mtp/no-recursion", MTP_PY,
+             "hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V]",
+             "hidden = self.step(final_hidden[:, :V], input_embeds[:, k + 1:k + 1 + V]", (MTP_SPECULATORS,),
+             "every step reads the target's hidden state instead of the previous step's output"),
+    Mutation("mtp/uniform-step-weights", MTP_PY,
+             "raw = [beta ** k for k in range(steps)]", "raw = [1.0 for k in range(steps)]",
+             (f"{MTP_TESTS}::test_step_weights_are_beta_powers_normalised", MTP_SPECULATORS)),
+    Mutation("mtp/document-border-counted", MTP_PY,
+             "            if host.documents is not None:  # ... and in t's own conversation",
+             "            if False:  # ... and in t's own conversation",
+             (f"{MTP_TESTS}::test_packed_documents_count_no_row_whose_token_is_in_the_next_document",),
+             "a row learns the first tokens of the next packed conversation"),
+    Mutation("mtp/documents-attend-across-borders", MTP_PY,
+             "mask = None if documents is None else PackedDocuments.of(documents[:, :V])", "mask = None",
+             (f"{MTP_TESTS}::test_packed_documents_count_no_row_whose_token_is_in_the_next_document",),
+             "a packed conversation attends to the one before it"),
+    Mutation("mtp/target-without-mtp-accepted", MTP_PY,
+             'if path != "the target" and not target_has_mtp(path):', "if False:",
+             (f"{MTP_TESTS}::test_a_target_without_an_mtp_layer_is_refused_in_one_line",)),
+    Mutation("mtp/input-order-swapped", MTP_LAYER_PY,
+             "x = torch.cat([self.token_layernorm(token_embeddings), self.hidden_layernorm(hidden_states)], dim=-1)",
+             "x = torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(token_embeddings)], dim=-1)",
+             (MTP_SPECULATORS,), "input_proj reads [hidden; embedding], vLLM's and speculators' read [embedding; hidden]"),
+    Mutation("mtp/fc-norms-swapped", MTP_LAYER_PY,
+             'PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),\n'
+             '            ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),',
+             'PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.token_layernorm."),\n'
+             '            ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.hidden_layernorm."),',
+             (MTP_INIT,), "the target's hidden-state norm read as the embedding's"),
+    Mutation("mtp/experts-gate-up-swapped", MTP_LAYER_PY,
+             'torch.cat([by_index[i]["gate_proj"], by_index[i]["up_proj"]])',
+             'torch.cat([by_index[i]["up_proj"], by_index[i]["gate_proj"]])', (MTP_INIT,),
+             "transformers' fused gate_up_proj holds [gate; up]"),
+    Mutation("mtp/stitched-keeps-the-targets-layer", "specdraft/drafts/mtp/export.py",
+             "trained[key].detach().to(\"cpu\", tensor.dtype).contiguous().clone() if key in trained",
+             "trained[key].detach().to(\"cpu\", tensor.dtype).contiguous().clone() if False",
+             (f"{MTP_TESTS}::test_the_stitched_target_is_the_target_with_the_trained_layer",)),
+    Mutation("mtp/drafter-positions-one-late", "specdraft/drafts/mtp/decode.py",
+             "torch.arange(start, n, device=self.device)", "torch.arange(start + 1, n + 1, device=self.device)",
+             (MTP_DRAFTER,), "index t at position t + 1 (EAGLE-3's convention), training's is t"),
+    Mutation("mtp/drafter-hidden-before-the-final-norm", "specdraft/drafts/mtp/decode.py",
+             "final = self.target_model.norm(layer_output).to(self.device, self.dtype)",
+             "final = layer_output.to(self.device, self.dtype)", (MTP_DRAFTER,),
+             "the drafter reads the last layer's output, training the final norm's"),
+    Mutation("mtp/linear-attention-rollback-not-refused", "specdraft/decode/cache.py",
+             'if hasattr(layer, "recurrent_states"):', "if False:",
+             (f"{MTP_TESTS}::test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line",),
+             "a hybrid target decodes with rejected tokens left in its recurrent state"),
 ]
 
 IMPORTS_PY = "specdraft/train/imports.py"
@@ -775,6 +842,34 @@ DATA_SPANS: List[Mutation] = [
              "                pass", (DATA_COMMAND,), "--json loses the skipped rows and every later row's source"),
 ]
 
+# issue 35's losses (D-PACE, LK) as formulas on per-position tensors
+LOSS_FORMULAS_TESTS = ("tests/test_loss_formulas.py",)
+LOSS_FORMULAS: List[Mutation] = [
+    Mutation("losses/dpace-no-suffix-sum", OBJECTIVES_PY,
+             "return (prefix * m).flip(-1).cumsum(-1).flip(-1) * m", "return prefix * m", LOSS_FORMULAS_TESTS,
+             "D-PACE weighs a slot by its own survival, not by the expected length still riding on it"),
+    Mutation("losses/dpace-unsmoothed-confidence", OBJECTIVES_PY,
+             "(1.0 - alpha) * torch.exp(-ce.float()) + alpha", "torch.exp(-ce.float())", LOSS_FORMULAS_TESTS,
+             "D-PACE without its smoothing constant alpha"),
+    Mutation("losses/lk-lambda-not-detached", OBJECTIVES_PY,
+             "lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())",
+             "lam = kl_scale * torch.exp(-kl_decay * mean_alpha)", LOSS_FORMULAS_TESTS,
+             "LK's KL weight differentiated through"),
+    Mutation("losses/lk-acceptance-renormalised", OBJECTIVES_PY,
+             "alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)",
+             "alpha = acceptance_rate(target_probs, draft_logits, temperature)", LOSS_FORMULAS_TESTS,
+             "acceptance counts target mass outside the draft vocab"),
+    Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
+             'if self.dims.loss_weighting == "dpace" else None', "if False else None",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "draft.loss_weighting: dpace trains with the exp(-j / gamma) decay"),
+    Mutation("losses/dpace-weights-on-the-decay", "specdraft/drafts/dflash_backbone.py",
+             "total = total + out.loss + weights[j] * extra",
+             "total = total + weights[j] * (out.loss + extra)",
+             ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
+             "D-PACE's weights multiplied by the decay too"),
+]
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "data-spans": DATA_SPANS,
     "glide": GLIDE,
@@ -783,12 +878,14 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "eagle3": EAGLE3,
     "dflash": DFLASH,
     "dspark": DSPARK,
+    "mtp": MTP,
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,
     "memory": MEMORY,
     "imports": IMPORTS,
     "documents": DOCUMENTS,
+    "losses": LOSS_FORMULAS,
 }
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -45,6 +46,7 @@ from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveS
 from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
+from specdraft.parallel.sequence import SequenceShard
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +133,10 @@ class Eagle3Attention(Projections):
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
         k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
         v = self.heads(self.v_proj(x))
-        if isinstance(visible, TTTVisibility):
-            out = ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents)
+        if isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
+            shard = visible.shard or SequenceShard.whole(x.shape[1])
+            q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)
+            out = shard.to_tokens(ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents))
         else:
             keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
             values = v if past_values is None else torch.cat([past_values, v], dim=2)
@@ -167,6 +171,7 @@ class TTTVisibility:
     t of each step 1..k; drafts/ttt_attention.py computes it exactly."""
 
     documents: Optional[PackedDocuments] = None
+    shard: Optional[SequenceShard] = None  # sequence parallelism: attention exchanges heads (documents: whole T)
 
 
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -182,18 +187,13 @@ def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] 
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-def shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """x[:, t + shift] at t, zeros past the end (along dim 1)."""
-    pad = torch.zeros_like(x[:, :shift])
-    return torch.cat([x[:, shift:], pad], dim=1)
-
-
 SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 
 
 class Eagle3Draft(Draft):
     family = "eagle3"
     label = "EAGLE-3"
+    sequence_parallel = True
     architecture = "Eagle3Draft"
     default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
     options = Eagle3Options
@@ -223,7 +223,6 @@ class Eagle3Draft(Draft):
         self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
         self.init_linear_weights(self.dims.initializer_range)
 
-    # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
@@ -299,7 +298,6 @@ class Eagle3Draft(Draft):
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return serving_refusal(self.dims, fmt)
 
-    # -- the vocabulary maps ---------------------------------------------------------------
 
     def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         with torch.no_grad():
@@ -330,7 +328,6 @@ class Eagle3Draft(Draft):
     def draft_to_target(self) -> torch.Tensor:
         return draft_to_target_ids(self.d2t)
 
-    # -- the model ---------------------------------------------------------------------------
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """(..., 3 Ht) captured target states -> (..., H) the layer's first hidden input."""
@@ -351,19 +348,20 @@ class Eagle3Draft(Draft):
         return (normed if self.dims.norm_output else out), normed, k, v
 
     def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int,
-               documents: Optional[torch.Tensor] = None):
+               documents: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None):
         """The TTT unroll over all positions at once: aux (B, T, 3 Ht) captured target states,
         input_embeds (B, T, H) embeddings of the input ids -> per step the (B, T, H) logits input
         (index t of step k predicts x_{t+2+k}). documents (B, T): packed conversations, each
-        attending to itself only (RoPE is relative: a conversation's offset in the row is moot)."""
-        T = aux.shape[1]
-        index = torch.arange(T, device=aux.device)
+        attending to itself only (RoPE is relative: a conversation's offset in the row is moot).
+        shard: sequence parallelism, aux / input_embeds / the outputs are this rank's T/N tokens."""
+        shard = shard or SequenceShard.whole(aux.shape[1])
+        index = shard.positions(aux.device)
         hidden = self.fuse(aux)
         keys, values = [], []  # each step's (B, KV, T, D)
         heads = []
-        visible = TTTVisibility(PackedDocuments.of(documents))  # built once for the steps
+        visible = TTTVisibility(PackedDocuments.of(documents), shard if shard.parallel else None)  # once for the steps
         for k in range(steps):
-            embeds = shift_left(input_embeds, 1 + k)  # x_{t+1+k}
+            embeds = shard.shift_left(input_embeds, 1 + k)  # x_{t+1+k}
             hidden, head_in, new_k, new_v = self.step(embeds, hidden, index + 1 + k, keys, values, visible)
             keys.append(new_k)
             values.append(new_v)
@@ -372,8 +370,6 @@ class Eagle3Draft(Draft):
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.lm_head(head_in)
-
-    # -- training --------------------------------------------------------------------------
 
     def capture_request(self) -> CaptureRequest:
         # the final hidden state only when the objective reads the target's distribution
@@ -389,50 +385,54 @@ class Eagle3Draft(Draft):
                       chunk_size: int, documents: Optional[torch.Tensor] = None,
                       host: Optional[HostBatch] = None, **_) -> DraftLoss:
         B, T = input_ids.shape
+        shard = features.shard or SequenceShard.whole(T)
         dtype = self.fc.weight.dtype
         heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
-                            self.dims.ttt_steps, documents)
+                            self.dims.ttt_steps, documents, shard)
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        ids, final, in_vocab = input_ids.flatten(), None, None
+        final, in_vocab, extend, local = None, None, (self.dims.ttt_steps if shard.parallel else 0), shard.local_length  # SP: t+1+k may be next rank's
         if self.objective.needs_teacher:
-            final = features.final_hidden.flatten(0, 1)
+            final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
             if self.teacher_rows == "in_vocab":
                 in_vocab = self.top1_in_draft_vocab(final, lm_head_weight, chunk_size)
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
-            counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host
+            counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host, whole T
             counted[:, :max(T - 2 - k, 0)] = taught[:, 2 + k:]
             if host.documents is not None:  # packed data: x_{t+2+k} in t's own conversation
                 counted[:, :max(T - 2 - k, 0)] &= host.documents[:, 2 + k:] == host.documents[:, :max(T - 2 - k, 0)]
             label_is_answer = torch.zeros_like(counted)
             label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
             label_is_answer &= counted
-            rows, tokens = rows_where(counted, input_ids.device)
-            labels = ids[rows + 2 + k]
+            group_tokens = int(counted.sum())
+            counted, label_is_answer = shard.local(counted), shard.local(label_is_answer)
+            rows, tokens = rows_where(counted, input_ids.device)  # over this rank's (B, T/N)
+            labels = shard.local(F.pad(input_ids[:, 2 + k:], (0, 2 + k))).flatten()[rows]  # x_{t+2+k}
+            teacher_at = rows + rows // local * extend + 1 + k  # t+1+k in final's rows
             draft_labels, answers = None, label_is_answer.nonzero().shape[0]
             if to_draft is not None:  # CE learns the answer tokens only
                 draft_labels, answers = answer_labels(to_draft[labels], label_is_answer[counted])
             out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
-                                None if final is None else final[rows + 1 + k], teacher_rows, draft_labels,
+                                None if final is None else final[teacher_at], teacher_rows, draft_labels,
                                 self.objective.over_rows(rows.numel(), answers), chunk_size,
-                                None if in_vocab is None else in_vocab[rows + 1 + k])
+                                None if in_vocab is None else in_vocab[teacher_at])
             hits = (draft_ids[out.argmax] == labels).sum()
-            weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k
+            step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
+            weighted, first_weight = step_loss * self.dims.ttt_decay ** k, weight if k == 0 else first_weight
             loss = weighted if loss is None else loss + weighted
             metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
             for name, (value, count) in term_metrics(out.terms, tokens, answers).items():  # over every step
                 total, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (total + value, seen + count)
-        first_tokens, first_hits = metrics["ttt_0/accuracy"][1], metrics["ttt_0/accuracy"][0]
-        return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+        return DraftLoss(loss=loss, tokens=first_weight, correct=metrics["ttt_0/accuracy"][0], metrics=metrics)
 
     def top1_in_draft_vocab(self, final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
         """final (N, Ht) target hidden states -> (N,) bool: the target's top-1 over its whole vocab
@@ -449,7 +449,6 @@ class Eagle3Draft(Draft):
         index = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
         return index.index_copy_(0, draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
 
-    # -- decoding --------------------------------------------------------------------------
 
     @property
     def trained_depth(self) -> int:

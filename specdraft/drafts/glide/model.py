@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, FileFormat, HostBatch,
@@ -29,6 +30,7 @@ from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, 
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
                                         shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
+from specdraft.parallel.sequence import SequenceShard
 
 
 @dataclass
@@ -63,13 +65,16 @@ class GlideSelfAttention(Projections):
     def __init__(self, d: GlideDims):
         super().__init__(d, bias=d.attention_bias)
 
-    def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None):
-        # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache
+    def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None,
+                shard: Optional[SequenceShard] = None):
+        # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache;
+        # shard: this rank's tokens of it (sequence parallelism; documents are the whole sequence's)
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
         k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
         v = self.heads(self.v_proj(x))
         if index is None:
-            return self.output(sliding_window_attention(q, k, v, self.d.sliding_window, documents))
+            shard = shard or SequenceShard.whole(x.shape[1])
+            return self.output(shard.attention(sliding_window_attention, q, k, v, self.d.sliding_window, documents))
         key_index = index
         if cache is not None:
             k, v, key_index = cache.append(k, v, index)
@@ -84,13 +89,15 @@ class GlideCrossAttention(Projections):
     def __init__(self, d: GlideDims):
         super().__init__(d, keys_values=False, bias=d.attention_bias)
 
-    def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None):
+    def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None,
+                shard: Optional[SequenceShard] = None):
         # limit (T,): the last target position query t may read; < 0 means none.
         # limit None: a whole training sequence, query t reads up to t - lag (of its document)
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
         keys, values = target_keys.to(q.dtype), target_values.to(q.dtype)
         if limit is None:
-            return self.output(lagged_cross_attention(q, keys, values, lag, documents))
+            shard = shard or SequenceShard.whole(x.shape[1])
+            return self.output(shard.attention(lagged_cross_attention, q, keys, values, lag, documents))
         visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= limit[:, None]  # (T, S)
         has_context = visible.any(dim=1)
         visible[~has_context, 0] = True  # keep softmax finite; these rows are zeroed below
@@ -102,6 +109,7 @@ class GlideCrossAttention(Projections):
 class GlideDraft(Draft):
     family = "glide"
     label = "GLIDE"
+    sequence_parallel = True
     architecture = "GlideDraft"
     options = GlideOptions
     dims_type = GlideDims
@@ -111,6 +119,10 @@ class GlideDraft(Draft):
     on_request_formats = ("longspec",)
     file_formats = {"longspec": FileFormat(longspec_state_dict)}
     tensor_keys = (("*_proj.bias", "draft.attention_bias"), ("norm.weight", "draft.final_norm"))
+
+    @classmethod
+    def moves_target_positions(cls, draft_cfg) -> bool:
+        return bool(draft_cfg.get("anchor_offset"))  # Anchor-Offset: the target reads shifted positions
 
     @classmethod
     def identity_options(cls, options, target_config):
@@ -186,13 +198,16 @@ class GlideDraft(Draft):
         return self.norm(x) if self.norm is not None else x
 
     def forward_sequence(self, input_embeds, cos, sin, target_keys, target_values, lag: int,
-                         documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         documents: Optional[torch.Tensor] = None,
+                         shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """Training: whole sequences at token indices 0..T-1; query t reads target K/V up to t - lag;
-        documents (B, T) confines both attentions to each token's own document. -> (B, T, H)."""
+        documents (B, T) confines both attentions to each token's own document. -> (B, T, H).
+        shard: sequence parallelism, the inputs and output are this rank's T/N tokens (documents
+        the whole sequence's); both attentions exchange heads (SequenceShard.attention)."""
         x = input_embeds
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents=documents)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents=documents, shard=shard)
         x = x + self.cross_attn(self.cross_layernorm(x), cos, sin, target_keys, target_values, lag=lag,
-                                documents=documents)
+                                documents=documents, shard=shard)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.norm(x) if self.norm is not None else x
 
@@ -238,22 +253,25 @@ class GlideDraft(Draft):
                       host: Optional[HostBatch] = None, **_) -> DraftLoss:
         """documents (B, T) or None: packed documents; attention and labels stay inside each one."""
         hidden = self.forward_sequence(features.input_embeds, features.cos, features.sin, features.last_keys,
-                                       features.last_values, lag, documents)
+                                       features.last_values, lag, documents, features.shard)
+        shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)
+        group_tokens = int(counted.sum())  # on the host: the whole sequence's, every rank alike
+        counted = shard.local(counted)
         rows, tokens = rows_where(counted, input_ids.device)
         predictions = hidden.flatten(0, 1)[rows]  # row b*T + t predicts token t+1 of row b
-        labels = input_ids.flatten()[rows + 1]
-        next_is_answer = torch.zeros_like(counted)  # on the host: is token t+1 an answer token
+        labels = shard.local(F.pad(input_ids[:, 1:], (0, 1))).flatten()[rows]  # token t+1 at t
+        next_is_answer = torch.zeros_like(host.loss_mask, dtype=torch.bool)  # on the host: is token t+1 an answer
         next_is_answer[:, :-1] = host.loss_mask[:, 1:].bool()
-        ce_labels, answers = answer_labels(labels, next_is_answer[counted])  # CE learns answers only
+        ce_labels, answers = answer_labels(labels, shard.local(next_is_answer)[counted])  # CE learns answers only
         # the teacher: the target's own next-token distribution at t, from its final hidden state
         teacher = features.final_hidden.flatten(0, 1)[rows] if self.objective.needs_teacher else None
         objective = self.objective.over_rows(rows.numel(), answers)
         out = shared_head_objective(predictions, lm_head_weight, teacher, ce_labels, objective, chunk_size)
         correct = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
-        return DraftLoss(loss=out.loss / tokens.clamp_min(1), tokens=tokens, correct=correct,
-                         metrics=term_metrics(out.terms, tokens, answers))
+        loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
+        return DraftLoss(loss=loss, tokens=weight, correct=correct, metrics=term_metrics(out.terms, tokens, answers))
 
 
 def resolved_attention_bias(value: Optional[bool], target_config) -> bool:

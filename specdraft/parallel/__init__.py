@@ -1,0 +1,1 @@
+"""Parallelism below the families and the target: sequence parallelism (sequence.py)."""

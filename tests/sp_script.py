@@ -1,0 +1,124 @@
+"""Run on 2 ranks by tests/test_sequence_parallel.py: sequence parallelism (SP=2) against one rank.
+
+Part "model": every family and both objectives (ce; kl, which reads the target's distribution),
+TargetWithDraft's loss and every draft gradient at SP=2 against the same batch on one rank without
+SP (computed here on each rank, no process group), packed documents with borders on both sides of
+the shard boundary. Part "train" (argv): training runs of the loop (see the test file).
+"""
+
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from helpers import random_llama  # noqa: E402
+from specdraft.config import DraftConfig  # noqa: E402
+from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
+from specdraft.train.model import TargetWithDraft  # noqa: E402
+
+FAMILIES = ("glide", "eagle3", "dflash", "dspark")
+OBJECTIVES = ("ce", "kl")
+
+
+def batch(T=32):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 96, (2, T), generator=g)
+    loss_mask = (torch.rand(2, T, generator=g) < 0.8).long()
+    # shard boundary at 16: row 0 borders at 11 and 21 (a document across it), row 1 at 16 and 27
+    borders = [[0, 11, 21, T], [0, 16, 27, T]]
+    documents = torch.zeros(2, T, dtype=torch.long)
+    positions = torch.zeros(2, T, dtype=torch.long)
+    for b, row in enumerate(borders):
+        for d, (s, e) in enumerate(zip(row[:-1], row[1:])):
+            documents[b, s:e] = d
+            positions[b, s:e] = torch.arange(e - s)
+    return ids, loss_mask, documents, positions
+
+
+def draft_for(family, objective, target):
+    cfg = OmegaConf.merge(OmegaConf.structured(DraftConfig), {"type": family, "loss": objective})
+    if family == "eagle3":
+        cfg.draft_vocab_size = 96
+        cfg.ttt_steps = 3
+    if family in ("dflash", "dspark"):
+        cfg.block_size = 4
+    draft = build_draft(cfg, target.config)
+    if family == "eagle3":
+        draft.set_vocab_maps(torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool))
+    return draft
+
+
+def options(family):
+    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5}}.get(family, {})
+
+
+def model_part(sp):
+    target = random_llama(vocab=96, layers=4, heads=4, kv_heads=2)
+    ids, loss_mask, documents, positions = batch()
+    report = {}
+    for family in FAMILIES:
+        for objective in OBJECTIVES:
+            runs = []
+            for parallel in (None, sp):
+                draft = draft_for(family, objective, target)
+                model = TargetWithDraft(target, draft, sequence_parallel=parallel) if parallel else \
+                    TargetWithDraft(target, draft)
+                out = model(ids, loss_mask, positions, documents, **options(family))
+                out.loss.backward()
+                grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                         for n, p in draft.named_parameters() if p.requires_grad}
+                loss, weight, correct = out.loss.detach().double(), out.tokens.double(), out.correct.double()
+                if parallel is not None:  # what DeepSpeed and the loop make of the ranks' values
+                    for g in grads.values():
+                        dist.all_reduce(g)
+                        g /= sp.size
+                    sums = torch.stack([loss * weight, weight, correct])
+                    dist.all_reduce(sums)
+                    loss, weight, correct = sums[0] / sums[1], sums[1], sums[2]
+                runs.append((loss, weight, correct, grads))
+            (l0, w0, c0, g0), (l1, w1, c1, g1) = runs
+            worst = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0)
+            report[f"{family}/{objective}"] = {"loss": [l0.item(), l1.item()], "tokens": [w0.item(), w1.item()],
+                                               "correct": [c0.item(), c1.item()], "grad_rel": worst,
+                                               "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
+                                               "params": len(g0)}
+    return report
+
+
+def train_part(target, data_dir, work, resume_from):
+    """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
+    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2."""
+    from helpers import run_overrides
+    from specdraft.config import load_config
+    from specdraft.train.loop import train
+
+    def run(name, *extra):
+        overrides = run_overrides(target, data_dir, f"{work}/{name}", f"{work}/cache", max_steps=8, save_steps=4,
+                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": "eagle3"})
+        return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
+
+    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4")}
+    if resume_from != "-":
+        results["sp1_to_sp2"] = run("sp1_to_sp2", f"resume={resume_from}")
+    return results
+
+
+if __name__ == "__main__":
+    out_json = sys.argv[1]
+    dist.init_process_group("gloo")
+    sp = sequence_parallel_groups(2)
+    results = {"model": model_part(sp)} if len(sys.argv) == 2 else {}
+    if len(sys.argv) > 2:  # target, data dir, work dir, the slot an SP=2 run resumes from ("-": none)
+        results["train"] = train_part(*sys.argv[2:6])
+    if dist.get_rank() == 0:
+        with open(out_json, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
