@@ -482,8 +482,7 @@ class DFlashBackbone(Draft):
         d, p = self.dims, shape.dtype_bytes
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
         context = shape.B * shape.context_T  # every position is context (all-gathered under SP)
-        # blocks trained at once: under SP a rank's are those anchored in its shard, at most this
-        blocks = shape.B * min(d.max_anchors, shape.T)
+        blocks = shape.B * min(d.max_anchors, shape.T)  # trained at once (under SP: at most, per rank)
         block = blocks * d.block_size  # their slots
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
         # per slot and layer, saved for backward (counted with saved_tensors_hooks at fp32): the two
