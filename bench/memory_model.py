@@ -216,6 +216,39 @@ def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
         print(f"| {label} | {cells} | {f'{longest // 1024}k' if longest else 'under 4k'} |")
 
 
+def qwen3_8b_sequence_parallel_table(sizes=(1, 2, 4, 8)) -> None:
+    """Per family, the longest context (a power of two from 4k to 1M) predicted to fit on 8 x 80 GB
+    at each sequence_parallel_size: Qwen3-8B, ZeRO-2, bf16, batch 1, packed documents."""
+    from specdraft.drafts import FAMILIES, family_keys
+
+    config = Qwen3Config(**QWEN3["Qwen3-8B"])
+    print(f"\nQwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed documents: longest context that fits "
+          f"(<= {USABLE:.0%} of 80 GB per GPU) at sequence_parallel_size")
+    print(f"| family | {' | '.join(f'SP={s}' for s in sizes)} |")
+    print(f"|---|{'---|' * len(sizes)}")
+    sharded = {family: cls for family, cls in FAMILIES.items() if cls.sequence_parallel}
+    rows = [(family, cls.label, False) for family, cls in sharded.items()]
+    rows += [(family, f"{cls.label}, gradient_checkpointing", True) for family, cls in sharded.items()
+             if "gradient_checkpointing" in family_keys(cls)]
+    for family, label, checkpointing in rows:
+        cells = []
+        for size in sizes:
+            def peak(seq):
+                cfg = run_config(dict(zero=2, batch=1, seq=seq, window=512, family=family), precision="bf16")
+                if checkpointing:
+                    cfg.draft.gradient_checkpointing = True
+                return estimate_peak(config, cfg, world_size=8, sequence_parallel=size)
+            longest, seq = None, 4096
+            while seq <= 1 << 20 and peak(seq).total <= USABLE * GPU_BYTES:
+                longest, seq = seq, seq * 2
+            if longest:
+                top = max(peak(longest).parts.items(), key=lambda kv: kv[1])
+                cells.append(f"{longest // 1024}k ({top[0]} {top[1] / 1e9:.0f} GB)")
+            else:
+                cells.append("under 4k")
+        print(f"| {label} | {' | '.join(cells)} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -224,7 +257,12 @@ def main() -> None:
                                                                  "per-family Qwen3-8B table")
     parser.add_argument("--seqs", default="1024,4096,8192")
     parser.add_argument("--only", default=None, help="with --families: these families (comma-separated)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="only the Qwen3-8B table of the longest context per family at SP = 1, 2, 4, 8")
     args = parser.parse_args()
+    if args.sequence_parallel:
+        qwen3_8b_sequence_parallel_table()
+        return
     if args.child:
         measure_child(json.loads(args.child))
         return

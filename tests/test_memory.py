@@ -71,12 +71,11 @@ def test_packed_documents_cost_no_square_term(family):
     assert terms[True] == terms[False]
 
 
-def test_with_packed_documents_only_the_targets_mask_is_added():
-    """The target's (B, 1, T, T) mask of the capture is the one square term left."""
+def test_packed_documents_add_no_square_term():
+    """The capture's core attention is document-aware: no (B, 1, T, T) mask is counted for it."""
     plain = memory.estimate_peak(TARGET, config("glide", 4096), world_size=1)
-    cfg = config("glide", 4096, documents=True)
-    packed = memory.estimate_peak(TARGET, cfg, world_size=1)
-    assert packed.total - plain.total == packed.parts["document masks"] == cfg.per_device_batch_size * 4096 * 4096
+    packed = memory.estimate_peak(TARGET, config("glide", 4096, documents=True), world_size=1)
+    assert packed.parts == plain.parts
 
 
 def test_the_memory_model_never_names_a_family():
@@ -191,3 +190,50 @@ def test_a_teacher_objective_holds_seven_fp32_chunks_at_once(loss, buffers):
     shape = MemoryShape(B=1, T=rows, dtype_bytes=4, chunk=rows, documents=False, target=None)
     assert shape.loss_chunk(rows, vocab, hidden, teacher=True) == rows * 2 * hidden * 4 + rows * vocab * 4 * buffers
     assert live.peak == pytest.approx(rows * vocab * 4 * buffers, rel=0.10)
+
+
+
+SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide")  # those that train on sequence shards
+
+
+def test_capture_working_set_under_sequence_parallelism_is_a_hand_count():
+    """TARGET: H 256, I 688, 4 heads, 2 kv heads, head_dim 64; fp32; a rank's 512 tokens."""
+    plain = 512 * ((2 * 256 + 2 * 4 * 64 + 2 * 2 * 64 + 3 * 688) * 4 + 2 * 256 * 4)
+    assert memory.capture_working_set(TARGET, 512, 4) == plain
+    assert memory.capture_working_set(TARGET, 512, 4, sequence_parallel=2) == plain + 512 * (2 * 4 * 64 + 2 * 2 * 64) * 4
+
+
+@pytest.mark.parametrize("family", SEQUENCE_FAMILIES)
+def test_sequence_parallel_terms_equal_a_hand_count(family):
+    """SP = 2 at T: weights, gradients and optimizer state as at SP = 1; no (T, T) document mask;
+    the family's per-token terms those of the half sequence, except an all-gathered context
+    (DFlash, DSpark: fc's output and its norm 2H, per layer its keys/values 6 kv hd, and the block
+    mask's keys), which is the whole sequence's."""
+    from specdraft.drafts import build_draft
+    from specdraft.drafts.base import MemoryShape, target_text_config
+
+    T, p = 1024, 4
+    B = config(family, T).per_device_batch_size
+    sp = memory.estimate_peak(TARGET, config(family, T, documents=True), world_size=2, sequence_parallel=2)
+    whole = memory.estimate_peak(TARGET, config(family, T, documents=True), world_size=2)
+    for name in ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)"):
+        assert sp.parts[name] == whole.parts[name]
+    draft = build_draft(config(family, T).draft, TARGET)
+    common = dict(B=B, dtype_bytes=p, chunk=1024, documents=True, target=target_text_config(TARGET))
+    shard = draft.memory_terms(MemoryShape(T=T // 2, whole_T=T, **common))
+    half = draft.memory_terms(MemoryShape(T=T // 2, **common))
+    own = draft.memory_terms(MemoryShape(T=T, **common)).get("document masks", 0)
+    # the capture builds no (B, 1, T, T) mask: only the family's own document term
+    assert whole.parts.get("document masks", 0) == own
+    assert sp.parts.get("document masks", 0) == shard.get("document masks", 0)
+    if family in ("glide", "eagle3"):  # head-split attention: every term is the shard's
+        assert shard == half
+        return
+    d = draft.dims
+    gathered = B * (T - T // 2) * (2 * d.hidden_size + d.num_layers * 6 * d.num_kv_heads * d.head_dim) * p
+    slots = B * min(d.max_anchors, T // 2) * d.block_size
+    layers = 1 if draft.gradient_checkpointing else d.num_layers
+    assert shard["draft activations"] == half["draft activations"] + gathered
+    assert shard["block mask"] == half["block mask"] + slots * (T - T // 2) * (1 + 4 * layers)
+    assert {k: v for k, v in shard.items() if k not in ("draft activations", "block mask")} == \
+        {k: v for k, v in half.items() if k not in ("draft activations", "block mask")}

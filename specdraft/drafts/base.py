@@ -154,13 +154,21 @@ def target_layer_shape(target_config) -> Dict[str, Any]:
 class MemoryShape:
     """What a family's memory terms depend on besides its own dims: one micro-batch of B rows of
     T tokens, the bytes per element of the training dtype, the loss chunk (rows), whether the
-    batch has document borders, and the target's text config (hidden size, heads, vocab)."""
+    batch has document borders, and the target's text config (hidden size, heads, vocab).
+    Under sequence parallelism T is one rank's shard and whole_T the sequence's, what a family
+    that all-gathers its context (DFlash, DSpark) holds per rank."""
     B: int
     T: int
     dtype_bytes: int
     chunk: int
     documents: bool
     target: Any
+    whole_T: int = 0  # 0: T (no sequence parallelism)
+
+    @property
+    def context_T(self) -> int:
+        """Tokens of an all-gathered context: the whole sequence's, on every rank."""
+        return self.whole_T or self.T
 
     @property
     def mixed(self) -> bool:  # bf16 training: the chunked loss also keeps fp32 copies

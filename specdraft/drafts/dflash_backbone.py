@@ -481,8 +481,8 @@ class DFlashBackbone(Draft):
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
         d, p = self.dims, shape.dtype_bytes
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
-        context = shape.B * shape.T  # every position is context
-        blocks = shape.B * min(d.max_anchors, shape.T)  # blocks trained at once
+        context = shape.B * shape.context_T  # every position is context (all-gathered under SP)
+        blocks = shape.B * min(d.max_anchors, shape.T)  # trained at once (under SP: at most, per rank)
         block = blocks * d.block_size  # their slots
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
         # per slot and layer, saved for backward (counted with saved_tensors_hooks at fp32): the two
@@ -511,7 +511,7 @@ class DFlashBackbone(Draft):
                                                           calls=d.layout.predictions),
             # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools,
             # and per layer the float bias SDPA makes of it, kept for the backward
-            "block mask": block * (shape.T + block // shape.B) * (1 + 4 * layers),
+            "block mask": block * (shape.context_T + block // shape.B) * (1 + 4 * layers),
         }
         # packed documents add no term: the same-conversation rule is part of the block mask (on
         # CPU each conversation's blocks over its own context, smaller than the term above)

@@ -10,6 +10,14 @@ Parameter counts are exact: both models are built on the meta device (no memory)
 counts follow the code: what autograd saves per token in the draft (each family counts its own),
 what one target decoder layer holds at once under no_grad. bench/memory_model.py checks the total
 against measured peaks, per family.
+
+Sequence parallelism (sequence_parallel_size S, Ulysses): each rank holds T / S tokens of every
+row, so the per-token terms divide by S: the captured features, the draft's activations and loss,
+the capture's working set. Weights, gradients and optimizer state do not. What is all-gathered
+does not either: a context a family all-gathers (with its keys/values per layer) is the whole
+sequence's on every rank (MemoryShape.whole_T). The head exchange (all_to_all) of the target's
+attention adds its send/receive buffers to the capture's working set, and the capture builds no
+(T, T) mask (its document-aware core attention).
 """
 
 from __future__ import annotations
@@ -64,19 +72,35 @@ def reduce_bucket_elements(draft_params: int) -> int:
     return min(REDUCE_BUCKET, draft_params + (-draft_params) % 8)
 
 
+def capture_working_set(text, tokens: int, p: int, sequence_parallel: int = 1) -> float:
+    """The target's capture, one decoder layer under no_grad, for a rank's tokens: residual +
+    normed input (2H), q/k/v/attn out (2 heads hd + 2 kv hd), MLP gate/up/product (3I); RMSNorm
+    works in fp32 (2H x 4 B). Under SP the head exchange (all_to_all) of q/k/v and the attention
+    output keeps a received copy of each (2 heads hd + 2 kv hd)."""
+    H, I = text.hidden_size, text.intermediate_size
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hd = getattr(text, "head_dim", None) or H // heads
+    exchange = (2 * heads * hd + 2 * kv * hd) * p if sequence_parallel > 1 else 0
+    return tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd + 3 * I) * p + 2 * H * 4 + exchange)
+
+
 def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
-                  documents: Optional[bool] = None) -> MemoryEstimate:
+                  documents: Optional[bool] = None, sequence_parallel: Optional[int] = None) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
-    (default: cfg.document_mask), which costs the target's (B, 1, T, T) boolean mask (the drafts'
-    attentions build none on CUDA). The family of cfg.draft supplies its own terms."""
+    (default: cfg.document_mask): a family's own term where it has one (the capture builds no
+    (B, 1, T, T) mask). The family of cfg.draft supplies its own terms.
+    sequence_parallel: ranks that share a sequence (default: cfg.sequence_parallel_size, or 1)."""
     text = target_text_config(target_config)
     target, draft = meta_models(target_config, cfg.draft)
     counts = parameter_counts(target_config, cfg.draft, (target, draft))
     p = BYTES[cfg.precision]
     n = world_size
     stage = cfg.zero_stage
-    B, T = cfg.per_device_batch_size, cfg.max_seq_length
+    S = sequence_parallel or cfg.get("sequence_parallel_size", 1) or 1
+    B, whole = cfg.per_device_batch_size, cfg.max_seq_length
+    T = -(-whole // S)  # this rank's shard
     tokens = B * T
     H, I, V = text.hidden_size, text.intermediate_size, text.vocab_size
     heads = text.num_attention_heads
@@ -110,14 +134,11 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
     with_documents = cfg.document_mask if documents is None else documents
     terms = draft.memory_terms(MemoryShape(B=B, T=T, dtype_bytes=p, chunk=chunk, documents=bool(with_documents),
-                                           target=text))
+                                           target=text, whole_T=whole if S > 1 else 0))
     transient = {k: terms.pop(k) for k in ("draft activations", "loss chunk + hidden grads") if k in terms}
     est.parts.update(terms)
-    if with_documents:  # the target's (B, 1, T, T) mask during the capture
-        est.parts["document masks"] = est.parts.get("document masks", 0) + B * T * T
-    # target, one decoder layer under no_grad: residual + normed input (2H), q/k/v/attn out
-    # (2 heads hd + 2 kv hd), MLP gate/up/product (3I); RMSNorm works in fp32 (2H x 4 B)
-    capture_transient = tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd + 3 * I) * p + 2 * H * 4)
+    # the capture builds no (B, 1, T, T) mask: its core attention is document-aware (target/capture.py)
+    capture_transient = capture_working_set(text, tokens, p, S)
     if capture_transient > sum(transient.values()):
         est.parts["capture working set (transient)"] = capture_transient
     else:
