@@ -44,10 +44,12 @@ CAPTURE_PY = "specdraft/target/capture.py"
 GLIDE: List[Mutation] = [
     # labels and the counted positions
     Mutation("glide/label-is-current-token", GLIDE_PY,
-             "labels = input_ids.flatten()[rows + 1]", "labels = input_ids.flatten()[rows]", GLIDE_TRAIN,
+             "labels = shard.local(F.pad(input_ids[:, 1:], (0, 1))).flatten()[rows]",
+             "labels = shard.local(input_ids).flatten()[rows]", GLIDE_TRAIN,
              "the draft learns to repeat the current token"),
     Mutation("glide/label-two-ahead", GLIDE_PY,
-             "labels = input_ids.flatten()[rows + 1]", "labels = input_ids.flatten()[(rows + 2).clamp_max(input_ids.numel() - 1)]",
+             "labels = shard.local(F.pad(input_ids[:, 1:], (0, 1))).flatten()[rows]",
+             "labels = shard.local(F.pad(input_ids[:, 2:], (0, 2))).flatten()[rows]",
              GLIDE_TRAIN, "the draft learns the token after next"),
     Mutation("glide/prediction-shift", GLIDE_PY,
              "predictions = hidden.flatten(0, 1)[rows]", "predictions = hidden.flatten(0, 1)[rows + 1]", GLIDE_TRAIN,
@@ -62,8 +64,9 @@ GLIDE: List[Mutation] = [
     Mutation("glide/count-from-lag-plus-1", GLIDE_PY,
              "(index[None, :-1] >= lag)", "(index[None, :-1] > lag)", GLIDE_TRAIN,
              "the first position with context is dropped"),
-    Mutation("glide/loss-normaliser", GLIDE_PY,
-             "loss=out.loss / tokens.clamp_min(1)", "loss=out.loss / (tokens + 1).clamp_min(1)", GLIDE_TRAIN),
+    Mutation("glide/loss-normaliser", "specdraft/parallel/sequence.py",
+             "return summed / tokens.clamp_min(1), tokens", "return summed / (tokens + 1).clamp_min(1), tokens",
+             GLIDE_TRAIN, "every family's per-token mean (SequenceShard.token_mean at size 1)"),
     # lag in training
     # The training path has no cross_limit any more: GlideCrossAttention passes `lag` to
     # layers.lagged_cross_attention (queries [lag:] over keys [:T-lag]); the lag it is given is
@@ -136,10 +139,10 @@ GLIDE: List[Mutation] = [
              "q = self.heads(self.q_proj(x))\n"
              "        keys, values", GLIDE_TRAIN),
     Mutation("glide/final-norm-ignored", GLIDE_PY,
-             "documents=documents)\n"
+             "documents=documents, shard=shard)\n"
              "        x = x + self.mlp(self.post_attention_layernorm(x))\n"
              "        return self.norm(x) if self.norm is not None else x",
-             "documents=documents)\n"
+             "documents=documents, shard=shard)\n"
              "        x = x + self.mlp(self.post_attention_layernorm(x))\n"
              "        return x", GLIDE_TRAIN, "forward_sequence (training) skips the final norm"),
     Mutation("glide/anchor-sinks-off-by-one", GLIDE_PY,
@@ -263,8 +266,8 @@ EAGLE3: List[Mutation] = [
              "has_label = labels >= 0", "has_label = labels >= -1", E3_TRAIN,
              "a target token outside the draft vocab trained as draft id 0"),
     Mutation("eagle3/ttt-teacher-shift", E3,
-             "None if final is None else final[rows + 1 + k]",
-             "None if final is None else final[rows + k]", E3_TRAIN,
+             "teacher_at = rows + rows // local * extend + 1 + k",
+             "teacher_at = rows + rows // local * extend + k", E3_TRAIN,
              "the teacher one position early"),
     Mutation("eagle3/packed-conversations-see-each-other", DOCUMENTS_PY,
              "return cls(documents, segments=document_segments(documents))",
@@ -273,11 +276,11 @@ EAGLE3: List[Mutation] = [
               "tests/test_ttt_attention.py"),
              "under document_mask a packed conversation attends to the one before"),
     Mutation("eagle3/decay-ignored", E3,
-             "weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k",
-             "weighted = out.loss / tokens.clamp_min(1)", E3_TRAIN),
+             "weighted, first_weight = step_loss * self.dims.ttt_decay ** k,",
+             "weighted, first_weight = step_loss,", E3_TRAIN),
     Mutation("eagle3/decay-off-by-one", E3,
-             "weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** k",
-             "weighted = out.loss / tokens.clamp_min(1) * self.dims.ttt_decay ** (k + 1)",
+             "weighted, first_weight = step_loss * self.dims.ttt_decay ** k,",
+             "weighted, first_weight = step_loss * self.dims.ttt_decay ** (k + 1),",
              E3_TRAIN),
     Mutation("eagle3/visibility-no-diagonal", TTT_ATTENTION_PY,
              "q_ext = torch.cat([q, log_zd / scale], dim=-1)",
@@ -387,9 +390,11 @@ DFLASH: List[Mutation] = [
     Mutation('dflash/weights-ignored', DFLASH_PY,
              'total = total + weights[j] * (out.loss + extra)',
              'total = total + (out.loss + extra)', DFLASH_REF),
-    Mutation('dflash/loss-normaliser', DFLASH_PY,
-             'loss=total / tokens.clamp_min(1)',
-             'loss=total / (tokens + 1)', DFLASH_REF),
+    Mutation('dflash/loss-normaliser', "specdraft/parallel/sequence.py",
+             'return summed * (self.size / max(group_tokens, 1)), weight',
+             'return summed * (self.size / max(group_tokens + 1, 1)), weight',
+             ("tests/test_sequence_parallel.py::test_every_family_at_sp2_equals_one_rank_loss_and_gradients",),
+             "the per-token mean under sequence parallelism (every family's)"),
     Mutation('dflash/no-hidden-norm', DFLASH_PY,
              'return self.hidden_norm(self.fc(stacked.to(self.fc.weight.dtype)))',
              'return self.fc(stacked.to(self.fc.weight.dtype))', DFLASH_REF + DFLASH_EXPORT),
@@ -488,7 +493,7 @@ CONVENTIONS: List[Mutation] = [
              (f"{CONV}::test_a_layer_no_server_captures_is_refused_in_one_line",
               "tests/test_dflash.py::test_a_speculators_export_of_the_last_layers_output_is_refused_and_not_a_default"),
              "layer L exported (EAGLE-3 and DFlash), which no server captures"),
-    Mutation("conventions/dflash-shallow-default-takes-the-last-output", DFLASH_PY,
+    Mutation("conventions/dflash-shallow-default-takes-the-last-output", "specdraft/drafts/dflash_options.py",
              "start, end = min(1, num_target_layers - 1), num_target_layers - 1",
              "start, end = 1, num_target_layers",
              ("tests/test_dflash.py::test_default_target_layers_are_five_evenly_spaced_inputs_of_layers",),

@@ -13,7 +13,7 @@ with partial RoPE and an MoE MLP), so it computes exactly what the target's chec
 from __future__ import annotations
 
 import copy
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 from torch import nn
