@@ -230,6 +230,7 @@ DECODING: List[Mutation] = [
 
 # EAGLE-3 (from notes/eagle3-mutations.py)
 E3 = "specdraft/drafts/eagle3/model.py"
+E3_LAYER = "specdraft/drafts/eagle3_layer.py"
 E3_DECODE = "specdraft/drafts/eagle3/decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
@@ -311,10 +312,10 @@ EAGLE3: List[Mutation] = [
              "module = base_model.norm if layer_id == num_layers else base_model.layers[layer_id]",
              "module = base_model.norm if layer_id + 1 == num_layers else base_model.layers[layer_id + 1]",
              ("tests/test_capture.py", "tests/test_eagle3.py"), "SpecForge's output-of-layer ids instead of vLLM's"),
-    Mutation("eagle3/default-layers", E3,
+    Mutation("eagle3/default-layers", E3_LAYER,
              "layers = [2, num_layers // 2, num_layers - 3]", "layers = [1, num_layers // 2, num_layers - 2]",
              E3_TRAIN),
-    Mutation("eagle3/residual-flag-inverted", E3,
+    Mutation("eagle3/residual-flag-inverted", E3_LAYER,
              "residual = normed if self.norm_before_residual else hidden",
              "residual = hidden if self.norm_before_residual else normed", E3_TRAIN + E3_SPEC),
     Mutation("eagle3/drafter-position", E3_DECODE,
@@ -465,7 +466,7 @@ DISTILL_TOKENS: List[Mutation] = [
 ]
 
 # Serving conventions (issue 19): what a server computes from our files equals what we trained
-E3_EXPORT = "specdraft/drafts/eagle3/export.py"
+E3_EXPORT = "specdraft/drafts/eagle3_export.py"
 CONV = "tests/test_serving_conventions.py"
 E3_TEACHER = ("tests/test_eagle3.py", "-k", "objectives_read")
 
@@ -478,7 +479,7 @@ CONVENTIONS: List[Mutation] = [
              "layers = [int(layer) for layer in draft_cfg.target_layers or []]",
              (f"{CONV}::test_captured_states_concatenate_in_increasing_layer_order",),
              "fc trained on a permutation of what the server concatenates"),
-    Mutation("conventions/shallow-default-unsorted", E3,
+    Mutation("conventions/shallow-default-unsorted", E3_LAYER,
              "return sorted(layers), \"vLLM's default [2, L//2, L-3]\"",
              "return layers, \"vLLM's default [2, L//2, L-3]\"",
              ("tests/test_eagle3.py::test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct",),
@@ -632,14 +633,14 @@ IMPORTS = [
              'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
              '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
              IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
-    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
              '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
              '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
              IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
-    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
              '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
              IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
-    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
              '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
              '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
     Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
