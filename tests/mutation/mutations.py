@@ -231,7 +231,7 @@ DECODING: List[Mutation] = [
 # EAGLE-3 (from notes/eagle3-mutations.py)
 E3 = "specdraft/drafts/eagle3/model.py"
 E3_LAYER = "specdraft/drafts/eagle3_layer.py"
-E3_DECODE = "specdraft/drafts/eagle3/decode.py"
+E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"

@@ -34,7 +34,7 @@ from torch import nn
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config)
 from specdraft.drafts.documents import PackedDocuments
-from specdraft.drafts.eagle3.decode import Eagle3Drafter
+from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,
                                            default_target_layers)
