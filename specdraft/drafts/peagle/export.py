@@ -25,6 +25,7 @@ import torch
 from specdraft.drafts.base import FileFormat, config_fields
 from specdraft.drafts.eagle3_export import (SPECULATORS_SETTINGS, refuse_unservable, save_export, speculators_config,
                                             speculators_implied, speculators_state_dict)
+from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
 # speculators' config field -> the draft key it records (an import checks them)
@@ -56,4 +57,13 @@ def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path,
     save_export(Path(out_dir), peagle_config(draft, target_dir), tensors)
 
 
-FILE_FORMATS = {"speculators": FileFormat(peagle_state_dict, config_fields(PEAGLE_SETTINGS), speculators_implied)}
+def mask_row(draft, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """An import reads the trained mask embedding back out of embed_tokens (the mask token's row)."""
+    if "embed_tokens.weight" not in tensors:
+        raise SpecdraftError("a speculators P-EAGLE draft without embed_tokens.weight: its mask token's "
+                             "embedding (a trained row) is missing")
+    return {"mask_embedding": tensors["embed_tokens.weight"][int(draft.dims.mask_token_id)].clone()}
+
+
+FILE_FORMATS = {"speculators": FileFormat(peagle_state_dict, config_fields(PEAGLE_SETTINGS), speculators_implied,
+                                          derived=mask_row)}
