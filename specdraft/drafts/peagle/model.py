@@ -42,6 +42,7 @@ from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
 from specdraft.drafts.vocab import count_target_tokens, vocab_maps
 from specdraft.errors import SpecdraftError
+from specdraft.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -249,19 +250,20 @@ class PEagleDraft(Eagle3Base):
         taught = self.objective.taught(host.loss_mask).bool()
         # slot at o predicts x_{o+2}: valid where that token is taught, in o's own conversation
         valid = torch.zeros(B, T, dtype=torch.bool)
-        valid[:, :max(T - 2, 0)] = taught[:, 2:].cpu()
+        valid[:, :max(T - 2, 0)] = taught[:, 2:]
         if host.documents is not None:
-            valid[:, :max(T - 2, 0)] &= (host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]).cpu()
+            valid[:, :max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]
         answer = torch.zeros(B, T, dtype=torch.bool)
-        answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool().cpu()
+        answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
         slots = self.sample_slots(valid, cod_seed)
         heads, rows, depths, answers_at = [], [], [], []
         for b, (anchor, depth) in enumerate(slots):
             docs = None if documents is None else documents[b]
-            head = self.draft_slots(aux[b], embeds[b], anchor.to(device), depth.to(device), docs, input_ids[b])
+            head = self.draft_slots(aux[b], embeds[b], to_device(anchor, device), to_device(depth, device), docs,
+                                    input_ids[b])
             orig = anchor + depth
             counted = valid[b, orig.clamp(0, T - 1)] & (orig < T)
-            heads.append(head[counted.to(device)])
+            heads.append(head.index_select(0, to_device(counted.nonzero().flatten(), device)))  # host indices: no sync
             rows.append(b * T + orig[counted])
             depths.append(depth[counted])
             answers_at.append(answer[b, orig[counted]])
@@ -272,21 +274,21 @@ class PEagleDraft(Eagle3Base):
         final = features.final_hidden.flatten(0, 1) if self.objective.needs_teacher else None
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        total_tokens = torch.tensor(rows.numel(), device=device)
+        total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
         loss, hits_all = None, None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for d in range(self.dims.num_depths):
             pick = (depths == d).nonzero().flatten()
-            at = rows[pick].to(device)
+            at = to_device(rows[pick], device)
             labels = ids[at + 2]
-            draft_labels, answers = None, int(is_answer[pick].sum())
+            draft_labels, answers = None, is_answer[pick].nonzero().shape[0]  # on the host: no value read
             if to_draft is not None:
-                draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick].to(device))
-            out = chunked_objective(head_in[pick.to(device)], self.lm_head.weight,
+                draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick])  # host mask: no sync
+            out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
                                     None if final is None else final[at + 1], teacher_rows, draft_labels,
                                     self.objective.over_rows(pick.numel(), answers), chunk_size)
             hits = (draft_ids[out.argmax] == labels).sum()
-            tokens = torch.tensor(pick.numel(), device=device)
+            tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
             loss = out.loss if loss is None else loss + out.loss
             hits_all = hits if hits_all is None else hits_all + hits
             metrics[f"depth_{d}/loss"] = (out.loss.detach(), tokens)
@@ -322,7 +324,9 @@ class PEagleDraft(Eagle3Base):
             "draft activations": slots * step,
             # the dense (N, N) visibility and the attention weights of one sequence (CPU / SDPA path)
             "slot attention": seq_slots * seq_slots * (1 + heads * 4),
-            "loss chunk + hidden grads": slots * H * p + Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher),
+            # one loss call per depth: depth 0's B T rows are the largest chunk
+            "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
+                                                                         calls=max(1, int(per_token))),
         }
         if teacher:
             terms["teacher rows"] = Vd * d.target_hidden_size * p
