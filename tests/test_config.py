@@ -160,7 +160,7 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     assert config_hash(eagle3) == before
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
 def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     from helpers import REPO
 
@@ -176,10 +176,10 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
 
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
-    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3" in str(err.value)
+    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-peagle" in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
 def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir, tiny_data):
     """`specdraft train configs/demo*.yaml` after `specdraft demo`: its data_files glob finds the
     build's train files (checked on the tiny build, laid out like the demo's)."""

@@ -680,6 +680,37 @@ IMPORTS = [
 
 # -- packed documents without (T, T) masks: GLIDE and DFlash, per device path ----------------------
 
+PEAGLE_PY = "specdraft/drafts/peagle/model.py"
+PEAGLE_COD = "specdraft/drafts/peagle/cod.py"
+PEAGLE_DECODE = "specdraft/drafts/peagle/decode.py"
+PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
+PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
+PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
+PEAGLE: List[Mutation] = [
+    Mutation("peagle/cod-no-shift", PEAGLE_COD, "pool = kept + 1\n", "pool = kept + 0\n", PE_UNIT,
+             "deeper depths drawn from the same positions, not the next ones"),
+    Mutation("peagle/cod-no-floor", PEAGLE_COD, "max(ratio ** d, ratio_min)", "ratio ** d", PE_UNIT,
+             "r_min ignored: deep depths starve"),
+    Mutation("peagle/cod-invalid-kept", PEAGLE_COD, "pool = pool[valid[pool]]", "pool = pool", PE_UNIT,
+             "slots whose label is not taught sampled"),
+    Mutation("peagle/visibility-sees-later-context", PEAGLE_COD, "(k_anchor <= q_anchor)", "(k_anchor <= q_anchor + 1)",
+             PE_UNIT, "a slot sees the next position's real token"),
+    Mutation("peagle/visibility-no-rollout", PEAGLE_COD, "rollout = (k_anchor == q_anchor) & (depth[None, :] <= depth[:, None])",
+             "rollout = (k_anchor == q_anchor) & (depth[None, :] == depth[:, None])", PE_UNIT + PE_SPEC,
+             "a deep slot does not see its own rollout"),
+    Mutation("peagle/mask-hidden-unused", PEAGLE_PY, "self.mask_hidden.to(aux.dtype)[0]", "aux[anchor.clamp_min(0)]",
+             PE_SPEC, "deeper slots read real target states"),
+    Mutation("peagle/mask-token-row-not-shared", PEAGLE_PY,
+             "~first | (ids[nxt] == self.dims.mask_token_id)", "~first", PE_SPEC,
+             "the text's own mask token read with the target's row (speculators/vLLM read one row)"),
+    Mutation("peagle/slot-position-shift", PEAGLE_PY, "positions = anchor + depth + 1", "positions = anchor + 1",
+             PE_SPEC, "every depth at its anchor's RoPE position"),
+    Mutation("peagle/drafter-depth-position", PEAGLE_DECODE, "n + torch.arange(1, m + 1, device=dev)",
+             "n + torch.arange(0, m, device=dev)", PE_UNIT, "inference positions one off the training ones"),
+    Mutation("peagle/export-mask-row", PEAGLE_EXPORT, "embed[draft.dims.mask_token_id] = state_dict[\"mask_embedding\"]",
+             "embed[0] = state_dict[\"mask_embedding\"]", PE_SPEC, "the trained mask row written to token 0"),
+]
+
 DOCUMENTS: List[Mutation] = [
     Mutation("documents/cuda-takes-the-dense-path", DOCUMENTS_PY,
              'return {"cpu": "slices", "cuda": "flex"}', 'return {"cpu": "slices", "cuda": "dense"}',
@@ -784,6 +815,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "eagle3": EAGLE3,
     "dflash": DFLASH,
     "dspark": DSPARK,
+    "peagle": PEAGLE,
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,

@@ -57,7 +57,6 @@ class PEagleOptions(ObjectiveOptions):
     norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
     fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
     norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
-    norm_output: bool = False  # (kept for speculators' config; one layer pass reads norm(out) either way)
     num_depths: int = 8  # K: tokens proposed per draft forward (depths 0..K-1)
     down_sample_ratio: float = 0.7  # r: depth d keeps a fraction max(r^d, r_min) of the valid positions
     down_sample_ratio_min: float = 0.2  # r_min
@@ -102,7 +101,7 @@ class PEagleDraft(Eagle3Base):
     serving_formats = {"speculators": write_speculators}
     file_formats = FILE_FORMATS
     import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
-                       "mask_token_id")
+                       "mask_token_id")  # norm_output: always false here, an import of a true one is refused
     tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
                    ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
 
@@ -179,7 +178,7 @@ class PEagleDraft(Eagle3Base):
             norm_before_residual=bool(draft_cfg.norm_before_residual),
             fc_norm=bool(draft_cfg.fc_norm),
             norm_before_fc=bool(draft_cfg.norm_before_fc),
-            norm_output=bool(draft_cfg.norm_output),
+            norm_output=False,  # one layer pass: speculators' P-EAGLE reads lm_head(norm(out)) either way
             mask_token_id=int(mask),
             num_depths=int(draft_cfg.num_depths),
             down_sample_ratio=float(draft_cfg.down_sample_ratio),
