@@ -28,8 +28,10 @@ from specdraft.drafts.eagle3_export import (SPECULATORS_SETTINGS, refuse_unserva
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
-# speculators' config field -> the draft key it records (an import checks them)
-PEAGLE_SETTINGS = {**SPECULATORS_SETTINGS, "mask_token_id": "mask_token_id"}
+# speculators' config field -> the draft key it records (an import checks them); its P-EAGLE
+# forward reads lm_head(norm(out)) whatever norm_output says (one layer pass), so that one is moot
+PEAGLE_SETTINGS = {**{k: v for k, v in SPECULATORS_SETTINGS.items() if k != "norm_output"},
+                   "mask_token_id": "mask_token_id"}
 OURS_ONLY = ("mask_embedding",)  # written into embed_tokens' mask row, not under its own name
 
 

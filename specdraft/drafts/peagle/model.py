@@ -100,8 +100,7 @@ class PEagleDraft(Eagle3Base):
     dims_type = PEagleDims
     serving_formats = {"speculators": write_speculators}
     file_formats = FILE_FORMATS
-    import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
-                       "mask_token_id")  # norm_output: always false here, an import of a true one is refused
+    import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "mask_token_id")
     tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
                    ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
 
