@@ -12,10 +12,10 @@ from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts.peagle.cod import cod_sample
-from specdraft.drafts.vocab import vocab_maps
 from specdraft.target.capture import capture
 from specdraft.train.export import write_draft_export
 from test_eagle3 import llama
+from test_eagle3_export import random_eagle3
 
 T = 128  # speculators' flex block mask: a multiple of 128
 DEPTHS = 4
@@ -63,15 +63,7 @@ def run_cfg(target_dir, out, **draft):
 
 
 def random_peagle(target, cfg, seed=0):
-    draft = build_draft(cfg.draft, target.config)
-    generator = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 1000, (target.config.vocab_size,), generator=generator).numpy()
-    draft.set_vocab_maps(*vocab_maps(counts, draft.dims.draft_vocab_size))
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.15 if p.dim() == 2 or "mask" in name
-                    else torch.rand(p.shape, generator=generator) + 0.5)
-    return draft.eval()
+    return random_eagle3(target, cfg, seed)  # EAGLE-3's random weights and maps; mask_* positive, not 0
 
 
 @pytest.mark.parametrize("draft_options", [dict(draft_vocab_size=100, mask_token_id=7),

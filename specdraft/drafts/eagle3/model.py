@@ -36,8 +36,8 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostB
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
-from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,
-                                           default_target_layers)
+from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
+                                           default_target_layers, validate_layer_options)
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
@@ -128,26 +128,7 @@ class Eagle3Draft(Eagle3Base):
             fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
         if draft_cfg.teacher_rows not in TEACHER_ROWS:
             fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
-        if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
-            fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
-        layers = list(draft_cfg.target_layers or [])
-        if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
-            fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
-            fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
-        if target_config is None:
-            return
-        text = target_text_config(target_config)
-        num_layers = text.num_hidden_layers
-        if num_layers + 1 < AUX_LAYERS:
-            fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")
-        for layer in layers:
-            if not 0 <= layer <= num_layers:
-                fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
-                                      f"of each of its {num_layers} layers, {num_layers} = the last output)")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
-            fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
-                                     f"({text.vocab_size})")
+        validate_layer_options(draft_cfg, target_config, fail)
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":

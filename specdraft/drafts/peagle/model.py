@@ -33,8 +33,8 @@ from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, \
     target_layer_shape, target_text_config
-from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims,
-                                           default_target_layers)
+from specdraft.drafts.eagle3_layer import (DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, default_target_layers,
+                                           validate_layer_options)
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
                                          parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_sample, cod_visibility
@@ -127,23 +127,10 @@ class PEagleDraft(Eagle3Base):
             fail("down_sample_ratio", f"must be in (0, 1], got {draft_cfg.down_sample_ratio}")
         if not 0 <= draft_cfg.down_sample_ratio_min <= 1:
             fail("down_sample_ratio_min", f"must be in [0, 1], got {draft_cfg.down_sample_ratio_min}")
-        if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
-            fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
-        layers = list(draft_cfg.target_layers or [])
-        if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
-            fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
-            fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
+        validate_layer_options(draft_cfg, target_config, fail)
         if target_config is None:
             return
         text = target_text_config(target_config)
-        num_layers = text.num_hidden_layers
-        for layer in layers:
-            if not 0 <= layer <= num_layers:
-                fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers})")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
-            fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
-                                     f"({text.vocab_size})")
         mask = draft_cfg.mask_token_id
         if mask is None and default_mask_token(target_config) is None:
             fail("mask_token_id", "the target config has no pad_token_id or eos_token_id: name the mask token")
