@@ -69,7 +69,7 @@ def _cmd_export(args) -> int:
     from specdraft.train.export import export_from_run
 
     out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out,
-                          with_target_heads=args.with_target_heads)
+                          with_target_heads=args.with_target_heads, draft_name=args.draft)
     print(f"draft exported to {out}")
     return 0
 
@@ -77,18 +77,30 @@ def _cmd_export(args) -> int:
 def _cmd_consolidate(args) -> int:
     from specdraft.train.export import consolidate_run
 
-    out = consolidate_run(args.run_dir, slot=args.slot)
+    out = consolidate_run(args.run_dir, slot=args.slot, draft=args.draft)
     print(f"fp32 draft weights written to {out}")
     return 0
 
 
 def _cmd_eval(args) -> int:
-    from specdraft.evaluate import evaluate
-    from specdraft.decode.report import format_report
+    from specdraft.evaluate import evaluate, run_draft_names
+    from specdraft.decode.report import format_comparison, format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     thinking = None if args.thinking is None else args.thinking == "on"
-    report = evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
+    names = run_draft_names(args.path, args.draft)
+    if len(names) > 1:  # every draft of a several-draft run, side by side
+        if args.plot:
+            raise SpecdraftError("--plot: one draft at a time; add --draft NAME")
+        reports = {name: evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  thinking=thinking, max_prompts=args.max_prompts, record_tv=args.tv,
+                                  device=args.device, dtype=args.dtype, target=args.target,
+                                  confidence_threshold=args.confidence_threshold, draft_name=name)
+                   for name in names}
+        print(json.dumps(reports, indent=2) if args.json else format_comparison(reports))
+        return 0
+    report = evaluate(args.path, args.prompts, draft_name=names[0], method=args.method, gamma=args.gamma, tree=tree,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
                       device=args.device, dtype=args.dtype, target=args.target,
@@ -188,16 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
     p.add_argument("--with-target-heads", action="store_true",
                    help="also write the target's embed_tokens/lm_head (read without loading the target)")
+    p.add_argument("--draft", default=None, metavar="NAME", help="the draft of a run of several (drafts:)")
     p.set_defaults(run=_cmd_export)
 
     p = commands.add_parser("consolidate", help="fp32 draft weights from a ZeRO checkpoint slot")
     p.add_argument("run_dir")
     p.add_argument("--slot", default=None, help="default: the newest committed slot")
+    p.add_argument("--draft", default=None, metavar="NAME", help="the draft of a run of several (drafts:)")
     p.set_defaults(run=_cmd_consolidate)
 
     p = commands.add_parser("eval", help="mean accepted length (tau) and speedup of a draft")
     p.add_argument("path", help="a run directory (its newest draft) or a draft export directory")
     p.add_argument("--prompts", required=True)
+    p.add_argument("--draft", default=None, metavar="NAME",
+                   help="the draft of a run of several (drafts:); default: every draft, side by side")
     p.add_argument("--target", default=None, metavar="DIR",
                    help="the target model directory; default: the path the export recorded at training")
     p.add_argument("--method", default="draft", choices=["draft", "prompt_lookup"])

@@ -12,10 +12,11 @@ import glob
 import hashlib
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -26,6 +27,7 @@ from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 from specdraft.target.model import check_sequence_length, check_tokenizer, load_target_config
+from specdraft.run import step_of
 
 # `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
 if not OmegaConf.has_resolver("specdraft_home"):
@@ -114,6 +116,9 @@ class TrainConfig:
     output_dir: str = "runs/default"  # the run directory: config.yaml, ckpt/, step_<N>/ exports, metrics
     export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
     draft: DraftConfig = field(default_factory=DraftConfig)
+    # several drafts trained from one target pass: {name: the keys of a `draft:` section, plus
+    # PER_DRAFT_KEYS}; None: the one `draft:` above (see "several drafts" below)
+    drafts: Optional[Dict[str, Any]] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -128,8 +133,11 @@ def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
     layers.append(_parse_overrides(overrides))
     cfg = _merge(cfg, layers[-1], lambda key: _override_naming(key, overrides))
     overridden = {item.split("=", 1)[0] for item in overrides}
-    _validate(cfg, path or "command line", given_draft_keys(layers[1:]),
-              lambda key: _override_naming(key, overrides) if key in overridden else (path or "command line"))
+    source_of = lambda key: _override_naming(key, overrides) if key in overridden else (path or "command line")  # noqa: E731
+    if cfg.drafts is None:
+        _validate(cfg, path or "command line", given_draft_keys(layers[1:]), source_of)
+    else:
+        _validate_drafts(cfg, path or "command line", given_draft_keys(layers[1:]))
     return cfg
 
 
@@ -312,7 +320,10 @@ def resolve_data_files(spec: Any, source: str = "config", key: str = "key 'data_
 
 def config_identity(cfg: DictConfig) -> dict:
     """Identity of the draft a checkpoint holds: draft architecture and data layout. (The target is
-    identified by its content, see target.weights.target_identity, not by its path.)"""
+    identified by its content, see target.weights.target_identity, not by its path.) A run of
+    several drafts: the identity of each, by name."""
+    if cfg.get("drafts") is not None:
+        return {name: config_identity(draft_view(cfg, name)) for name in cfg.drafts}
     draft = own_draft_keys(cfg)
     draft.pop("init_from", None)  # where a run started, not what it trains: resume ignores it
     draft.pop("gradient_checkpointing", None)  # memory, not the draft: a resume may switch it
@@ -360,9 +371,96 @@ def resolved_config_yaml(cfg: DictConfig) -> str:
     """The resolved config with every default, its `draft:` section limited to the family's own
     keys: what a run records in config.yaml and `specdraft config` prints."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    resolved["draft"] = own_draft_keys(cfg)
+    if cfg.get("drafts") is None:
+        resolved.pop("drafts", None)  # a one-draft run's file as it always was
+        resolved["draft"] = own_draft_keys(cfg)
+    else:
+        del resolved["draft"]
+        resolved["drafts"] = {name: dict(own_draft_keys(draft_view(cfg, name)),
+                                         **{k: v for k, v in entry.items() if k in PER_DRAFT_KEYS})
+                              for name, entry in resolved["drafts"].items()}
     return OmegaConf.to_yaml(OmegaConf.create(resolved))
 
 
 def save_config(cfg: DictConfig, path: Path) -> None:
     write_atomic(path, resolved_config_yaml(cfg))
+
+
+# -- several drafts (`drafts:`) -------------------------------------------------------------------
+# A run may train several drafts from one target pass: `drafts: {name: {type: ..., family keys,
+# PER_DRAFT_KEYS}}`. Each draft is configured as the same run with its keys under `draft:` would
+# be (draft_view), so every check, hash and builder of a one-draft run serves each draft.
+
+# the keys a draft of a several-draft run may set for itself; the rest of the run is shared
+PER_DRAFT_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm",
+                  "warmup_proportion", "warmup_steps", "min_lr_ratio", "export_formats")
+DRAFT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name on every filesystem
+RESERVED_NAMES = ("ckpt", "latest", "committed", "consolidated")  # names the run directory uses
+
+
+def draft_names(cfg: DictConfig) -> List[Optional[str]]:
+    """The drafts of a run: [None] for a one-draft run (its files where they always were), else
+    the names under `drafts:`, in order."""
+    return [None] if cfg.get("drafts") is None else [str(name) for name in cfg.drafts]
+
+
+def draft_view(cfg: DictConfig, name: Optional[str]) -> DictConfig:
+    """The run as it would be configured to train draft `name` alone: its keys under `draft:`,
+    its PER_DRAFT_KEYS at the top level, no `drafts:`. name None: the one-draft run itself."""
+    if name is None:
+        return cfg
+    entry = OmegaConf.to_container(cfg.drafts[name], resolve=True)
+    base = OmegaConf.to_container(cfg, resolve=True)
+    base.pop("drafts")
+    base["draft"] = {k: v for k, v in entry.items() if k not in PER_DRAFT_KEYS}
+    base.update({k: v for k, v in entry.items() if k in PER_DRAFT_KEYS})
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), base)
+
+
+def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> None:
+    """A several-draft run: the names, then each draft as a run of its own would be checked, its
+    errors naming `drafts.<name>.<key>`."""
+    if draft_keys:
+        raise SpecdraftError(f"{source}: key 'drafts': give either draft: (one draft) or drafts: (several), not both "
+                             f"(draft.{draft_keys[0]} is set)")
+    if not isinstance(cfg.drafts, DictConfig) or len(cfg.drafts) == 0:
+        raise SpecdraftError(f"{source}: key 'drafts': expected a mapping of draft names to draft sections")
+    seen = {}
+    for name in cfg.drafts:
+        name = str(name)
+        if not DRAFT_NAME.fullmatch(name) or name.lower() in RESERVED_NAMES or step_of(name.lower()) is not None:
+            raise SpecdraftError(f"{source}: key 'drafts.{name}': a draft name must be 1-64 letters, digits, '_' or "
+                                 f"'-', starting with a letter or digit, neither step_<N> nor any of "
+                                 f"{', '.join(RESERVED_NAMES)} "
+                                 f"(it names the draft's folders)")
+        if name.lower() in seen:
+            raise SpecdraftError(f"{source}: key 'drafts.{name}': the same folder name as drafts.{seen[name.lower()]} "
+                                 f"on a case-insensitive filesystem")
+        seen[name.lower()] = name
+        if not isinstance(cfg.drafts[name], DictConfig):
+            raise SpecdraftError(f"{source}: key 'drafts.{name}': expected a draft section (type: and its keys)")
+    for name in cfg.drafts:
+        name = str(name)
+        own = [str(k) for k in cfg.drafts[name] if str(k) not in PER_DRAFT_KEYS]
+        try:
+            view = draft_view(cfg, name)
+            _validate(view, source, own)
+        except ConfigKeyError as err:
+            raise SpecdraftError(_as_draft_key(_unknown_key_message(err), name, source)) from None
+        except ValidationError as err:
+            raise SpecdraftError(_as_draft_key(_validation_message(err), name, source)) from None
+        except (SpecdraftError, OmegaConfBaseException) as err:
+            raise SpecdraftError(_as_draft_key(str(err).splitlines()[0], name, source)) from None
+        family = draft_family(view.draft.type)
+        if len(cfg.drafts) > 1 and family.moves_target_positions(view.draft):
+            raise SpecdraftError(f"{source}: key 'drafts.{name}': this draft moves the target's positions per batch "
+                                 f"(GLIDE's anchor_offset), and the drafts of one run share one target pass; "
+                                 f"train it alone")
+
+
+def _as_draft_key(message: str, name: str, source: str) -> str:
+    """An error about a draft's view, naming the key as the user wrote it: drafts.<name>.<key>."""
+    message = re.sub(r"'draft\.", f"'drafts.{name}.", message)
+    for key in PER_DRAFT_KEYS:
+        message = message.replace(f"key '{key}'", f"key 'drafts.{name}.{key}'")
+    return message if message.startswith(f"{source}:") else f"{source}: {message}"

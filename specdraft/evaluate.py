@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,26 +22,57 @@ from specdraft.decode.report import plot_acceptance, require_matplotlib
 from specdraft.drafts import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.outputs import check_plot_file
-from specdraft.run import CONFIG_NAME, exports
+from specdraft.run import CONFIG_NAME, draft_part, exports, step_of
 from specdraft.target.model import has_tokenizer, load_frozen_target, load_target_tokenizer
 from specdraft.train.export import load_exported_draft, read_export_config
+from specdraft.train.slots import choose_draft
 
 
 # -- locating the export, the target and the tokenizer ---------------------------------------
 
-def resolve_export(path, target=None) -> Tuple[Optional[Path], Path]:
+def _export_drafts(export_dir: Path) -> List[Optional[str]]:
+    """[None] for a draft export; the names of a several-draft run's step_<N>/<name>/ exports."""
+    if (export_dir / CONFIG_NAME).is_file():
+        return [None]
+    # a run's own step_<N>/ exports hold a config.json too: they are steps, not drafts
+    return sorted(p.name for p in export_dir.iterdir()
+                  if p.is_dir() and (p / CONFIG_NAME).is_file() and step_of(p.name) is None)
+
+
+def _newest_export(run_dir: Path) -> Path:
+    """A run's newest step_<N>/ export (run_dir itself when it is a several-draft run's step_<N>/)."""
+    if _export_drafts(run_dir):
+        return run_dir
+    steps = [d for d in exports(run_dir) if _export_drafts(d)]
+    if not steps:
+        raise SpecdraftError(f"{run_dir}: neither a draft export (no {CONFIG_NAME}) nor a run "
+                             f"directory (no step_<N>/ exports)")
+    return steps[-1]
+
+
+def run_draft_names(path, name: Optional[str] = None) -> List[Optional[str]]:
+    """The drafts `specdraft eval PATH [--draft NAME]` evaluates: [None] for a draft export or a
+    one-draft run; [name], or every draft of a several-draft run's newest export."""
+    path = Path(path)
+    if not path.is_dir() or (path / CONFIG_NAME).is_file():
+        return [choose_draft([None], name, "eval")]
+    names = _export_drafts(_newest_export(path))
+    if name is None and names != [None]:
+        return names
+    return [choose_draft(names, name, "eval")]
+
+
+def resolve_export(path, target=None, draft_name: Optional[str] = None) -> Tuple[Optional[Path], Path]:
     """(export_dir or None, target_dir) for a run dir, an export dir or a target model dir.
     target: the target model directory to use instead of the one the export records (the
-    absolute path it was trained at, which another machine does not have)."""
+    absolute path it was trained at, which another machine does not have). draft_name: the
+    draft of a several-draft run (required there)."""
     path = Path(path)
     if not path.exists():
         raise SpecdraftError(f"{path}: not found")
     if path.is_dir() and not (path / CONFIG_NAME).is_file():
-        steps = [d for d in exports(path) if (d / CONFIG_NAME).is_file()]
-        if not steps:
-            raise SpecdraftError(f"{path}: neither a draft export (no {CONFIG_NAME}) nor a run "
-                                 f"directory (no step_<N>/ exports)")
-        path = steps[-1]
+        path = _newest_export(path)
+        path = draft_part(path, choose_draft(_export_drafts(path), draft_name, "eval"))
     try:
         config = json.loads((path / CONFIG_NAME).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -86,7 +117,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
              thinking: Optional[bool] = None,
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
              record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
-             target: Optional[str] = None, confidence_threshold: Optional[float] = None) -> Dict[str, Any]:
+             target: Optional[str] = None, confidence_threshold: Optional[float] = None,
+             draft_name: Optional[str] = None) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
     target: the target model dir (default: the path the export records).
@@ -111,7 +143,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
         raise SpecdraftError(f"--confidence-threshold: must be in [0, 1], got {confidence_threshold}")
     if plot_path is not None:  # before the target is loaded
         check_plot_file(plot_path)
-    export_dir, target_dir = resolve_export(path, target)
+    export_dir, target_dir = resolve_export(path, target, draft_name)
     if export_dir is None and method in NEEDS_DRAFT:
         raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
                              f"needs a run or export directory")

@@ -32,6 +32,11 @@ is_export_dir, is_regenerate_dir): a directory holding our marker file `specdraf
 kind; a run made before markers existed is one whose ckpt/ holds a committed slot. Everything else
 a user points us at is theirs (specdraft/outputs.py refuses to write over it).
 
+A run of several drafts (`drafts:` in its config) keeps one level more, a folder per draft name,
+under one commit: ckpt/step_<N>/<name>/ (each draft's DeepSpeed state and frozen state; the one
+COMMITTED at ckpt/step_<N>/ covers them all), ckpt/step_<N>.universal/<name>/, step_<N>/<name>/,
+export_step_<N>/<name>/, consolidated/step_<N>/<name>/.
+
 A slot without COMMITTED does not exist for resume (train/slots.py); an export directory is written
 under a temp name and renamed, so it exists whole or not at all.
 """
@@ -107,6 +112,12 @@ def consolidated_file(run_dir, slot_dir: Path) -> Path:
 
 def universal_dir(slot_dir: Path) -> Path:
     return slot_dir.with_name(slot_dir.name + UNIVERSAL_SUFFIX)
+
+
+def draft_part(directory, name: Optional[str]) -> Path:
+    """A draft's folder inside a slot, an export or a consolidated step: the directory itself for a
+    one-draft run (name None), its <name>/ in a run of several drafts."""
+    return Path(directory) if name is None else Path(directory) / name
 
 
 # -- what specdraft owns --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from specdraft.train.slots import committed_slots, verify_slot  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
 overrides_file, run_dir, trials, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+max_delay = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0  # seconds of training before a kill, at most
 overrides = json.loads(open(overrides_file).read())
 os.environ["SPECDRAFT_SAVE_PAUSE_S"] = "0.03"
 ckpt = os.path.join(run_dir, "ckpt")
@@ -37,7 +38,8 @@ def start_trainer(trial: int) -> int:
     try:
         with open(log_path, "a") as log:
             result = train(load_config(None, overrides), log=lambda m: (log.write(f"{trial} {m}\n"), log.flush()))
-            log.write(f"{trial} finished {len(result.losses)}\n")
+            steps = result.losses or next(iter(result.draft_losses.values()), [])  # a several-draft run: per draft
+            log.write(f"{trial} finished {len(steps)}\n")
         os._exit(0)
     except BaseException:
         with open(log_path, "a") as log:
@@ -73,7 +75,7 @@ report = {"trials": []}
 for trial in range(trials):
     pid = start_trainer(trial)
     wait_until_training(trial)  # start-up time varies with machine load; the kill must not
-    delay = rng.uniform(0.0, 1.0)
+    delay = rng.uniform(0.0, max_delay)
     time.sleep(delay)
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)

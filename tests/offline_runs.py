@@ -1,7 +1,10 @@
 """The runs tests/test_offline_commands.py makes of every draft family (shared with its 2-rank
 script): global batch 4 = 2 ranks x 2 (or 1 rank x 2 x 2 accumulation after an elastic resume)."""
 
+import json
+
 from specdraft.config import load_config
+from specdraft.drafts import FAMILIES
 
 # Only what makes a family's draft small enough for a CPU test; a family missing here trains
 # with its defaults (and is still tested).
@@ -14,10 +17,20 @@ SMALL = {
 STEPS, SAVE_STEPS = 4, 2
 
 
+SEVERAL = "several"  # the run of every family at once (`drafts:`, one per family, named by it)
+
+
 def run_config(target, data_dir, work, family, name, *extra):
-    options = [f"{k}={v}" for k, v in SMALL.get(family, {}).items()]
+    """family: a draft family, or SEVERAL: one run training every family's draft (each named by its
+    family), configured as each family's own run."""
+    if family == SEVERAL:
+        sections = {f: dict({"type": f}, **{k[len("draft."):]: v for k, v in SMALL.get(f, {}).items()})
+                    for f in FAMILIES}
+        options = [f"drafts={json.dumps(sections)}"]
+    else:
+        options = [f"draft.type={family}", *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]
     return load_config(None, [f"target={target}", f"data_files={data_dir}/*.jsonl", f"data_cache_dir={work}/cache",
                               "max_seq_length=64", "per_device_batch_size=2", "learning_rate=1e-2",
                               "warmup_steps=2", "logging_steps=1", f"max_steps={STEPS}",
                               f"save_steps={SAVE_STEPS}", "seed=3", "zero_stage=2", f"output_dir={work}/{name}",
-                              f"draft.type={family}", *options, *extra])
+                              *options, *extra])

@@ -148,3 +148,27 @@ def test_step_efficiency_bench_runs_every_family(tmp_path):
     assert set(last) == {"ratio", "distill_ratio", "distill_step_ratio", "distill_draft_ratio",
                          *(f"ratio_{family}" for family in families)}
     assert all(math.isfinite(float(value)) for value in last.values())
+
+
+def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
+    """A smoke run: every registered family together and alone on the tiny shape, one round."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from helpers import free_port
+    from specdraft.drafts import FAMILIES
+
+    families = sorted(FAMILIES)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "several_drafts.py"), "--families", ",".join(families),
+                          "--shapes", "tiny", "--rounds", "1", "--warmup", "0"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line.split()[0] in families]
+    assert [r[0] for r in rows] == families and all(0 < float(r[3]) < 1 for r in rows)  # the target's share
+    last = dict(item.split("=") for item in run.stdout.strip().splitlines()[-1].split())
+    assert set(last) == {"ratio", "step_ratio", "target_share"}
+    assert all(math.isfinite(float(value)) and float(value) > 0 for value in last.values())

@@ -2,6 +2,10 @@
 `consolidate`, `eval` (with the target moved), resume at the same size (bit-identical) and elastic
 resume (2 ranks -> 1 rank through DeepSpeed's universal format).
 
+The matrix's last row is one run training every family's draft at once (`drafts:`, each named
+by its family): each of its drafts must be the family's own run, bit for bit, at 2 ranks ZeRO-2,
+and every command takes it with --draft NAME.
+
 The families come from the registry, so a new family is in this matrix without a line here. Each
 family trains once, for 4 steps at 2 ranks ZeRO-2 (saving at 2 and 4), in one torchrun that also
 resumes it from step 2 at 2 ranks; everything else runs in this process on 1 rank.
@@ -19,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, torchrun, write_chat_files
-from offline_runs import STEPS, SAVE_STEPS, run_config
+from offline_runs import SAVE_STEPS, SEVERAL, STEPS, run_config
 from specdraft.cli import main
 from specdraft.drafts import FAMILIES
 from specdraft.train.export import load_exported_draft
@@ -43,7 +47,7 @@ def runs(served_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
     proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out,
-                    timeout=400)
+                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -169,3 +173,109 @@ def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_d
     assert report["matches_target"] is True and report["target"] == str(served_target_dir)
     assert main([*args, "--target", str(work / "nowhere")]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+# -- the row of several drafts: one run training every family's draft (named by its family) -------
+
+def several_slot_files(run_dir, name):
+    return run_dir / "ckpt" / f"step_{STEPS}" / name
+
+
+@pytest.fixture(scope="module")
+def several_shrunk(served_target_dir, work, runs):
+    """The several-draft run's 2-rank step 2 resumed on 1 rank: (losses by draft, log lines)."""
+    lines = []
+    cfg = run_config(served_target_dir, work / "data", work, SEVERAL, f"{SEVERAL}_shrunk",
+                     f"resume={work}/{SEVERAL}/ckpt/step_{SAVE_STEPS}")
+    return train(cfg, log=lines.append).draft_losses, lines
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_draft_of_a_several_draft_run_trains_as_its_family_alone_at_two_ranks(runs, work, family):
+    assert runs[SEVERAL]["full"][family] == runs[family]["full"]  # every step, exact (fp32, ZeRO-2)
+    together = load_file(str(work / SEVERAL / f"step_{STEPS}" / family / "model.safetensors"))
+    assert_same(together, load_file(str(work / family / f"step_{STEPS}" / "model.safetensors")))
+
+
+def test_a_several_draft_run_resumes_bit_identically_and_elastically_on_one_rank(runs, several_shrunk, work):
+    full, resumed = runs[SEVERAL]["full"], runs[SEVERAL]["resumed"]
+    assert set(resumed) == set(FAMILIES) and all(resumed[name] == full[name][SAVE_STEPS:] for name in FAMILIES)
+    losses, lines = several_shrunk
+    assert sum(line.startswith("resume: converted") for line in lines) == len(FAMILIES), lines
+    for name in FAMILIES:
+        assert (universal_dir(work / SEVERAL / "ckpt" / f"step_{SAVE_STEPS}") / name / "COMMITTED").is_file()
+        straight = full[name][SAVE_STEPS:]
+        assert len(losses[name]) == len(straight)
+        assert max(abs(a - b) for a, b in zip(losses[name], straight)) <= ELASTIC_TOLERANCE, (name, losses, straight)
+    # one commit for every draft: the slot's one COMMITTED lists each draft's files
+    record = json.loads((work / SEVERAL / "ckpt" / f"step_{STEPS}" / "COMMITTED").read_text())
+    assert sorted(record["drafts"]) == sorted(FAMILIES)
+    assert {name.split("/")[0] for name in record["files"] if "/" in name} == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family,fmt", CASES)
+def test_export_of_each_draft_of_a_several_draft_run(runs, work, family, fmt):
+    run_dir = work / SEVERAL
+    out = work / f"{SEVERAL}_{family}_export_{fmt}"
+    assert main(["export", str(run_dir), "--draft", family, "--format", fmt, "--out", str(out)]) == 0
+    alone = work / f"{family}_alone_export_{fmt}"  # the same format of the family's own run
+    assert main(["export", str(work / family), "--format", fmt, "--out", str(alone)]) == 0
+    if fmt in FAMILIES[family].serving_formats:  # the files that engine loads, byte for byte
+        files = sorted(p.name for p in (alone / fmt).iterdir() if p.name != "training_config.yaml")
+        assert files and sorted(p.name for p in (out / fmt).iterdir() if p.name != "training_config.yaml") == files
+        for name in files:
+            assert (out / fmt / name).read_bytes() == (alone / fmt / name).read_bytes(), name
+        return
+    if fmt == "pth":
+        weights, want = (torch.load(d / "draft_model_weights.pth", weights_only=True) for d in (out, alone))
+    else:
+        weights, want = (load_file(str(d / "model.safetensors")) for d in (out, alone))
+    assert set(weights) == set(want)
+    assert_same(weights, want)
+    if fmt == "native":  # the export names the draft's own config, as the family's run does
+        hashes = [json.loads((d / "config.json").read_text())["target"]["config_hash"] for d in (out, alone)]
+        assert hashes[0] == hashes[1]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_consolidate_each_draft_of_a_several_draft_run(runs, work, family):
+    run_dir = work / SEVERAL
+    assert main(["consolidate", str(run_dir), "--draft", family]) == 0
+    consolidated = load_file(str(run_dir / "consolidated" / f"step_{STEPS}" / family / "draft_fp32.safetensors"))
+    live = load_file(str(run_dir / f"step_{STEPS}" / family / "model.safetensors"))
+    assert set(consolidated) == set(live)
+    assert_same(consolidated, live)
+
+
+def test_a_several_draft_run_needs_draft_name_where_one_draft_is_meant(runs, work, capsys):
+    run_dir = work / SEVERAL
+    names = ", ".join(FAMILIES)
+    for args in (["export", str(run_dir)], ["consolidate", str(run_dir)], ["export", str(run_dir), "--draft", "nope"]):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and names in err, err
+    capsys.readouterr()
+    assert main(["export", str(work / "glide"), "--draft", "glide"]) == 2  # a one-draft run takes none
+    assert "--draft glide: this run trains one draft" in capsys.readouterr().err
+
+
+def test_eval_of_a_several_draft_run_puts_every_draft_side_by_side(runs, tiny_data, work, capsys):
+    args = ["eval", str(work / SEVERAL), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "1",
+            "--max-new-tokens", "6", "--device", "cpu"]
+    capsys.readouterr()
+    assert main([*args, "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert sorted(reports) == sorted(FAMILIES)
+    for name, report in reports.items():
+        assert report["draft"] == str(work / SEVERAL / f"step_{STEPS}" / name) and report["matches_target"] is True
+    assert main(args) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith(f"specdraft eval: {len(FAMILIES)} drafts")
+    assert [line.split()[0] for line in table[4:]] == sorted(FAMILIES)
+    assert main([*args, "--draft", "eagle3", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["draft"] == str(work / SEVERAL / f"step_{STEPS}" / "eagle3") and one["tau"] == reports["eagle3"]["tau"]
+    args[1] = str(work / SEVERAL / f"step_{STEPS}")  # the step's export directory of every draft
+    assert main([*args, "--draft", "glide", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tau"] == reports["glide"]["tau"]

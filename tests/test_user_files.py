@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import REPO, run_overrides, torchrun, train_run
 from specdraft.cli import main
-from specdraft.run import COMMITTED, MARKER, committed_slots
+from specdraft.run import MARKER, committed_slots
 
 IMMUTABLE_NOTE = "root ignores permission bits: chattr +i makes the directory refuse writes instead"
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from specdraft.data.sources import Message, SkippedRow
-from specdraft.errors import SpecdraftError
 
 THINK_END = "</think>"
 MARKER = "\ue000specdraft-answer-{}\ue001"  # private-use characters, no whitespace: survives trim

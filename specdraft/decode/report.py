@@ -94,6 +94,20 @@ def format_report(report: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(reports: Dict[str, Dict[str, Any]]) -> str:
+    """Several drafts' reports (by name) side by side: one row per draft."""
+    first = next(iter(reports.values()))
+    lines = [f"specdraft eval: {len(reports)} drafts, temperature {first.get('temperature')}, "
+             f"{first.get('prompts')} prompts, max {first.get('max_new_tokens')} new tokens",
+             f"  target: {first.get('target')}", "",
+             f"  {'draft':<16}{'drafter':<22}{'shape':<18}{'tau':>8}{'accepted/proposed':>19}{'speedup':>9}"]
+    for name, report in reports.items():
+        shape = f"tree {report['tree']}" if report.get("tree") else f"gamma={report.get('gamma')}"
+        lines.append(f"  {name:<16}{str(report.get('drafter')):<22}{shape:<18}{report['tau']:>8.3f}"
+                     f"{report['accepted_per_proposed']:>19.3f}{report['speedup']:>8.2f}x")
+    return "\n".join(lines)
+
+
 def require_matplotlib(flag: str = "--plot") -> None:
     """A plot asked for without matplotlib (an optional extra): one line, before any work is done."""
     try:

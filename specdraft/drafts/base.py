@@ -232,6 +232,12 @@ class Draft(nn.Module, ABC):
         the target directory has no readable config yet (checked again at training start)."""
 
     @classmethod
+    def moves_target_positions(cls, draft_cfg) -> bool:
+        """Whether sample_batch_options gives the target other positions than the data's (a
+        "position_ids" entry): such a draft cannot share a target pass with other drafts."""
+        return False
+
+    @classmethod
     def identity_options(cls, options: Dict[str, Any], target_config: Optional[Any]) -> Dict[str, Any]:
         """The family's `draft.` keys as they identify a checkpoint (config_hash): a family resolves
         here a default that depends on the target, or drops a key added later at the value that

@@ -1,6 +1,7 @@
 """Crash-safe checkpoints that resume exactly, at any world size: the policy. What a save writes
 and commits, which slot a resume takes and what it checks first, and how the run adapts to it.
-The files are elsewhere: the layout in specdraft/run.py, the manifest and removal in slots.py, the
+The files are elsewhere: the layout in specdraft/run.py, the manifest and removal in slots.py, each
+draft's part of a slot in draft_parts.py (several drafts: one folder each, one commit for all), the
 draft state DeepSpeed does not save in frozen_state.py, other world sizes in universal.py.
 
 The checkpoint directory must be on a filesystem every node sees at the same path: rank 0 commits
@@ -15,21 +16,19 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
-import torch
 from omegaconf import DictConfig
 
 from specdraft.atomic import write_atomic
-from specdraft.config import config_hash, config_identity, identity_change
+from specdraft.config import config_hash, config_identity, draft_names, draft_view, identity_change
 from specdraft.errors import SpecdraftError, write_failure
-from specdraft.run import COMMITTED, FROZEN_FILE, LATEST, ckpt_dir, slot_name, universal_dir
+from specdraft.run import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.train import slots
 from specdraft.train.collectives import raise_everywhere, run_shared
-from specdraft.train.engine import gather_draft_state_dict
-from specdraft.train.frozen_state import (FINGERPRINT_KEY, check_fingerprint, draft_fingerprint, frozen_state,
-                                          read_frozen_state, restore_frozen_state, write_frozen_state)
+from specdraft.train.draft_parts import (DraftPart, commit_draft, files_rank_loads, frozen_files, load_draft,
+                                         save_draft)
 from specdraft.train.rng import rng_state, set_rng_state
 from specdraft.train.universal import universal_copy
 
@@ -85,6 +84,10 @@ class CheckpointManager:
     def save(self, engine, step: int, client_state: dict, draft_weights: Optional[dict]) -> Path:
         """Every rank calls (draft_weights: the gathered draft on rank 0, None elsewhere).
         Returns the committed slot; raises the same error on every rank if any rank failed."""
+        return self.save_drafts([DraftPart(None, engine, draft_weights)], step, client_state)
+
+    def save_drafts(self, parts: List[DraftPart], step: int, client_state: dict) -> Path:
+        """save() of every draft into one slot under one manifest: a crash leaves all at one step."""
         import torch.distributed as dist
 
         slot_dir = self.ckpt_dir / slot_name(step)
@@ -100,12 +103,8 @@ class CheckpointManager:
         dist.all_gather_object(rng, rng_state())
         state = {UNIVERSAL_INFO: {}, CLIENT_KEY: dict(client_state, rng=rng)}
         written, errors = {}, []
-        try:
-            with slots.recording_writes(engine, slot_dir, written, errors, self._sleep):
-                engine.save_checkpoint(str(self.ckpt_dir), tag=slot_dir.name, client_state=state,
-                                       save_latest=False, exclude_frozen_parameters=True)
-        except Exception as err:
-            errors.append(err)
+        for part in parts:
+            save_draft(part, slot_dir, state, written, errors, self._sleep)
         error = self._write_error(errors[0], slot_dir, step) if errors else None
         if error is not None and self.rank == 0 and not (slot_dir / COMMITTED).exists():
             shutil.rmtree(slot_dir, ignore_errors=True)  # give a full disk its space back
@@ -115,11 +114,17 @@ class CheckpointManager:
         dist.all_gather_object(manifests, written)
 
         def commit():
-            draft = engine.module.draft_model
             try:
-                write_frozen_state(slot_dir, frozen_state(draft, draft_weights))
-                record = dict(self._record(step), draft=draft.export_config(),
-                              **{FINGERPRINT_KEY: draft_fingerprint(draft_weights)})
+                described = {part.name: commit_draft(part, slot_dir) for part in parts}
+                record = self._record(step)
+                if None in described:  # a one-draft run: its record as it always was
+                    record.update(described[None])
+                else:
+                    record["drafts"] = {}
+                    for name, entry in described.items():  # each draft's identity, as its run alone records it
+                        view = draft_view(self.cfg, name)
+                        record["drafts"][name] = dict(entry, config_hash=config_hash(view),
+                                                      config_identity=config_identity(view))
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
@@ -215,8 +220,8 @@ class CheckpointManager:
         """What this rank will read: rank 0 reads the whole slot to convert it; otherwise each
         rank its own files (the converted copy is verified on every rank before it is loaded)."""
         if self._universal_needed(record):
-            return None if self.rank == 0 else [FROZEN_FILE]
-        return [*slots.files_rank_loads(record, self.rank, record["zero_stage"]), FROZEN_FILE]
+            return None if self.rank == 0 else frozen_files(record)
+        return files_rank_loads(record, self.rank)
 
     def _universal_needed(self, record: dict) -> bool:
         stages = (record["zero_stage"], self.cfg.zero_stage)
@@ -233,9 +238,20 @@ class CheckpointManager:
 
     def _check_compatible(self, slot_dir: Path, record: dict) -> None:
         cfg = self.cfg
-        if record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
+        names = draft_names(cfg)
+        if slots.record_names(record) != names:
+            saved, ours = (("one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}")
+                           for found in (slots.record_names(record), names))
+            raise SpecdraftError(f"{slot_dir}: saved a run of {saved}; this run trains {ours} (another output_dir, "
+                                 f"or resume=no, to start anew)")
+        if names != [None]:
+            for name in names:
+                view, saved = draft_view(cfg, name), record["drafts"][name]
+                if saved.get("config_hash") != config_hash(view):
+                    raise SpecdraftError(f"{slot_dir}: draft {name}: {identity_change(saved.get('config_identity'), view)}")
+        elif record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
             raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
-        if record.get("config_hash") != config_hash(cfg):
+        elif record.get("config_hash") != config_hash(cfg):
             raise SpecdraftError(f"{slot_dir}: {identity_change(record.get('config_identity'), cfg)}")
         if record.get("target_identity") != self.target_identity:
             raise SpecdraftError(f"{slot_dir}: trained against another target than {cfg.target} (its "
@@ -265,34 +281,19 @@ class CheckpointManager:
     def resume(self, engine, plan: ResumePlan, log: Callable[[str], None]) -> dict:
         """Load the planned slot into the engine (built with load_universal=plan.universal);
         returns our client state (step, sampler, ...)."""
+        return self.resume_drafts([DraftPart(None, engine)], plan, log)
+
+    def resume_drafts(self, parts: List[DraftPart], plan: ResumePlan, log: Callable[[str], None]) -> dict:
+        """resume() of every draft of the run from its folder of the one slot."""
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record
-        load_dir = slot_dir
-        if plan.universal:
-            load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}")
-        # ZeRO-3's universal load gives every param group the hyperparameters of group 0 (weight
-        # decay on the norms), and one shared `step` tensor that torch's Adam then increments once
-        # per group: put back each group's own hyperparameters (lr is the scheduler's) and step.
-        groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
-        load_path, client_state = engine.load_checkpoint(
-            str(load_dir.parent), tag=load_dir.name, load_module_strict=False,
-            load_optimizer_states=True, load_lr_scheduler_states=True)
-        if load_path is None:
-            raise SpecdraftError(f"{load_dir}: DeepSpeed found no checkpoint to load there")
-        if plan.universal:
-            for group, own in zip(engine.optimizer.param_groups, groups):
-                group.update(own)
-            for param_state in engine.optimizer.optimizer.state.values():
-                if torch.is_tensor(param_state.get("step")):
-                    param_state["step"] = param_state["step"].clone()
-        ours = client_state[CLIENT_KEY]
-        # DeepSpeed restores trained parameters only (frozen ones are not in the slot, a universal
-        # copy has no buffers): the rest comes back, exactly, from our side file.
-        restore_frozen_state(engine.module.draft_model, read_frozen_state(slot_dir), str(slot_dir))
-        # The load was non-strict: prove the draft came back, buffers and frozen parameters included.
-        loaded = gather_draft_state_dict(engine)
-        run_shared(lambda: check_fingerprint(slot_dir, loaded, record))
+        for part in parts:
+            load_dir = draft_part(slot_dir, part.name)
+            if plan.universal:
+                load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}",
+                                          part.name)
+            ours = load_draft(part, slot_dir, load_dir, record, plan.universal)[CLIENT_KEY]
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
             set_rng_state(ours["rng"][self.rank])
         dist.barrier()

@@ -12,8 +12,9 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.target.model import hold_weights_as_buffers
-from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_peak, reduce_bucket_elements
-from specdraft.train.model import TargetWithDraft
+from specdraft.errors import SpecdraftError
+from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_run_peak, reduce_bucket_elements
+from specdraft.train.model import DraftWithLoss, TargetWithDraft
 from specdraft.train.safe_load import load_weights_only
 
 
@@ -103,16 +104,31 @@ def optimizer_groups(model: TargetWithDraft, weight_decay: float) -> list:
 def resolve_target_placement(cfg: DictConfig, target_config, world_size: int) -> str:
     """ZeRO-3 only: "replicated" (the frozen target whole on every device, outside the
     partition) or "partitioned" (ZeRO-3 shards it and gathers it every micro-batch). "auto":
-    replicated when the memory model says the run fits the device that way."""
+    replicated when the memory model says the run, every draft of it, fits the device that way.
+
+    A run of several drafts holds the target outside the drafts' engines, so replicated: its
+    placement is refused as partitioned, and "auto" that would partition is a one-line error."""
     if cfg.zero_stage != 3:
         return "replicated"  # ZeRO 0-2 never partition parameters
+    several = cfg.get("drafts") is not None
+    if several and cfg.target_placement == "partitioned":
+        raise SpecdraftError("key 'target_placement': partitioned is not available to a run of several drafts (the "
+                             "target runs once outside the drafts' engines, replicated); use replicated or train "
+                             "the drafts one per run")
     if cfg.target_placement != "auto":
         return cfg.target_placement
     capacity = device_memory_bytes()
     if capacity is None:  # CPU: host memory, no per-device budget to respect
         return "replicated"
-    need = estimate_peak(target_config, cfg, world_size, target_placement="replicated").total
-    return "replicated" if need <= USABLE_FRACTION * capacity else "partitioned"
+    need = estimate_run_peak(target_config, cfg, world_size, target_placement="replicated").total
+    if need <= USABLE_FRACTION * capacity:
+        return "replicated"
+    if several:
+        raise SpecdraftError(f"target_placement auto: the target replicated and {len(cfg.drafts)} drafts need "
+                             f"~{need / 2**30:.1f} GiB per device, more than {USABLE_FRACTION:.0%} of its "
+                             f"{capacity / 2**30:.1f} GiB; a run of several drafts cannot partition the target: "
+                             f"train fewer drafts per run, or lower per_device_batch_size")
+    return "partitioned"
 
 
 def device_memory_bytes():
@@ -131,7 +147,9 @@ def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, targ
     or ZeRO stage)."""
     import deepspeed
 
-    if cfg.zero_stage == 3 and target_placement == "replicated":
+    if cfg.zero_stage == 3 and isinstance(model, DraftWithLoss):  # the target is outside, whole
+        model.register_external_parameters_for_zero3()
+    elif cfg.zero_stage == 3 and target_placement == "replicated":
         hold_weights_as_buffers(model.model)  # the lm_head too: the loss reads it whole
         hold_weights_as_buffers(model.lm_head)
     elif cfg.zero_stage == 3:

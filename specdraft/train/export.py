@@ -18,15 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
 from specdraft.atomic import publish_dir, write_atomic
-from specdraft.config import config_hash
+from specdraft.config import config_hash, draft_view
 from specdraft.drafts import Draft, draft_from_export_config
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.run import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,
-                           TRAINING_CONFIG_NAME, config_file, consolidated_file, marker_text, offline_export_dir)
+                           TRAINING_CONFIG_NAME, config_file, consolidated_file, draft_part, marker_text,
+                           offline_export_dir)
 from specdraft.outputs import check_export_out
 from specdraft.target.model import has_tokenizer, load_target_tokenizer
 from specdraft.train.frozen_state import read_frozen_state
-from specdraft.train.slots import run_slot
+from specdraft.train.slots import choose_draft, record_names, run_slot
 from specdraft.train.model import DRAFT_PREFIX
 
 
@@ -191,12 +192,15 @@ def _trained_fp32(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
     return {k: v.float() for k, v in extract_and_rename(full).items()}
 
 
-def consolidate_run(run_dir, slot: Optional[str] = None) -> Path:
+def consolidate_run(run_dir, slot: Optional[str] = None, draft: Optional[str] = None) -> Path:
+    """draft: the name of a draft of a several-draft run (required there)."""
     from safetensors.torch import save_file
 
     slot_dir, record = run_slot(run_dir, slot=slot)
-    state_dict = consolidated_draft_state_dict(slot_dir, record)
-    out = consolidated_file(run_dir, slot_dir)
+    name = choose_draft(record_names(record), draft, "consolidate")
+    state_dict = consolidated_draft_state_dict(draft_part(slot_dir, name), record)
+    whole = consolidated_file(run_dir, slot_dir)
+    out = draft_part(whole.parent, name) / whole.name
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp)))
     return out
@@ -206,28 +210,32 @@ EXPORT_FORMATS = ("native", "pth", "safetensors")  # plus each family's serving 
 
 
 def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
-                    out_dir: Optional[str] = None, with_target_heads: bool = False) -> Path:
+                    out_dir: Optional[str] = None, with_target_heads: bool = False,
+                    draft_name: Optional[str] = None) -> Path:
     """Write a draft export from a committed slot: `native` (both weight files + config.json), one
     native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
-    directory that engine loads)."""
+    directory that engine loads). draft_name: the draft of a several-draft run (required there)."""
     slot_dir, record = run_slot(run_dir, step=step)
-    default = offline_export_dir(run_dir, record["step"])
+    name = choose_draft(record_names(record), draft_name, "export")
+    own = record if name is None else record["drafts"][name]
+    default = draft_part(offline_export_dir(run_dir, record["step"]), name)
     out = Path(out_dir) if out_dir else default
     check_export_out(out, run_dir, default)  # before the weights are consolidated
-    draft = draft_from_export_config(record["draft"])
+    draft = draft_from_export_config(own["draft"])
     if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
         raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
                              f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
-    draft.load_state_dict(consolidated_draft_state_dict(slot_dir, record), strict=True)
+    draft.load_state_dict(consolidated_draft_state_dict(draft_part(slot_dir, name), record), strict=True)
     state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     cfg = OmegaConf.load(config_file(run_dir))
+    cfg = cfg if name is None else draft_view(cfg, name)  # the config of this draft, as trained alone
     tokenizer = load_target_tokenizer(cfg.target) if has_tokenizer(cfg.target) else None
     heads = None
     if with_target_heads:  # two tensors straight from the target's files: the target is never built
         from specdraft.target.weights import load_target_head_weights
 
         read = load_target_head_weights(cfg.target, dtype=torch.float32,
-                                        expected_hidden=record["draft"]["dims"]["hidden_size"])
+                                        expected_hidden=own["draft"]["dims"]["hidden_size"])
         heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
     serving = [fmt] if fmt in draft.serving_formats else []
     files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES

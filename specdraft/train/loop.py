@@ -2,30 +2,34 @@
 
     batch -> target features (no_grad) -> draft loss -> engine.backward / engine.step
           -> maybe log / eval / save        (the last step goes through the same save path)
+
+A run of several drafts (`drafts:`) is the same loop over a list of drafts, each its own engine:
+the target runs once per micro-batch outside them (forward_drafts), one save commits them all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from specdraft.config import resolve_data_files, save_config
+from specdraft.config import draft_names, draft_view, resolve_data_files, save_config
 from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.drafts import DraftLoss, HostBatch, build_draft
+from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
 from specdraft.outputs import claim_run_dir, start_run_dir
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
-from specdraft.run import config_file, export_dir
-from specdraft.train.checkpoint import CheckpointManager
+from specdraft.run import config_file, draft_part, export_dir
+from specdraft.train.checkpoint import CheckpointManager, DraftPart
 from specdraft.train.collectives import all_reduce, any_rank, run_shared
 from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
                                     init_distributed, resolve_target_placement, steps_of_their_own)
@@ -33,7 +37,8 @@ from specdraft.train.export import BackgroundExporter, serving_formats, write_dr
 from specdraft.train.imports import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
 from specdraft.train.metrics import MetricsLogger
-from specdraft.train.model import TargetWithDraft
+from specdraft.train.memory import estimate_run_peak
+from specdraft.train.model import DraftWithLoss, TargetWithDraft, target_features
 from specdraft.transfer import to_device
 
 
@@ -48,6 +53,7 @@ class TrainState:
 class TrainResult:
     steps: int
     losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks (read at log time)
+    draft_losses: Dict[str, List[float]] = field(default_factory=dict)  # the same per draft of a `drafts:` run
     tokens_per_second: float = 0.0
     export_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
@@ -75,7 +81,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     # gradient_accumulation_steps: the global batch is the checkpoint's.
     plan = checkpoints.plan_resume(log)
     # draft.init_from is read and checked now, before anything is written; never on a resume
-    imported = planned_import(cfg, resuming=plan is not None, log=log)
+    imports = {name: planned_import(draft_view(cfg, name), resuming=plan is not None, log=log)
+               for name in draft_names(cfg)}
     # Before anything is loaded: output_dir is new, empty or this run's, and takes files.
     run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
     tokenizer = load_target_tokenizer(cfg.target)
@@ -85,19 +92,15 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     total_steps = planned_steps(cfg, sampler)
 
     target = load_frozen_target(cfg.target, cfg.precision)
-    # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot's
-    # frozen-state file (CheckpointManager.resume), an imported one from its files: neither is
-    # derived from the data.
-    draft = build_draft(cfg.draft, target.config, data=None if plan is not None or imported else data)
-    if imported is not None:
-        apply_import(draft, imported, data, log)
-    serving_formats(draft, cfg)  # a format named in the config that cannot serve this draft: refused now
-    model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     placement = resolve_target_placement(cfg, target.config, world_size)
-    engine = build_engine(cfg, model, total_steps, placement, load_universal=plan is not None and plan.universal)
+    trainees = [build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log)
+                for name in draft_names(cfg)]
+    several = trainees[0].name is not None
+    if several:  # outside every engine: placed as an engine places its module
+        target.to(trainees[0].engine.device)
     state = TrainState()
     if plan is not None:
-        restored = checkpoints.resume(engine, plan, log)
+        restored = checkpoints.resume_drafts([DraftPart(t.name, t.engine) for t in trainees], plan, log)
         state = TrainState(**restored["train_state"])
         sampler.load_state_dict(restored["sampler"])
         log(f"resumed from {plan.slot} at step {state.step}")
@@ -108,9 +111,15 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
 
     run_shared(write_config)
     checkpoints.check_shared()
-    if draft.describe():
-        log(f"specdraft: {cfg.draft.type} draft: {draft.describe()}")
-    log(f"specdraft: {cfg.draft.type} draft, {draft_parameter_count(model) / 1e6:.2f}M trainable params, "
+    for t in trainees:
+        if t.draft.describe():
+            log(f"specdraft: {t.label}: {t.draft.describe()}")
+    drafts = ", ".join(f"{t.label}, {draft_parameter_count(t.engine.module) / 1e6:.2f}M trainable params"
+                       for t in trainees)
+    if several:  # what the memory model counts: one target, every draft, the union of their captures
+        peak = estimate_run_peak(target.config, cfg, world_size, placement).total
+        drafts = f"{len(trainees)} drafts from one target pass ({drafts}; ~{peak / 2**30:.2f} GiB per device)"
+    log(f"specdraft: {drafts}, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
         f"ZeRO-{cfg.zero_stage}{f' (target {placement})' if cfg.zero_stage == 3 else ''}, {cfg.precision}, "
         f"{world_size} rank(s)")
@@ -124,7 +133,6 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     progress = closing.enter_context(tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train",
                                           unit="step"))
     result = TrainResult(steps=total_steps, run_dir=run_dir)
-    window = LossWindow()
     exporter = BackgroundExporter()
     started = time.perf_counter()
     start_step = state.step
@@ -134,41 +142,58 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     while state.step < total_steps:
         for micro in range(cfg.gradient_accumulation_steps):
             batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
-            options = engine.module.draft_model.sample_batch_options(
-                batch_generator(cfg.seed, state.step, micro * world_size + rank), cfg.max_seq_length)
-            out = forward_step(engine, batch, options)
-            window.add(out)
+            options = [t.draft.sample_batch_options(batch_generator(cfg.seed, state.step, micro * world_size + rank),
+                                                    cfg.max_seq_length) for t in trainees]
+            if several:
+                outs = forward_drafts(target, [t.engine for t in trainees], batch, options)
+            else:
+                outs = [forward_step(trainees[0].engine, batch, options[0])]
+            for t, out in zip(trainees, outs):
+                t.window.add(out)
             state.samples_seen += cfg.per_device_batch_size * world_size
             state.tokens_seen += batch["input_ids"].numel() * world_size
         state.step += 1
-        window.end_step()
+        for t in trainees:
+            t.window.end_step()
         progress.update(1)
         last = state.step == total_steps
         stop_signal = stop.agreed()  # collective: every rank stops after the same step
 
         if state.step % cfg.logging_steps == 0 or last or stop_signal:
             elapsed = time.perf_counter() - started
-            step_losses, values = window.reduce()  # the loop's one host sync per log interval
-            result.losses.extend(step_losses)
-            values.update(lr=engine.get_lr()[0], tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
+            values = {}
+            for t in trainees:
+                step_losses, own = t.window.reduce()  # the loop's one host sync per draft and log interval
+                (result.losses if t.name is None else result.draft_losses.setdefault(t.name, [])).extend(step_losses)
+                own.update(lr=t.engine.get_lr()[0])
+                values.update(t.prefixed(own))
+            values.update(tokens_per_s=_rate(state, start_step, cfg, world_size, elapsed),
                           samples_seen=state.samples_seen)
             log_metrics(state.step, values)
-            progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
+            if several:
+                progress.set_postfix({t.name: f"{values[t.name + '/loss']:.3f}" for t in trainees})
+            else:
+                progress.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
 
         if eval_prompts and (state.step % cfg.eval_steps == 0 or last) and not stop_signal:
-            tau = measure_draft_tau(engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
-            log_metrics(state.step, tau)
-            log(f"step {state.step}: tau {tau['eval/tau']:.2f} on {len(eval_prompts)} held-out prompts")
+            for t in trainees:
+                tau = measure_draft_tau(t.engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
+                log_metrics(state.step, t.prefixed(tau))
+                log(f"step {state.step}: {'' if t.name is None else t.name + ' '}tau {tau['eval/tau']:.2f} "
+                    f"on {len(eval_prompts)} held-out prompts")
 
         if state.step % cfg.save_steps == 0 or last or stop_signal:
             run_shared(exporter.wait)  # the previous export's failure (rank 0) stops every rank here
-            draft_weights = gather_draft_state_dict(engine)  # rank 0; CPU copies, safe to write later
+            # rank 0; CPU copies, safe to write later
+            parts = [DraftPart(t.name, t.engine, gather_draft_state_dict(t.engine)) for t in trainees]
             client_state = {"train_state": asdict(state), "sampler": sampler.state_dict()}
-            slot = checkpoints.save(engine, state.step, client_state, draft_weights)
+            if several:  # one slot, one commit for every draft
+                slot = checkpoints.save_drafts(parts, state.step, client_state)
+            else:
+                slot = checkpoints.save(parts[0].engine, state.step, client_state, parts[0].weights)
             result.export_dir = export_dir(run_dir, state.step)
             if rank == 0:  # written on the export thread, off the training path
-                exporter.submit(write_draft_export, result.export_dir, draft_weights, engine.module.draft_model,
-                                cfg, tokenizer, run_dir=run_dir, step=state.step)
+                exporter.submit(write_exports, result.export_dir, parts, trainees, tokenizer, run_dir, state.step)
         if stop_signal:
             break
 
@@ -185,11 +210,65 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     if result.losses:
         log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
             f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
+    elif result.draft_losses:
+        losses = ", ".join(f"{name} {v[0]:.3f} -> {v[-1]:.3f}" for name, v in result.draft_losses.items())
+        log(f"done: {state.step} steps, loss {losses}, {result.tokens_per_second:,.0f} tokens/s, drafts written "
+            f"to {result.export_dir}/<name>/")
     else:  # resumed a finished run: say so instead of silently doing nothing
         result.export_dir = export_dir(run_dir, state.step)
         log(f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
             f"its draft is in {result.export_dir} (another output_dir trains anew)")
     return result
+
+
+@dataclass
+class Trainee:
+    """One draft of the run and its engine. name None: a one-draft run (its files as ever)."""
+    name: Optional[str]
+    cfg: DictConfig  # the run as this draft alone would be configured (config.draft_view)
+    engine: Any
+    window: "LossWindow" = field(default_factory=lambda: LossWindow())
+
+    @property
+    def draft(self):
+        return self.engine.module.draft_model
+
+    @property
+    def label(self) -> str:
+        family = f"{self.cfg.draft.type} draft"
+        return family if self.name is None else f"{self.name} ({family})"
+
+    def prefixed(self, values: dict) -> dict:
+        """Metric names of this draft: as they are for a one-draft run, `<name>/...` otherwise."""
+        return values if self.name is None else {f"{self.name}/{key}": value for key, value in values.items()}
+
+
+def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, plan, placement: str,
+                  total_steps: int, log) -> Trainee:
+    """Draft `name` of the run and its engine. A one-draft run's engine holds the target beside the
+    draft (TargetWithDraft); a draft of several runs outside it (DraftWithLoss)."""
+    view = draft_view(cfg, name)
+    # A resumed draft takes its state besides the weights (EAGLE-3's vocab maps) from the slot's
+    # frozen-state file (CheckpointManager.resume), an imported one from its files: neither is
+    # derived from the data.
+    draft = build_draft(view.draft, target.config, data=None if plan is not None or imported else data)
+    if imported is not None:
+        apply_import(draft, imported, data, log)
+    serving_formats(draft, view)  # a format named in the config that cannot serve this draft: refused now
+    if name is None:
+        model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
+    else:
+        model = DraftWithLoss(draft, cfg.loss_chunk_size)
+    engine = build_engine(view, model, total_steps, placement, load_universal=plan is not None and plan.universal)
+    return Trainee(name, view, engine)
+
+
+def write_exports(out_dir: Path, parts: List[DraftPart], trainees: List[Trainee], tokenizer, run_dir: Path,
+                  step: int) -> None:
+    """Rank 0, on the export thread: each draft's export (a draft of several in out_dir/<name>/)."""
+    for part, t in zip(parts, trainees):
+        write_draft_export(draft_part(out_dir, t.name), part.weights, t.draft, t.cfg, tokenizer, run_dir=run_dir,
+                           step=step)
 
 
 def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
@@ -201,6 +280,25 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     engine.backward(out.loss)
     engine.step()
     return out
+
+
+def forward_drafts(target, engines: list, batch: dict, options: List[dict]) -> List[DraftLoss]:
+    """Several drafts, one target pass: the target captures the union of the drafts' requests
+    once (no_grad), then each draft reads its part: forward, backward, step on its own engine."""
+    device = engines[0].device
+    inputs = {key: to_device(value, device) for key, value in batch.items()}
+    host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+    request = functools.reduce(CaptureRequest.merged, [e.module.draft_model.capture_request() for e in engines])
+    features = target_features(target.model, request, inputs["input_ids"], inputs.get("document_positions"),
+                               inputs.get("document_ids"))
+    outs = []
+    for engine, own in zip(engines, options):
+        out: DraftLoss = engine(features, target.lm_head.weight, inputs["input_ids"], inputs["loss_mask"],
+                                inputs.get("document_ids"), host=host, **own)
+        engine.backward(out.loss)
+        engine.step()
+        outs.append(out)
+    return outs
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ from typing import Dict, Optional
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdraft.config import draft_names, draft_view
 from specdraft.drafts import build_draft
 from specdraft.drafts.base import MemoryShape, target_text_config
+from specdraft.target.capture import CaptureRequest
 from specdraft.drafts.loss import default_chunk_size
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -121,3 +123,47 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     else:
         est.parts.update(transient)
     return est
+
+
+SHARED_PARTS = ("target weights", "document masks")  # held once however many drafts a run trains
+CAPTURE = "capture features"
+TRANSIENT = ("draft activations", "loss chunk + hidden grads", "capture working set (transient)")
+
+
+def estimate_run_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
+                      documents: Optional[bool] = None) -> MemoryEstimate:
+    """estimate_peak of a whole run: one draft's, or for a run of several drafts (`drafts:`) one
+    target and every draft. The drafts' weights, gradients, optimizer states and own terms add up;
+    the target, its masks and the captured features (the union of the drafts' requests, read by
+    all of them) count once; the transient working sets (the capture, then each draft's forward
+    and backward in turn) count as the largest of them."""
+    names = draft_names(cfg)
+    if names == [None]:
+        return estimate_peak(target_config, cfg, world_size, target_placement, documents)
+    est, transient, request = MemoryEstimate(), 0.0, CaptureRequest()
+    for name in names:
+        view = draft_view(cfg, name)
+        own = estimate_peak(target_config, view, world_size, target_placement, documents)
+        request = request.merged(meta_models(target_config, view.draft)[1].capture_request())
+        transient = max(transient, sum(own.parts.get(k, 0.0) for k in TRANSIENT))
+        for part, value in own.parts.items():
+            if part in SHARED_PARTS:
+                est.parts[part] = value
+            elif part != CAPTURE and part not in TRANSIENT:
+                est.parts[f"{name}: {part}"] = value
+    est.parts[CAPTURE] = union_capture_bytes(target_config, request, cfg.per_device_batch_size, cfg.max_seq_length,
+                                             BYTES[cfg.precision])
+    est.parts["largest working set (transient)"] = transient
+    return est
+
+
+def union_capture_bytes(target_config, request: CaptureRequest, B: int, T: int, dtype_bytes: int) -> float:
+    """What one capture of `request` keeps per micro-batch: the input embeddings and rotary tables,
+    the layers' hidden states, the last layer's K/V, the final hidden state."""
+    text = target_text_config(target_config)
+    H, heads = text.hidden_size, text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hd = getattr(text, "head_dim", None) or H // heads
+    per_token = H + 2 * hd + len(request.layers) * H + (2 * kv * hd if request.last_layer_kv else 0) \
+        + (H if request.final_hidden else 0)
+    return B * T * per_token * dtype_bytes

@@ -12,10 +12,23 @@ import torch
 from torch import nn
 
 from specdraft.drafts import Draft, DraftLoss, HostBatch
-from specdraft.target.capture import capture, target_attention_mask
+from specdraft.target.capture import CaptureRequest, TargetFeatures, capture, target_attention_mask
 from specdraft.transfer import to_device
 
 DRAFT_PREFIX = "draft_model."
+
+
+def target_features(base_model: nn.Module, request: CaptureRequest, input_ids: torch.Tensor,
+                    document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                    position_ids: Optional[torch.Tensor] = None) -> TargetFeatures:
+    """The one target pass of a micro-batch (see TargetWithDraft.forward for the arguments)."""
+    B, T = input_ids.shape
+    if document_positions is None:
+        document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    if position_ids is not None:
+        document_positions = to_device(position_ids, input_ids.device)[document_positions]
+    attention_mask = target_attention_mask(base_model, input_ids, document_ids)
+    return capture(base_model, input_ids, document_positions.expand(B, T), request, attention_mask)
 
 
 class TargetWithDraft(nn.Module):
@@ -48,14 +61,8 @@ class TargetWithDraft(nn.Module):
         its document (packed data); None: one document per row. position_ids (T,): a draft's
         position map (Anchor-Offset) from a position in the document to the position used.
         host: the same batch on the host, where the loss reads which rows count (no device sync)."""
-        B, T = input_ids.shape
-        if document_positions is None:
-            document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        if position_ids is not None:
-            document_positions = to_device(position_ids, input_ids.device)[document_positions]
-        attention_mask = target_attention_mask(self.model, input_ids, document_ids)
-        features = capture(self.model, input_ids, document_positions.expand(B, T),
-                           self.draft_model.capture_request(), attention_mask)
+        features = target_features(self.model, self.draft_model.capture_request(), input_ids, document_positions,
+                                   document_ids, position_ids)
         return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
                                               self.loss_chunk_size, documents=document_ids, host=host, **options)
 
@@ -68,3 +75,29 @@ class TargetWithDraft(nn.Module):
     def draft_state_dict(self) -> dict:
         """The draft's weights with the `draft_model.` prefix stripped (LongSpec's extract_and_rename)."""
         return {k: v.detach().clone() for k, v in self.draft_model.state_dict().items()}
+
+
+class DraftWithLoss(nn.Module):
+    """The module of one draft's engine in a run of several drafts: the draft and its loss. The
+    frozen target lives outside every engine and runs once per micro-batch (target_features with
+    the union of the drafts' requests); each draft reads its part of those features."""
+
+    def __init__(self, draft: Draft, loss_chunk_size: int = 0):
+        super().__init__()
+        self.draft_model = draft
+        self.loss_chunk_size = loss_chunk_size
+
+    def register_external_parameters_for_zero3(self) -> None:
+        import deepspeed
+
+        for param in self.draft_model.external_parameters():
+            deepspeed.zero.register_external_parameter(self, param)
+
+    def decoding_parameters(self) -> list:
+        return list(self.draft_model.parameters())  # the target's lm_head is whole outside the engines
+
+    def forward(self, features: TargetFeatures, lm_head_weight: torch.Tensor, input_ids: torch.Tensor,
+                loss_mask: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                host: Optional[HostBatch] = None, **options) -> DraftLoss:
+        return self.draft_model.training_loss(features, lm_head_weight, input_ids, loss_mask, self.loss_chunk_size,
+                                              documents=document_ids, host=host, **options)

@@ -11,13 +11,13 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from specdraft.atomic import publish_dir, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED, universal_dir
+from specdraft.run import COMMITTED, draft_part, universal_dir
 from specdraft.train import safe_load
 from specdraft.train.collectives import run_shared
 from specdraft.train.slots import file_entry, file_sha256, read_commit, remove_slot, slot_files, verify_slot
@@ -35,7 +35,7 @@ def convert_to_universal(slot_dir: Path, out_dir: Path) -> None:
 
     tmp_parent = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp_parent, ignore_errors=True)
-    tmp_parent.mkdir()
+    tmp_parent.mkdir(parents=True)  # a draft's copy of a several-draft slot: step_<N>.universal/<name>
     tmp = tmp_parent / out_dir.name
     args = argparse.Namespace(input_folder=str(slot_dir), output_folder=str(tmp), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
@@ -49,7 +49,7 @@ def convert_to_universal(slot_dir: Path, out_dir: Path) -> None:
                              f"({type(err).__name__}: {first})") from err
     _serve_every_stage(tmp)
     files = {str(p.relative_to(tmp)): file_entry(p) for p in slot_files(tmp)}
-    record = {"source": slot_dir.name, "source_commit": file_sha256(slot_dir / COMMITTED), "files": files}
+    record = {"source": slot_dir.name, "source_commit": file_sha256(commit_of(slot_dir)), "files": files}
     write_atomic(tmp / COMMITTED, json.dumps(record, indent=1))
     publish_dir(tmp, out_dir)
     shutil.rmtree(tmp_parent)
@@ -91,17 +91,24 @@ def _serve_every_stage(out: Path) -> None:
     torch.save(optim, zero / "optimizer_state.pt")
 
 
-def universal_copy(slot_dir: Path, log: Callable[[str], None], where: str) -> Path:
-    """Collective: the slot's universal copy, made once by rank 0 (or reused when it verifies),
-    then verified by every rank before loading. where: "N rank(s) at ZeRO-S", for the log."""
-    out = universal_dir(slot_dir)
+def commit_of(source: Path) -> Path:
+    """The COMMITTED that covers a slot, or a draft's folder of a several-draft slot."""
+    return source / COMMITTED if (source / COMMITTED).is_file() else source.parent / COMMITTED
+
+
+def universal_copy(slot_dir: Path, log: Callable[[str], None], where: str, name: Optional[str] = None) -> Path:
+    """Collective: the slot's universal copy (of draft `name` of a several-draft slot), made once
+    by rank 0 (or reused when it verifies), then verified by every rank before loading.
+    where: "N rank(s) at ZeRO-S", for the log."""
+    out = draft_part(universal_dir(slot_dir), name)
     record = read_commit(slot_dir)
+    slot_dir = draft_part(slot_dir, name)
     saved = f"saved with {record['world_size']} rank(s) at ZeRO-{record['zero_stage']}"
 
     def ensure():
         if (out / COMMITTED).is_file():
             try:
-                if read_commit(out).get("source_commit") != file_sha256(slot_dir / COMMITTED):
+                if read_commit(out).get("source_commit") != file_sha256(commit_of(slot_dir)):
                     raise SpecdraftError(f"{out}: converted from another {slot_dir.name}")
                 verify_slot(out)
                 log(f"resume: reusing {out} ({saved})")

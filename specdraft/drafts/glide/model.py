@@ -113,6 +113,10 @@ class GlideDraft(Draft):
     tensor_keys = (("*_proj.bias", "draft.attention_bias"), ("norm.weight", "draft.final_norm"))
 
     @classmethod
+    def moves_target_positions(cls, draft_cfg) -> bool:
+        return bool(draft_cfg.get("anchor_offset"))  # Anchor-Offset: the target reads shifted positions
+
+    @classmethod
     def identity_options(cls, options, target_config):
         # attention_bias came after GLIDE checkpoints existed, all of them without biases: resolved
         # against the target, a draft without biases hashes as before the key (and resumes them);
