@@ -169,3 +169,13 @@ def test_peagle_trains_logs_depths_exports_and_evaluates(tiny_target_dir, tiny_d
     sampled = evaluate(result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, gamma=4,
                        temperature=0.7)
     assert 1.0 <= sampled["tau"] <= 5.0
+
+
+def test_the_default_mask_token_is_the_targets_pad_then_eos():
+    from transformers import LlamaConfig
+
+    from specdraft.drafts.peagle.model import default_mask_token
+
+    assert default_mask_token(LlamaConfig(pad_token_id=2, eos_token_id=1)) == 2
+    assert default_mask_token(LlamaConfig(pad_token_id=None, eos_token_id=[7, 8])) == 7
+    assert default_mask_token(LlamaConfig(pad_token_id=None, eos_token_id=None, bos_token_id=None)) is None
