@@ -88,7 +88,7 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys
     ("draft.block_size=4", "glide", "dflash, dspark"),
     ("draft.ttt_steps=3", "dflash", "eagle3"),
     ("draft.max_lag=2", "eagle3", "glide"),
-    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark"),
+    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle"),
     ("draft.markov_rank=8", "dflash", "dspark"),
 ])
 def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
