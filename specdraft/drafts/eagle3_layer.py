@@ -5,6 +5,7 @@ drafts/eagle3/model.py documents the layer's math and EAGLE-3's training on it."
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -13,13 +14,15 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafts.base import Draft, TargetFeatures, target_text_config
+from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.drafts.ttt_attention import ttt_attention
-from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement
+from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_VOCAB = 32000
 AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
@@ -62,6 +65,25 @@ def validate_layer_options(draft_cfg, target_config, fail) -> None:
     if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
         fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
                                  f"({text.vocab_size})")
+
+
+def layer_dims(target_config, draft_cfg, family: str) -> Dict[str, Any]:
+    """The EAGLE-3 layer's Eagle3Dims fields read from the target and the `draft.` keys (a family
+    adds its own: TTT steps, depths ...)."""
+    text = target_text_config(target_config)
+    # fc's input columns follow the servers' concatenation: increasing layer order
+    layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
+    if not layers:
+        layers, why = default_target_layers(text.num_hidden_layers)
+        log.info("%s: capturing target layer inputs %s (%s)", family, layers, why)
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
+                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    return dict(**target_layer_shape(target_config), vocab_size=text.vocab_size,
+                draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
+                target_hidden_size=text.hidden_size, target_num_layers=text.num_hidden_layers, target_layers=layers,
+                rope_parameters=dict(rope), max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+                norm_before_residual=bool(draft_cfg.norm_before_residual), fc_norm=bool(draft_cfg.fc_norm),
+                norm_before_fc=bool(draft_cfg.norm_before_fc))
 
 
 @dataclass
@@ -173,6 +195,11 @@ class Eagle3Base(Draft):
         with torch.no_grad():
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
+
+    def count_vocab_maps(self, data) -> None:
+        """The maps of a new draft: the draft vocab's most frequent loss-masked target tokens of `data`."""
+        if data is not None:
+            self.set_vocab_maps(*vocab_maps(count_target_tokens(data, self.dims.vocab_size), self.dims.draft_vocab_size))
 
     def has_vocab_maps(self) -> bool:
         return bool(self.t2d.any())

@@ -31,17 +31,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where,
-                                   target_layer_shape, target_text_config)
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where)
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
-                                           default_target_layers, validate_layer_options)
+                                           default_target_layers, layer_dims, validate_layer_options)  # re-exported
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
-from specdraft.drafts.vocab import count_target_tokens, vocab_maps
 from specdraft.errors import SpecdraftError
 
 log = logging.getLogger(__name__)
@@ -132,34 +130,11 @@ class Eagle3Draft(Eagle3Base):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
-        text = target_text_config(target_config)
-        # fc's input columns follow the servers' concatenation: increasing layer order
-        layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
-        if not layers:
-            layers, why = default_target_layers(text.num_hidden_layers)
-            log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
-        rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                           "rope_theta": getattr(text, "rope_theta", 10000.0)}
-        draft = cls(Eagle3Dims(
-            **target_layer_shape(target_config),
-            vocab_size=text.vocab_size,
-            draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
-            target_hidden_size=text.hidden_size,
-            target_num_layers=text.num_hidden_layers,
-            target_layers=layers,
-            rope_parameters=dict(rope),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            ttt_steps=int(draft_cfg.ttt_steps),
-            ttt_decay=float(draft_cfg.ttt_decay),
-            norm_before_residual=bool(draft_cfg.norm_before_residual),
-            fc_norm=bool(draft_cfg.fc_norm),
-            norm_before_fc=bool(draft_cfg.norm_before_fc),
-            norm_output=bool(draft_cfg.norm_output),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss),
-            teacher_rows=str(draft_cfg.teacher_rows))
-        if data is not None:
-            draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
-                                             draft.dims.draft_vocab_size))
+        draft = cls(Eagle3Dims(**layer_dims(target_config, draft_cfg, "eagle3"), ttt_steps=int(draft_cfg.ttt_steps),
+                               ttt_decay=float(draft_cfg.ttt_decay), norm_output=bool(draft_cfg.norm_output)),
+                    objective=objective_from_options(draft_cfg, default=cls.default_loss),
+                    teacher_rows=str(draft_cfg.teacher_rows))
+        draft.count_vocab_maps(data)
         return draft
 
     def describe(self) -> str:

@@ -31,16 +31,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, \
-    target_layer_shape, target_text_config
-from specdraft.drafts.eagle3_layer import (DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, default_target_layers,
-                                           validate_layer_options)
+from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
+from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
                                          parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_sample, cod_visibility
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
-from specdraft.drafts.vocab import count_target_tokens, vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.transfer import to_device
 
@@ -139,40 +136,21 @@ class PEagleDraft(Eagle3Base):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "PEagleDraft":
-        text = target_text_config(target_config)
-        layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
-        if not layers:
-            layers, why = default_target_layers(text.num_hidden_layers)
-            log.info("peagle: capturing target layer inputs %s (%s)", layers, why)
-        rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                           "rope_theta": getattr(text, "rope_theta", 10000.0)}
         mask = draft_cfg.mask_token_id
         if mask is None:
             mask = default_mask_token(target_config)
             log.info("peagle: mask token %s (the target config's pad / eos token)", mask)
         draft = cls(PEagleDims(
-            **target_layer_shape(target_config),
-            vocab_size=text.vocab_size,
-            draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
-            target_hidden_size=text.hidden_size,
-            target_num_layers=text.num_hidden_layers,
-            target_layers=layers,
-            rope_parameters=dict(rope),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            **layer_dims(target_config, draft_cfg, "peagle"),
             ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens
             ttt_decay=1.0,
-            norm_before_residual=bool(draft_cfg.norm_before_residual),
-            fc_norm=bool(draft_cfg.fc_norm),
-            norm_before_fc=bool(draft_cfg.norm_before_fc),
             norm_output=False,  # one layer pass: speculators' P-EAGLE reads lm_head(norm(out)) either way
             mask_token_id=int(mask),
             num_depths=int(draft_cfg.num_depths),
             down_sample_ratio=float(draft_cfg.down_sample_ratio),
             down_sample_ratio_min=float(draft_cfg.down_sample_ratio_min),
         ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
-        if data is not None:
-            draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
-                                             draft.dims.draft_vocab_size))
+        draft.count_vocab_maps(data)
         return draft
 
     def describe(self) -> str:
