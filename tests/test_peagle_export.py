@@ -14,8 +14,8 @@ from specdraft.drafts import build_draft
 from specdraft.drafts.peagle.cod import cod_sample
 from specdraft.target.capture import capture
 from specdraft.train.export import write_draft_export
-from test_eagle3 import llama
-from test_eagle3_export import random_eagle3
+from test_eagle3_export import random_eagle3, target_dir  # noqa: F401 (the 6-layer verifier fixture)
+from test_eagle3_export import run_cfg as eagle3_run_cfg
 
 T = 128  # speculators' flex block mask: a multiple of 128
 DEPTHS = 4
@@ -49,16 +49,9 @@ print(json.dumps({"missing": sorted(info["missing_keys"]), "unexpected": sorted(
 """
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("verifier")
-    llama(layers=6, vocab=160).save_pretrained(directory)
-    return directory
-
-
 def run_cfg(target_dir, out, **draft):
-    cfg = OmegaConf.structured(TrainConfig(target=str(target_dir), data_files="unused", output_dir=str(out)))
-    cfg.draft = OmegaConf.merge(cfg.draft, dict(type="peagle", num_depths=DEPTHS, **draft))
+    cfg = eagle3_run_cfg(target_dir, out)
+    cfg.draft = OmegaConf.merge(OmegaConf.structured(TrainConfig).draft, dict(type="peagle", num_depths=DEPTHS, **draft))
     return cfg
 
 
