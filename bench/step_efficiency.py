@@ -71,8 +71,8 @@ from specdraft.config import TrainConfig  # noqa: E402
 from specdraft.data.packing import open_packed_cache  # noqa: E402
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.demo.presets import get_preset  # noqa: E402
-from specdraft.drafts import build_draft  # noqa: E402
-from specdraft.drafts.objectives import parse_objective  # noqa: E402
+from specdraft.drafts import FAMILIES, build_draft, family_keys  # noqa: E402
+from specdraft.drafts.objectives import CE, parse_objective  # noqa: E402
 from specdraft.target.capture import capture, target_attention_mask  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
@@ -108,7 +108,23 @@ SHAPES = {
 }
 
 
-def random_target(shape: Shape) -> LlamaForCausalLM:
+def random_target(shape: Shape, family: str = "glide"):
+    """A seeded random Llama of the shape; for a family that drafts only for qwen3_next targets
+    (MTP), a qwen3_next of the same dims (every layer full attention, 8 experts, top 2)."""
+    if FAMILIES[family].target_model_types == ("qwen3_next",):
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                                 num_hidden_layers=shape.layers, layer_types=["full_attention"] * shape.layers,
+                                 num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                 head_dim=shape.hidden // shape.heads, num_experts=8, num_experts_per_tok=2,
+                                 # multiples of 16: torch's grouped_mm (transformers' MoE default) needs
+                                 # 16-byte strides
+                                 moe_intermediate_size=shape.intermediate // 64 * 16,
+                                 shared_expert_intermediate_size=shape.intermediate // 32 * 16,
+                                 max_position_embeddings=4 * shape.seq + 64, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        return Qwen3NextForCausalLM(config).eval().requires_grad_(False)
     config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                          num_key_value_heads=shape.kv_heads, max_position_embeddings=4 * shape.seq + 64,
@@ -148,6 +164,7 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
     "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
                              "markov_rank": 64},
+    "mtp": lambda shape: {"num_speculative_steps": 3},  # speculators' default (no demo config: no MTP target)
     "peagle": lambda shape: {"num_depths": 8, "mask_token_id": 0},
 }
 
@@ -186,12 +203,12 @@ class StepBench:
             cfg.draft.distill_temperature = temperature
             cfg.draft.distill_tokens = tokens or "answers"
         self.shape, self.cfg, self.data, self.spec = shape, cfg, data, spec
-        self.target = random_target(shape)  # seeded: every objective gets the same target and draft
+        self.target = random_target(shape, family)  # seeded: every objective gets the same target and draft
         draft = build_draft(cfg.draft, self.target.config)
         self.plain_draft = copy.deepcopy(draft)  # (b) runs outside the engine: no ZeRO hooks on its grads
         self.model = TargetWithDraft(self.target, draft, cfg.loss_chunk_size)
         self.engine = build_engine(cfg, self.model, total_steps=1000)
-        self.objective = draft.objective
+        self.objective = getattr(draft, "objective", CE)  # a family without draft.loss (MTP) trains CE
         # GLIDE's hard-label CE never reads the target's softmax; a distillation objective does
         self.reads_distribution = self.objective.needs_teacher
         self.sampler = ShardedBatchSampler(len(data), shape.batch, rank=0, world_size=1, seed=0)
@@ -247,6 +264,8 @@ def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path,
     steps are interleaved round by round (their order rotated each round), each on the same batch."""
     data = packed_data(shape, rows=shape.batch * (rounds + warmup),
                        out=work / f"{shape.name}-{zero_stage}-{family}")
+    if "loss" not in family_keys(FAMILIES[family]):  # its own objective only (MTP: speculators' CE)
+        objectives = [None]
     benches = [StepBench(shape, zero_stage, document_mask, spec, temperature, data, family) for spec in objectives]
     times = [{"a": [], "b": [], "c": [], "capture": [], "lm_head": []} for _ in benches]
     for step in range(rounds + warmup):

@@ -59,3 +59,12 @@ def served_target_dir(tiny_target_dir, tmp_path_factory):
         if "token" in path.name or path.name.endswith(".jinja"):
             shutil.copy(path, directory / path.name)
     return directory
+
+
+@pytest.fixture(scope="session")
+def mtp_target_dir(tiny_target_dir, tmp_path_factory):
+    """A tiny qwen3_next target with a native MTP layer, every layer full attention
+    (helpers.qwen3_next_mtp_target)."""
+    from helpers import qwen3_next_mtp_target
+
+    return qwen3_next_mtp_target(tmp_path_factory.mktemp("mtp_target") / "target", tiny_target_dir)

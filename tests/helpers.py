@@ -151,3 +151,95 @@ def random_llama(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 
                          max_position_embeddings=max_positions, initializer_range=init, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None, **config)
     return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+# -- a target with a native MTP layer (draft.type: mtp) --------------------------------------------
+
+MTP_TARGET_LAYERS = 2
+
+
+def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp: bool = True, hidden: int = 64,
+                          seed: int = 0, init: float = 0.2) -> Path:
+    """A tiny `qwen3_next` target shaped like Qwen3-Next (gated attention, partial RoPE, MoE with a
+    shared expert), with a native MTP layer stored as Qwen's checkpoints store it (mtp.fc,
+    mtp.pre_fc_norm_hidden, mtp.pre_fc_norm_embedding, mtp.norm, mtp.layers.0.* with per-expert
+    weights), and the tokenizer of tokenizer_dir (vocab 512).
+
+    The mtp.layers.0.* tensors are what transformers itself saves for one more decoder layer (a
+    model of MTP_TARGET_LAYERS + 1 layers, its last renamed): no code of ours names them. hybrid:
+    Qwen3-Next's linear-attention (Gated DeltaNet) layers before each full-attention one; else
+    every layer full attention (decoding needs a KV cache it can roll back)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    directory = Path(directory)
+    layers = MTP_TARGET_LAYERS
+    types = ["linear_attention", "full_attention"] * (layers // 2) if hybrid else ["full_attention"] * layers
+    base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+                shared_expert_intermediate_size=hidden // 2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                max_position_embeddings=1024, initializer_range=init, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(num_hidden_layers=layers + 1, layer_types=types + ["full_attention"],
+                                                 **base))
+    with torch.no_grad():  # Qwen3-Next's norms are (1 + w) with w = 0 at init: give them values to carry
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.1)
+    scratch = directory.with_name(directory.name + ".scratch")
+    model.save_pretrained(scratch)
+    saved = load_file(str(scratch / "model.safetensors"))
+    last = f"model.layers.{layers}."
+    tensors = {k: v for k, v in saved.items() if not k.startswith(last)}
+    if mtp:
+        tensors.update({"mtp.layers.0." + k[len(last):]: v for k, v in saved.items() if k.startswith(last)})
+        generator = torch.Generator().manual_seed(seed + 1)
+        tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * init
+        for name in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
+            tensors[f"mtp.{name}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((scratch / "config.json").read_text())
+    config.update(num_hidden_layers=layers, layer_types=types)
+    if mtp:
+        config["num_nextn_predict_layers"] = 1  # vLLM's hf_config_override reads it (n_predict)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(scratch)
+    for path in Path(tokenizer_dir).iterdir():
+        if "token" in path.name or path.name.endswith(".jinja"):
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
+def random_qwen3_next(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                      init: float = 0.2, seed: int = 0, max_positions: int = 512):
+    """A randomly initialised, frozen qwen3_next target built in memory (every layer full attention,
+    MoE MLPs): the target of a family that drafts only for it (MTP; its draft then has a random
+    layer of its own, there being no files to read the target's from)."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+                             num_hidden_layers=layers, layer_types=["full_attention"] * layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_positions,
+                             initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return Qwen3NextForCausalLM(config).eval().requires_grad_(False)
+
+
+def random_target_for(family: str, **kwargs):
+    """random_llama, or for a family that drafts only for other model types its own target."""
+    from specdraft.drafts import FAMILIES
+
+    types = FAMILIES[family].target_model_types
+    if types is None or "llama" in types:
+        return random_llama(**kwargs)
+    assert "qwen3_next" in types, types
+    return random_qwen3_next(**kwargs)

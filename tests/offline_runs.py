@@ -15,9 +15,18 @@ SMALL = {
     "peagle": {"draft.num_depths": 3, "draft.draft_vocab_size": 200, "draft.mask_token_id": 3},
 }
 STEPS, SAVE_STEPS = 4, 2
+# a family that drafts only for targets of its own kind trains on one (MTP: the tiny qwen3_next
+# with an MTP layer, tests/helpers.qwen3_next_mtp_target)
+OWN_TARGET = {"mtp"}
+
+
+def target_of(family, target, mtp_target):
+    return mtp_target if family in OWN_TARGET else target
 
 
 SEVERAL = "several"  # the run of every family at once (`drafts:`, one per family, named by it)
+# the families a several-draft run trains on the Llama target: those that draft for it
+SEVERAL_FAMILIES = [family for family in FAMILIES if family not in OWN_TARGET]
 
 
 def run_config(target, data_dir, work, family, name, *extra):
@@ -25,7 +34,7 @@ def run_config(target, data_dir, work, family, name, *extra):
     family), configured as each family's own run."""
     if family == SEVERAL:
         sections = {f: dict({"type": f}, **{k[len("draft."):]: v for k, v in SMALL.get(f, {}).items()})
-                    for f in FAMILIES}
+                    for f in SEVERAL_FAMILIES}
         options = [f"drafts={json.dumps(sections)}"]
     else:
         options = [f"draft.type={family}", *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]

@@ -10,15 +10,16 @@ import warnings
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collective renames, every step
 
-from offline_runs import SEVERAL, run_config  # noqa: E402
+from offline_runs import SEVERAL, run_config, target_of  # noqa: E402
 from specdraft.drafts import FAMILIES  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
-target, data_dir, work, out_json = sys.argv[1:5]
+target, mtp_target, data_dir, work, out_json = sys.argv[1:6]
 results = {}
 for family in [*FAMILIES, SEVERAL]:
-    full = train(run_config(target, data_dir, work, family, family), log=lambda *a: None)
-    resumed = train(run_config(target, data_dir, work, family, f"{family}_resumed",
+    family_target = target_of(family, target, mtp_target)
+    full = train(run_config(family_target, data_dir, work, family, family), log=lambda *a: None)
+    resumed = train(run_config(family_target, data_dir, work, family, f"{family}_resumed",
                                f"resume={work}/{family}/ckpt/step_2"), log=lambda *a: None)
     results[family] = {"full": full.losses or full.draft_losses, "resumed": resumed.losses or resumed.draft_losses}
 if int(os.environ["RANK"]) == 0:

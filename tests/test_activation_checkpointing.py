@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import random_llama
+from helpers import random_target_for
 from specdraft.config import DraftConfig
 from specdraft.drafts import FAMILIES, build_draft, family_keys
 from specdraft.drafts.base import MemoryShape
@@ -14,12 +14,12 @@ from specdraft.drafts.vocab import vocab_maps
 from specdraft.train.model import TargetWithDraft
 
 SMALL = {"eagle3": dict(draft_vocab_size=64, ttt_steps=3), "dflash": dict(num_layers=2, block_size=4, max_anchors=6),
-         "dspark": dict(num_layers=2, block_size=4, max_anchors=6)}
+         "dspark": dict(num_layers=2, block_size=4, max_anchors=6), "mtp": dict(num_speculative_steps=3)}
 OFFERING = sorted(f for f, cls in FAMILIES.items() if "gradient_checkpointing" in family_keys(cls))
 
 
 def test_the_families_with_several_layer_passes_offer_it():
-    assert OFFERING == ["dflash", "dspark", "eagle3"]
+    assert OFFERING == ["dflash", "dspark", "eagle3", "mtp"]
 
 
 def draft_for(family, target, checkpointing, small=True):
@@ -34,7 +34,7 @@ def draft_for(family, target, checkpointing, small=True):
 
 @pytest.mark.parametrize("family", OFFERING)
 def test_loss_and_gradients_are_those_without_it_and_the_layers_are_recomputed(family, monkeypatch):
-    target = random_llama(vocab=128, layers=4)
+    target = random_target_for(family, vocab=128, layers=4)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     results = {}
@@ -57,7 +57,7 @@ def test_loss_and_gradients_are_those_without_it_and_the_layers_are_recomputed(f
 
 @pytest.mark.parametrize("family", OFFERING)
 def test_the_memory_model_counts_fewer_activations_with_it(family):
-    target = random_llama(vocab=128, layers=4)
+    target = random_target_for(family, vocab=128, layers=4)
     shape = MemoryShape(B=1, T=4096, dtype_bytes=2, chunk=1024, documents=False, target=target.config)
     kept = {c: draft_for(family, target, c, small=False).memory_terms(shape) for c in (False, True)}
     assert kept[True]["draft activations"] < 0.8 * kept[False]["draft activations"]

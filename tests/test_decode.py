@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from helpers import random_llama
+from helpers import random_llama, random_target_for
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.decode.measure import measure_tau
 from specdraft.evaluate import evaluate
@@ -283,7 +283,8 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(drafter
     rounds) of speculative sampling vs their exact joint under the target, chi-square test. A chain
     draws its tokens from the draft's q; a tree offers deterministic siblings."""
     V = 8
-    target = tiny_llama(vocab=V, hidden=32, layers=1, init=0.5, seed=3)
+    shape_of = dict(vocab=V, hidden=32, layers=1, init=0.5, seed=3)
+    target = random_target_for(drafter_name, **shape_of) if drafter_name in FAMILIES else tiny_llama(**shape_of)
     drafter = SAMPLED_DRAFTERS[drafter_name](target)
     prompt = [1, 5, 2, 1, 5]  # repeats itself: prompt lookup finds continuations
     temperature = 1.0
@@ -576,12 +577,12 @@ def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     greedy output stays the target's own."""
     from specdraft.drafts import FAMILIES, DraftConfig
 
-    target = random_llama(vocab=8, hidden=32, init=0.5, max_positions=256)
     small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4},
              "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 4}}
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (1, 5, 11)]
     for family, cls in FAMILIES.items():
+        target = random_target_for(family, vocab=8, hidden=32, init=0.5, max_positions=256)
         draft = cls.from_target_config(target.config, OmegaConf.structured(DraftConfig(type=family, **small.get(family, {}))))
         if hasattr(draft, "set_vocab_maps"):  # EAGLE-3: the whole vocabulary, identity maps
             draft.set_vocab_maps(torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool))

@@ -21,7 +21,7 @@ from specdraft.config import DraftConfig
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.drafts.glide.decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft
+from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft, family_keys
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target
@@ -51,9 +51,11 @@ def build_family(family, target_config, **keys):
 
 FAMILY_NAMES = sorted(FAMILIES)
 # each family once more with a distillation objective (the teacher's final hidden state on the
-# device too), on answer tokens and on every token (CE labels masked on the device)
+# device too), on answer tokens and on every token (CE labels masked on the device); a family
+# without draft.loss (MTP: speculators' CE only) at its own objective
 OBJECTIVE_CASES = [(family, loss, tokens) for family in FAMILY_NAMES
-                   for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))]
+                   for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))
+                   if loss is None or "loss" in family_keys(FAMILIES[family])]
 
 
 def prompt_then_answer(B: int, T: int, prompt: int = 6) -> torch.Tensor:
@@ -68,8 +70,12 @@ def keep_transformers_masks(monkeypatch):
     """transformers asks on the host whether our all-ones padding mask may be skipped (a read it
     makes on a GPU too, not ours); meta cannot answer it, so the mask is kept: same attention."""
     from transformers import masking_utils
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    # qwen3_next asks the same of the padding mask of its linear-attention layers; ours is all ones,
+    # which it answers with None
+    monkeypatch.setattr(modeling_qwen3_next, "create_recurrent_attention_mask", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +86,54 @@ def cpu_target(tiny_target_dir):
 @pytest.fixture(scope="module")
 def meta_target(tiny_target_dir):
     return load_frozen_target(str(tiny_target_dir)).to(META)
+
+
+@pytest.fixture(scope="module")
+def meta_targets(meta_target, mtp_target_dir):
+    """{model_type: target on meta}: the tiny Llama, and the tiny qwen3_next with an MTP layer for a
+    family that drafts only for such targets."""
+    return {"llama": meta_target, "qwen3_next": load_frozen_target(str(mtp_target_dir)).to(META)}
+
+
+def target_for(family, meta_targets):
+    types = FAMILIES[family].target_model_types
+    return meta_targets["llama" if types is None or "llama" in types else types[0]]
+
+
+@pytest.fixture(autouse=True)
+def dense_experts(monkeypatch):
+    """transformers' MoE experts (an MoE target's layers, and MTP's own layer, which is one of them)
+    route tokens with data-dependent shapes (nonzero, a loop over the experts hit), which meta
+    cannot size. Here every expert runs on every token, weighted by its routing weight (0 where
+    not routed): the same sum, with every tensor still made on the device, so the family's code
+    stays checked."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        weights = torch.zeros(*hidden_states.shape[:-1], self.num_experts, dtype=top_k_weights.dtype,
+                              device=hidden_states.device).scatter_add(-1, top_k_index, top_k_weights)
+        gate, up = torch.einsum("th,eih->tei", hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
+        return (out * weights[..., None].to(out.dtype)).sum(dim=1)
+
+    monkeypatch.setattr(modeling_qwen3_next.Qwen3NextExperts, "forward", forward)
+
+
+def test_the_dense_experts_double_sums_what_transformers_experts_do(monkeypatch):
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    dense = modeling_qwen3_next.Qwen3NextExperts.forward
+    monkeypatch.undo()  # transformers' own forward back
+    config = Qwen3NextConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    experts = modeling_qwen3_next.Qwen3NextExperts(config)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    x = torch.randn(10, 16)
+    index = torch.randint(0, 4, (10, 2), generator=torch.Generator().manual_seed(0))
+    weights = torch.rand(10, 2)
+    torch.testing.assert_close(dense(experts, x, index, weights), experts(x, index, weights))
 
 
 @contextlib.contextmanager
@@ -119,9 +173,10 @@ def meta_host_reads(monkeypatch):
 # -- the harness: training, capture, decoding on meta ------------------------------------------
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
-def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, tokens, meta_target):
+def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, tokens, meta_targets):
     """No boolean-mask selection on the device either: meta cannot size a nonzero (it raises), so
     the counted rows must come from the host batch, as the training loop hands it over."""
+    meta_target = target_for(family, meta_targets)
     draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
     model = TargetWithDraft(meta_target, draft, loss_chunk_size=16)
     B, T = 2, 24
@@ -230,9 +285,10 @@ class MetaEngine:
 
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
-def test_a_training_step_makes_no_pageable_host_to_device_copy(family, loss, tokens, meta_target, monkeypatch):
+def test_a_training_step_makes_no_pageable_host_to_device_copy(family, loss, tokens, meta_targets, monkeypatch):
     """The whole micro-batch as the loop runs it (batch copy, capture, loss), on a device: every
     host tensor it sends there is pinned and copied asynchronously."""
+    meta_target = target_for(family, meta_targets)
     from specdraft.train.loop import forward_step, model_inputs
 
     draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
@@ -300,18 +356,19 @@ def test_target_capture_runs_on_meta(meta_target):
     assert features.last_keys.shape == (1, heads, T, head_dim)
 
 
-def drafters(meta_target):
-    """Every drafter kind, on the meta target."""
-    made = {family: build_family(family, meta_target.config).to(META).eval().make_drafter(meta_target)
-            for family in FAMILY_NAMES}
-    made.update(self=ModelDrafter(meta_target, name="self"), prompt_lookup=PromptLookupDrafter())
-    return made
+def drafter_of(kind, meta_targets):
+    """A drafter of `kind` (a family, self, prompt_lookup) and its target, on meta."""
+    if kind in FAMILIES:
+        target = target_for(kind, meta_targets)
+        return build_family(kind, target.config).to(META).eval().make_drafter(target), target
+    target = meta_targets["llama"]
+    return (ModelDrafter(target, name="self") if kind == "self" else PromptLookupDrafter()), target
 
 
 @pytest.mark.parametrize("shape", [dict(gamma=3), dict(tree=[2, 3])], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", [*FAMILY_NAMES, "self", "prompt_lookup"])
-def test_a_decoding_round_runs_on_meta(kind, shape, meta_target, monkeypatch):
-    drafter = drafters(meta_target)[kind]
+def test_a_decoding_round_runs_on_meta(kind, shape, meta_targets, monkeypatch):
+    drafter, meta_target = drafter_of(kind, meta_targets)
     rounds = []
     original = drafter.propose_tree if "tree" in shape else drafter.propose_chain
 
@@ -366,7 +423,10 @@ class HostSyncCounter:
 
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
-def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, monkeypatch):
+def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, mtp_target_dir,
+                                                                    monkeypatch):
+    if FAMILIES[family].target_model_types == ("qwen3_next",):
+        cpu_target = load_frozen_target(str(mtp_target_dir))
     torch.manual_seed(0)
     draft = build_family(family, cpu_target.config, loss=loss, distill_tokens=tokens)
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)

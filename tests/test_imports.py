@@ -315,10 +315,12 @@ def test_files_of_no_format_we_read_are_one_line(served_target_dir, tmp_path):
 
     _, _, source = export_in(served_target_dir, tmp_path, "eagle3", "speculators", "")
     config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps(dict(config, speculators_model_type="mtp")))
+    (source / "config.json").write_text(json.dumps(dict(config, speculators_model_type="xpress")))
+    readers = ", ".join(family for family, cls in FAMILIES.items() if "speculators" in cls.file_formats)
     assert import_error(served_target_dir, "eagle3", source) == (
-        f"{source / 'config.json'}: speculators_model_type 'mtp': specdraft reads speculators drafts of eagle3, "
-        f"dflash, dspark only")
+        f"{source / 'config.json'}: speculators_model_type 'xpress': specdraft reads speculators drafts of "
+        f"{readers} only")
+    assert readers == "eagle3, dflash, dspark, mtp"
     save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     assert import_error(served_target_dir, "eagle3", tmp_path / "other.safetensors").startswith(
         f"{tmp_path / 'other.safetensors'}: not a draft format specdraft reads (tensors model.layers.0.weight, ...)")

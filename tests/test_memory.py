@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3NextConfig
 
 from specdraft.config import TrainConfig
 from specdraft.drafts import FAMILIES
@@ -15,6 +15,16 @@ from specdraft.train import memory
 
 TARGET = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+# the same size as a qwen3_next (MoE MLPs, gated attention), for a family that drafts only for it (MTP)
+QWEN3_NEXT = Qwen3NextConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                             layer_types=["full_attention"] * 4, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                             shared_expert_intermediate_size=256, tie_word_embeddings=False)
+
+
+def target_of(family):
+    types = FAMILIES[family].target_model_types
+    return TARGET if types is None or "llama" in types else QWEN3_NEXT
 
 
 def config(family, seq, documents=False):
@@ -26,10 +36,10 @@ def config(family, seq, documents=False):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_total_holds_exactly_the_familys_terms(family, monkeypatch):
     cls = FAMILIES[family]
-    base = memory.estimate_peak(TARGET, config(family, 1024), world_size=1)
+    base = memory.estimate_peak(target_of(family), config(family, 1024), world_size=1)
     original = cls.memory_terms
     monkeypatch.setattr(cls, "memory_terms", lambda self, shape: dict(original(self, shape), marker=12345.0))
-    marked = memory.estimate_peak(TARGET, config(family, 1024), world_size=1)
+    marked = memory.estimate_peak(target_of(family), config(family, 1024), world_size=1)
     assert marked.parts["marker"] == 12345.0 and marked.total == pytest.approx(base.total + 12345.0)
 
 
@@ -45,8 +55,9 @@ def test_no_familys_term_grows_faster_than_t_with_packed_documents(family):
     from specdraft.drafts import build_draft
     from specdraft.drafts.base import MemoryShape
 
-    draft = build_draft(config(family, 4096).draft, TARGET)
-    at = {T: draft.memory_terms(MemoryShape(B=1, T=T, dtype_bytes=2, chunk=1024, documents=True, target=TARGET))
+    draft = build_draft(config(family, 4096).draft, target_of(family))
+    at = {T: draft.memory_terms(MemoryShape(B=1, T=T, dtype_bytes=2, chunk=1024, documents=True,
+                                            target=target_of(family)))
           for T in (4096, 8192)}
     for name, value in at[8192].items():
         assert at[4096][name] <= value <= 2 * at[4096][name] + 1, name
@@ -59,9 +70,9 @@ def test_packed_documents_cost_no_square_term(family):
     from specdraft.drafts import build_draft
     from specdraft.drafts.base import MemoryShape
 
-    draft = build_draft(config(family, 4096).draft, TARGET)
+    draft = build_draft(config(family, 4096).draft, target_of(family))
     terms = {docs: draft.memory_terms(MemoryShape(B=1, T=8192, dtype_bytes=2, chunk=1024, documents=docs,
-                                                  target=TARGET)) for docs in (False, True)}
+                                                  target=target_of(family))) for docs in (False, True)}
     assert terms[True] == terms[False]
 
 
@@ -147,22 +158,23 @@ def test_the_familys_terms_are_the_tensors_a_training_step_holds(family, precisi
     its term counts at 4 B: they are checked at fp32 here."""
     from specdraft.drafts import build_draft
     from specdraft.train.model import TargetWithDraft
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     T = 256 if precision == "fp32" else 128
     cfg = config(family, T)
     cfg.precision, cfg.per_device_batch_size = precision, 1
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(0)
-    target = LlamaForCausalLM(TARGET).eval().requires_grad_(False).to(dtype)
-    model = TargetWithDraft(target, build_draft(cfg.draft, TARGET).to(dtype), cfg.loss_chunk_size)
-    ids = torch.randint(0, TARGET.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    target_config = target_of(family)
+    target = AutoModelForCausalLM.from_config(target_config).eval().requires_grad_(False).to(dtype)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target_config).to(dtype), cfg.loss_chunk_size)
+    ids = torch.randint(0, target_config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     options = model.draft_model.sample_batch_options(torch.Generator().manual_seed(0), T)
     for param in model.draft_model.parameters():  # the fixed terms' gradients, already there
         param.grad = torch.zeros_like(param) if param.requires_grad else None
     with LiveTensorBytes() as live:
         model(ids, torch.ones_like(ids), **options).loss.backward()
-    estimate = memory.estimate_peak(TARGET, cfg, world_size=1, documents=False)
+    estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
     predicted = estimate.total - sum(estimate.parts[name] for name in FIXED)
     assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in estimate.parts.items()}
 

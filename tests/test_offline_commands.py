@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REPO, torchrun, write_chat_files
-from offline_runs import SAVE_STEPS, SEVERAL, STEPS, run_config
+from offline_runs import SAVE_STEPS, SEVERAL, SEVERAL_FAMILIES, STEPS, run_config, target_of
 from specdraft.cli import main
 from specdraft.drafts import FAMILIES
 from specdraft.train.export import load_exported_draft
@@ -43,22 +43,23 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(served_target_dir, work):
+def runs(served_target_dir, mtp_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
-    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, work / "data", work, out,
-                    timeout=600)
+    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, mtp_target_dir, work / "data", work, out,
+                    timeout=700)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def shrunk(served_target_dir, work, runs):
+def shrunk(served_target_dir, mtp_target_dir, work, runs):
     """Each family's 2-rank step 2 resumed on 1 rank: {family: (losses, log lines)}."""
     results = {}
     for family in FAMILIES:
         lines = []
-        cfg = run_config(served_target_dir, work / "data", work, family, f"{family}_shrunk",
+        cfg = run_config(target_of(family, served_target_dir, mtp_target_dir), work / "data", work, family,
+                         f"{family}_shrunk",
                          f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}")
         results[family] = (train(cfg, log=lines.append).losses, lines)
     return results
@@ -156,7 +157,9 @@ def test_consolidate_writes_the_whole_trained_draft(runs, work, family):
 # -- eval ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, tiny_data, work, family, capsys):
+def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, mtp_target_dir, tiny_data, work,
+                                                            family, capsys):
+    served_target_dir = target_of(family, served_target_dir, mtp_target_dir)
     moved = work / f"{family}_elsewhere"
     shutil.copytree(work / family / f"step_{STEPS}", moved)
     config = json.loads((moved / "config.json").read_text())
@@ -190,7 +193,7 @@ def several_shrunk(served_target_dir, work, runs):
     return train(cfg, log=lines.append).draft_losses, lines
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(SEVERAL_FAMILIES))
 def test_each_draft_of_a_several_draft_run_trains_as_its_family_alone_at_two_ranks(runs, work, family):
     assert runs[SEVERAL]["full"][family] == runs[family]["full"]  # every step, exact (fp32, ZeRO-2)
     together = load_file(str(work / SEVERAL / f"step_{STEPS}" / family / "model.safetensors"))
@@ -199,21 +202,21 @@ def test_each_draft_of_a_several_draft_run_trains_as_its_family_alone_at_two_ran
 
 def test_a_several_draft_run_resumes_bit_identically_and_elastically_on_one_rank(runs, several_shrunk, work):
     full, resumed = runs[SEVERAL]["full"], runs[SEVERAL]["resumed"]
-    assert set(resumed) == set(FAMILIES) and all(resumed[name] == full[name][SAVE_STEPS:] for name in FAMILIES)
+    assert set(resumed) == set(SEVERAL_FAMILIES) and all(resumed[name] == full[name][SAVE_STEPS:] for name in SEVERAL_FAMILIES)
     losses, lines = several_shrunk
-    assert sum(line.startswith("resume: converted") for line in lines) == len(FAMILIES), lines
-    for name in FAMILIES:
+    assert sum(line.startswith("resume: converted") for line in lines) == len(SEVERAL_FAMILIES), lines
+    for name in SEVERAL_FAMILIES:
         assert (universal_dir(work / SEVERAL / "ckpt" / f"step_{SAVE_STEPS}") / name / "COMMITTED").is_file()
         straight = full[name][SAVE_STEPS:]
         assert len(losses[name]) == len(straight)
         assert max(abs(a - b) for a, b in zip(losses[name], straight)) <= ELASTIC_TOLERANCE, (name, losses, straight)
     # one commit for every draft: the slot's one COMMITTED lists each draft's files
     record = json.loads((work / SEVERAL / "ckpt" / f"step_{STEPS}" / "COMMITTED").read_text())
-    assert sorted(record["drafts"]) == sorted(FAMILIES)
-    assert {name.split("/")[0] for name in record["files"] if "/" in name} == set(FAMILIES)
+    assert sorted(record["drafts"]) == sorted(SEVERAL_FAMILIES)
+    assert {name.split("/")[0] for name in record["files"] if "/" in name} == set(SEVERAL_FAMILIES)
 
 
-@pytest.mark.parametrize("family,fmt", CASES)
+@pytest.mark.parametrize("family,fmt", [case for case in CASES if case[0] in SEVERAL_FAMILIES])
 def test_export_of_each_draft_of_a_several_draft_run(runs, work, family, fmt):
     run_dir = work / SEVERAL
     out = work / f"{SEVERAL}_{family}_export_{fmt}"
@@ -237,7 +240,7 @@ def test_export_of_each_draft_of_a_several_draft_run(runs, work, family, fmt):
         assert hashes[0] == hashes[1]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(SEVERAL_FAMILIES))
 def test_consolidate_each_draft_of_a_several_draft_run(runs, work, family):
     run_dir = work / SEVERAL
     assert main(["consolidate", str(run_dir), "--draft", family]) == 0
@@ -249,7 +252,7 @@ def test_consolidate_each_draft_of_a_several_draft_run(runs, work, family):
 
 def test_a_several_draft_run_needs_draft_name_where_one_draft_is_meant(runs, work, capsys):
     run_dir = work / SEVERAL
-    names = ", ".join(FAMILIES)
+    names = ", ".join(SEVERAL_FAMILIES)
     for args in (["export", str(run_dir)], ["consolidate", str(run_dir)], ["export", str(run_dir), "--draft", "nope"]):
         capsys.readouterr()
         assert main(args) == 2
@@ -266,13 +269,13 @@ def test_eval_of_a_several_draft_run_puts_every_draft_side_by_side(runs, tiny_da
     capsys.readouterr()
     assert main([*args, "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)
-    assert sorted(reports) == sorted(FAMILIES)
+    assert sorted(reports) == sorted(SEVERAL_FAMILIES)
     for name, report in reports.items():
         assert report["draft"] == str(work / SEVERAL / f"step_{STEPS}" / name) and report["matches_target"] is True
     assert main(args) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith(f"specdraft eval: {len(FAMILIES)} drafts")
-    assert [line.split()[0] for line in table[4:]] == sorted(FAMILIES)
+    assert table[0].startswith(f"specdraft eval: {len(SEVERAL_FAMILIES)} drafts")
+    assert [line.split()[0] for line in table[4:]] == sorted(SEVERAL_FAMILIES)
     assert main([*args, "--draft", "eagle3", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)
     assert one["draft"] == str(work / SEVERAL / f"step_{STEPS}" / "eagle3") and one["tau"] == reports["eagle3"]["tau"]

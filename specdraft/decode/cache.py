@@ -39,6 +39,10 @@ def keep_positions(cache: DynamicCache, keep: torch.Tensor) -> None:
         if getattr(layer, "is_sliding", False):
             raise SpecdraftError("the target uses sliding-window attention layers; speculative "
                                  "decoding here needs full-attention KV caches")
+        if hasattr(layer, "recurrent_states"):  # transformers' LinearAttentionLayer (Qwen3-Next's Gated DeltaNet)
+            raise SpecdraftError("the target has linear-attention layers (layer_types), whose recurrent state "
+                                 "cannot be rolled back after a rejected draft token; speculative decoding here "
+                                 "needs full-attention KV caches")
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
         if prefix:

@@ -207,6 +207,9 @@ class Draft(nn.Module, ABC):
     # (fnmatch pattern of a tensor name, the config key that sets its shape or presence); other
     # tensors take their shape from the target's config
     tensor_keys: ClassVar[Tuple[Tuple[str, str], ...]] = ()
+    # the target model_types this family drafts for; None: any supported target (MTP: the targets
+    # that ship its layer)
+    target_model_types: ClassVar[Optional[Tuple[str, ...]]] = None
 
     def cast(self, dtype: torch.dtype) -> "Draft":
         """The draft in `dtype` as training holds it: parameters cast, buffers kept (cast_parameters)."""

@@ -13,7 +13,7 @@ from specdraft.errors import SpecdraftError
 
 # Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
 # drafts read. Others may work but are not tested.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_next")  # qwen3_next: draft.type mtp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_DTYPE = "auto"  # the checkpoint's own torch_dtype (config.json)

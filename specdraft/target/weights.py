@@ -107,6 +107,19 @@ def load_target_head_weights(target_dir, dtype=None, expected_vocab: int | None 
     return TargetHeadWeights(embed, lm_head, False, plan.embed, plan.lm_head)
 
 
+def load_target_tensors(target_dir, prefix: str, dtype=None) -> dict[str, torch.Tensor]:
+    """{key: tensor} of the stored tensors whose key starts with `prefix` (a native MTP layer's
+    "mtp.", which transformers' loader drops), read one at a time on CPU; {} when none."""
+    checkpoint, dtype = _open_checkpoint(_require_directory(target_dir)), _resolve_dtype(dtype)
+    return {key: checkpoint.read(checkpoint.location(key), dtype)
+            for key in sorted(checkpoint.weight_map) if key.startswith(prefix)}
+
+
+def target_weight_files(target_dir) -> dict[str, Path]:
+    """{tensor key: the file holding it} of the target's weights (headers and index only)."""
+    return dict(_open_checkpoint(_require_directory(target_dir)).weight_map)
+
+
 def describe_target(target_dir) -> dict:
     """Architecture, sizes and where the embedding and head live, from config and headers only."""
     target_dir = _require_directory(target_dir)

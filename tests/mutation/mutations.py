@@ -622,6 +622,73 @@ DSPARK: List[Mutation] = [
              'markov_rank=dims.markov_rank, markov_head_type="vanilla",', DSPARK_EXPORT),
 ]
 
+# MTP: which token each recursive step reads and predicts, the recursion, the step weights, the
+# target's names and layout, the stitched target, the drafter's positions and hidden input
+MTP_PY = "specdraft/drafts/mtp/model.py"
+MTP_LAYER_PY = "specdraft/drafts/mtp/layer.py"
+MTP_TESTS = "tests/test_mtp.py"
+MTP_SEMANTICS = f"{MTP_TESTS}::test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2"
+MTP_SPECULATORS = f"{MTP_TESTS}::test_speculators_loads_the_export_and_computes_our_logits_and_loss"
+MTP_INIT = f"{MTP_TESTS}::test_the_new_draft_is_the_targets_own_mtp_layer"
+MTP_DRAFTER = f"{MTP_TESTS}::test_the_drafter_proposes_what_training_step_zero_predicts"
+MTP: List[Mutation] = [
+    Mutation("mtp/label-one-early", MTP_PY,
+             "labels = input_ids[:, k + 2:k + 2 + V].flatten()[rows]", "labels = input_ids[:, k + 1:k + 1 + V].flatten()[rows]",
+             (MTP_SEMANTICS, MTP_SPECULATORS), "step k learns x_{t+k+1}, the token it reads"),
+    Mutation("mtp/every-step-reads-the-next-token", MTP_PY,
+             "hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V]",
+             "hidden = self.step(hidden, input_embeds[:, 1:1 + V]", (MTP_SEMANTICS, MTP_SPECULATORS),
+             "the recursion's token input does not advance with the step"),
+    Mutation("mtp/no-recursion", MTP_PY,
+             "hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V]",
+             "hidden = self.step(final_hidden[:, :V], input_embeds[:, k + 1:k + 1 + V]", (MTP_SPECULATORS,),
+             "every step reads the target's hidden state instead of the previous step's output"),
+    Mutation("mtp/uniform-step-weights", MTP_PY,
+             "raw = [beta ** k for k in range(steps)]", "raw = [1.0 for k in range(steps)]",
+             (f"{MTP_TESTS}::test_step_weights_are_beta_powers_normalised", MTP_SPECULATORS)),
+    Mutation("mtp/document-border-counted", MTP_PY,
+             "            if host.documents is not None:  # ... and in t's own conversation",
+             "            if False:  # ... and in t's own conversation",
+             (f"{MTP_TESTS}::test_packed_documents_count_no_row_whose_token_is_in_the_next_document",),
+             "a row learns the first tokens of the next packed conversation"),
+    Mutation("mtp/documents-attend-across-borders", MTP_PY,
+             "mask = None if documents is None else PackedDocuments.of(documents[:, :V])", "mask = None",
+             (f"{MTP_TESTS}::test_packed_documents_count_no_row_whose_token_is_in_the_next_document",),
+             "a packed conversation attends to the one before it"),
+    Mutation("mtp/target-without-mtp-accepted", MTP_PY,
+             'if path != "the target" and not target_has_mtp(path):', "if False:",
+             (f"{MTP_TESTS}::test_a_target_without_an_mtp_layer_is_refused_in_one_line",)),
+    Mutation("mtp/input-order-swapped", MTP_LAYER_PY,
+             "x = torch.cat([self.token_layernorm(token_embeddings), self.hidden_layernorm(hidden_states)], dim=-1)",
+             "x = torch.cat([self.hidden_layernorm(hidden_states), self.token_layernorm(token_embeddings)], dim=-1)",
+             (MTP_SPECULATORS,), "input_proj reads [hidden; embedding], vLLM's and speculators' read [embedding; hidden]"),
+    Mutation("mtp/fc-norms-swapped", MTP_LAYER_PY,
+             'PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),\n'
+             '            ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),',
+             'PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.token_layernorm."),\n'
+             '            ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.hidden_layernorm."),',
+             (MTP_INIT,), "the target's hidden-state norm read as the embedding's"),
+    Mutation("mtp/experts-gate-up-swapped", MTP_LAYER_PY,
+             'torch.cat([by_index[i]["gate_proj"], by_index[i]["up_proj"]])',
+             'torch.cat([by_index[i]["up_proj"], by_index[i]["gate_proj"]])', (MTP_INIT,),
+             "transformers' fused gate_up_proj holds [gate; up]"),
+    Mutation("mtp/stitched-keeps-the-targets-layer", "specdraft/drafts/mtp/export.py",
+             "trained[key].detach().to(\"cpu\", tensor.dtype).contiguous().clone() if key in trained",
+             "trained[key].detach().to(\"cpu\", tensor.dtype).contiguous().clone() if False",
+             (f"{MTP_TESTS}::test_the_stitched_target_is_the_target_with_the_trained_layer",)),
+    Mutation("mtp/drafter-positions-one-late", "specdraft/drafts/mtp/decode.py",
+             "torch.arange(start, n, device=self.device)", "torch.arange(start + 1, n + 1, device=self.device)",
+             (MTP_DRAFTER,), "index t at position t + 1 (EAGLE-3's convention), training's is t"),
+    Mutation("mtp/drafter-hidden-before-the-final-norm", "specdraft/drafts/mtp/decode.py",
+             "final = self.target_model.norm(layer_output).to(self.device, self.dtype)",
+             "final = layer_output.to(self.device, self.dtype)", (MTP_DRAFTER,),
+             "the drafter reads the last layer's output, training the final norm's"),
+    Mutation("mtp/linear-attention-rollback-not-refused", "specdraft/decode/cache.py",
+             'if hasattr(layer, "recurrent_states"):', "if False:",
+             (f"{MTP_TESTS}::test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line",),
+             "a hybrid target decodes with rejected tokens left in its recurrent state"),
+]
+
 IMPORTS_PY = "specdraft/train/imports.py"
 IMPORTS_TESTS = ("tests/test_imports.py",)
 IMPORTS_TRAIN = ("tests/test_imports_train.py",)
@@ -815,6 +882,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "eagle3": EAGLE3,
     "dflash": DFLASH,
     "dspark": DSPARK,
+    "mtp": MTP,
     "peagle": PEAGLE,
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,

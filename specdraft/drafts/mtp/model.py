@@ -1,0 +1,254 @@
+"""MTP: fine-tune the native multi-token-prediction layer a target ships (Qwen3-Next's `mtp.*`), as
+speculators' MTPDraftModel does (speculators/models/mtp/core.py, 0.9.0).
+
+The draft is that one layer (layer.py): hidden_layernorm, token_layernorm, input_proj (2H -> H),
+the target's own decoder layer class, final_layernorm. Embeddings and lm_head are the target's,
+frozen and shared, never in the draft's state. A new draft starts as the target's own MTP layer,
+read from its checkpoint files (transformers' loader drops `mtp.*`).
+
+Training, teacher-forced and recursive over K = draft.num_speculative_steps steps (speculators'
+forward, exactly): with V = T - K - 1 rows (the same for every step), at step k = 0..K-1
+
+    index t (< V), position t:  h^0_t = the target's final hidden state at t (after its final norm:
+                                what vLLM's Qwen3NextModel.forward hands its MTP proposer)
+                                out^k_t = layer(h^k_t, embed(x_{t+k+1}))   causal over the step's indices
+                                h^{k+1}_t = out^k_t
+    predicts x_{t+k+2} with the target's lm_head; counted where x_{t+k+2} is loss-masked (and, with
+    packed data, in t's own document)
+    loss = sum_k w_k * mean_k CE,   w_k = beta^k / sum_j beta^j,   beta = draft.step_weight_beta (0.6)
+
+Step 0 at index n-1 is what decoding runs first: (h_{n-1}, x_n) -> x_{n+1}; each further drafted
+token feeds the layer's own output back (decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, MemoryShape, TargetFeatures, rows_where,
+                                   target_text_config)
+from specdraft.drafts.loss import chunked_cross_entropy
+from specdraft.drafts.mtp.decode import MTPDrafter
+from specdraft.drafts.mtp.export import FILE_FORMAT, read_target_mtp, target_has_mtp, write_speculators, write_stitched
+from specdraft.drafts.documents import PackedDocuments
+from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer
+from specdraft.errors import SpecdraftError
+
+
+@dataclass
+class MTPOptions:
+    """The `draft.` keys MTP reads (speculators' names and defaults)."""
+
+    num_speculative_steps: int = 3  # recursive steps trained (and the chain drafted by default)
+    step_weight_beta: float = 0.6  # step k's loss weight beta^k / sum_j beta^j (FastMTP, eq. 2)
+    # recompute each step's layer in the backward instead of keeping its activations
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class MTPDims:
+    target_config: Dict[str, Any]  # the target's text config (model_type + transformers' fields)
+    num_speculative_steps: int = 3
+    step_weight_beta: float = 0.6
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.target_config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.target_config["vocab_size"])
+
+
+def step_weights(beta: float, steps: int) -> List[float]:
+    """speculators' compute_step_weights: beta^k / sum_j beta^j, k = 0..steps-1."""
+    raw = [beta ** k for k in range(steps)]
+    return [w / sum(raw) for w in raw]
+
+
+def layer_config(target_config: Dict[str, Any]):
+    """The transformers config the layer is built from (sdpa attention, as speculators sets)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in target_config.items() if k != "model_type"}
+    config = AutoConfig.for_model(target_config["model_type"], **fields)
+    config._attn_implementation = ATTENTION  # sdpa, as speculators sets, and packed documents without a T x T mask
+    config._experts_implementation = "eager"  # the plain loop over experts (transformers warns when unset)
+    return config
+
+
+def text_config_dict(target_config) -> Dict[str, Any]:
+    text = target_text_config(target_config)
+    config = {k: v for k, v in text.to_dict().items()
+              if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+    return dict(config, model_type=text.model_type)
+
+
+class MTPDraft(Draft):
+    family = "mtp"
+    label = "MTP"
+    architecture = "MTPDraft"
+    options = MTPOptions
+    dims_type = MTPDims
+    default_loss = "ce"
+    serving_formats = {"speculators": write_speculators, "stitched": write_stitched}
+    on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
+    file_formats = {"speculators": FILE_FORMAT}
+    target_model_types = tuple(LAYER_CLASSES)
+
+    def __init__(self, dims: MTPDims):
+        super().__init__()
+        self.dims = dims
+        self.config = layer_config(dims.target_config)
+        self.mtp_layers = nn.ModuleList([build_mtp_layer(self.config)])
+        self.init_weights(self.config.initializer_range)
+
+    def init_weights(self, std: float) -> None:
+        """A layer of its own when no target file gives one (a config built in memory): matrices
+        and expert tensors ~ N(0, std) from a fixed seed, the (1 + w) norms at w = 0, as
+        transformers initialises Qwen3-Next (its expert tensors are otherwise uninitialised memory)."""
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, param in sorted(self.named_parameters()):
+                value = torch.zeros(param.shape) if param.dim() == 1 else torch.randn(param.shape, generator=generator) * std
+                param.copy_(value)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        def fail(key: str, why: str) -> None:
+            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+        steps = int(draft_cfg.num_speculative_steps)
+        if steps < 1:
+            fail("num_speculative_steps", f"must be >= 1, got {steps}")
+        if steps + 2 > max_seq_length:
+            fail("num_speculative_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
+        if not float(draft_cfg.step_weight_beta) > 0:
+            fail("step_weight_beta", f"must be > 0, got {draft_cfg.step_weight_beta}")
+        if target_config is not None:
+            refuse_target_without_mtp(target_config, source)
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "MTPDraft":
+        draft = cls(MTPDims(target_config=text_config_dict(target_config),
+                            num_speculative_steps=int(draft_cfg.num_speculative_steps),
+                            step_weight_beta=float(draft_cfg.step_weight_beta)))
+        path = target_path(target_config)
+        # a new draft starts as the target's own MTP layer (read from its files: not on the meta
+        # device, and not for a config built in memory, which has no files: init_weights then)
+        if path and torch.empty(0).device.type != "meta":
+            draft.load_state_dict(read_target_mtp(path, draft.state_dict()), strict=True)
+        return draft
+
+    def describe(self) -> str:
+        beta, steps = self.dims.step_weight_beta, self.dims.num_speculative_steps
+        weights = ", ".join(f"{w:.3f}" for w in step_weights(beta, steps))
+        return f"the target's MTP layer, {steps} recursive steps weighted {weights} (beta {beta})"
+
+    # -- training --------------------------------------------------------------------------
+
+    def capture_request(self) -> CaptureRequest:
+        return CaptureRequest(final_hidden=True)
+
+    def step(self, hidden, embeds, cos, sin, attention_mask=None, past_key_values=None) -> torch.Tensor:
+        """One pass of the layer: hidden, embeds (B, T, H) at rotary tables cos/sin (B, T, D)."""
+        return self.run_layer(self.mtp_layers[0], hidden, embeds, (cos.to(hidden.dtype), sin.to(hidden.dtype)),
+                              attention_mask, past_key_values)
+
+    def unroll(self, final_hidden, input_embeds, cos, sin, documents: Optional[torch.Tensor] = None):
+        """The K teacher-forced steps over rows t < V = T - K - 1 -> K outputs (B, V, H); step k's
+        row t predicts x_{t+k+2}. documents (B, T): packed conversations, each attending to itself."""
+        T = final_hidden.shape[1]
+        steps = min(self.dims.num_speculative_steps, max(0, T - 2))
+        V = T - steps - 1
+        # causal (None), inside each packed conversation (layer.packed_document_attention)
+        mask = None if documents is None else PackedDocuments.of(documents[:, :V])
+        hidden, outputs = final_hidden[:, :V], []
+        for k in range(steps):
+            hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V], cos[:, :V], sin[:, :V], mask)
+            outputs.append(hidden)
+        return outputs
+
+    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask, chunk_size: int,
+                      documents: Optional[torch.Tensor] = None, host: Optional[HostBatch] = None, **_) -> DraftLoss:
+        dtype = self.mtp_layers[0].input_proj.weight.dtype
+        outputs = self.unroll(features.final_hidden.to(dtype), features.input_embeds.to(dtype), features.cos,
+                              features.sin, documents)
+        host = HostBatch.of(input_ids, loss_mask, documents, host)
+        weights = step_weights(self.dims.step_weight_beta, self.dims.num_speculative_steps)
+        loss, metrics = None, {}
+        for k, out in enumerate(outputs):
+            V = out.shape[1]
+            counted = host.loss_mask[:, k + 2:k + 2 + V].bool()  # x_{t+k+2} is learned
+            if host.documents is not None:  # ... and in t's own conversation
+                counted = counted & (host.documents[:, k + 2:k + 2 + V] == host.documents[:, :V])
+            rows, tokens = rows_where(counted, input_ids.device)
+            labels = input_ids[:, k + 2:k + 2 + V].flatten()[rows]
+            total, hits = chunked_cross_entropy(out.flatten(0, 1)[rows], lm_head_weight, labels, chunk_size)
+            weighted = weights[k] * total / tokens.clamp_min(1)
+            loss = weighted if loss is None else loss + weighted
+            metrics[f"step_{k}/loss"] = (total.detach(), tokens)
+            metrics[f"step_{k}/accuracy"] = (hits, tokens)
+        first_hits, first_tokens = metrics["step_0/accuracy"]
+        return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
+
+    # -- decoding --------------------------------------------------------------------------
+
+    @property
+    def trained_depth(self) -> int:
+        return int(self.dims.num_speculative_steps)
+
+    def make_drafter(self, target: nn.Module) -> MTPDrafter:
+        return MTPDrafter(self, target)
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        c = self.config
+        p, steps, H = shape.dtype_bytes, self.dims.num_speculative_steps, c.hidden_size
+        tokens = shape.B * shape.T
+        heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        mlp = self.mtp_layers[0].mlp
+        if hasattr(mlp, "experts"):  # MoE: per routed expert its gathered input, gate/up, product and
+            # output; router logits and weights; the shared expert's gate, up, act, product, output
+            inner = c.num_experts_per_tok * (3 * H + 4 * c.moe_intermediate_size) + 3 * c.num_experts \
+                + 5 * c.shared_expert_intermediate_size
+        else:
+            inner = 5 * c.intermediate_size
+        # per step and token, saved for backward (counted with tests/test_memory.py's LiveTensorBytes:
+        # 9.8 K floats per token on its qwen3_next): the norms' inputs and outputs, the 2H
+        # concatenation, input_proj's output and the residuals (13 H); q with its gate, the q/k norms,
+        # the rotated q/k, the attention output and its gating (7 heads hd, 6 kv hd); the MLP's; six
+        # RMSNorms keep their inputs in fp32
+        step = (13 * H + 7 * heads * hd + 6 * kv * hd + inner) * p + shape.fp32_norm_inputs(6 * H)
+        held = steps * step if not self.gradient_checkpointing else steps * 2 * H * p + step
+        return {
+            # the input embeddings, cos/sin and the target's final hidden state
+            "capture features": shape.capture_features(2 * H + 2 * hd),
+            "draft activations": tokens * held,
+            # every step's counted rows keep their output's gradient until the backward; one chunk of
+            # logits at a time against the target's (frozen) lm_head
+            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, c.vocab_size, H),
+        }
+
+
+def target_path(target_config) -> str:
+    """The directory the target's config was read from (transformers records it)."""
+    return str(getattr(target_config, "_name_or_path", "") or "")
+
+
+def refuse_target_without_mtp(target_config, source: str) -> None:
+    """draft.type mtp fine-tunes a layer the target ships: a target without one is refused, by path."""
+    text = target_text_config(target_config)
+    path = target_path(target_config) or "the target"
+    if text.model_type not in LAYER_CLASSES:
+        raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+                             f"(model_type {text.model_type}) has none (targets with one: "
+                             f"{', '.join(LAYER_CLASSES)} checkpoints holding mtp.* tensors)")
+    if path != "the target" and not target_has_mtp(path):
+        raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+                             f"has none (no mtp.* tensors in its weight files)")
