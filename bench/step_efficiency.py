@@ -166,6 +166,7 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
                              "markov_rank": 64},
     "mtp": lambda shape: {"num_speculative_steps": 3},  # speculators' default (no demo config: no MTP target)
+    "peagle": lambda shape: {"num_depths": 8, "mask_token_id": 0},
 }
 
 

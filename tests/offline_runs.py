@@ -12,6 +12,7 @@ SMALL = {
     "eagle3": {"draft.ttt_steps": 2, "draft.draft_vocab_size": 200},
     "dflash": {"draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16},
     "dspark": {"draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16, "draft.markov_rank": 8},
+    "peagle": {"draft.num_depths": 3, "draft.draft_vocab_size": 200, "draft.mask_token_id": 3},
 }
 STEPS, SAVE_STEPS = 4, 2
 # a family that drafts only for targets of its own kind trains on one (MTP: the tiny qwen3_next

@@ -75,7 +75,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     (tmp_path / "d.jsonl").write_text("{}\n")
     cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
                                                      "eval_prompts=null"])
-    family = next((f for f in ("eagle3", "dflash", "dspark") if f in name), "glide")
+    family = next((f for f in ("peagle", "eagle3", "dflash", "dspark") if f in name), "glide")
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 
@@ -88,7 +88,7 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys
     ("draft.block_size=4", "glide", "dflash, dspark"),
     ("draft.ttt_steps=3", "dflash", "eagle3"),
     ("draft.max_lag=2", "eagle3", "glide"),
-    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark"),
+    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle"),
     ("draft.markov_rank=8", "dflash", "dspark"),
 ])
 def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
@@ -160,7 +160,7 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     assert config_hash(eagle3) == before
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
 def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     from helpers import REPO
 
@@ -176,10 +176,10 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
 
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
-    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3" in str(err.value)
+    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-peagle" in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
 def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir, tiny_data):
     """`specdraft train configs/demo*.yaml` after `specdraft demo`: its data_files glob finds the
     build's train files (checked on the tiny build, laid out like the demo's)."""

@@ -85,7 +85,7 @@ def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
     assert rows["target"][2] == "required"
     assert rows["draft.draft_vocab_size"][1:3] == ("int or null", "null")
     # a key two families read with other meanings gets each family's
-    assert rows["draft.target_layers"][4].startswith("eagle3: ") and "dflash, dspark: " in rows["draft.target_layers"][4]
+    assert rows["draft.target_layers"][4].startswith("eagle3, peagle: ") and "dflash, dspark: " in rows["draft.target_layers"][4]
 
 
 def test_a_field_s_meaning_is_its_trailing_comment_or_the_comment_lines_above_it():

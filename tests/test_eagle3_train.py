@@ -51,7 +51,7 @@ def test_eagle3_trains_logs_ttt_steps_saves_maps_and_resumes_without_recounting(
 
     # resume: the maps come from the slot, never from counting again
     monkeypatch.setattr(vocab_module, "count_target_tokens", lambda *a: pytest.fail("recounted on resume"))
-    from specdraft.drafts.eagle3 import model as eagle3_module
+    from specdraft.drafts import eagle3_layer as eagle3_module  # where a new draft counts its maps
 
     monkeypatch.setattr(eagle3_module, "count_target_tokens", lambda *a: pytest.fail("recounted on resume"))
     more = overrides(tiny_target_dir, data_dir, tmp_path, "run", max_steps=22, save_steps=10)

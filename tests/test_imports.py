@@ -25,13 +25,14 @@ from specdraft.train.imports import read_init_from
 
 SMALL = {"glide": {"attention_bias": True}, "eagle3": {"ttt_steps": 2, "draft_vocab_size": 200},
          "dflash": {"num_layers": 2, "block_size": 4}, "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 8,
-                                                                  "markov_head_type": "gated"}}
+                                                                  "markov_head_type": "gated"},
+         "peagle": {"num_depths": 3, "draft_vocab_size": 200, "mask_token_id": 3}}
 # (family, format, the file an import is pointed at: relative to the export, "" = the directory)
 CASES = [("glide", "native", ""), ("glide", "native", "draft_model_weights.pth"), ("glide", "longspec", ""),
          ("eagle3", "native", ""), ("eagle3", "speculators", ""), ("eagle3", "sglang", ""),
          ("eagle3", "sglang", "pytorch_model.bin"), ("eagle3", "sglang", "eagle3.pth"),
          ("dflash", "native", ""), ("dflash", "speculators", ""), ("dspark", "native", ""),
-         ("dspark", "speculators", "")]
+         ("dspark", "speculators", ""), ("peagle", "native", ""), ("peagle", "speculators", "")]
 IDS = [f"{f}-{fmt}{'-' + path if path else ''}" for f, fmt, path in CASES]
 
 
@@ -45,7 +46,7 @@ def random_draft(target_dir, family, seed=0, **draft):
     cfg = run_cfg(target_dir, family, **draft)
     model = build_draft(cfg.draft, AutoConfig.from_pretrained(target_dir))
     generator = torch.Generator().manual_seed(seed)
-    if family == "eagle3":  # maps of its own, not the data's
+    if family in ("eagle3", "peagle"):  # maps of its own, not the data's
         counts = torch.randint(0, 1000, (model.dims.vocab_size,), generator=generator).numpy()
         model.set_vocab_maps(*vocab_maps(counts, model.dims.draft_vocab_size))
     with torch.no_grad():
@@ -290,7 +291,8 @@ def test_a_final_norm_glide_is_refused_by_the_longspec_format(served_target_dir,
 
 @pytest.mark.parametrize("family,fmt,draft", [("eagle3", "speculators", {"fc_norm": True, "norm_output": True}),
                                               ("eagle3", "sglang", {}), ("dflash", "speculators", {"sample_from_anchor": True}),
-                                              ("dspark", "speculators", {"confidence_with_markov": False})])
+                                              ("dspark", "speculators", {"confidence_with_markov": False}),
+                                              ("peagle", "speculators", {"fc_norm": True, "mask_token_id": 9})])
 def test_an_import_reads_back_the_settings_our_writer_records(served_target_dir, tmp_path, family, fmt, draft):
     import json
 
@@ -318,7 +320,7 @@ def test_files_of_no_format_we_read_are_one_line(served_target_dir, tmp_path):
     assert import_error(served_target_dir, "eagle3", source) == (
         f"{source / 'config.json'}: speculators_model_type 'xpress': specdraft reads speculators drafts of "
         f"{readers} only")
-    assert readers == "eagle3, dflash, dspark, mtp"
+    assert readers == "eagle3, dflash, dspark, mtp, peagle"
     save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     assert import_error(served_target_dir, "eagle3", tmp_path / "other.safetensors").startswith(
         f"{tmp_path / 'other.safetensors'}: not a draft format specdraft reads (tensors model.layers.0.weight, ...)")

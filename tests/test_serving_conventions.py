@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from helpers import random_llama
-from specdraft.drafts.eagle3.export import serving_refusal
+from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.vocab import draft_to_target_ids
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture

@@ -18,10 +18,11 @@ from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.drafts.eagle3.model import Eagle3Draft
 from specdraft.drafts.glide.model import GlideDraft
 from specdraft.drafts.mtp.model import MTPDraft
+from specdraft.drafts.peagle.model import PEagleDraft
 from specdraft.errors import SpecdraftError
 
 FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft,
-                                                                  MTPDraft)}
+                                                                  MTPDraft, PEagleDraft)}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 DEFAULT_FAMILY = "glide"
 # `draft.` keys of every family, with their meaning (the configuration reference prints it)

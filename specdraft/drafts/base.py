@@ -47,6 +47,9 @@ class FileFormat:
     settings: Callable[[Optional[Dict[str, Any]]], Dict[str, Any]] = lambda config: {}
     # draft -> our tensors the format leaves out because their value is implied, with that value
     implied: Callable[["Draft"], Dict[str, torch.Tensor]] = lambda draft: {}
+    # (draft, the file's tensors) -> our tensors the format stores inside one of its own (P-EAGLE's
+    # mask embedding is a row of embed_tokens), read back by an import
+    derived: Callable[["Draft", Dict[str, torch.Tensor]], Dict[str, torch.Tensor]] = lambda draft, tensors: {}
 
 
 def config_fields(fields: Dict[str, str]) -> Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]:

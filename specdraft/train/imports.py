@@ -74,6 +74,8 @@ def read_init_from(cfg: DictConfig, target_config) -> ImportedDraft:
     names, implied = format_names(draft, fmt)
     check_tensors(draft, names, tensors, weights)
     state = {ours: tensors[theirs] for theirs, ours in names.items() if ours is not None}
+    if fmt != "native":
+        state.update(type(draft).file_formats[fmt].derived(draft, tensors))
     return ImportedDraft(weights, fmt, {**state, **implied})
 
 

@@ -102,10 +102,7 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     B, whole = cfg.per_device_batch_size, cfg.max_seq_length
     T = -(-whole // S)  # this rank's shard
     tokens = B * T
-    H, I, V = text.hidden_size, text.intermediate_size, text.vocab_size
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    hd = getattr(text, "head_dim", None) or H // heads
+    V = text.vocab_size
     P_t, P_d = counts["target"], counts["draft"]
     est = MemoryEstimate()
 

@@ -233,7 +233,8 @@ DECODING: List[Mutation] = [
 
 # EAGLE-3 (from notes/eagle3-mutations.py)
 E3 = "specdraft/drafts/eagle3/model.py"
-E3_DECODE = "specdraft/drafts/eagle3/decode.py"
+E3_LAYER = "specdraft/drafts/eagle3_layer.py"
+E3_DECODE = "specdraft/drafts/eagle3_decode.py"
 E3_VOCAB = "specdraft/drafts/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"
@@ -314,10 +315,10 @@ EAGLE3: List[Mutation] = [
              "module = base_model.norm if layer_id == num_layers else base_model.layers[layer_id]",
              "module = base_model.norm if layer_id + 1 == num_layers else base_model.layers[layer_id + 1]",
              ("tests/test_capture.py", "tests/test_eagle3.py"), "SpecForge's output-of-layer ids instead of vLLM's"),
-    Mutation("eagle3/default-layers", E3,
+    Mutation("eagle3/default-layers", E3_LAYER,
              "layers = [2, num_layers // 2, num_layers - 3]", "layers = [1, num_layers // 2, num_layers - 2]",
              E3_TRAIN),
-    Mutation("eagle3/residual-flag-inverted", E3,
+    Mutation("eagle3/residual-flag-inverted", E3_LAYER,
              "residual = normed if self.norm_before_residual else hidden",
              "residual = hidden if self.norm_before_residual else normed", E3_TRAIN + E3_SPEC),
     Mutation("eagle3/drafter-position", E3_DECODE,
@@ -470,7 +471,7 @@ DISTILL_TOKENS: List[Mutation] = [
 ]
 
 # Serving conventions (issue 19): what a server computes from our files equals what we trained
-E3_EXPORT = "specdraft/drafts/eagle3/export.py"
+E3_EXPORT = "specdraft/drafts/eagle3_export.py"
 CONV = "tests/test_serving_conventions.py"
 E3_TEACHER = ("tests/test_eagle3.py", "-k", "objectives_read")
 
@@ -478,12 +479,12 @@ CONVENTIONS: List[Mutation] = [
     Mutation("conventions/sglang-ids-unshifted", E3_EXPORT,
              "return [layer - 1 for layer in layers]", "return list(layers)",
              (f"{CONV}::test_sglang_gets_our_layer_ids_minus_one",), "SGLang captures one layer deeper"),
-    Mutation("conventions/layers-unsorted", E3,
+    Mutation("conventions/layers-unsorted", E3_LAYER,
              "layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])",
              "layers = [int(layer) for layer in draft_cfg.target_layers or []]",
              (f"{CONV}::test_captured_states_concatenate_in_increasing_layer_order",),
              "fc trained on a permutation of what the server concatenates"),
-    Mutation("conventions/shallow-default-unsorted", E3,
+    Mutation("conventions/shallow-default-unsorted", E3_LAYER,
              "return sorted(layers), \"vLLM's default [2, L//2, L-3]\"",
              "return layers, \"vLLM's default [2, L//2, L-3]\"",
              ("tests/test_eagle3.py::test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct",),
@@ -511,7 +512,7 @@ CONVENTIONS: List[Mutation] = [
              "return cast_parameters(self, dtype)", "return self.to(dtype)",
              (f"{CONV}::test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does",),
              "bf16 eval rounds the rotary inv_freq that training kept fp32"),
-    Mutation("conventions/rope-scaling-ignored", E3,
+    Mutation("conventions/rope-scaling-ignored", E3_LAYER,
              'rope = getattr(text, "rope_parameters", None) or {',
              'rope = {"rope_type": "default", "rope_theta": text.rope_parameters["rope_theta"]} or {',
              (f"{CONV}::test_llama31_rope_scaling_is_the_targets_and_speculators_computes_our_logits",),
@@ -704,14 +705,14 @@ IMPORTS = [
              'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
              '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
              IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
-    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
              '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
              '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
              IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
-    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
              '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
              IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
-    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3/export.py",
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
              '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
              '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
     Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
@@ -750,6 +751,37 @@ IMPORTS = [
 ]
 
 # -- packed documents without (T, T) masks: GLIDE and DFlash, per device path ----------------------
+
+PEAGLE_PY = "specdraft/drafts/peagle/model.py"
+PEAGLE_COD = "specdraft/drafts/peagle/cod.py"
+PEAGLE_DECODE = "specdraft/drafts/peagle/decode.py"
+PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
+PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
+PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
+PEAGLE: List[Mutation] = [
+    Mutation("peagle/cod-no-shift", PEAGLE_COD, "pool = kept + 1\n", "pool = kept + 0\n", PE_UNIT,
+             "deeper depths drawn from the same positions, not the next ones"),
+    Mutation("peagle/cod-no-floor", PEAGLE_COD, "max(ratio ** d, ratio_min)", "ratio ** d", PE_UNIT,
+             "r_min ignored: deep depths starve"),
+    Mutation("peagle/cod-invalid-kept", PEAGLE_COD, "pool = pool[valid[pool]]", "pool = pool", PE_UNIT,
+             "slots whose label is not taught sampled"),
+    Mutation("peagle/visibility-sees-later-context", PEAGLE_COD, "(k_anchor <= q_anchor)", "(k_anchor <= q_anchor + 1)",
+             PE_UNIT, "a slot sees the next position's real token"),
+    Mutation("peagle/visibility-no-rollout", PEAGLE_COD, "rollout = (k_anchor == q_anchor) & (depth[None, :] <= depth[:, None])",
+             "rollout = (k_anchor == q_anchor) & (depth[None, :] == depth[:, None])", PE_UNIT + PE_SPEC,
+             "a deep slot does not see its own rollout"),
+    Mutation("peagle/mask-hidden-unused", PEAGLE_PY, "self.mask_hidden.to(aux.dtype)[0]", "aux[anchor.clamp_min(0)]",
+             PE_SPEC, "deeper slots read real target states"),
+    Mutation("peagle/mask-token-row-not-shared", PEAGLE_PY,
+             "~first | (ids[nxt] == self.dims.mask_token_id)", "~first", PE_SPEC,
+             "the text's own mask token read with the target's row (speculators/vLLM read one row)"),
+    Mutation("peagle/slot-position-shift", PEAGLE_PY, "positions = anchor + depth + 1", "positions = anchor + 1",
+             PE_SPEC, "every depth at its anchor's RoPE position"),
+    Mutation("peagle/drafter-depth-position", PEAGLE_DECODE, "n + torch.arange(1, m + 1, device=dev)",
+             "n + torch.arange(0, m, device=dev)", PE_UNIT, "inference positions one off the training ones"),
+    Mutation("peagle/export-mask-row", PEAGLE_EXPORT, "embed[draft.dims.mask_token_id] = state_dict[\"mask_embedding\"]",
+             "embed[0] = state_dict[\"mask_embedding\"]", PE_SPEC, "the trained mask row written to token 0"),
+]
 
 DOCUMENTS: List[Mutation] = [
     Mutation("documents/cuda-takes-the-dense-path", DOCUMENTS_PY,
@@ -884,6 +916,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "dflash": DFLASH,
     "dspark": DSPARK,
     "mtp": MTP,
+    "peagle": PEAGLE,
     "distill": DISTILL_TOKENS,
     "conventions": CONVENTIONS,
     "checkpoint": CHECKPOINT,

@@ -26,32 +26,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
-                                   target_layer_shape, target_text_config)
-from specdraft.drafts.eagle3.decode import Eagle3Drafter
-from specdraft.drafts.eagle3.export import FILE_FORMATS, serving_refusal, write_sglang, write_speculators
-from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
+from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where)
 from specdraft.drafts.documents import PackedDocuments
-from specdraft.drafts.ttt_attention import ttt_attention
+from specdraft.drafts.eagle3_decode import Eagle3Drafter
+from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
+from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
+                                           default_target_layers, layer_dims, validate_layer_options)  # re-exported
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
-from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DRAFT_VOCAB = 32000
-AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 
 
 @dataclass
@@ -78,101 +72,6 @@ class Eagle3Options(ObjectiveOptions):
 TEACHER_ROWS = ("in_vocab", "all")
 
 
-def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
-    """vLLM's [2, L//2, L-3], or on targets too shallow for three distinct ones, three spread ids;
-    in increasing order, the order the servers concatenate them in. Ids 1..L-1 when the target
-    has them (every server captures those), else 0..L-1 (vLLM's), else 0..L (native only)."""
-    layers = [2, num_layers // 2, num_layers - 3]
-    if len(set(layers)) == AUX_LAYERS and min(layers) >= 0:
-        return sorted(layers), "vLLM's default [2, L//2, L-3]"
-    if num_layers >= AUX_LAYERS + 1:
-        candidates = list(range(1, num_layers))
-    else:
-        candidates = list(range(0, num_layers + 1))
-    layers = [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
-    return layers, f"[2, L//2, L-3] is not three distinct layers of a {num_layers}-layer target"
-
-
-@dataclass
-class Eagle3Dims(LayerDims):
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    target_num_layers: int
-    target_layers: List[int]  # increasing: the servers concatenate captured states in layer order
-    rope_parameters: Dict[str, Any]
-    max_position_embeddings: int
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
-    norm_before_residual: bool = False
-    fc_norm: bool = False
-    norm_before_fc: bool = False
-    norm_output: bool = False
-    initializer_range: float = 0.02
-
-    def transformer_layer_config(self) -> Dict[str, Any]:
-        """The draft layer as a Llama config dict (speculators' transformer_layer_config; SGLang's)."""
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "max_position_embeddings": self.max_position_embeddings,
-                "rope_parameters": dict(self.rope_parameters), "tie_word_embeddings": False,
-                "initializer_range": self.initializer_range}
-
-
-class Eagle3Attention(Projections):
-    def __init__(self, d: Eagle3Dims):
-        super().__init__(d, in_size=2 * d.hidden_size)  # over cat(embeds, hidden)
-
-    def forward(self, x, cos, sin, past_keys, past_values, visible):
-        # x (B, T, 2H) -> out (B, T, H), new k, v. Decoding: past (B, KV, S, D) or None, visible
-        # (T, S + T) bool. TTT training: past = the earlier steps' (B, KV, T, D) each, visible a
-        # TTTVisibility (no (T, (k+1) T) mask is built).
-        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
-        k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
-        v = self.heads(self.v_proj(x))
-        if isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
-            shard = visible.shard or SequenceShard.whole(x.shape[1])
-            q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)
-            out = shard.to_tokens(ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents))
-        else:
-            keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
-            values = v if past_values is None else torch.cat([past_values, v], dim=2)
-            out = attend(q, keys, values, visible)
-        return self.output(out), k, v
-
-
-class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, d: Eagle3Dims):
-        super().__init__()
-        self.norm_before_residual = d.norm_before_residual
-        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.hidden_norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.self_attn = Eagle3Attention(d)
-        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = GatedMLP(d.hidden_size, d.intermediate_size)
-
-    def forward(self, embeds, hidden, cos, sin, past_keys=None, past_values=None, visible=None):
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # (B, T, 2H)
-        attn, k, v = self.self_attn(x, cos, sin, past_keys, past_values, visible)
-        out = residual + attn
-        out = out + self.mlp(self.post_attention_layernorm(out))
-        return out, k, v
-
-
-@dataclass(frozen=True)
-class TTTVisibility:
-    """The training-time test's rule (ttt_visibility) without its mask: step k's query t sees the
-    step-0 keys <= t of its own conversation (documents (B, T), None: one per row) and the key at
-    t of each step 1..k; drafts/ttt_attention.py computes it exactly."""
-
-    documents: Optional[PackedDocuments] = None
-    shard: Optional[SequenceShard] = None  # sequence parallelism: attention exchanges heads (documents: whole T)
-
 
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense reference of TTTVisibility (tests), (T, (step+1) T) bool: step-0 keys causally,
@@ -190,7 +89,7 @@ def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] 
 SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 
 
-class Eagle3Draft(Draft):
+class Eagle3Draft(Eagle3Base):
     family = "eagle3"
     label = "EAGLE-3"
     sequence_parallel = True
@@ -205,23 +104,9 @@ class Eagle3Draft(Draft):
                    ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
 
     def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
-        super().__init__()
-        self.dims = dims
+        super().__init__(dims)
         self.objective = objective  # what training_loss minimises (a training setting, not exported)
         self.teacher_rows = teacher_rows  # Eagle3Options.teacher_rows (a training setting, not exported)
-        aux = len(dims.target_layers) * dims.target_hidden_size
-        self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
-                                      for _ in dims.target_layers) if dims.fc_norm else None)
-        self.fc = nn.Linear(aux, dims.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(dims)])
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(LlamaConfig(**dims.transformer_layer_config()))
-        # the vocabulary maps: set once (counted, or loaded from a checkpoint / export), never rebuilt
-        self.register_buffer("d2t", torch.zeros(dims.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
-        self.init_linear_weights(self.dims.initializer_range)
 
 
     @classmethod
@@ -237,115 +122,21 @@ class Eagle3Draft(Draft):
             fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
         if draft_cfg.teacher_rows not in TEACHER_ROWS:
             fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
-        if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
-            fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
-        layers = list(draft_cfg.target_layers or [])
-        if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
-            fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
-            fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
-        if target_config is None:
-            return
-        text = target_text_config(target_config)
-        num_layers = text.num_hidden_layers
-        if num_layers + 1 < AUX_LAYERS:
-            fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")
-        for layer in layers:
-            if not 0 <= layer <= num_layers:
-                fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
-                                      f"of each of its {num_layers} layers, {num_layers} = the last output)")
-        if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
-            fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
-                                     f"({text.vocab_size})")
+        validate_layer_options(draft_cfg, target_config, fail)
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
-        text = target_text_config(target_config)
-        # fc's input columns follow the servers' concatenation: increasing layer order
-        layers = sorted(int(layer) for layer in draft_cfg.target_layers or [])
-        if not layers:
-            layers, why = default_target_layers(text.num_hidden_layers)
-            log.info("eagle3: capturing target layer inputs %s (%s)", layers, why)
-        rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                           "rope_theta": getattr(text, "rope_theta", 10000.0)}
-        draft = cls(Eagle3Dims(
-            **target_layer_shape(target_config),
-            vocab_size=text.vocab_size,
-            draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
-            target_hidden_size=text.hidden_size,
-            target_num_layers=text.num_hidden_layers,
-            target_layers=layers,
-            rope_parameters=dict(rope),
-            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-            ttt_steps=int(draft_cfg.ttt_steps),
-            ttt_decay=float(draft_cfg.ttt_decay),
-            norm_before_residual=bool(draft_cfg.norm_before_residual),
-            fc_norm=bool(draft_cfg.fc_norm),
-            norm_before_fc=bool(draft_cfg.norm_before_fc),
-            norm_output=bool(draft_cfg.norm_output),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss),
-            teacher_rows=str(draft_cfg.teacher_rows))
-        if data is not None:
-            draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, text.vocab_size),
-                                             draft.dims.draft_vocab_size))
+        draft = cls(Eagle3Dims(**layer_dims(target_config, draft_cfg, "eagle3"), ttt_steps=int(draft_cfg.ttt_steps),
+                               ttt_decay=float(draft_cfg.ttt_decay), norm_output=bool(draft_cfg.norm_output)),
+                    objective=objective_from_options(draft_cfg, default=cls.default_loss),
+                    teacher_rows=str(draft_cfg.teacher_rows))
+        draft.count_vocab_maps(data)
         return draft
 
     def describe(self) -> str:
         return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
                           f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
                           *self.describe_refusals()])
-
-    def serving_refusal(self, fmt: str) -> Optional[str]:
-        return serving_refusal(self.dims, fmt)
-
-
-    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-
-    def has_vocab_maps(self) -> bool:
-        return bool(self.t2d.any())
-
-    def extra_state(self) -> Dict[str, torch.Tensor]:
-        return {"d2t": self.d2t.detach().cpu().clone(), "t2d": self.t2d.detach().cpu().clone()}
-
-    def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-        d2t, t2d = state["d2t"], state["t2d"]
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise SpecdraftError(f"{source}: d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, this "
-                                 f"run's draft needs {tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
-        if self.has_vocab_maps() and not (torch.equal(d2t.to(self.d2t.device), self.d2t)
-                                          and torch.equal(t2d.to(self.t2d.device), self.t2d)):
-            raise SpecdraftError(f"{source}: its d2t/t2d vocabulary maps disagree with this run's draft "
-                                 f"(the maps are built once; resume or fine-tune with the same ones)")
-        self.set_vocab_maps(d2t, t2d)
-
-    def data_disagreement(self, data) -> Optional[str]:
-        """The imported maps are kept, never recounted; how many of the data's own top tokens they miss."""
-        return vocab_disagreement(count_target_tokens(data, self.dims.vocab_size), self.t2d.cpu())
-
-    def draft_to_target(self) -> torch.Tensor:
-        return draft_to_target_ids(self.d2t)
-
-
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """(..., 3 Ht) captured target states -> (..., H) the layer's first hidden input."""
-        if self.input_norm is not None:
-            aux = self.input_norm(aux)
-        if self.fc_norm is not None:
-            chunks = aux.chunk(len(self.fc_norm), dim=-1)
-            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(aux)
-
-    def step(self, embeds, hidden, positions, past_keys=None, past_values=None, visible=None):
-        """One draft step over (B, T) inputs at `positions` (T,) -> (next hidden input, logits input,
-        new keys, new values). visible (T, S + T) over past + new keys."""
-        cos, sin = self.rotary_emb(embeds, positions[None])
-        out, k, v = self.run_layer(self.layers[0], embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
-                                   past_keys, past_values, visible)
-        normed = self.norm(out)
-        return (normed if self.dims.norm_output else out), normed, k, v
 
     def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int,
                documents: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None):
@@ -368,18 +159,11 @@ class Eagle3Draft(Draft):
             heads.append(head_in)
         return heads
 
-    def logits(self, head_in: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(head_in)
+    # -- training --------------------------------------------------------------------------
 
     def capture_request(self) -> CaptureRequest:
         # the final hidden state only when the objective reads the target's distribution
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
-
-    def external_parameters(self) -> List[nn.Parameter]:
-        return [self.lm_head.weight]  # the chunked loss reads the head's weight directly
-
-    def aux_hidden(self, features: TargetFeatures) -> torch.Tensor:
-        return torch.cat([features.hidden[layer] for layer in self.dims.target_layers], dim=-1)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
                       chunk_size: int, documents: Optional[torch.Tensor] = None,
@@ -443,12 +227,7 @@ class Eagle3Draft(Draft):
                               for part in final.split(chunk)])
         return self.t2d[top1]
 
-    def target_to_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """(vocab,) long: the draft id of each target token, -1 outside the draft vocab (a CE
-        label the objective skips)."""
-        index = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
-        return index.index_copy_(0, draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
-
+    # -- decoding --------------------------------------------------------------------------
 
     @property
     def trained_depth(self) -> int:

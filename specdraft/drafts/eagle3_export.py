@@ -130,7 +130,7 @@ FILE_FORMATS = {
 }
 
 
-def _save(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+def save_export(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
               str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -151,7 +151,7 @@ def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path,
     heads = load_target_head_weights(target_dir, dtype=state_dict["fc.weight"].dtype,
                                      expected_vocab=draft.dims.vocab_size, expected_hidden=draft.dims.hidden_size)
     tensors["embed_tokens.weight"] = heads.embed_tokens
-    _save(Path(out_dir), speculators_config(draft, target_dir), tensors)
+    save_export(Path(out_dir), speculators_config(draft, target_dir), tensors)
 
 
 def sglang_layer_ids(layers: List[int]) -> List[int]:
@@ -191,4 +191,4 @@ def refuse_unservable(draft, fmt: str) -> None:
 
 def write_sglang(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
     refuse_unservable(draft, "sglang")
-    _save(Path(out_dir), sglang_config(draft), sglang_state_dict(state_dict))
+    save_export(Path(out_dir), sglang_config(draft), sglang_state_dict(state_dict))

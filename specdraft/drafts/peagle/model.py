@@ -1,0 +1,300 @@
+"""P-EAGLE: the EAGLE-3 layer drafting K tokens in one forward (speculators' PEagleDraftModel).
+
+The layer, its fused target states and its draft vocab are EAGLE-3's (drafts/eagle3_layer.py);
+index t embeds x_{t+1} with the target states g_t at RoPE position t+1 and predicts x_{t+2}.
+P-EAGLE adds two learned inputs for the positions it has not seen yet:
+
+    slot (anchor a, depth 0):  embeds x_{a+1}, hidden fc(target states at a)   predicts x_{a+2}
+    slot (anchor a, depth d):  embeds mask_embedding, hidden fc(mask_hidden)   predicts x_{a+2+d}
+                               at position a+d+1
+    a slot sees the depth-0 slots of anchors <= a (causal context) and its own rollout (anchor
+    a, depths <= d); speculators' attention.py.
+
+At inference one forward over [the new verified positions at depth 0, depths 1..K-1 at the last
+one] proposes K tokens. Training runs all K depths in one forward over the COD-sampled slots
+(cod.py; seeded from the loop's batch generator, so exact resume draws the same slots); loss =
+draft.loss (default KL, speculators' kl_div) to the target's distribution at a+d+1 restricted to
+the draft vocab, one mean over every counted slot of every depth (no per-depth decay).
+
+Embeddings: speculators trains the whole embed_tokens (embed_requires_grad); here the real
+tokens keep the target's (frozen) embeddings and only the mask token's row is trained
+(mask_embedding); the export writes the target's embed_tokens with that row replaced, which is
+what speculators and vLLM read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
+from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
+from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
+                                         parse_objective, term_metrics)
+from specdraft.drafts.peagle.cod import cod_sample, cod_visibility
+from specdraft.drafts.peagle.decode import PEagleDrafter
+from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
+from specdraft.errors import SpecdraftError
+from specdraft.transfer import to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PEagleOptions(ObjectiveOptions):
+    """The `draft.` keys P-EAGLE reads: EAGLE-3's layer keys plus the COD sampling's
+    (speculators' defaults: K = 8, r = 0.7, r_min = 0.2); draft.loss defaults to kl."""
+
+    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids), any order; [] = [2, L//2, L-3]
+    draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
+    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
+    fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
+    num_depths: int = 8  # K: tokens proposed per draft forward (depths 0..K-1)
+    down_sample_ratio: float = 0.7  # r: depth d keeps a fraction max(r^d, r_min) of the valid positions
+    down_sample_ratio_min: float = 0.2  # r_min
+    # the token whose embedding row the deeper slots read (vLLM's pard_token); null: the target
+    # config's pad_token_id, else its eos_token_id
+    mask_token_id: Optional[int] = None
+
+
+@dataclass
+class PEagleDims(Eagle3Dims):
+    mask_token_id: int = 0
+    num_depths: int = 8
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+
+
+KL = parse_objective("kl")  # speculators' P-EAGLE loss
+
+
+def default_mask_token(target_config) -> Optional[int]:
+    """speculators asks the tokenizer (its mask token, a new <|MASK|>, then pad / eos / unk);
+    the draft is built from the target's config: its pad_token_id, else eos_token_id."""
+    text = target_text_config(target_config)
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(text, key, None)
+        if value is None:
+            value = getattr(target_config, key, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return None
+
+
+class PEagleDraft(Eagle3Base):
+    family = "peagle"
+    label = "P-EAGLE"
+    architecture = "PEagleDraft"
+    default_loss = "kl"
+    options = PEagleOptions
+    dims_type = PEagleDims
+    serving_formats = {"speculators": write_speculators}
+    file_formats = FILE_FORMATS
+    import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "mask_token_id")
+    tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
+                   ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
+
+    def __init__(self, dims: PEagleDims, objective=KL):
+        super().__init__(dims)
+        self.objective = objective  # a training setting, not exported
+        aux = len(dims.target_layers) * dims.target_hidden_size
+        # speculators: mask_hidden = nn.Parameter(torch.randn(1, 1, num_aux * hidden))
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, aux))
+        self.mask_embedding = nn.Parameter(torch.randn(dims.hidden_size) * dims.initializer_range)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        def fail(key: str, why: str) -> None:
+            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+        if draft_cfg.num_depths < 1:
+            fail("num_depths", f"must be >= 1, got {draft_cfg.num_depths}")
+        if draft_cfg.num_depths + 2 > max_seq_length:
+            fail("num_depths", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
+        if not 0 < draft_cfg.down_sample_ratio <= 1:
+            fail("down_sample_ratio", f"must be in (0, 1], got {draft_cfg.down_sample_ratio}")
+        if not 0 <= draft_cfg.down_sample_ratio_min <= 1:
+            fail("down_sample_ratio_min", f"must be in [0, 1], got {draft_cfg.down_sample_ratio_min}")
+        validate_layer_options(draft_cfg, target_config, fail)
+        if target_config is None:
+            return
+        text = target_text_config(target_config)
+        mask = draft_cfg.mask_token_id
+        if mask is None and default_mask_token(target_config) is None:
+            fail("mask_token_id", "the target config has no pad_token_id or eos_token_id: name the mask token")
+        if mask is not None and not 0 <= mask < text.vocab_size:
+            fail("mask_token_id", f"{mask} is outside the target vocab (0..{text.vocab_size - 1})")
+
+    @classmethod
+    def from_target_config(cls, target_config, draft_cfg, data=None) -> "PEagleDraft":
+        mask = draft_cfg.mask_token_id
+        if mask is None:
+            mask = default_mask_token(target_config)
+            log.info("peagle: mask token %s (the target config's pad / eos token)", mask)
+        draft = cls(PEagleDims(
+            **layer_dims(target_config, draft_cfg, "peagle"),
+            ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens
+            ttt_decay=1.0,
+            norm_output=False,  # one layer pass: speculators' P-EAGLE reads lm_head(norm(out)) either way
+            mask_token_id=int(mask),
+            num_depths=int(draft_cfg.num_depths),
+            down_sample_ratio=float(draft_cfg.down_sample_ratio),
+            down_sample_ratio_min=float(draft_cfg.down_sample_ratio_min),
+        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        draft.count_vocab_maps(data)
+        return draft
+
+    def describe(self) -> str:
+        d = self.dims
+        return "; ".join([f"target layers {d.target_layers} of {d.target_num_layers}, draft vocab "
+                          f"{d.draft_vocab_size} of {d.vocab_size}, {d.num_depths} depths (COD r={d.down_sample_ratio}, "
+                          f"r_min={d.down_sample_ratio_min}), mask token {d.mask_token_id}",
+                          *self.describe_refusals()])
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def slot_inputs(self, aux: torch.Tensor, input_embeds: torch.Tensor, anchor: torch.Tensor,
+                    depth: torch.Tensor, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's slots -> (embeds, hidden), (N, H) each. aux (T, 3 Ht) captured states,
+        input_embeds (T, H) the target's embeddings of ids x_0..x_{T-1}; depth 0 reads x_{a+1} (zeros
+        past the end) and aux[a], deeper slots the mask token's embedding and mask_hidden."""
+        first = depth == 0
+        nxt = (anchor + 1).clamp(max=input_embeds.shape[0] - 1)
+        real_embeds = torch.where((anchor + 1 < input_embeds.shape[0])[:, None], input_embeds[nxt],
+                                  torch.zeros_like(input_embeds[nxt]))
+        # the mask token's row is one embedding row: where the text itself holds that token, it reads it too
+        is_mask = ~first if ids is None else ~first | (ids[nxt] == self.dims.mask_token_id)
+        embeds = torch.where(is_mask[:, None], self.mask_embedding.to(real_embeds.dtype)[None], real_embeds)
+        states = torch.where(first[:, None], aux[anchor.clamp_min(0)], self.mask_hidden.to(aux.dtype)[0])
+        return embeds, self.fuse(states)
+
+    def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None) -> torch.Tensor:
+        """One forward over one sequence's slots -> (N, H) the logits input (lm_head reads it)."""
+        embeds, hidden = self.slot_inputs(aux, input_embeds, anchor, depth, ids)
+        visible = cod_visibility(anchor, depth, documents)
+        positions = anchor + depth + 1
+        _, head_in, _, _ = self.step(embeds[None], hidden[None], positions, None, None, visible)
+        return head_in[0]
+
+    # -- training --------------------------------------------------------------------------
+
+    def capture_request(self) -> CaptureRequest:
+        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
+
+    def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, int]:
+        return {"cod_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
+
+    def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """valid (B, T) bool on the host -> per row (anchor, depth), drawn row by row from one
+        generator seeded with cod_seed."""
+        generator = torch.Generator().manual_seed(int(cod_seed))
+        d = self.dims
+        return [cod_sample(row, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
+                for row in valid]
+
+    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
+                      chunk_size: int, cod_seed: int = 0, documents: Optional[torch.Tensor] = None,
+                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+        B, T = input_ids.shape
+        dtype = self.fc.weight.dtype
+        device = input_ids.device
+        aux = self.aux_hidden(features).to(dtype)
+        embeds = features.input_embeds.to(dtype)
+        host = HostBatch.of(input_ids, loss_mask, documents, host)
+        taught = self.objective.taught(host.loss_mask).bool()
+        # slot at o predicts x_{o+2}: valid where that token is taught, in o's own conversation
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        valid[:, :max(T - 2, 0)] = taught[:, 2:]
+        if host.documents is not None:
+            valid[:, :max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]
+        answer = torch.zeros(B, T, dtype=torch.bool)
+        answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
+        slots = self.sample_slots(valid, cod_seed)
+        heads, rows, depths, answers_at = [], [], [], []
+        for b, (anchor, depth) in enumerate(slots):
+            docs = None if documents is None else documents[b]
+            head = self.draft_slots(aux[b], embeds[b], to_device(anchor, device), to_device(depth, device), docs,
+                                    input_ids[b])
+            orig = anchor + depth
+            counted = valid[b, orig.clamp(0, T - 1)] & (orig < T)
+            heads.append(head.index_select(0, to_device(counted.nonzero().flatten(), device)))  # host indices: no sync
+            rows.append(b * T + orig[counted])
+            depths.append(depth[counted])
+            answers_at.append(answer[b, orig[counted]])
+        head_in, rows, depths, is_answer = (torch.cat(heads), torch.cat(rows), torch.cat(depths),
+                                            torch.cat(answers_at))
+        draft_ids = self.draft_to_target()
+        teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
+        final = features.final_hidden.flatten(0, 1) if self.objective.needs_teacher else None
+        ids = input_ids.flatten()
+        to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
+        total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
+        loss, hits_all = None, None
+        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for d in range(self.dims.num_depths):
+            pick = (depths == d).nonzero().flatten()
+            at = to_device(rows[pick], device)
+            labels = ids[at + 2]
+            draft_labels, answers = None, is_answer[pick].nonzero().shape[0]  # on the host: no value read
+            if to_draft is not None:
+                draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick])  # host mask: no sync
+            out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
+                                    None if final is None else final[at + 1], teacher_rows, draft_labels,
+                                    self.objective.over_rows(pick.numel(), answers), chunk_size)
+            hits = (draft_ids[out.argmax] == labels).sum()
+            tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
+            loss = out.loss if loss is None else loss + out.loss
+            hits_all = hits if hits_all is None else hits_all + hits
+            metrics[f"depth_{d}/loss"] = (out.loss.detach(), tokens)
+            metrics[f"depth_{d}/accuracy"] = (hits, tokens)
+            for name, (value, count) in term_metrics(out.terms, tokens, answers).items():
+                total, seen = metrics.get(name, (0.0, 0))
+                metrics[name] = (total + value, seen + count)
+        # one mean over every counted slot of every depth (speculators' loss_function)
+        return DraftLoss(loss=loss / total_tokens.clamp_min(1), tokens=total_tokens, correct=hits_all,
+                         metrics=metrics)
+
+    # -- decoding --------------------------------------------------------------------------
+
+    @property
+    def trained_depth(self) -> int:
+        return int(self.dims.num_depths)
+
+    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
+        d, p = self.dims, shape.dtype_bytes
+        H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
+        teacher, Vd = self.objective.needs_teacher, d.draft_vocab_size
+        # slots per sequence: T at depth 0 plus sum_d max(r^d, r_min) T (an upper bound: the valid
+        # positions are at most T)
+        per_token = 1 + sum(max(d.down_sample_ratio ** k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
+        slots = shape.B * shape.T * per_token
+        # per slot, saved for backward: EAGLE-3's step (the fused 2H input, norms, q/k/v, MLP) plus
+        # the 3 Ht gathered state fc reads
+        step = (10 * H + 2 * heads * hd + 2 * kv * hd + 4 * I + 3 * d.target_hidden_size) * p \
+            + shape.fp32_norm_inputs(3 * H)
+        seq_slots = shape.T * per_token
+        terms = {
+            "capture features": shape.capture_features(H + (3 + teacher) * d.target_hidden_size),
+            "draft activations": slots * step,
+            # the dense (N, N) visibility and the attention weights of one sequence (CPU / SDPA path)
+            "slot attention": seq_slots * seq_slots * (1 + heads * 4),
+            # one loss call per depth: depth 0's B T rows are the largest chunk
+            "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
+                                                                         calls=max(1, int(per_token))),
+        }
+        if teacher:
+            terms["teacher rows"] = Vd * d.target_hidden_size * p
+        return terms
+
+    def make_drafter(self, target: nn.Module) -> PEagleDrafter:
+        return PEagleDrafter(self, target)
+
