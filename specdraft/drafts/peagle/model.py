@@ -105,9 +105,12 @@ class PEagleDraft(Eagle3Base):
         super().__init__(dims)
         self.objective = objective  # a training setting, not exported
         aux = len(dims.target_layers) * dims.target_hidden_size
-        # speculators: mask_hidden = nn.Parameter(torch.randn(1, 1, num_aux * hidden))
-        self.mask_hidden = nn.Parameter(torch.randn(1, 1, aux))
-        self.mask_embedding = nn.Parameter(torch.randn(dims.hidden_size) * dims.initializer_range)
+        # speculators: mask_hidden = nn.Parameter(torch.randn(1, 1, num_aux * hidden)). From a fixed
+        # seed, as init_linear_weights: the same init on every rank and beside other drafts of a run
+        # (the global RNG is wherever building the drafts before this one left it)
+        generator = torch.Generator().manual_seed(1)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, aux, generator=generator))
+        self.mask_embedding = nn.Parameter(torch.randn(dims.hidden_size, generator=generator) * dims.initializer_range)
 
     # -- construction ----------------------------------------------------------------------
 
