@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from specdraft.decode.measure import compare, make_drafter, run_plain  # noqa: E402
-from specdraft.decode.prompts import read_prompts, stop_tokens  # noqa: E402
+from specdraft.decode.prompts import (encode_conversation, pad_with_earlier_conversations, read_prompts,  # noqa: E402
+                                       stop_tokens)
 from specdraft.decode.report import plot_acceptance, require_matplotlib  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
@@ -80,6 +81,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperatures", default="0,0.7", help="comma-separated sampling temperatures")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
+    parser.add_argument("--context", type=int, default=0, metavar="N",
+                        help="pad each prompt to N tokens with earlier conversations of --data (long-context tau)")
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
     parser.add_argument("--confidence-threshold", default="0.5",
                         help="drafters with a confidence head (DSpark) are measured again with each of these "
@@ -162,6 +165,31 @@ def measure(target, method, draft, prompts, baseline, shape, settings, confidenc
     return dict(report, draft_forwards_per_token=forwards / produced if produced else 0.0)
 
 
+def padded_to_context(prompts, data_glob, tokenizer, context: int):
+    """Each prompt after earlier conversations of the training data, `context` tokens in all
+    (decode/prompts.py's pad_with_earlier_conversations); prompt i's history starts at conversation i."""
+    import glob
+
+    from specdraft.data.sources import iter_jsonl_records, normalise_conversation
+
+    if data_glob is None:
+        raise SpecdraftError("--context needs --data: the conversations that pad the prompts")
+    conversations, tokens = [], 0
+    for path in sorted(glob.glob(data_glob)):
+        for where, record in iter_jsonl_records(Path(path)):
+            messages = normalise_conversation(record, where, require_answer=False)
+            conversations.append(encode_conversation(tokenizer, [{"role": m["role"], "content": m["content"]}
+                                                                 for m in messages]))
+            tokens += len(conversations[-1])
+            if tokens >= context:  # every prompt's rotation of them holds enough
+                break
+        else:
+            continue
+        break
+    return [pad_with_earlier_conversations(prompt, conversations[i:] + conversations[:i], context)
+            for i, prompt in enumerate(prompts)]
+
+
 def slug(label: str) -> str:
     """A key for the last line: 'EAGLE-3' -> 'eagle_3'."""
     return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
@@ -226,6 +254,9 @@ def main(argv=None) -> dict:
     target = load_frozen_target(str(target_dir), "fp32")
     tokenizer = load_tokenizer(next(iter(exports.values()), None), Path(target_dir))
     prompts = read_prompts(prompts_file, tokenizer, args.max_prompts)
+    if args.context:
+        prompts = padded_to_context(prompts, data_glob, tokenizer, args.context)
+        print(f"[bench] prompts padded to {args.context} tokens with earlier conversations of {data_glob}", flush=True)
     stop = stop_tokens(target, tokenizer)
     # is this target worth measuring on? (a target that repeats itself flatters every drafter)
     quality = measure_answer_quality(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, stop=stop)[0]
@@ -262,6 +293,7 @@ def main(argv=None) -> dict:
     trained = ", ".join(f"{label} {s:.0f}s" for label, s in train_seconds.items())
     lines = [f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+             + (f"prompts padded to {args.context} tokens with earlier conversations; " if args.context else "")
              + (f"drafts trained {args.train_steps} steps on {data_glob} ({trained}); " if trained
                 else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; ")
              + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),

@@ -178,3 +178,22 @@ def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
     last = dict(item.split("=") for item in run.stdout.strip().splitlines()[-1].split())
     assert set(last) == {"ratio", "step_ratio", "target_share"}
     assert all(math.isfinite(float(value)) and float(value) > 0 for value in last.values())
+
+
+def test_acceptance_context_pads_each_prompt_with_whole_earlier_conversations_of_the_data(tiny_target_dir, tiny_data):
+    """--context N: every prompt is N tokens, its own tokens last, after rendered conversations of
+    --data (each whole but the oldest, cut from its start); another prompt gets another history."""
+    from transformers import AutoTokenizer
+
+    from specdraft.decode.prompts import read_prompts
+
+    bench = load_bench("acceptance")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    prompts = read_prompts(tiny_data.prompts_file, tokenizer, 2)
+    data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
+    padded = bench.padded_to_context(prompts, data_glob, tokenizer, 300)
+    assert [len(p) for p in padded] == [300, 300]
+    assert all(p[-len(prompt):] == prompt for p, prompt in zip(padded, prompts))
+    assert padded[0][:-len(prompts[0])] != padded[1][:-len(prompts[1])]
+    with pytest.raises(bench.SpecdraftError, match="--context needs --data"):
+        bench.padded_to_context(prompts, None, tokenizer, 300)

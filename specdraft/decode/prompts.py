@@ -55,3 +55,31 @@ def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None,
     if not prompts:
         raise SpecdraftError(f"{path}: no prompts")
     return prompts
+
+
+def encode_conversation(tokenizer, messages: List[Dict[str, str]]) -> List[int]:
+    """A whole conversation, answers included, as the chat template renders it (no generation prompt)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+
+
+def pad_with_earlier_conversations(prompt: List[int], earlier: List[List[int]], context: int) -> List[int]:
+    """The prompt preceded by earlier conversations, `context` tokens in all: the prompt's tokens
+    last, before it earlier[0] whole, before that earlier[1] whole, ...; only the oldest one used
+    is cut, from its start, to make the length exact (a long-context acceptance probe: does a draft
+    trained at length L hold its tau with L-2L-4L tokens of history before the prompt?)."""
+    if len(prompt) >= context:
+        raise SpecdraftError(f"--context {context}: a prompt is already {len(prompt)} tokens long")
+    pieces, need = [], context - len(prompt)
+    for conversation in earlier:
+        if need == 0:
+            break
+        piece = conversation[-need:] if len(conversation) > need else conversation
+        pieces.insert(0, list(piece))
+        need -= len(piece)
+    if need:
+        raise SpecdraftError(f"--context {context}: the earlier conversations hold {context - len(prompt) - need} "
+                             f"tokens, {need} short of padding a {len(prompt)}-token prompt")
+    return [token for piece in pieces for token in piece] + list(prompt)
