@@ -314,8 +314,8 @@ class DFlashBackbone(Draft):
         # on the host; anchors among every token when the teacher terms learn them all
         host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed,
                                            host.documents)
-        group_tokens = int(host_blocks.counted.sum())  # on the host: the whole sequence's, every rank alike
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
+        group_tokens = shard.host_count(host_blocks.counted)  # on the host: the whole sequence's, every rank alike
         host_blocks = own_blocks(host_blocks, shard)
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)

@@ -138,6 +138,11 @@ class SequenceShard:
         weight = torch.full((), group_tokens / self.size, dtype=torch.float64, device=tokens.device)
         return summed * (self.size / max(group_tokens, 1)), weight
 
+    def host_count(self, mask: torch.Tensor) -> int:
+        """A host mask's count over the whole sequence, for token_mean under SP (every rank alike);
+        size 1 needs none and reads nothing (a training step makes no host read of tensor values)."""
+        return int(mask.sum()) if self.parallel else 0
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """A count summed over the group (not differentiable: token counts, hits)."""
         if not self.parallel:

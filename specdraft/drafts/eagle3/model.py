@@ -195,7 +195,7 @@ class Eagle3Draft(Eagle3Base):
             label_is_answer = torch.zeros_like(counted)
             label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
             label_is_answer &= counted
-            group_tokens = int(counted.sum())
+            group_tokens = shard.host_count(counted)
             counted, label_is_answer = shard.local(counted), shard.local(label_is_answer)
             rows, tokens = rows_where(counted, input_ids.device)  # over this rank's (B, T/N)
             labels = shard.local(F.pad(input_ids[:, 2 + k:], (0, 2 + k))).flatten()[rows]  # x_{t+2+k}

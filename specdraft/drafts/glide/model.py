@@ -257,7 +257,7 @@ class GlideDraft(Draft):
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)
-        group_tokens = int(counted.sum())  # on the host: the whole sequence's, every rank alike
+        group_tokens = shard.host_count(counted)  # on the host: the whole sequence's, every rank alike
         counted = shard.local(counted)
         rows, tokens = rows_where(counted, input_ids.device)
         predictions = hidden.flatten(0, 1)[rows]  # row b*T + t predicts token t+1 of row b
