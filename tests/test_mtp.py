@@ -122,7 +122,7 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_loss(mtp_targe
         torch.testing.assert_close(result["logits"][k], out[0] @ target.lm_head.weight.t(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(result["loss"], ours.loss, rtol=1e-4, atol=1e-4)
     for k, step_loss in enumerate(result["step_losses"]):  # speculators' per-step terms: w_k * mean CE
-        total, count = ours.metrics[f"step_{k}/loss"]
+        total, count = ours.metrics[f"mtp_step_{k}/loss"]
         torch.testing.assert_close(step_loss, step_weights(0.6, 3)[k] * total / count, rtol=1e-4, atol=1e-4)
     assert set(result["converted"]) == set(initial)
     for name, value in result["converted"].items():
@@ -162,7 +162,7 @@ def test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_
     with torch.no_grad():
         loss = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
     for k in range(3):
-        total, count = loss.metrics[f"step_{k}/loss"]
+        total, count = loss.metrics[f"mtp_step_{k}/loss"]
         assert int(count) == 1
         logits = base[k][0, p - k - 2] @ target.lm_head.weight.t()
         torch.testing.assert_close(total, torch.nn.functional.cross_entropy(logits[None], ids[0, p:p + 1]))
@@ -181,7 +181,7 @@ def test_packed_documents_count_no_row_whose_token_is_in_the_next_document(mtp_t
     V = T - 4
     for k in range(3):  # rows t < V whose x_{t+k+2} is in t's document: all but the k+2 before the border
         expected = sum(1 for t in range(V) if (t < 20) == (t + k + 2 < 20))
-        assert int(loss.metrics[f"step_{k}/loss"][1]) == expected
+        assert int(loss.metrics[f"mtp_step_{k}/loss"][1]) == expected
     # the second conversation attends to itself only: its rows are those of the conversation alone
     args = (features.final_hidden, features.input_embeds, features.cos, features.sin)
     with torch.no_grad():

@@ -171,11 +171,11 @@ def test_peagle_trains_logs_depths_exports_and_evaluates(tiny_target_dir, tiny_d
     assert 1.0 <= sampled["tau"] <= 5.0
 
 
-def test_the_default_mask_token_is_the_targets_pad_then_eos():
+def test_the_default_mask_token_is_the_targets_pad_then_eos_then_its_last_id():
     from transformers import LlamaConfig
 
     from specdraft.drafts.peagle.model import default_mask_token
 
     assert default_mask_token(LlamaConfig(pad_token_id=2, eos_token_id=1)) == 2
     assert default_mask_token(LlamaConfig(pad_token_id=None, eos_token_id=[7, 8])) == 7
-    assert default_mask_token(LlamaConfig(pad_token_id=None, eos_token_id=None, bos_token_id=None)) is None
+    assert default_mask_token(LlamaConfig(pad_token_id=None, eos_token_id=None, bos_token_id=None, vocab_size=50)) == 49

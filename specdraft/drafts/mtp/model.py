@@ -193,9 +193,9 @@ class MTPDraft(Draft):
             total, hits = chunked_cross_entropy(out.flatten(0, 1)[rows], lm_head_weight, labels, chunk_size)
             weighted = weights[k] * total / tokens.clamp_min(1)
             loss = weighted if loss is None else loss + weighted
-            metrics[f"step_{k}/loss"] = (total.detach(), tokens)
-            metrics[f"step_{k}/accuracy"] = (hits, tokens)
-        first_hits, first_tokens = metrics["step_0/accuracy"]
+            metrics[f"mtp_step_{k}/loss"] = (total.detach(), tokens)
+            metrics[f"mtp_step_{k}/accuracy"] = (hits, tokens)
+        first_hits, first_tokens = metrics["mtp_step_0/accuracy"]
         return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
 
     # -- decoding --------------------------------------------------------------------------

@@ -73,9 +73,10 @@ class PEagleDims(Eagle3Dims):
 KL = parse_objective("kl")  # speculators' P-EAGLE loss
 
 
-def default_mask_token(target_config) -> Optional[int]:
+def default_mask_token(target_config) -> int:
     """speculators asks the tokenizer (its mask token, a new <|MASK|>, then pad / eos / unk);
-    the draft is built from the target's config: its pad_token_id, else eos_token_id."""
+    the draft is built from the target's config: its pad_token_id, else eos_token_id, else the
+    last id of the vocabulary (DFlash's default)."""
     text = target_text_config(target_config)
     for key in ("pad_token_id", "eos_token_id"):
         value = getattr(text, key, None)
@@ -85,7 +86,7 @@ def default_mask_token(target_config) -> Optional[int]:
             value = value[0] if value else None
         if value is not None:
             return int(value)
-    return None
+    return int(text.vocab_size) - 1
 
 
 class PEagleDraft(Eagle3Base):
@@ -132,8 +133,6 @@ class PEagleDraft(Eagle3Base):
             return
         text = target_text_config(target_config)
         mask = draft_cfg.mask_token_id
-        if mask is None and default_mask_token(target_config) is None:
-            fail("mask_token_id", "the target config has no pad_token_id or eos_token_id: name the mask token")
         if mask is not None and not 0 <= mask < text.vocab_size:
             fail("mask_token_id", f"{mask} is outside the target vocab (0..{text.vocab_size - 1})")
 
@@ -142,7 +141,7 @@ class PEagleDraft(Eagle3Base):
         mask = draft_cfg.mask_token_id
         if mask is None:
             mask = default_mask_token(target_config)
-            log.info("peagle: mask token %s (the target config's pad / eos token)", mask)
+            log.info("peagle: mask token %s (the target config's pad / eos token, else its last id)", mask)
         draft = cls(PEagleDims(
             **layer_dims(target_config, draft_cfg, "peagle"),
             ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens
