@@ -43,12 +43,7 @@ def test_the_total_holds_exactly_the_familys_terms(family, monkeypatch):
     assert marked.parts["marker"] == 12345.0 and marked.total == pytest.approx(base.total + 12345.0)
 
 
-DENSE_SLOT_MASK = pytest.mark.xfail(strict=True, reason="P-EAGLE's COD slots attend through a dense (N, N) "
-                                     "mask (N ~ 3.3 T): no flex block mask yet (issue 35 follow-up)")
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=DENSE_SLOT_MASK) if f == "peagle" else f
-                                    for f in sorted(FAMILIES)])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_no_familys_term_grows_faster_than_t_with_packed_documents(family):
     """Doubling T at most doubles every term a family keeps (DFlash's blocks stop growing at
     max_anchors), document borders included: no family builds a (T, T) mask on CUDA."""

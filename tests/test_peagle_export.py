@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
-from specdraft.drafts.peagle.cod import cod_sample
+from specdraft.drafts.peagle.cod import cod_anchors, slot_order
 from specdraft.target.capture import capture
 from specdraft.train.export import write_draft_export
 from test_eagle3_export import random_eagle3, target_dir  # noqa: F401 (the 6-layer verifier fixture)
@@ -101,12 +101,15 @@ def assert_speculators_computes_our_logits(target, draft, export, tmp_path):
     ids[0, 40] = draft.dims.mask_token_id  # the text itself holds the mask token: it reads the same row
     valid = torch.ones(T, dtype=torch.bool)
     valid[:10] = False  # a prompt: depth 0 everywhere, deeper slots only where x_{o+2} is taught
-    anchor, depth = cod_sample(valid, DEPTHS, 0.7, 0.2, torch.Generator().manual_seed(3))
+    by_depth = cod_anchors(valid, DEPTHS, 0.7, 0.2, torch.Generator().manual_seed(3))
+    anchor, depth = slot_order(by_depth)
     assert int(depth.max()) == DEPTHS - 1
     with torch.no_grad():
         feats = capture(target.model, ids, torch.arange(T + 1)[None], draft.capture_request())
         aux = draft.aux_hidden(feats)[0]
-        ours = draft.logits(draft.draft_slots(aux[:T], feats.input_embeds[0], anchor, depth, ids=ids[0]))
+        # the training path: COD's slots attend without the (N, N) mask (cod_attention.py)
+        ours = draft.logits(draft.draft_slots(aux[:T], feats.input_embeds[0], anchor, depth, ids=ids[0],
+                                              by_depth=by_depth))
     # speculators' alignment: position j carries (g_j, x_{j+1})
     torch.save({"hidden": aux[None, :T].contiguous(), "ids": ids[:, 1:].contiguous(), "anchor": anchor,
                 "depth": depth, "depths": DEPTHS}, tmp_path / "inputs.pt")

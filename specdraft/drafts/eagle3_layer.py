@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
+from specdraft.drafts.cod_attention import CODSlots, cod_attention
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
@@ -127,7 +128,9 @@ class Eagle3Attention(Projections):
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
         k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
         v = self.heads(self.v_proj(x))
-        if isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
+        if isinstance(visible, CODSlots):  # P-EAGLE's slots, without their (N, N) mask
+            out = cod_attention(q, k, v, visible)
+        elif isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
             shard = visible.shard or SequenceShard.whole(x.shape[1])
             q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)
             out = shard.to_tokens(ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents))

@@ -756,6 +756,7 @@ PEAGLE_PY = "specdraft/drafts/peagle/model.py"
 PEAGLE_COD = "specdraft/drafts/peagle/cod.py"
 PEAGLE_DECODE = "specdraft/drafts/peagle/decode.py"
 PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
+COD_ATTENTION = "specdraft/drafts/cod_attention.py"
 PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
 PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
 PEAGLE: List[Mutation] = [
@@ -779,6 +780,12 @@ PEAGLE: List[Mutation] = [
              PE_SPEC, "every depth at its anchor's RoPE position"),
     Mutation("peagle/drafter-depth-position", PEAGLE_DECODE, "n + torch.arange(1, m + 1, device=dev)",
              "n + torch.arange(0, m, device=dev)", PE_UNIT, "inference positions one off the training ones"),
+    Mutation("peagle/slot-attention-no-rollout", COD_ATTENTION, "ttt_attention(query, keys, values, slots.documents)",
+             "ttt_attention(query, keys[:1], values[:1], slots.documents)", ("tests/test_cod_attention.py",) + PE_SPEC,
+             "a deep slot does not see its own rollout (the mask-free path)"),
+    Mutation("peagle/slot-attention-wrong-anchor", COD_ATTENTION, "index_copy(2, anchor, x)",
+             "index_copy(2, anchor.flip(0), x)", ("tests/test_cod_attention.py",) + PE_SPEC,
+             "a depth's slots put at another slot's position"),
     Mutation("peagle/export-mask-row", PEAGLE_EXPORT, "embed[draft.dims.mask_token_id] = state_dict[\"mask_embedding\"]",
              "embed[0] = state_dict[\"mask_embedding\"]", PE_SPEC, "the trained mask row written to token 0"),
 ]

@@ -15,7 +15,7 @@ then reads its document id at index -1); it is dropped from the pool here.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -24,9 +24,16 @@ def cod_sample(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: fl
                generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
     """valid (T,) bool on the host -> (anchor, depth), (N,) long each: depth 0 first (all T
     positions), then each depth's slots in increasing anchor order."""
+    return slot_order(cod_anchors(valid, num_depths, ratio, ratio_min, generator))
+
+
+def cod_anchors(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float,
+                generator: torch.Generator) -> List[torch.Tensor]:
+    """cod_sample's slots depth by depth: [arange(T), depth 1's anchors, ...], each sorted and a
+    subset of the depth before's (the order cod_attention.py attends in without a mask)."""
     T = valid.shape[0]
     valid_index = valid.nonzero().flatten()
-    anchors, depths = [torch.arange(T)], [torch.zeros(T, dtype=torch.long)]
+    anchors = [torch.arange(T)]
     pool = valid_index[valid_index >= 1]
     for d in range(1, num_depths):
         size = int(max(0, valid_index.numel() - d) * max(ratio ** d, ratio_min))
@@ -37,11 +44,16 @@ def cod_sample(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: fl
         else:
             kept = pool
         anchors.append(kept - d)
-        depths.append(torch.full((kept.numel(),), d, dtype=torch.long))
         pool = kept + 1
         pool = pool[(pool < T) & (pool != 0)]  # speculators wraps (kept + 1) % T, then drops 0
         pool = pool[valid[pool]]
-    return torch.cat(anchors), torch.cat(depths)
+    return anchors
+
+
+def slot_order(anchors_by_depth: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[depth 0's anchors, depth 1's, ...] -> (anchor, depth), (N,) each, in that order."""
+    depths = [torch.full((a.numel(),), d, dtype=torch.long) for d, a in enumerate(anchors_by_depth)]
+    return torch.cat(anchors_by_depth), torch.cat(depths)
 
 
 def cod_visibility(anchor: torch.Tensor, depth: torch.Tensor, documents=None) -> torch.Tensor:

@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
+from specdraft.drafts.cod_attention import CODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
                                          parse_objective, term_metrics)
-from specdraft.drafts.peagle.cod import cod_sample, cod_visibility
+from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
 from specdraft.errors import SpecdraftError
@@ -179,10 +180,17 @@ class PEagleDraft(Eagle3Base):
         states = torch.where(first[:, None], aux[anchor.clamp_min(0)], self.mask_hidden.to(aux.dtype)[0])
         return embeds, self.fuse(states)
 
-    def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None) -> torch.Tensor:
-        """One forward over one sequence's slots -> (N, H) the logits input (lm_head reads it)."""
+    def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None,
+                    by_depth: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """One forward over one sequence's slots -> (N, H) the logits input (lm_head reads it).
+        by_depth: the slots as cod_anchors drew them (anchor, depth = slot_order(by_depth)), which
+        attend without an (N, N) mask (cod_attention.py); None (hand-made slots in any order):
+        through cod_visibility's mask."""
+        device = aux.device
+        anchor, depth = to_device(anchor, device), to_device(depth, device)
+        visible = (cod_visibility(anchor, depth, documents) if by_depth is None
+                   else CODSlots.of(by_depth, device, documents))
         embeds, hidden = self.slot_inputs(aux, input_embeds, anchor, depth, ids)
-        visible = cod_visibility(anchor, depth, documents)
         positions = anchor + depth + 1
         _, head_in, _, _ = self.step(embeds[None], hidden[None], positions, None, None, visible)
         return head_in[0]
@@ -195,12 +203,12 @@ class PEagleDraft(Eagle3Base):
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, int]:
         return {"cod_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
 
-    def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """valid (B, T) bool on the host -> per row (anchor, depth), drawn row by row from one
-        generator seeded with cod_seed."""
+    def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> List[List[torch.Tensor]]:
+        """valid (B, T) bool on the host -> per row its slots' anchors depth by depth (cod_anchors),
+        drawn row by row from one generator seeded with cod_seed."""
         generator = torch.Generator().manual_seed(int(cod_seed))
         d = self.dims
-        return [cod_sample(row, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
+        return [cod_anchors(row, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
                 for row in valid]
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
@@ -222,10 +230,10 @@ class PEagleDraft(Eagle3Base):
         answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
         slots = self.sample_slots(valid, cod_seed)
         heads, rows, depths, answers_at = [], [], [], []
-        for b, (anchor, depth) in enumerate(slots):
+        for b, by_depth in enumerate(slots):
             docs = None if documents is None else documents[b]
-            head = self.draft_slots(aux[b], embeds[b], to_device(anchor, device), to_device(depth, device), docs,
-                                    input_ids[b])
+            anchor, depth = slot_order(by_depth)
+            head = self.draft_slots(aux[b], embeds[b], anchor, depth, docs, input_ids[b], by_depth)
             orig = anchor + depth
             counted = valid[b, orig.clamp(0, T - 1)] & (orig < T)
             heads.append(head.index_select(0, to_device(counted.nonzero().flatten(), device)))  # host indices: no sync
@@ -283,12 +291,15 @@ class PEagleDraft(Eagle3Base):
         # the 3 Ht gathered state fc reads
         step = (10 * H + 2 * heads * hd + 2 * kv * hd + 4 * I + 3 * d.target_hidden_size) * p \
             + shape.fp32_norm_inputs(3 * H)
-        seq_slots = shape.T * per_token
         terms = {
             "capture features": shape.capture_features(H + (3 + teacher) * d.target_hidden_size),
             "draft activations": slots * step,
-            # the dense (N, N) visibility and the attention weights of one sequence (CPU / SDPA path)
-            "slot attention": seq_slots * seq_slots * (1 + heads * 4),
+            # cod_attention.py: per depth d >= 1, over T positions, EAGLE-3's TTT attention at step d
+            # (its d diagonal keys and values per query head, sink-extended q/k/v, merged output:
+            # heads hd (2d + 5)) plus the queries put at their anchors (heads hd) and the depth's
+            # keys and values (2 kv hd); no (N, N) mask
+            "slot attention": shape.B * shape.T * p * sum(heads * hd * (2 * k + 6) + 2 * kv * hd
+                                                          for k in range(1, d.num_depths)),
             # one loss call per depth: depth 0's B T rows are the largest chunk
             "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
                                                                          calls=max(1, int(per_token))),

@@ -1,0 +1,62 @@
+"""P-EAGLE's slot attention (peagle/cod.py: cod_visibility) without its (N, N) mask.
+
+A sequence's slots come depth by depth: depth 0 at every position 0..T-1, then depth d's slots in
+increasing anchor order, their anchors a subset of depth d-1's (COD draws depth d from depth d-1's
+survivors). Slot (a, d) sees the depth-0 keys <= a of its conversation and the keys (a, 1..d) of
+its own rollout: EAGLE-3's training-time test at step d for query a (ttt_attention.py). So each
+depth's queries and its rollout's keys are put at their anchors' positions (T rows, zeros where a
+depth has no slot), ttt_attention runs over them, and the slots' rows are taken back. The memory
+is O(K T) where the mask was O(N^2) with N ~ 3.4 T slots (K = 8 depths, r = 0.7, r_min = 0.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from specdraft.drafts.documents import PackedDocuments
+from specdraft.drafts.ttt_attention import ttt_attention
+from specdraft.transfer import to_device
+
+
+@dataclass(frozen=True)
+class CODSlots:
+    """Where each depth's slots lie in the slot order, and their anchors (on the device)."""
+
+    positions: int  # T: depth 0's slots are positions 0..T-1, in order
+    depth_rows: Tuple[Tuple[int, int], ...]  # depths 1..: [start, end) in the slot order
+    anchors: Tuple[torch.Tensor, ...]  # depths 1..: (n_d,) long
+    documents: Optional[PackedDocuments] = None  # (1, T) of packed data
+
+    @classmethod
+    def of(cls, anchors_by_depth: Sequence[torch.Tensor], device, documents=None) -> "CODSlots":
+        """From COD's slots depth by depth (peagle/cod.py: cod_anchors, on the host): depth 0 is
+        arange(T); each later depth's anchors are sorted and a subset of the depth before's."""
+        T = anchors_by_depth[0].numel()
+        rows, start = [], T
+        for anchor in anchors_by_depth[1:]:  # sizes only: no tensor value is read
+            rows.append((start, start + anchor.numel()))
+            start += anchor.numel()
+        docs = None if documents is None else PackedDocuments.of(documents.reshape(1, -1))
+        return cls(T, tuple(rows), tuple(to_device(a, device) for a in anchors_by_depth[1:]), docs)
+
+
+def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: CODSlots) -> torch.Tensor:
+    """q (B, Hq, N, D), k/v (B, Hkv, N, D) in the slot order of `slots` -> (B, Hq, N, D), equal to
+    SDPA under cod_visibility's dense mask."""
+    T = slots.positions
+    keys, values = [k[:, :, :T]], [v[:, :, :T]]
+    outs = [ttt_attention(q[:, :, :T], keys, values, slots.documents)]
+    for (start, end), anchor in zip(slots.depth_rows, slots.anchors):
+        keys.append(_at_anchors(k[:, :, start:end], anchor, T))
+        values.append(_at_anchors(v[:, :, start:end], anchor, T))
+        query = _at_anchors(q[:, :, start:end], anchor, T)
+        outs.append(ttt_attention(query, keys, values, slots.documents).index_select(2, anchor))
+    return torch.cat(outs, dim=2)
+
+
+def _at_anchors(x: torch.Tensor, anchor: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, H, n, D) rows -> (B, H, T, D) with row i at position anchor[i], zeros elsewhere."""
+    return x.new_zeros(*x.shape[:2], T, x.shape[-1]).index_copy(2, anchor, x)
