@@ -270,7 +270,7 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         fail("warmup_proportion", f"must be in [0, 1), got {cfg.warmup_proportion}")
     if cfg.learning_rate <= 0:
         fail("learning_rate", f"must be > 0, got {cfg.learning_rate}")
-    validate_objective_options(cfg.draft, source, family.default_loss)
+    validate_objective_options(cfg.draft, source, family.default_loss, lk_family=family.lk_loss)
     if cfg.eval_temperature < 0:
         fail("eval_temperature", f"must be >= 0, got {cfg.eval_temperature}")
     if not os.path.isdir(cfg.target):

@@ -206,6 +206,7 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
+    lk_loss: ClassVar[bool] = False  # trains draft.loss: lk_alpha | lk_lambda (a head over a draft vocab)
     # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
     sequence_parallel: ClassVar[bool] = False
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}

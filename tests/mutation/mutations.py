@@ -435,6 +435,7 @@ DFLASH: List[Mutation] = [
 ]
 
 OBJECTIVES_PY = "specdraft/drafts/objectives.py"
+LK_PY = "specdraft/drafts/lk.py"
 OBJECTIVE_TESTS = ("tests/test_objectives.py",)
 DISTILL_TOKENS_TESTS = OBJECTIVE_TESTS + ("tests/test_eagle3.py", "tests/test_dflash.py")
 
@@ -895,14 +896,27 @@ LOSS_FORMULAS: List[Mutation] = [
     Mutation("losses/dpace-unsmoothed-confidence", OBJECTIVES_PY,
              "(1.0 - alpha) * torch.exp(-ce.float()) + alpha", "torch.exp(-ce.float())", LOSS_FORMULAS_TESTS,
              "D-PACE without its smoothing constant alpha"),
-    Mutation("losses/lk-lambda-not-detached", OBJECTIVES_PY,
+    Mutation("losses/lk-lambda-not-detached", LK_PY,
              "lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())",
              "lam = kl_scale * torch.exp(-kl_decay * mean_alpha)", LOSS_FORMULAS_TESTS,
              "LK's KL weight differentiated through"),
-    Mutation("losses/lk-acceptance-renormalised", OBJECTIVES_PY,
+    Mutation("losses/lk-acceptance-renormalised", LK_PY,
              "alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)",
              "alpha = acceptance_rate(target_probs, draft_logits, temperature)", LOSS_FORMULAS_TESTS,
              "acceptance counts target mass outside the draft vocab"),
+    Mutation("losses/lk-trained-acceptance-renormalised", LK_PY,
+             "p_accept = p if teacher_lse is None else torch.exp(teacher_logits - teacher_lse[:, None])",
+             "p_accept = p", ("tests/test_loss_formulas.py",),
+             "the trained LK acceptance reads the target renormalised over the draft vocab"),
+    Mutation("losses/lk-trained-lambda-of-this-rank", OBJECTIVES_PY,
+             'accept, kept = reduce(sums[at["accept"]].clone()), reduce(sums[at["kept"]].clone())',
+             'accept, kept = sums[at["accept"]].clone(), sums[at["kept"]].clone()', ("tests/test_loss_formulas.py",),
+             "lk_lambda's lambda from one sequence-parallel rank's rows, not the whole sequence's"),
+    Mutation("losses/lk-trained-alpha-gradient-sign", LK_PY,
+             "scale = keep(torch.where(positive, -1.0 / alpha.clamp_min(1e-30), 0.0))",
+             "scale = keep(torch.where(positive, 1.0 / alpha.clamp_min(1e-30), 0.0))",
+             ("tests/test_loss_formulas.py", "tests/test_lk_train.py"),
+             "lk_alpha climbs -log alpha instead of descending it"),
     Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
              'if self.dims.loss_weighting == "dpace" else None', "if False else None",
              ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),

@@ -34,8 +34,9 @@ from torch import nn
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
 from specdraft.drafts.cod_attention import CODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
-from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
-                                         parse_objective, term_metrics)
+from specdraft.drafts.lk import full_vocab_logsumexp
+from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
+                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
@@ -95,6 +96,7 @@ class PEagleDraft(Eagle3Base):
     label = "P-EAGLE"
     architecture = "PEagleDraft"
     default_loss = "kl"
+    lk_loss = True
     options = PEagleOptions
     dims_type = PEagleDims
     serving_formats = {"speculators": write_speculators}
@@ -245,6 +247,9 @@ class PEagleDraft(Eagle3Base):
         draft_ids = self.draft_to_target()
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         final = features.final_hidden.flatten(0, 1) if self.objective.needs_teacher else None
+        lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
+        if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
+            lse = full_vocab_logsumexp(final, lm_head_weight, chunk_size)
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
@@ -259,7 +264,8 @@ class PEagleDraft(Eagle3Base):
                 draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick])  # host mask: no sync
             out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
                                     None if final is None else final[at + 1], teacher_rows, draft_labels,
-                                    self.objective.over_rows(pick.numel(), answers), chunk_size)
+                                    self.objective.over_rows(pick.numel(), answers), chunk_size,
+                                    teacher_lse=None if lse is None else lse[at + 1])
             hits = (draft_ids[out.argmax] == labels).sum()
             tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
             loss = out.loss if loss is None else loss + out.loss
