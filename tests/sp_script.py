@@ -23,7 +23,7 @@ from specdraft.drafts import build_draft  # noqa: E402
 from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402
 
-FAMILIES = ("glide", "eagle3", "dflash", "dspark")
+FAMILIES = ("glide", "eagle3", "dflash", "dspark", "peagle")
 OBJECTIVES = ("ce", "kl")
 
 
@@ -44,19 +44,23 @@ def batch(T=32):
 
 def draft_for(family, objective, target):
     cfg = OmegaConf.merge(OmegaConf.structured(DraftConfig), {"type": family, "loss": objective})
-    if family == "eagle3":
+    if family in ("eagle3", "peagle"):
         cfg.draft_vocab_size = 96
+    if family == "eagle3":
         cfg.ttt_steps = 3
+    if family == "peagle":  # r_min high enough that the deeper depths hold slots on both ranks
+        cfg.num_depths, cfg.down_sample_ratio_min = 4, 0.5
     if family in ("dflash", "dspark"):
         cfg.block_size = 4
     draft = build_draft(cfg, target.config)
-    if family == "eagle3":
+    if family in ("eagle3", "peagle"):
         draft.set_vocab_maps(torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool))
     return draft
 
 
 def options(family):
-    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5}}.get(family, {})
+    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5},
+            "peagle": {"cod_seed": 5}}.get(family, {})
 
 
 def model_part(sp):
