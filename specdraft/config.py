@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from specdraft.drafts import SHARED_KEYS, DraftConfig, check_family_keys, draft_family, family_keys
+from specdraft.drafts import FAMILIES, SHARED_KEYS, DraftConfig, check_family_keys, draft_family, family_keys
 from specdraft.drafts.objectives import validate_objective_options
 from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
@@ -283,7 +283,9 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         check_sequence_length(target_config, cfg.max_seq_length, source)
     why = sequence_parallel_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config)
     if cfg.sequence_parallel_size > 1 and not family.sequence_parallel:
-        why = f"draft.type {cfg.draft.type} does not train on sequence shards yet (families that do: glide, eagle3, dflash, dspark)"
+        able = ", ".join(name for name, cls in FAMILIES.items() if cls.sequence_parallel)
+        why = (f"draft.type {cfg.draft.type} {family.sequence_parallel_refusal or 'does not train on sequence shards yet'}"
+               f" (families that do: {able})")
     if why:
         fail("sequence_parallel_size", why)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)

@@ -98,17 +98,19 @@ def model_part(sp):
 
 def train_part(target, data_dir, work, resume_from):
     """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
-    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2."""
+    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2. P-EAGLE: 8 steps at SP=2
+    saved at 4 (the test resumes it at SP=1)."""
     from helpers import run_overrides
     from specdraft.config import load_config
     from specdraft.train.loop import train
 
-    def run(name, *extra):
+    def run(name, *extra, family="eagle3"):
         overrides = run_overrides(target, data_dir, f"{work}/{name}", f"{work}/cache", max_steps=8, save_steps=4,
-                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": "eagle3"})
+                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": family})
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
-    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4")}
+    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4"),
+               "peagle_sp2": run("peagle_sp2", family="peagle")}
     if resume_from != "-":
         results["sp1_to_sp2"] = run("sp1_to_sp2", f"resume={resume_from}")
     return results

@@ -208,6 +208,8 @@ class Draft(nn.Module, ABC):
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
     # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
     sequence_parallel: ClassVar[bool] = False
+    # a family that cannot: why, after "draft.type X" in the config's refusal ("": not yet)
+    sequence_parallel_refusal: ClassVar[str] = ""
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
     on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
     file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads
