@@ -350,6 +350,16 @@ class PEagleDraft(Eagle3Base):
             "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
                                                                          calls=max(1, int(per_token))),
         }
+        if shape.whole_T > shape.T:  # sequence parallelism: T is this rank's shard
+            n = shape.T * per_token  # the rank's slots per row: its T at depth 0, the deeper ones anchored in it
+            keys = shape.whole_T + n - shape.T  # the gathered depth-0 keys, then its deeper slots'
+            # cod_attention.GatheredCODSlots instead of the per-depth path: the keys and values (whole
+            # sequence + own deeper slots) and the dense (slots, keys) mask, which SDPA keeps as a
+            # float bias (p bytes; the bool mask it is made from is gone before the loss's peak)
+            terms["slot attention"] = shape.B * keys * (2 * kv * hd + n) * p
+            # the next rank's first rows: x_{a+1} for depth 0, the teacher at a+d+1 (extend_right copies)
+            terms["shard borders"] = shape.B * ((shape.T + 1) * H + teacher * (shape.T + d.num_depths)
+                                                * d.target_hidden_size) * p
         if teacher:
             terms["teacher rows"] = Vd * d.target_hidden_size * p
         return terms
