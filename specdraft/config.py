@@ -288,6 +288,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
                f" (families that do: {able})")
     if why:
         fail("sequence_parallel_size", why)
+    reach = family.sequence_parallel_reach(cfg.draft) if cfg.sequence_parallel_size > 1 else None
+    if reach and reach[1] > cfg.max_seq_length // cfg.sequence_parallel_size:
+        fail(f"draft.{reach[0]}", f"{reach[1]} reads past the next rank's tokens at sequence_parallel_size "
+                                  f"{cfg.sequence_parallel_size} (max_seq_length / {cfg.sequence_parallel_size} = "
+                                  f"{cfg.max_seq_length // cfg.sequence_parallel_size} each)")
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_formats:

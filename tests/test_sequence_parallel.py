@@ -35,6 +35,14 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir,
             load(sequence_parallel_size=bad)
     assert load(sequence_parallel_size=2).sequence_parallel_size == 2
     assert load(sequence_parallel_size=2, **{"draft.type": "peagle"}).sequence_parallel_size == 2
+    # a rank reads the next rank's first num_depths / ttt_steps tokens: at most a shard (16 / 4 = 4)
+    with pytest.raises(SpecdraftError, match=r"key 'draft.num_depths': 8 reads past the next rank's tokens at "
+                                             r"sequence_parallel_size 4 \(max_seq_length / 4 = 4 each\)"):
+        load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle"})
+    with pytest.raises(SpecdraftError, match=r"key 'draft.ttt_steps': 7 reads past"):
+        load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "eagle3"})
+    assert load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle", "draft.num_depths": 4}) \
+        .draft.num_depths == 4
 
 
 def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, data_dir, tmp_path, capsys):

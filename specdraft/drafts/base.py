@@ -247,6 +247,12 @@ class Draft(nn.Module, ABC):
         the target directory has no readable config yet (checked again at training start)."""
 
     @classmethod
+    def sequence_parallel_reach(cls, draft_cfg) -> Optional[Tuple[str, int]]:
+        """(draft key, n): under SP a rank reads the next rank's first n tokens (SequenceShard.
+        extend_right), so n must not exceed a shard; None: no such key."""
+        return None
+
+    @classmethod
     def moves_target_positions(cls, draft_cfg) -> bool:
         """Whether sample_batch_options gives the target other positions than the data's (a
         "position_ids" entry): such a draft cannot share a target pass with other drafts."""

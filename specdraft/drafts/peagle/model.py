@@ -152,6 +152,10 @@ class PEagleDraft(Eagle3Base):
             fail("mask_token_id", f"{mask} is outside the target vocab (0..{text.vocab_size - 1})")
 
     @classmethod
+    def sequence_parallel_reach(cls, draft_cfg):
+        return "num_depths", int(draft_cfg.num_depths)  # the teacher of (a, d) is at a + d + 1
+
+    @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "PEagleDraft":
         mask = draft_cfg.mask_token_id
         if mask is None:
