@@ -63,7 +63,7 @@ def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, 
 
 
 def test_heads_and_kv_heads_that_sp_does_not_divide_are_named():
-    from specdraft.config import sequence_parallel_refusal
+    from specdraft.parallel.checks import sequence_parallel_refusal
 
     config = random_llama(vocab=32, hidden=48, heads=6, kv_heads=3).config
     assert "does not divide the target's 6 attention heads" in sequence_parallel_refusal(4, 64, config)
