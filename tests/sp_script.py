@@ -93,7 +93,20 @@ def model_part(sp):
                                                "correct": [c0.item(), c1.item()], "grad_rel": worst,
                                                "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
                                                "params": len(g0)}
+    report["gather/permuted_gradient"] = gather_permuted_gradient(sp)
     return report
+
+
+def gather_permuted_gradient(sp):
+    """SequenceShard.gather's backward for a gradient that is dense but not contiguous (an SDPA
+    key's): the max error of x.grad against the sum of every rank's gradient of its shard."""
+    shard = sp.shard(8)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1, 8, 2, 3, generator=g).transpose(1, 2) for _ in range(2)]  # (1, 2, 8, 3), permuted
+    x = torch.randn(1, 2, 4, 3, requires_grad=True)
+    (shard.gather(x, dim=2) * grads[sp.rank]).sum().backward()
+    expected = (grads[0] + grads[1])[:, :, shard.start:shard.end]
+    return (x.grad - expected).abs().max().item()
 
 
 def train_part(target, data_dir, work, resume_from):

@@ -141,6 +141,12 @@ def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, f
     assert r["grad_nonzero"] == r["params"]  # every parameter learns (no gradient lost in an exchange)
 
 
+def test_the_gather_returns_a_permuted_gradient_to_its_rank(model_results):
+    """torch's all_gather backward off NCCL scrambled a dense non-contiguous gradient (P-EAGLE's
+    gathered keys, from SDPA's backward): SequenceShard.gather makes it contiguous first."""
+    assert model_results["gather/permuted_gradient"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def resume_runs(tiny_target_dir, tmp_path_factory):
     """1 rank SP=1 straight; 2 ranks SP=2 (straight, and resumed at step 4 at the same size); 1 rank

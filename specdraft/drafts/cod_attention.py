@@ -83,7 +83,7 @@ def gathered_cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     """q (B, Hq, n, D), k/v (B, Hkv, n, D) of this rank's slots -> (B, Hq, n, D). The gather is
     differentiable: a depth-0 key's gradient from every rank's slots lands on its own rank."""
     local = slots.shard.local_length
-    # one gather for keys and values: every rank runs the same collectives, forward and backward
+    # one gather for keys and values: one collective, not two
     context = slots.shard.gather(torch.cat([k[:, :, :local], v[:, :, :local]], dim=1), dim=2)
     keys = torch.cat([context[:, :k.shape[1]], k[:, :, local:]], dim=2)
     values = torch.cat([context[:, k.shape[1]:], v[:, :, local:]], dim=2)

@@ -106,7 +106,8 @@ class SequenceShard:
             return x
         from torch.distributed.nn.functional import all_gather
 
-        return torch.cat(all_gather(x.contiguous(), group=self.group), dim=dim)
+        return torch.cat([_ContiguousGrad.apply(part) for part in all_gather(x.contiguous(), group=self.group)],
+                         dim=dim)
 
     def extend_right(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """(B, T/N, ...) -> (B, T/N + n, ...): this rank's tokens then the next n of the sequence
@@ -150,6 +151,21 @@ class SequenceShard:
         total = value.clone()
         dist.all_reduce(total, group=self.group)
         return total
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. all_gather's backward off NCCL
+    (torch 2.13) receives into empty_like(gradient): a dense but permuted gradient (an SDPA key's)
+    gets permuted strides there while the exchange writes contiguous bytes, so the gradient came
+    back scrambled (measured on gloo: P-EAGLE's gathered keys)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
