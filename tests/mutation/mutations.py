@@ -759,6 +759,7 @@ PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
 COD_ATTENTION = "specdraft/drafts/cod_attention.py"
 PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
 PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
+PE_SP = ("tests/test_sequence_parallel.py", "-k", "peagle and equals_one_rank")
 PEAGLE: List[Mutation] = [
     Mutation("peagle/cod-no-shift", PEAGLE_COD, "pool = kept + 1\n", "pool = kept + 0\n", PE_UNIT,
              "deeper depths drawn from the same positions, not the next ones"),
@@ -786,6 +787,17 @@ PEAGLE: List[Mutation] = [
     Mutation("peagle/slot-attention-wrong-anchor", COD_ATTENTION, "index_copy(2, anchor, x)",
              "index_copy(2, anchor.flip(0), x)", ("tests/test_cod_attention.py",) + PE_SPEC,
              "a depth's slots put at another slot's position"),
+    Mutation("peagle/sp-context-across-conversations", PEAGLE_PY,
+             "cod_visibility(anchor, depth, documents, key_anchor=key_anchor,",
+             "cod_visibility(anchor, depth, None, key_anchor=key_anchor,", PE_SP,
+             "under SP a slot reads the gathered keys of other packed conversations"),
+    Mutation("peagle/sp-teacher-row", PEAGLE_PY, "teacher_at = at // T * local_rows + at % T - shard.start + 1",
+             "teacher_at = at // T * T + at % T - shard.start + 1", PE_SP,
+             "under SP the teacher of row b > 0 read from the wrong row of the extended final states"),
+    Mutation("sequence/gather-gradient-scrambled", "specdraft/parallel/sequence.py",
+             "_ContiguousGrad.apply(part) for part in", "part for part in",
+             ("tests/test_sequence_parallel.py", "-k", "permuted_gradient or peagle and equals_one_rank"),
+             "torch's all_gather backward off NCCL fed a permuted gradient"),
     Mutation("peagle/export-mask-row", PEAGLE_EXPORT, "embed[draft.dims.mask_token_id] = state_dict[\"mask_embedding\"]",
              "embed[0] = state_dict[\"mask_embedding\"]", PE_SPEC, "the trained mask row written to token 0"),
 ]
