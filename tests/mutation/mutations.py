@@ -770,7 +770,8 @@ PEAGLE: List[Mutation] = [
     Mutation("peagle/visibility-sees-later-context", PEAGLE_COD, "(k_anchor <= q_anchor)", "(k_anchor <= q_anchor + 1)",
              PE_UNIT, "a slot sees the next position's real token"),
     Mutation("peagle/visibility-no-rollout", PEAGLE_COD, "rollout = (k_anchor == q_anchor) & (key_depth[None, :] <= depth[:, None])",
-             "rollout = (k_anchor == q_anchor) & (key_depth[None, :] == depth[:, None])", PE_UNIT + PE_SPEC,
+             "rollout = (k_anchor == q_anchor) & (key_depth[None, :] == depth[:, None])",
+             ("tests/test_cod_attention.py",) + PE_UNIT,  # PE_SPEC's -k would deselect the others
              "a deep slot does not see its own rollout"),
     Mutation("peagle/mask-hidden-unused", PEAGLE_PY, "self.mask_hidden.to(aux.dtype)[0]", "aux[anchor.clamp_min(0)]",
              PE_SPEC, "deeper slots read real target states"),
