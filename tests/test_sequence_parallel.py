@@ -143,7 +143,7 @@ def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, f
 
 def test_the_gather_returns_a_permuted_gradient_to_its_rank(model_results):
     """torch's all_gather backward off NCCL scrambled a dense non-contiguous gradient (P-EAGLE's
-    gathered keys, from SDPA's backward): SequenceShard.gather makes it contiguous first."""
+    gathered keys, from SDPA's backward); SequenceShard.gather's own sums it over the group."""
     assert model_results["gather/permuted_gradient"] == 0.0
 
 
