@@ -795,7 +795,7 @@ PEAGLE: List[Mutation] = [
     Mutation("peagle/sp-teacher-row", PEAGLE_PY, "teacher_at = at // T * local_rows + at % T - shard.start + 1",
              "teacher_at = at // T * T + at % T - shard.start + 1", PE_SP,
              "under SP the teacher of row b > 0 read from the wrong row of the extended final states"),
-    Mutation("sequence/gather-gradient-scrambled", "specdraft/parallel/sequence.py",
+    Mutation("sequence/gather-gradient-not-summed", "specdraft/parallel/sequence.py",
              "return total[ctx.rank], None, None, None", "return grad[ctx.rank], None, None, None",
              ("tests/test_sequence_parallel.py", "-k", "permuted_gradient or peagle and equals_one_rank"),
              "a gathered shard's gradient from the other ranks' reads lost"),
