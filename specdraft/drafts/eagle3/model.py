@@ -127,6 +127,10 @@ class Eagle3Draft(Eagle3Base):
         validate_layer_options(draft_cfg, target_config, fail)
 
     @classmethod
+    def sequence_parallel_reach(cls, draft_cfg):
+        return "ttt_steps", int(draft_cfg.ttt_steps)  # x_{t+1+k} and the teacher at t+1+k
+
+    @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
         draft = cls(Eagle3Dims(**layer_dims(target_config, draft_cfg, "eagle3"), ttt_steps=int(draft_cfg.ttt_steps),
                                ttt_decay=float(draft_cfg.ttt_decay), norm_output=bool(draft_cfg.norm_output)),
