@@ -5,16 +5,39 @@ import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from specdraft.demo import ensure_demo_assets
+
+
+# Modules whose tests start 2-rank jobs (torchrun, the deepspeed launcher): under pytest-xdist
+# (`make test`: -n 2 --dist loadgroup) they share one worker, so two such jobs never run at once.
+TWO_RANK_MODULES = ("test_distributed", "test_offline_commands", "test_resume", "test_sequence_parallel",
+                    "test_user_files")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """Every test is in an xdist group: its module's (the module fixtures are built once, on one
+    worker), or "two_ranks" for TWO_RANK_MODULES. Without xdist the marks change nothing."""
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("two_ranks" if module in TWO_RANK_MODULES else module))
 
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     # SPECDRAFT_TEST_CACHE keeps the tiny build between local runs (its stamp still decides
     # whether it is current); by default each session builds a fresh one.
-    home = os.environ.get("SPECDRAFT_TEST_CACHE") or tmp_path_factory.mktemp("specdraft_home")
-    return ensure_demo_assets(home, preset="tiny")
+    # Under pytest-xdist each worker has its own basetemp; their parent is the run's, so the
+    # workers share one build, and the lock lets one of them build while the others wait for it.
+    home = os.environ.get("SPECDRAFT_TEST_CACHE")
+    if not home:
+        base = tmp_path_factory.getbasetemp()
+        home = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "specdraft_home"
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with FileLock(Path(home) / "tiny.lock"):
+        return ensure_demo_assets(home, preset="tiny")
 
 
 @pytest.fixture(scope="session")
