@@ -11,18 +11,27 @@ from specdraft.demo import ensure_demo_assets
 
 
 # Modules whose tests start 2-rank jobs (torchrun, the deepspeed launcher): under pytest-xdist
-# (`make test`: -n 2 --dist loadgroup) they share one worker, so two such jobs never run at once.
+# (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another, so two such jobs
+# never share the CPUs at once.
 TWO_RANK_MODULES = ("test_distributed", "test_offline_commands", "test_resume", "test_sequence_parallel",
                     "test_user_files")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items):
-    """Every test is in an xdist group: its module's (the module fixtures are built once, on one
-    worker), or "two_ranks" for TWO_RANK_MODULES. Without xdist the marks change nothing."""
-    for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("two_ranks" if module in TWO_RANK_MODULES else module))
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it never calls this
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups drawn here: each module is one group (its module fixtures
+    are built once, on one worker), TWO_RANK_MODULES together are one. xdist's own loadgroup reads
+    xdist_group marks through item._nodeid, which pytest 9 no longer reads back."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "two_ranks" if Path(module).stem in TWO_RANK_MODULES else module
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
