@@ -55,7 +55,7 @@ from specdraft.drafts import FAMILIES, draft_from_export_config  # noqa: E402
 from specdraft.train.export import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
-from specdraft.evaluate import load_tokenizer, resolve_export  # noqa: E402
+from specdraft.evaluate import load_tokenizer, resolve_device, resolve_export  # noqa: E402
 
 CONFIGS = family_demo_configs()  # every family with a packaged demo config takes part
 LABELS = {family: cls.label for family, cls in FAMILIES.items()}
@@ -81,6 +81,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperatures", default="0,0.7", help="comma-separated sampling temperatures")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
+    parser.add_argument("--device", default="cpu",
+                        help="where target and drafts decode (cuda, cuda:1; the tables of docs/benchmarks.md: cpu)")
     parser.add_argument("--context", type=int, default=0, metavar="N",
                         help="pad each prompt to N tokens with earlier conversations of --data (long-context tau)")
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
@@ -251,7 +253,7 @@ def main(argv=None) -> dict:
 
     from specdraft.target.model import load_frozen_target
 
-    target = load_frozen_target(str(target_dir), "fp32")
+    target = load_frozen_target(str(target_dir), "fp32", resolve_device(args.device))
     tokenizer = load_tokenizer(next(iter(exports.values()), None), Path(target_dir))
     prompts = read_prompts(prompts_file, tokenizer, args.max_prompts)
     if args.context:
@@ -261,11 +263,12 @@ def main(argv=None) -> dict:
     # is this target worth measuring on? (a target that repeats itself flatters every drafter)
     quality = measure_answer_quality(target, tokenizer, prompts, max_new_tokens=args.max_new_tokens, stop=stop)[0]
     print(f"[bench] target answers: {quality.line()}", flush=True)
-    drafters = {label: ("draft", load_exported_draft(export)[0]) for label, export in exports.items()}
+    device = target.get_input_embeddings().weight.device
+    drafters = {label: ("draft", load_exported_draft(export)[0].to(device)) for label, export in exports.items()}
     drafters["prompt lookup"] = ("prompt_lookup", None)
     if args.untrained and exports:
         label, export = next(iter(exports.items()))
-        drafters[f"{label} (untrained)"] = ("untrained", draft_from_export_config(read_export_config(export)).eval())
+        drafters[f"{label} (untrained)"] = ("untrained", draft_from_export_config(read_export_config(export)).eval().to(device))
 
     # -- per temperature: one baseline, then every drafter x shape ------------------------------
     rows, plain_speed = [], {}

@@ -1,6 +1,6 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
-    OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark] [--lengths 2048,4096,8192]
+    OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark,peagle] [--lengths 2048,4096,8192]
         [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak] [--sp N]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
@@ -73,7 +73,8 @@ def measure_one(family: str, T: int) -> dict:
     cfg.type = family
     cfg.update({"glide": {"sliding_window": 512}, "eagle3": {"ttt_steps": 7},
                 "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512},
-                "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64}}[family])
+                "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64},
+                "peagle": {"num_depths": 8}}[family])
     sp = {}
     if SP > 1:
         import torch.distributed as dist

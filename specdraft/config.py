@@ -21,11 +21,12 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from specdraft.drafts import SHARED_KEYS, DraftConfig, check_family_keys, draft_family, family_keys
+from specdraft.drafts import FAMILIES, SHARED_KEYS, DraftConfig, check_family_keys, draft_family, family_keys
 from specdraft.drafts.objectives import validate_objective_options
 from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
+from specdraft.parallel.checks import sequence_parallel_key_refusal
 from specdraft.target.model import check_sequence_length, check_tokenizer, load_target_config
 from specdraft.run import step_of
 
@@ -270,7 +271,7 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         fail("warmup_proportion", f"must be in [0, 1), got {cfg.warmup_proportion}")
     if cfg.learning_rate <= 0:
         fail("learning_rate", f"must be > 0, got {cfg.learning_rate}")
-    validate_objective_options(cfg.draft, source, family.default_loss)
+    validate_objective_options(cfg.draft, source, family.default_loss, lk_family=family.lk_loss)
     if cfg.eval_temperature < 0:
         fail("eval_temperature", f"must be >= 0, got {cfg.eval_temperature}")
     if not os.path.isdir(cfg.target):
@@ -281,11 +282,10 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     if target_config is not None:  # a model directory: it must hold a tokenizer and cover the sequences
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
-    why = sequence_parallel_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config)
-    if cfg.sequence_parallel_size > 1 and not family.sequence_parallel:
-        why = f"draft.type {cfg.draft.type} does not train on sequence shards yet (families that do: glide, eagle3, dflash, dspark)"
-    if why:
-        fail("sequence_parallel_size", why)
+    refusal = sequence_parallel_key_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config, family,
+                                            cfg.draft, FAMILIES)
+    if refusal:
+        fail(*refusal)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_formats:
@@ -301,27 +301,6 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
 def data_world(cfg: DictConfig, world_size: int) -> int:
     """The ranks reading distinct batches: the ranks of one sequence-parallel group read the same."""
     return world_size // cfg.get("sequence_parallel_size", 1)
-
-
-def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None) -> Optional[str]:
-    """Why `size` ranks cannot share each sequence, in one line naming the numbers; None if they can."""
-    if size < 1:
-        return f"must be >= 1, got {size}"
-    if max_seq_length % size:
-        return f"{size} does not divide max_seq_length {max_seq_length} (each rank holds max_seq_length / {size} tokens)"
-    if target_config is None or size == 1:
-        return None
-    text = target_config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
-        return "the target has layers that are not full attention (sliding or linear): its capture is not sharded"
-    if heads % size:
-        return f"{size} does not divide the target's {heads} attention heads (each rank attends with heads / {size})"
-    if kv_heads % size and size % kv_heads:
-        return (f"the target's {kv_heads} key/value heads and {size} do not divide one another (each rank reads "
-                f"kv_heads / {size} of them, or one repeated)")
-    return None
 
 
 def _target_config_if_readable(target_dir: str):

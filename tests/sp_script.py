@@ -23,7 +23,7 @@ from specdraft.drafts import build_draft  # noqa: E402
 from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402
 
-FAMILIES = ("glide", "eagle3", "dflash", "dspark")
+FAMILIES = ("glide", "eagle3", "dflash", "dspark", "peagle")
 OBJECTIVES = ("ce", "kl")
 
 
@@ -44,19 +44,23 @@ def batch(T=32):
 
 def draft_for(family, objective, target):
     cfg = OmegaConf.merge(OmegaConf.structured(DraftConfig), {"type": family, "loss": objective})
-    if family == "eagle3":
+    if family in ("eagle3", "peagle"):
         cfg.draft_vocab_size = 96
+    if family == "eagle3":
         cfg.ttt_steps = 3
+    if family == "peagle":  # r_min high enough that the deeper depths hold slots on both ranks
+        cfg.num_depths, cfg.down_sample_ratio_min = 4, 0.5
     if family in ("dflash", "dspark"):
         cfg.block_size = 4
     draft = build_draft(cfg, target.config)
-    if family == "eagle3":
+    if family in ("eagle3", "peagle"):
         draft.set_vocab_maps(torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool))
     return draft
 
 
 def options(family):
-    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5}}.get(family, {})
+    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5},
+            "peagle": {"cod_seed": 5}}.get(family, {})
 
 
 def model_part(sp):
@@ -89,22 +93,37 @@ def model_part(sp):
                                                "correct": [c0.item(), c1.item()], "grad_rel": worst,
                                                "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
                                                "params": len(g0)}
+    report["gather/permuted_gradient"] = gather_permuted_gradient(sp)
     return report
+
+
+def gather_permuted_gradient(sp):
+    """SequenceShard.gather's backward for a gradient that is dense but not contiguous (an SDPA
+    key's): the max error of x.grad against the sum of every rank's gradient of its shard."""
+    shard = sp.shard(8)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1, 8, 2, 3, generator=g).transpose(1, 2) for _ in range(2)]  # (1, 2, 8, 3), permuted
+    x = torch.randn(1, 2, 4, 3, requires_grad=True)
+    (shard.gather(x, dim=2) * grads[sp.rank]).sum().backward()
+    expected = (grads[0] + grads[1])[:, :, shard.start:shard.end]
+    return (x.grad - expected).abs().max().item()
 
 
 def train_part(target, data_dir, work, resume_from):
     """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
-    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2."""
+    resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2. P-EAGLE: 8 steps at SP=2
+    saved at 4 (the test resumes it at SP=1)."""
     from helpers import run_overrides
     from specdraft.config import load_config
     from specdraft.train.loop import train
 
-    def run(name, *extra):
+    def run(name, *extra, family="eagle3"):
         overrides = run_overrides(target, data_dir, f"{work}/{name}", f"{work}/cache", max_steps=8, save_steps=4,
-                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": "eagle3"})
+                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": family})
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
-    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4")}
+    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4"),
+               "peagle_sp2": run("peagle_sp2", family="peagle")}
     if resume_from != "-":
         results["sp1_to_sp2"] = run("sp1_to_sp2", f"resume={resume_from}")
     return results

@@ -177,9 +177,9 @@ def test_which_token_each_position_predicts_at_each_step(target, monkeypatch):
     seen = []
     real = eagle3_module.ttt_step_loss
 
-    def spy(student, head, teacher, rows, labels, objective, chunk, keep=None):
+    def spy(student, head, teacher, rows, labels, objective, chunk, *rest):
         seen.append((student.detach().clone(), teacher.clone()))
-        return real(student, head, teacher, rows, labels, objective, chunk, keep)
+        return real(student, head, teacher, rows, labels, objective, chunk, *rest)
 
     monkeypatch.setattr(eagle3_module, "ttt_step_loss", spy)
     feats = features_of(target, draft, ids)

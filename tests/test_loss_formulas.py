@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from specdraft.drafts.objectives import acceptance_rate, dpace_loss, dpace_weights, lk_loss, lk_ttt_loss
+from specdraft.drafts.lk import acceptance_rate, lk_loss, lk_ttt_loss
+from specdraft.drafts.objectives import dpace_loss, dpace_weights
 from speculators_env import run_in_speculators
 
 
@@ -161,3 +162,80 @@ def test_lk_lambda_weight_is_detached_and_matches_identities():
 def test_lk_ttt_steps_weigh_0_8_to_the_i():
     steps = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(4.0)]
     assert lk_ttt_loss(steps).item() == pytest.approx(1.0 + 0.8 * 2.0 + 0.64 * 4.0)
+
+
+# -- the LK losses as training computes them: the chunked objective against lk_loss above ---------
+
+def _lk_training_case(seed=0, N=11, H=6, Ht=5, Vd=7, V=10):
+    """A draft head over a draft vocab (the first Vd target ids) and a target over V: the chunked
+    objective's inputs, and lk_loss's (the renormalised teacher, the unrenormalised acceptance)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    head = torch.randn(Vd, H, generator=g)
+    final = torch.randn(N, Ht, generator=g)
+    target_head = torch.randn(V, Ht, generator=g)
+    keep = torch.rand(N, generator=g) > 0.3
+    return hidden, head, final, target_head, keep
+
+
+def _lk_reference(hidden, head, final, target_head, keep, mode):
+    Vd = head.shape[0]
+    t_full = final @ target_head.t()
+    on_draft = torch.softmax(t_full, dim=-1)[:, :Vd]
+    renorm = torch.softmax(t_full[:, :Vd], dim=-1)
+    return keep.sum() * lk_loss(hidden @ head.t(), renorm, on_draft, keep, mode)
+
+
+@pytest.mark.parametrize("name", ["lk_alpha", "lk_lambda"])
+@pytest.mark.parametrize("chunk,frozen_head", [(3, False), (64, False), (3, True)])
+def test_the_trained_lk_losses_equal_the_reference_with_gradients(name, chunk, frozen_head):
+    """chunked_objective (what EAGLE-3 / P-EAGLE train on) = (counted rows) x lk_loss, the formula
+    tested above: a sum over the teacher's kept rows, lambda from their mean acceptance; the
+    acceptance reads the target over its whole vocab (teacher_lse), the KL the renormalised one."""
+    from specdraft.drafts.lk import full_vocab_logsumexp
+    from specdraft.drafts.objectives import chunked_objective, parse_objective
+
+    hidden, head, final, target_head, keep = _lk_training_case()
+    Vd = head.shape[0]
+    a = [hidden.clone().requires_grad_(), head.clone().requires_grad_(not frozen_head)]
+    out = chunked_objective(a[0], a[1], final, target_head[:Vd], None, parse_objective(name), chunk,
+                            teacher_keep=keep, teacher_lse=full_vocab_logsumexp(final, target_head, 4))
+    out.loss.backward()
+    b = [hidden.clone().requires_grad_(), head.clone().requires_grad_()]
+    expected = _lk_reference(*b, final, target_head, keep, name[3:])
+    expected.backward()
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[0].grad, b[0].grad, rtol=1e-5, atol=1e-6)
+    if not frozen_head:  # a frozen head: the hidden-state gradient is made in the forward pass
+        torch.testing.assert_close(a[1].grad, b[1].grad, rtol=1e-5, atol=1e-6)
+    assert (a[0].grad[~keep] == 0).all()
+    on_draft = torch.softmax(final @ target_head.t(), dim=-1)[:, :Vd]
+    alpha = acceptance_rate(on_draft, hidden @ head.t())
+    torch.testing.assert_close(out.terms["accept"], (alpha * keep).sum())  # the logged acceptance
+    assert set(out.terms) == {name, "tv", "accept"}
+
+
+def test_lk_lambda_reads_the_mean_acceptance_of_the_whole_sequence():
+    """Under sequence parallelism each rank holds part of a step's rows: `reduce` sums lambda's
+    statistics over the group, so the two halves' losses and gradients add up to the whole's."""
+    from specdraft.drafts.objectives import chunked_objective, parse_objective
+
+    hidden, head, final, target_head, keep = _lk_training_case(seed=4, N=12)
+    Vd, objective = head.shape[0], parse_objective("lk_lambda")
+    lse = torch.logsumexp(final @ target_head.t(), dim=-1)
+    whole_h, whole_w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    whole = chunked_objective(whole_h, whole_w, final, target_head[:Vd], None, objective, 5, keep, lse)
+    whole.loss.backward()
+    halves = [slice(0, 5), slice(5, 12)]
+    stats = [chunked_objective(hidden[s], head, final[s], target_head[:Vd], None, objective, 5, keep[s], lse[s])
+             for s in halves]
+    part_h, part_w, total = hidden.clone().requires_grad_(), head.clone().requires_grad_(), 0.0
+    for i, s in enumerate(halves):
+        other = iter([stats[1 - i].terms["accept"], keep[halves[1 - i]].sum().float()])
+        out = chunked_objective(part_h[s], part_w, final[s], target_head[:Vd], None, objective, 5, keep[s], lse[s],
+                                reduce=lambda x: x + next(other))
+        out.loss.backward()
+        total = total + out.loss.detach()
+    torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(part_h.grad, whole_h.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(part_w.grad, whole_w.grad, rtol=1e-5, atol=1e-7)

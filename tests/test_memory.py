@@ -193,7 +193,7 @@ def test_a_teacher_objective_holds_seven_fp32_chunks_at_once(loss, buffers):
 
 
 
-SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide")  # those that train on sequence shards
+SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide", "peagle")  # those that train on sequence shards
 
 
 def test_capture_working_set_under_sequence_parallelism_is_a_hand_count():
@@ -228,6 +228,16 @@ def test_sequence_parallel_terms_equal_a_hand_count(family):
     assert sp.parts.get("document masks", 0) == shard.get("document masks", 0)
     if family in ("glide", "eagle3"):  # head-split attention: every term is the shard's
         assert shard == half
+        return
+    if family == "peagle":  # the shard's slots against the gathered depth-0 keys, through a dense mask
+        # defaults K = 8, r = 0.7, r_min = 0.2: slots per token 1 + .7 + .7^2 + .7^3 + .7^4 + 3 x .2;
+        # TARGET: 2 kv heads of 64, H = Ht = 256; kl reads the teacher
+        n = 512 * (1 + 0.7 + 0.7 ** 2 + 0.7 ** 3 + 0.7 ** 4 + 3 * 0.2)  # the rank's slots
+        keys = 1024 + (n - 512)  # every depth-0 key of the sequence, then the rank's deeper slots
+        assert shard["slot attention"] == pytest.approx(B * keys * (2 * 2 * 64 + n) * p)  # K/V, fp32 mask bias
+        assert shard["shard borders"] == B * (513 * 256 + (512 + 8) * 256) * p  # x_{a+1}; teacher to a+8
+        assert {k: v for k, v in shard.items() if k not in ("slot attention", "shard borders")} == \
+            {k: v for k, v in half.items() if k != "slot attention"}
         return
     d = draft.dims
     gathered = B * (T - T // 2) * (2 * d.hidden_size + d.num_layers * 6 * d.num_kv_heads * d.head_dim) * p

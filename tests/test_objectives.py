@@ -2,6 +2,7 @@
 loss and gradients, chunked or not; zero exactly at q = p; finite in bf16; config parsing."""
 
 import math
+import shlex
 
 import pytest
 import torch
@@ -9,7 +10,10 @@ import torch.nn.functional as F
 
 from specdraft.config import DraftConfig, load_config
 from specdraft.drafts.loss import chunked_cross_entropy
-from specdraft.drafts.objectives import CE, OBJECTIVES, chunked_objective, parse_objective
+from specdraft.drafts.objectives import CE, LK_OBJECTIVES, OBJECTIVES, chunked_objective, parse_objective
+
+# the LK losses (temperature 1 only) have their own reference tests: tests/test_loss_formulas.py
+SUMMED = [name for name in OBJECTIVES if name not in LK_OBJECTIVES]
 from specdraft.errors import SpecdraftError
 
 torch.set_num_threads(1)
@@ -48,7 +52,7 @@ def run(objective, hidden, weight, t_hidden, t_weight, labels, chunk_size=4, tra
     return out, hidden.grad, weight.grad
 
 
-@pytest.mark.parametrize("spec", list(OBJECTIVES) + ["0.9*tv + 0.1*ce", "0.5*kl+0.25*soft_ce+tv+2*ce"])
+@pytest.mark.parametrize("spec", SUMMED + ["0.9*tv + 0.1*ce", "0.5*kl+0.25*soft_ce+tv+2*ce"])
 @pytest.mark.parametrize("train_weight", [False, True], ids=["frozen_head", "trained_head"])
 def test_objective_equals_a_plain_pytorch_reference_in_loss_and_gradients(spec, train_weight):
     objective = parse_objective(spec, temperature=0.7)
@@ -108,7 +112,7 @@ def test_kl_and_tv_are_zero_exactly_when_q_equals_p_and_soft_ce_is_the_teachers_
     assert out.loss.item() > 0
 
 
-@pytest.mark.parametrize("spec", list(OBJECTIVES) + ["0.9*tv + 0.1*ce"])
+@pytest.mark.parametrize("spec", SUMMED + ["0.9*tv + 0.1*ce"])
 def test_chunked_equals_unchunked_loss_and_gradients(spec):
     objective = parse_objective(spec, 0.8)
     hidden, weight, t_hidden, t_weight, labels = tensors(seed=3)
@@ -123,7 +127,7 @@ def test_chunked_equals_unchunked_loss_and_gradients(spec):
         assert out.correct == whole.correct
 
 
-@pytest.mark.parametrize("spec", list(OBJECTIVES) + ["0.9*tv + 0.1*ce"])
+@pytest.mark.parametrize("spec", SUMMED + ["0.9*tv + 0.1*ce"])
 def test_gradients_are_finite_with_bf16_inputs_and_follow_the_fp32_ones(spec):
     objective = parse_objective(spec, 0.7)
     # (a seed without a near-tie q_j ~ p_j on a large entry: TV's gradient jumps there)
@@ -226,7 +230,7 @@ def test_parse_objective(spec, weights):
 
 
 @pytest.mark.parametrize("spec, temperature, message", [
-    ("tvv", 1.0, "unknown objective 'tvv' (choose from ce, soft_ce, kl, tv)"),
+    ("tvv", 1.0, "unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)"),
     ({"tv": 0.9, "cee": 0.1}, 1.0, "unknown objective 'cee'"),
     ("0.9*tv + -0.1*ce", 1.0, "weight of 'ce' must be >= 0, got -0.1"),
     ({"tv": -1}, 1.0, "weight of 'tv' must be >= 0, got -1"),
@@ -245,12 +249,21 @@ def test_parse_objective_rejects_with_one_line(spec, temperature, message):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("draft.loss=tvv", "key 'draft.loss': unknown objective 'tvv' (choose from ce, soft_ce, kl, tv)"),
+    ("draft.loss=tvv", "key 'draft.loss': unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)"),
     ("draft.loss={tv: 0.9, ce: -0.1}", "key 'draft.loss': weight of 'ce' must be >= 0, got -0.1"),
     ("draft.distill_temperature=0", "key 'draft.distill_temperature': must be > 0, got 0.0"),
     ("eval_temperature=-0.5", "key 'eval_temperature': must be >= 0, got -0.5"),
     ("draft.distill_tokens=prompts", "key 'draft.distill_tokens': must be one of answers, all, got 'prompts'"),
     ("draft.loss=ce", None),  # valid alone; with distill_tokens=all below it is not
+    ("draft.loss=lk_alpha", "key 'draft.loss': lk_alpha is an LK loss, trained by draft.type eagle3 and peagle only, "
+                            "not 'glide'"),
+    ("draft.type=dflash draft.loss=lk_lambda", "lk_lambda is an LK loss, trained by draft.type eagle3 and peagle "
+                                               "only, not 'dflash'"),
+    ("draft.type=eagle3 draft.loss='lk_alpha + lk_lambda'", "key 'draft.loss': lk_alpha and lk_lambda are two modes "
+                                                            "of one loss; choose one"),
+    ("draft.type=peagle draft.loss=lk_lambda draft.distill_temperature=0.7",
+     "key 'draft.loss': the LK losses compare the target's and the draft's sampling distributions at temperature 1; "
+     "draft.distill_temperature is 0.7"),
 ])
 def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, override, expected):
     from specdraft.cli import main
@@ -260,7 +273,8 @@ def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, 
     config = tmp_path / "run.yaml"
     config.write_text(f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/d.jsonl\n"
                       f"output_dir: {tmp_path / 'out'}\ndraft:\n  loss: {{tv: 0.9, ce: 0.1}}\n")
-    overrides = [override] if expected else [override, "draft.distill_tokens=all"]
+    override = shlex.split(override) if override.startswith("draft.type=") else [override]  # several keys
+    overrides = override if expected else [*override, "draft.distill_tokens=all"]
     expected = expected or "key 'draft.distill_tokens': 'all' needs a teacher term in draft.loss"
     assert main(["train", str(config), *overrides]) == 2
     err = capsys.readouterr().err.strip()

@@ -34,12 +34,36 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir,
         with pytest.raises(SpecdraftError, match=rf"{bad} does not divide the target's {heads} attention heads"):
             load(sequence_parallel_size=bad)
     assert load(sequence_parallel_size=2).sequence_parallel_size == 2
-    with pytest.raises(SpecdraftError, match=r"draft.type mtp does not train on sequence shards yet"):
-        load(sequence_parallel_size=2, **{"draft.type": "mtp"})
+    assert load(sequence_parallel_size=2, **{"draft.type": "peagle"}).sequence_parallel_size == 2
+    # a rank reads the next rank's first num_depths / ttt_steps tokens: at most a shard (16 / 4 = 4)
+    with pytest.raises(SpecdraftError, match=r"key 'draft.num_depths': 8 reads past the next rank's tokens at "
+                                             r"sequence_parallel_size 4 \(max_seq_length / 4 = 4 each\)"):
+        load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle"})
+    with pytest.raises(SpecdraftError, match=r"key 'draft.ttt_steps': 7 reads past"):
+        load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "eagle3"})
+    assert load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle", "draft.num_depths": 4}) \
+        .draft.num_depths == 4
+
+
+def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, data_dir, tmp_path, capsys):
+    """MTP fine-tunes the MTP layer of targets (qwen3_next) whose linear-attention layers the
+    sharded capture does not run: refused before anything is written."""
+    from specdraft.cli import main
+
+    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache",
+                              sequence_parallel_size=2, **{"draft.type": "mtp"})
+    (tmp_path / "run.yaml").write_text("{}\n")
+    assert main(["train", str(tmp_path / "run.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert ("key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its targets "
+            "(qwen3_next) have linear-attention layers, which the sharded capture does not run (families "
+            "that do: glide, eagle3, dflash, dspark, peagle)") in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_heads_and_kv_heads_that_sp_does_not_divide_are_named():
-    from specdraft.config import sequence_parallel_refusal
+    from specdraft.parallel.checks import sequence_parallel_refusal
 
     config = random_llama(vocab=32, hidden=48, heads=6, kv_heads=3).config
     assert "does not divide the target's 6 attention heads" in sequence_parallel_refusal(4, 64, config)
@@ -106,7 +130,7 @@ def model_results(tmp_path_factory):
     return json.loads(out.read_text())["model"]
 
 
-@pytest.mark.parametrize("family", ["glide", "eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("family", ["glide", "eagle3", "dflash", "dspark", "peagle"])
 @pytest.mark.parametrize("objective", ["ce", "kl"])
 def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, family, objective):
     r = model_results[f"{family}/{objective}"]
@@ -115,6 +139,12 @@ def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, f
     assert r["tokens"][0] == r["tokens"][1] and r["correct"][0] == r["correct"][1]
     assert r["grad_rel"] <= TOLERANCE
     assert r["grad_nonzero"] == r["params"]  # every parameter learns (no gradient lost in an exchange)
+
+
+def test_the_gather_returns_a_permuted_gradient_to_its_rank(model_results):
+    """torch's all_gather backward off NCCL scrambled a dense non-contiguous gradient (P-EAGLE's
+    gathered keys, from SDPA's backward); SequenceShard.gather's own sums it over the group."""
+    assert model_results["gather/permuted_gradient"] == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +156,20 @@ def resume_runs(tiny_target_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("sp_train")
     write_chat_files(work / "data")
 
-    def one_rank(name, *extra):
+    def one_rank(name, *extra, family="eagle3"):
         overrides = run_overrides(tiny_target_dir, work / "data", work / name, work / "cache", max_steps=8,
-                                  save_steps=4, per_device_batch_size=2, **{"draft.type": "eagle3"})
+                                  save_steps=4, per_device_batch_size=2, **{"draft.type": family})
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
-    runs = {"sp1": one_rank("sp1")}
+    runs = {"sp1": one_rank("sp1"), "peagle_sp1": one_rank("peagle_sp1", family="peagle")}
     out = work / "train.json"
     proc = torchrun(REPO / "tests" / "sp_script.py", out, tiny_target_dir, work / "data", work,
                     work / "sp1" / "ckpt" / "step_4", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs.update(json.loads(out.read_text())["train"])
     runs["sp2_to_sp1"] = one_rank("sp2_to_sp1", f"resume={work}/sp2/ckpt/step_4")
+    runs["peagle_sp2_to_sp1"] = one_rank("peagle_sp2_to_sp1", f"resume={work}/peagle_sp2/ckpt/step_4",
+                                         family="peagle")
     return runs
 
 
@@ -153,6 +185,13 @@ def test_training_at_sp2_on_two_ranks_follows_one_rank(resume_runs):
 
 def test_sp2_resumes_exactly_at_the_same_size(resume_runs):
     assert resume_runs["sp2_resumed"] == resume_runs["sp2"][4:]
+
+
+def test_peagle_at_sp2_follows_one_rank_and_resumes_at_sp1(resume_runs):
+    """P-EAGLE's COD slots are drawn from the loop's batch generator over the whole sequence, so
+    SP=2 on 2 ranks trains the slots of the 1-rank run, and its checkpoint continues at SP=1."""
+    _close(resume_runs["peagle_sp2"], resume_runs["peagle_sp1"])
+    _close(resume_runs["peagle_sp2_to_sp1"], resume_runs["peagle_sp1"][4:])
 
 
 def test_a_run_resumes_across_sp_sizes(resume_runs):

@@ -206,8 +206,11 @@ class Draft(nn.Module, ABC):
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
+    lk_loss: ClassVar[bool] = False  # trains draft.loss: lk_alpha | lk_lambda (a head over a draft vocab)
     # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
     sequence_parallel: ClassVar[bool] = False
+    # a family that cannot: why, after "draft.type X" in the config's refusal ("": not yet)
+    sequence_parallel_refusal: ClassVar[str] = ""
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
     on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
     file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads
@@ -243,6 +246,12 @@ class Draft(nn.Module, ABC):
                         max_seq_length: int) -> None:
         """Raise a one-line SpecdraftError naming the bad `draft.` key. target_config is None when
         the target directory has no readable config yet (checked again at training start)."""
+
+    @classmethod
+    def sequence_parallel_reach(cls, draft_cfg) -> Optional[Tuple[str, int]]:
+        """(draft key, n): under SP a rank reads the next rank's first n tokens (SequenceShard.
+        extend_right), so n must not exceed a shard; None: no such key."""
+        return None
 
     @classmethod
     def moves_target_positions(cls, draft_cfg) -> bool:

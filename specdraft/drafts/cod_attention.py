@@ -7,6 +7,8 @@ its own rollout: EAGLE-3's training-time test at step d for query a (ttt_attenti
 depth's queries and its rollout's keys are put at their anchors' positions (T rows, zeros where a
 depth has no slot), ttt_attention runs over them, and the slots' rows are taken back. The memory
 is O(K T) where the mask was O(N^2) with N ~ 3.4 T slots (K = 8 depths, r = 0.7, r_min = 0.2).
+Under sequence parallelism (GatheredCODSlots) a rank's slots read the gathered depth-0 keys
+through a dense mask instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from specdraft.drafts.documents import PackedDocuments
+from specdraft.drafts.layers import attend
 from specdraft.drafts.ttt_attention import ttt_attention
+from specdraft.parallel.sequence import SequenceShard
 from specdraft.transfer import to_device
 
 
@@ -60,3 +64,27 @@ def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: CODS
 def _at_anchors(x: torch.Tensor, anchor: torch.Tensor, T: int) -> torch.Tensor:
     """(B, H, n, D) rows -> (B, H, T, D) with row i at position anchor[i], zeros elsewhere."""
     return x.new_zeros(*x.shape[:2], T, x.shape[-1]).index_copy(2, anchor, x)
+
+
+@dataclass(frozen=True)
+class GatheredCODSlots:
+    """Sequence parallelism: one rank's slots (its T/N depth-0 positions, then the deeper slots
+    anchored in its shard, depth by depth) against the depth-0 keys of the whole sequence
+    (all-gathered) followed by its own deeper slots' keys. A slot's rollout lies on its anchor's
+    rank; its context is the depth-0 keys <= its anchor, on this rank and every one before.
+    A dense (slots, T + deeper slots) mask (cod_visibility's rule, built by the caller): CODSlots'
+    mask-free path puts every depth at all T positions, the whole sequence's rows on every rank."""
+
+    shard: SequenceShard
+    visible: torch.Tensor  # (n, T + n - T/N) bool on the device
+
+
+def gathered_cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: GatheredCODSlots) -> torch.Tensor:
+    """q (B, Hq, n, D), k/v (B, Hkv, n, D) of this rank's slots -> (B, Hq, n, D). The gather is
+    differentiable: a depth-0 key's gradient from every rank's slots lands on its own rank."""
+    local = slots.shard.local_length
+    # one gather for keys and values: one collective, not two
+    context = slots.shard.gather(torch.cat([k[:, :, :local], v[:, :, :local]], dim=1), dim=2)
+    keys = torch.cat([context[:, :k.shape[1]], k[:, :, local:]], dim=2)
+    values = torch.cat([context[:, k.shape[1]:], v[:, :, local:]], dim=2)
+    return attend(q, keys, values, slots.visible)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
-from specdraft.drafts.cod_attention import CODSlots, cod_attention
+from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots, cod_attention, gathered_cod_attention
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
@@ -130,6 +130,8 @@ class Eagle3Attention(Projections):
         v = self.heads(self.v_proj(x))
         if isinstance(visible, CODSlots):  # P-EAGLE's slots, without their (N, N) mask
             out = cod_attention(q, k, v, visible)
+        elif isinstance(visible, GatheredCODSlots):  # ... under sequence parallelism: the gathered context
+            out = gathered_cod_attention(q, k, v, visible)
         elif isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
             shard = visible.shard or SequenceShard.whole(x.shape[1])
             q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)

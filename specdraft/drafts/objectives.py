@@ -38,12 +38,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from specdraft.drafts.lk import lk_lambda_of, lk_terms
 from specdraft.drafts.loss import chunked_cross_entropy, default_chunk_size
 from specdraft.errors import SpecdraftError
 from specdraft.transfer import to_device
 
-OBJECTIVES = ("ce", "soft_ce", "kl", "tv")
-TEACHER_OBJECTIVES = ("soft_ce", "kl", "tv")  # the ones that read the target's distribution
+OBJECTIVES = ("ce", "soft_ce", "kl", "tv", "lk_alpha", "lk_lambda")
+TEACHER_OBJECTIVES = ("soft_ce", "kl", "tv", "lk_alpha", "lk_lambda")  # the ones that read the target's distribution
+LK_OBJECTIVES = ("lk_alpha", "lk_lambda")  # SpecForge's LK losses: EAGLE-3 and P-EAGLE (Draft.lk_loss)
 DISTILL_TOKENS = ("answers", "all")  # draft.distill_tokens: where the teacher terms learn
 _TERM = re.compile(r"^\s*(?:([^*]+?)\s*\*\s*)?([A-Za-z_]+)\s*$")  # "[weight *] name"
 
@@ -71,6 +73,11 @@ class Objective:
     @property
     def needs_labels(self) -> bool:
         return "ce" in self.names
+
+    @property
+    def lk(self) -> bool:
+        """True when a term is an LK loss (it reads the acceptance sum_v min(p, q))."""
+        return any(name in LK_OBJECTIVES for name in self.names)
 
     def __str__(self) -> str:
         body = " + ".join(name if w == 1.0 else f"{w:g}*{name}" for name, w in self.weights)
@@ -101,7 +108,8 @@ class ObjectiveOptions:
     """The `draft.` keys of the objective, shared by every family (its options inherit these)."""
 
     # ce | soft_ce | kl | tv, a weighted sum '0.9*tv + 0.1*ce' or a mapping {tv: 0.9, ce: 0.1}
-    # (a 0 weight drops a term); null: the family's default (GLIDE: ce)
+    # (a 0 weight drops a term); null: the family's default (GLIDE: ce); eagle3 / peagle also
+    # lk_alpha | lk_lambda (SpecForge's LK losses, temperature 1)
     loss: Any = None
     distill_temperature: float = 1.0  # soft_ce / kl / tv compare softmax(logits / T) of target and draft
     # answers | all: the tokens soft_ce / kl / tv learn; all: prompt and template tokens too (ce
@@ -109,9 +117,10 @@ class ObjectiveOptions:
     distill_tokens: str = "answers"
 
 
-def validate_objective_options(draft_cfg, source: str, default: str = "ce") -> None:
+def validate_objective_options(draft_cfg, source: str, default: str = "ce", lk_family: bool = True) -> None:
     """One-line SpecdraftError for a bad draft.loss / distill_temperature / distill_tokens
-    (`default`: the family's objective when draft.loss is null)."""
+    (`default`: the family's objective when draft.loss is null; lk_family: the family trains the
+    LK losses, EAGLE-3 and P-EAGLE)."""
     temperature = draft_cfg.get("distill_temperature", 1.0)
     if not temperature > 0:
         raise SpecdraftError(f"{source}: key 'draft.distill_temperature': must be > 0, got {temperature}")
@@ -120,6 +129,10 @@ def validate_objective_options(draft_cfg, source: str, default: str = "ce") -> N
         raise SpecdraftError(f"{source}: key 'draft.distill_tokens': must be one of "
                              f"{', '.join(DISTILL_TOKENS)}, got {tokens!r}")
     objective = objective_from_options(draft_cfg, default, where=f"{source}: key 'draft.loss'")
+    if objective.lk and not lk_family:
+        lk = ", ".join(name for name in objective.names if name in LK_OBJECTIVES)
+        raise SpecdraftError(f"{source}: key 'draft.loss': {lk} is an LK loss, trained by draft.type "
+                             f"eagle3 and peagle only, not {draft_cfg.get('type')!r}")
     if tokens == "all" and not objective.all_tokens:  # no teacher term to learn the other tokens
         raise SpecdraftError(f"{source}: key 'draft.distill_tokens': 'all' needs a teacher term in "
                              f"draft.loss ({', '.join(TEACHER_OBJECTIVES)}); {objective} learns answers only")
@@ -180,8 +193,13 @@ def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draf
         weights[name] = _weight(name, weight, where)
     if not any(w > 0 for w in weights.values()):
         raise SpecdraftError(f"{where}: no objective has a positive weight")
+    if all(weights.get(name, 0.0) > 0 for name in LK_OBJECTIVES):
+        raise SpecdraftError(f"{where}: lk_alpha and lk_lambda are two modes of one loss; choose one")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise SpecdraftError(f"temperature of {where}: must be a number > 0, got {temperature!r}")
+    if any(weights.get(name, 0.0) > 0 for name in LK_OBJECTIVES) and temperature != 1.0:
+        raise SpecdraftError(f"{where}: the LK losses compare the target's and the draft's sampling distributions "
+                             f"at temperature 1; draft.distill_temperature is {temperature:g}")
     return Objective(tuple((name, weights[name]) for name in OBJECTIVES if weights.get(name, 0.0) > 0),
                      float(temperature))
 
@@ -206,7 +224,8 @@ def _weight(name: str, value: Any, where: str) -> float:
 
 def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor],
                     labels: Optional[torch.Tensor], objective: Objective,
-                    with_grad: bool, teacher_keep: Optional[torch.Tensor] = None
+                    with_grad: bool, teacher_keep: Optional[torch.Tensor] = None,
+                    teacher_lse: Optional[torch.Tensor] = None, lk_lambda: Optional[torch.Tensor] = None
                     ) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
 
@@ -214,6 +233,8 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
     labels (C,) long; teacher_keep (C,) bool or None: the rows the teacher terms count (the
     others add nothing to them and get no gradient from them). The gradient (C, V) float32 is None unless with_grad. Vocab-sized
     temporaries are reused in place: this runs once per chunk on the largest tensors of the step.
+    LK (see lk_terms): teacher_lse (C,) the target's log-sum-exp over its whole vocabulary (None:
+    the teacher's vocabulary is the whole one); lk_lambda the step's lambda, needed for a gradient.
     """
     z = student_logits
     sums: Dict[str, torch.Tensor] = {}
@@ -242,6 +263,12 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
         log_p = torch.log_softmax(teacher_logits.div_(T) if T != 1.0 else teacher_logits, dim=-1)
         q, p = log_q.exp(), log_p.exp()
         keep = (lambda rows: rows) if teacher_keep is None else (lambda rows: rows * teacher_keep)
+        if objective.lk:
+            lk_sums, lk_grad = lk_terms(q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective,
+                                        with_grad, lk_lambda)
+            sums.update(lk_sums)
+            if lk_grad is not None:
+                accumulate(lk_grad, 1.0)
         if "soft_ce" in objective.names or "kl" in objective.names:
             cross = keep(torch.linalg.vecdot(p, log_q)).sum()  # sum p log q
             sums["soft_ce"] = -cross
@@ -280,8 +307,8 @@ class ObjectiveSums:
 
 
 def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
-                      objective: Objective, chunk_size: int, term_names: Tuple[str, ...], grad_hidden=None,
-                      grad_weight=None):
+                      teacher_lse, objective: Objective, chunk_size: int, term_names: Tuple[str, ...],
+                      grad_hidden=None, grad_weight=None, lk_lambda=None):
     """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
     argmax (N,)); fills grad_hidden (N, H) / grad_weight (V, H) fp32 with d(weighted sum) when given.
     student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
@@ -299,7 +326,8 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
                                                  @ teacher_weight.t()).float()
         y = None if labels is None else labels[rows]
         keep = None if teacher_keep is None else teacher_keep[rows]
-        terms, grad = objective_terms(z, t, y, objective, with_grad, keep)
+        lse = None if teacher_lse is None else teacher_lse[rows]
+        terms, grad = objective_terms(z, t, y, objective, with_grad, keep, lse, lk_lambda)
         sums += torch.stack([terms[name] for name in term_names])
         argmax[rows] = z.argmax(dim=-1)
         correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
@@ -313,11 +341,12 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
-                objective: Objective, chunk_size: int, term_names: Tuple[str, ...]):
+                teacher_lse, objective: Objective, chunk_size: int, term_names: Tuple[str, ...], reduce):
         if chunk_size <= 0:  # the config's 0: sized from the vocab
             chunk_size = default_chunk_size(student_weight.shape[0])
-        inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep)
-        ctx.recompute = ctx.needs_input_grad[1]
+        inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep, teacher_lse)
+        # lk_lambda's gradient needs the step's lambda, known after the last chunk: recompute too
+        ctx.recompute = ctx.needs_input_grad[1] or "lk_lambda" in objective.names
         if ctx.recompute:
             # A trained head (EAGLE-3's) has a (V, H) gradient, which would be held from here to
             # backward once per call (per TTT step): keep the inputs and recompute the chunks there.
@@ -328,6 +357,15 @@ class _ChunkedObjective(torch.autograd.Function):
             grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
             sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names, grad_hidden)
             ctx.save_for_backward(grad_hidden)
+        ctx.lk_lambda = None
+        if "lk_lambda" in objective.names:
+            # lam from the mean acceptance of the step's rows (of the whole sequence under SP:
+            # `reduce` sums over its group), then its rows' total lam KL + (1 - lam)(1 - alpha)
+            at = {name: i for i, name in enumerate(term_names)}
+            accept, kept = reduce(sums[at["accept"]].clone()), reduce(sums[at["kept"]].clone())
+            ctx.lk_lambda = lk_lambda_of(accept, kept)
+            sums[at["lk_lambda"]] = (ctx.lk_lambda * sums[at["lk_kl"]]
+                                     + (1.0 - ctx.lk_lambda) * (sums[at["kept"]] - sums[at["accept"]]))
         # Python floats: a weights tensor made here would be a host-to-device copy per call
         total = sum(sums[i] * objective.weight(name) for i, name in enumerate(term_names))
         ctx.mark_non_differentiable(correct, sums, argmax)
@@ -335,24 +373,28 @@ class _ChunkedObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax):
+        grad_weight = None
         if ctx.recompute:
             inputs = ctx.saved_tensors
             student_hidden, student_weight = inputs[:2]
             grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
-            grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
-            _objective_chunks(*inputs, *ctx.options, grad_hidden, grad_weight)
-            grad_weight = (grad_weight * grad_total).to(student_weight.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
+            _objective_chunks(*inputs, *ctx.options, grad_hidden, grad_weight, ctx.lk_lambda)
+            if grad_weight is not None:
+                grad_weight = (grad_weight * grad_total).to(student_weight.dtype)
         else:
             (grad_hidden,), grad_weight = ctx.saved_tensors, None
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                       teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
                       labels: Optional[torch.Tensor], objective: Objective,
-                      chunk_size: int = 1024, teacher_keep: Optional[torch.Tensor] = None) -> ObjectiveSums:
+                      chunk_size: int = 1024, teacher_keep: Optional[torch.Tensor] = None,
+                      teacher_lse: Optional[torch.Tensor] = None, reduce=None) -> ObjectiveSums:
     """Sums over rows of `objective` for student logits student_hidden @ student_weight.T.
 
     The rows are the counted positions only (select them before the call). The teacher
@@ -360,6 +402,10 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
     labels when objective.needs_labels. student_weight receives a gradient only when it
     requires one (a frozen shared lm_head does not). teacher_keep (N,) bool: the rows the teacher
     terms count (None: all; the sums stay sums, the caller divides).
+    LK: teacher_lse (N,) the target's log-sum-exp over its whole vocab when teacher_weight holds only
+    the draft vocab's rows (None: they are the whole vocab); reduce sums lk_lambda's acceptance
+    statistics over the ranks that share a sequence (None: this rank's own). Its terms add
+    "accept", the rows' summed acceptance sum_v min(p, q) (a metric).
     """
     if objective.needs_teacher and (teacher_hidden is None or teacher_weight is None):
         raise ValueError(f"objective {objective} needs the teacher's hidden states and lm_head")
@@ -370,15 +416,20 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
     if teacher_hidden is not None:
         teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
     term_names = objective.names + (("tv",) if teacher_hidden is not None and "tv" not in objective.names else ())
+    if objective.lk:  # the acceptance statistics, lk_lambda's KL part
+        term_names += ("accept", "kept") + (("lk_kl",) if "lk_lambda" in objective.names else ())
     if student_hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
         zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
-        terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names}
+        terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names
+                 if name not in ("kept", "lk_kl")}
         none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
         return ObjectiveSums(zero.float(), none.sum(), terms, none)
     total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
-                                                   teacher_weight, labels, teacher_keep, objective, chunk_size,
-                                                   term_names)
-    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)}, argmax)
+                                                   teacher_weight, labels, teacher_keep, teacher_lse, objective,
+                                                   chunk_size, term_names, reduce or (lambda x: x))
+    internal = ("kept", "lk_kl")  # lk_lambda's pieces, not terms of their own
+    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)
+                                         if name not in internal}, argmax)
 
 
 def shared_head_objective(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -400,9 +451,6 @@ def shared_head_objective(student_hidden: torch.Tensor, lm_head_weight: torch.Te
 
 DPACE_ALPHA = 0.5  # speculators' default smoothing constant
 DPACE_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
-LK_MODES = ("alpha", "lambda")
-LK_KL_SCALE = 1.0  # SpecForge's defaults
-LK_KL_DECAY = 1.0
 
 
 def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
@@ -427,48 +475,3 @@ def dpace_loss(ce: torch.Tensor, mask: torch.Tensor, alpha: float = DPACE_ALPHA)
     D-PACE reduction of one sequence (`loss_function` with `dpace_loss_decay`)."""
     m = mask.to(ce.dtype)
     return (dpace_weights(ce, mask, alpha) * ce * m).sum() / (m.sum() + DPACE_EPS)
-
-
-def acceptance_rate(target_probs: torch.Tensor, draft_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """alpha = sum_v min(p_target, p_draft) per row (..., V) -> (...): the chance speculative
-    sampling accepts the draft's token. target_probs over the draft vocab, NOT renormalised
-    (SpecForge's target_p_on_draft: target mass outside the draft vocab is never accepted)."""
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    return torch.minimum(target_probs.float(), q).sum(dim=-1)
-
-
-def lk_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, target_probs_on_draft: torch.Tensor,
-            mask: torch.Tensor, mode: str, kl_scale: float = LK_KL_SCALE, kl_decay: float = LK_KL_DECAY,
-            temperature: float = 1.0) -> torch.Tensor:
-    """SpecForge's LK loss of one TTT step (`specforge/core/lk_loss.py`, sgl-project/SpecForge at
-    commit a6b6b0230009d15ec2a97a57384e6f53f0f96946; its last change c6100c46), over rows (N, V):
-
-        alpha_r = sum_v min(p_on_draft, q)       per counted row (mask (N,) bool)
-        alpha   mode: mean_r -log alpha_r         (a row with alpha_r = 0 adds 0, as SpecForge)
-        lambda  mode: lam = kl_scale * exp(-kl_decay * mean_r alpha_r) (detached: one per step)
-                      lam * mean_r KL(p || q) + (1 - lam) * (1 - mean_r alpha_r)
-
-    target_probs: the target renormalised over the draft vocab (the KL's teacher);
-    target_probs_on_draft: its probabilities before renormalising (acceptance). KL, not
-    SpecForge's soft CE: the two differ by the constant lam * H(p), same gradient. Means are over
-    the counted rows; a family weights its TTT steps 0.8^i on top (EAGLE-3's ttt_decay).
-    """
-    if mode not in LK_MODES:
-        raise ValueError(f"lk mode must be one of {LK_MODES}, got {mode!r}")
-    m = mask.float()
-    rows = m.sum().clamp_min(1e-8)
-    alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)
-    if mode == "alpha":
-        log_alpha = torch.where(alpha > 0, torch.log(alpha.clamp_min(1e-30)), torch.zeros_like(alpha))
-        return -(log_alpha * m).sum() / rows
-    mean_alpha = (alpha * m).sum() / rows
-    log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
-    p = target_probs.float()
-    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)
-    lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())
-    return lam * (kl * m).sum() / rows + (1.0 - lam) * (1.0 - mean_alpha)
-
-
-def lk_ttt_loss(step_losses: Sequence[torch.Tensor], decay: float = 0.8) -> torch.Tensor:
-    """sum_i decay^i * loss_i over TTT steps (SpecForge's ploss weights 0.8^i)."""
-    return sum(decay ** i * loss for i, loss in enumerate(step_losses))

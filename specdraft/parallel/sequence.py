@@ -13,8 +13,9 @@ context), `extend_right` brings the few tokens of the next shard a shifted read 
 x_{t+1+k}, a teacher at t+1+k). size 1 (`SequenceShard.whole(T)`): every method is the identity and
 no collective runs, so one code path serves both.
 
-Collectives are torch.distributed's autograd-aware ones (torch.distributed.nn.functional): their
-backward is the reverse exchange, so the gradient of a key reaches the rank that made it. gloo runs
+Collectives are torch.distributed's autograd-aware ones (torch.distributed.nn.functional; the
+gather's own, _AllGather): their backward is the reverse exchange, so the gradient of a key
+reaches the rank that made it. gloo runs
 all_to_all_single and all_to_all (measured with torch 2.13), so all of this is tested on CPU.
 """
 
@@ -104,9 +105,7 @@ class SequenceShard:
         each shard is summed over the ranks that read it and lands on its own rank)."""
         if not self.parallel:
             return x
-        from torch.distributed.nn.functional import all_gather
-
-        return torch.cat(all_gather(x.contiguous(), group=self.group), dim=dim)
+        return torch.cat(_AllGather.apply(x, self.group, self.rank, self.size).unbind(0), dim=dim)
 
     def extend_right(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """(B, T/N, ...) -> (B, T/N + n, ...): this rank's tokens then the next n of the sequence
@@ -150,6 +149,27 @@ class SequenceShard:
         total = value.clone()
         dist.all_reduce(total, group=self.group)
         return total
+
+
+class _AllGather(torch.autograd.Function):
+    """(...) per rank -> (N, ...) every rank's; backward: the gradients of all N summed over the
+    group (all_reduce), this rank's slice. Not torch.distributed.nn.functional.all_gather (torch
+    2.13): off NCCL its backward received a dense but permuted gradient (an SDPA key's) into
+    permuted strides while the exchange wrote contiguous bytes (P-EAGLE's keys came back
+    scrambled), and its scatter took group ranks for global ones (a second SP group failed)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.group, ctx.rank = group, rank
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone(memory_format=torch.contiguous_format)  # the incoming buffer is not ours to reduce into
+        dist.all_reduce(total, group=ctx.group)
+        return total[ctx.rank], None, None, None
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:

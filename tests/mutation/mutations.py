@@ -435,6 +435,7 @@ DFLASH: List[Mutation] = [
 ]
 
 OBJECTIVES_PY = "specdraft/drafts/objectives.py"
+LK_PY = "specdraft/drafts/lk.py"
 OBJECTIVE_TESTS = ("tests/test_objectives.py",)
 DISTILL_TOKENS_TESTS = OBJECTIVE_TESTS + ("tests/test_eagle3.py", "tests/test_dflash.py")
 
@@ -759,6 +760,7 @@ PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
 COD_ATTENTION = "specdraft/drafts/cod_attention.py"
 PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
 PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
+PE_SP = ("tests/test_sequence_parallel.py", "-k", "peagle and equals_one_rank")
 PEAGLE: List[Mutation] = [
     Mutation("peagle/cod-no-shift", PEAGLE_COD, "pool = kept + 1\n", "pool = kept + 0\n", PE_UNIT,
              "deeper depths drawn from the same positions, not the next ones"),
@@ -768,13 +770,14 @@ PEAGLE: List[Mutation] = [
              "slots whose label is not taught sampled"),
     Mutation("peagle/visibility-sees-later-context", PEAGLE_COD, "(k_anchor <= q_anchor)", "(k_anchor <= q_anchor + 1)",
              PE_UNIT, "a slot sees the next position's real token"),
-    Mutation("peagle/visibility-no-rollout", PEAGLE_COD, "rollout = (k_anchor == q_anchor) & (depth[None, :] <= depth[:, None])",
-             "rollout = (k_anchor == q_anchor) & (depth[None, :] == depth[:, None])", PE_UNIT + PE_SPEC,
+    Mutation("peagle/visibility-no-rollout", PEAGLE_COD, "rollout = (k_anchor == q_anchor) & (key_depth[None, :] <= depth[:, None])",
+             "rollout = (k_anchor == q_anchor) & (key_depth[None, :] == depth[:, None])",
+             ("tests/test_cod_attention.py",) + PE_UNIT,  # PE_SPEC's -k would deselect the others
              "a deep slot does not see its own rollout"),
     Mutation("peagle/mask-hidden-unused", PEAGLE_PY, "self.mask_hidden.to(aux.dtype)[0]", "aux[anchor.clamp_min(0)]",
              PE_SPEC, "deeper slots read real target states"),
     Mutation("peagle/mask-token-row-not-shared", PEAGLE_PY,
-             "~first | (ids[nxt] == self.dims.mask_token_id)", "~first", PE_SPEC,
+             "~first | (ids[(anchor + 1).clamp(max=ids.shape[0] - 1)] == self.dims.mask_token_id)", "~first", PE_SPEC,
              "the text's own mask token read with the target's row (speculators/vLLM read one row)"),
     Mutation("peagle/slot-position-shift", PEAGLE_PY, "positions = anchor + depth + 1", "positions = anchor + 1",
              PE_SPEC, "every depth at its anchor's RoPE position"),
@@ -786,6 +789,17 @@ PEAGLE: List[Mutation] = [
     Mutation("peagle/slot-attention-wrong-anchor", COD_ATTENTION, "index_copy(2, anchor, x)",
              "index_copy(2, anchor.flip(0), x)", ("tests/test_cod_attention.py",) + PE_SPEC,
              "a depth's slots put at another slot's position"),
+    Mutation("peagle/sp-context-across-conversations", PEAGLE_PY,
+             "cod_visibility(anchor, depth, documents, key_anchor=key_anchor,",
+             "cod_visibility(anchor, depth, None, key_anchor=key_anchor,", PE_SP,
+             "under SP a slot reads the gathered keys of other packed conversations"),
+    Mutation("peagle/sp-teacher-row", PEAGLE_PY, "teacher_at = at // T * local_rows + at % T - shard.start + 1",
+             "teacher_at = at // T * T + at % T - shard.start + 1", PE_SP,
+             "under SP the teacher of row b > 0 read from the wrong row of the extended final states"),
+    Mutation("sequence/gather-gradient-not-summed", "specdraft/parallel/sequence.py",
+             "return total[ctx.rank], None, None, None", "return grad[ctx.rank], None, None, None",
+             ("tests/test_sequence_parallel.py", "-k", "permuted_gradient or peagle and equals_one_rank"),
+             "a gathered shard's gradient from the other ranks' reads lost"),
     Mutation("peagle/export-mask-row", PEAGLE_EXPORT, "embed[draft.dims.mask_token_id] = state_dict[\"mask_embedding\"]",
              "embed[0] = state_dict[\"mask_embedding\"]", PE_SPEC, "the trained mask row written to token 0"),
 ]
@@ -895,14 +909,27 @@ LOSS_FORMULAS: List[Mutation] = [
     Mutation("losses/dpace-unsmoothed-confidence", OBJECTIVES_PY,
              "(1.0 - alpha) * torch.exp(-ce.float()) + alpha", "torch.exp(-ce.float())", LOSS_FORMULAS_TESTS,
              "D-PACE without its smoothing constant alpha"),
-    Mutation("losses/lk-lambda-not-detached", OBJECTIVES_PY,
+    Mutation("losses/lk-lambda-not-detached", LK_PY,
              "lam = kl_scale * torch.exp(-kl_decay * mean_alpha.detach())",
              "lam = kl_scale * torch.exp(-kl_decay * mean_alpha)", LOSS_FORMULAS_TESTS,
              "LK's KL weight differentiated through"),
-    Mutation("losses/lk-acceptance-renormalised", OBJECTIVES_PY,
+    Mutation("losses/lk-acceptance-renormalised", LK_PY,
              "alpha = acceptance_rate(target_probs_on_draft, draft_logits, temperature)",
              "alpha = acceptance_rate(target_probs, draft_logits, temperature)", LOSS_FORMULAS_TESTS,
              "acceptance counts target mass outside the draft vocab"),
+    Mutation("losses/lk-trained-acceptance-renormalised", LK_PY,
+             "p_accept = p if teacher_lse is None else torch.exp(teacher_logits - teacher_lse[:, None])",
+             "p_accept = p", ("tests/test_loss_formulas.py",),
+             "the trained LK acceptance reads the target renormalised over the draft vocab"),
+    Mutation("losses/lk-trained-lambda-of-this-rank", OBJECTIVES_PY,
+             'accept, kept = reduce(sums[at["accept"]].clone()), reduce(sums[at["kept"]].clone())',
+             'accept, kept = sums[at["accept"]].clone(), sums[at["kept"]].clone()', ("tests/test_loss_formulas.py",),
+             "lk_lambda's lambda from one sequence-parallel rank's rows, not the whole sequence's"),
+    Mutation("losses/lk-trained-alpha-gradient-sign", LK_PY,
+             "scale = keep(torch.where(positive, -1.0 / alpha.clamp_min(1e-30), 0.0))",
+             "scale = keep(torch.where(positive, 1.0 / alpha.clamp_min(1e-30), 0.0))",
+             ("tests/test_loss_formulas.py", "tests/test_lk_train.py"),
+             "lk_alpha climbs -log alpha instead of descending it"),
     Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
              'if self.dims.loss_weighting == "dpace" else None', "if False else None",
              ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),

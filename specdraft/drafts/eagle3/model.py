@@ -38,6 +38,7 @@ from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
                                            default_target_layers, layer_dims, validate_layer_options)  # re-exported
+from specdraft.drafts.lk import full_vocab_logsumexp
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
@@ -95,6 +96,7 @@ class Eagle3Draft(Eagle3Base):
     sequence_parallel = True
     architecture = "Eagle3Draft"
     default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
+    lk_loss = True
     options = Eagle3Options
     dims_type = Eagle3Dims
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
@@ -123,6 +125,10 @@ class Eagle3Draft(Eagle3Base):
         if draft_cfg.teacher_rows not in TEACHER_ROWS:
             fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
         validate_layer_options(draft_cfg, target_config, fail)
+
+    @classmethod
+    def sequence_parallel_reach(cls, draft_cfg):
+        return "ttt_steps", int(draft_cfg.ttt_steps)  # x_{t+1+k} and the teacher at t+1+k
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
@@ -180,10 +186,13 @@ class Eagle3Draft(Eagle3Base):
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         final, in_vocab, extend, local = None, None, (self.dims.ttt_steps if shard.parallel else 0), shard.local_length  # SP: t+1+k may be next rank's
+        lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
         if self.objective.needs_teacher:
             final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
             if self.teacher_rows == "in_vocab":
                 in_vocab = self.top1_in_draft_vocab(final, lm_head_weight, chunk_size)
+            if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
+                lse = full_vocab_logsumexp(final, lm_head_weight, chunk_size)
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
@@ -206,7 +215,8 @@ class Eagle3Draft(Eagle3Base):
             out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
                                 None if final is None else final[teacher_at], teacher_rows, draft_labels,
                                 self.objective.over_rows(rows.numel(), answers), chunk_size,
-                                None if in_vocab is None else in_vocab[teacher_at])
+                                None if in_vocab is None else in_vocab[teacher_at],
+                                None if lse is None else lse[teacher_at], shard.sum)
             hits = (draft_ids[out.argmax] == labels).sum()
             step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
             weighted, first_weight = step_loss * self.dims.ttt_decay ** k, weight if k == 0 else first_weight
@@ -268,11 +278,13 @@ class Eagle3Draft(Eagle3Base):
 
 
 def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective: Objective,
-                  chunk_size: int, teacher_keep: Optional[torch.Tensor] = None) -> ObjectiveSums:
+                  chunk_size: int, teacher_keep: Optional[torch.Tensor] = None,
+                  teacher_lse: Optional[torch.Tensor] = None, reduce=None) -> ObjectiveSums:
     """One TTT step's objective over its counted rows: the draft's own head over the draft vocab
     against the target restricted to it (teacher_rows: the target lm_head's rows of the draft
     vocab) and/or draft-vocab labels. teacher_keep (N,) bool: the rows the teacher terms count
     (draft.teacher_rows: in_vocab); a dropped row adds nothing, and the step's mean stays over
-    all its counted rows, as SpecForge's sum over position_mask is divided by every position."""
+    all its counted rows, as SpecForge's sum over position_mask is divided by every position.
+    LK: teacher_lse and reduce as chunked_objective's."""
     return chunked_objective(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective,
-                             chunk_size, teacher_keep)
+                             chunk_size, teacher_keep, teacher_lse, reduce)

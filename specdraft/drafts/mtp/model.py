@@ -99,6 +99,10 @@ class MTPDraft(Draft):
     on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
     file_formats = {"speculators": FILE_FORMAT}
     target_model_types = tuple(LAYER_CLASSES)
+    # its targets' capture cannot be sharded: Gated DeltaNet's recurrence runs through the whole
+    # sequence (no head exchange makes it whole), so the layer's input h_t never exists per shard
+    sequence_parallel_refusal = (f"does not train on sequence shards: its targets ({', '.join(LAYER_CLASSES)}) "
+                                 "have linear-attention layers, which the sharded capture does not run")
 
     def __init__(self, dims: MTPDims):
         super().__init__()

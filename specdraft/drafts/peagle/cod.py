@@ -15,7 +15,7 @@ then reads its document id at index -1); it is dropped from the pool here.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -56,15 +56,19 @@ def slot_order(anchors_by_depth: List[torch.Tensor]) -> Tuple[torch.Tensor, torc
     return torch.cat(anchors_by_depth), torch.cat(depths)
 
 
-def cod_visibility(anchor: torch.Tensor, depth: torch.Tensor, documents=None) -> torch.Tensor:
+def cod_visibility(anchor: torch.Tensor, depth: torch.Tensor, documents=None,
+                   key_anchor: Optional[torch.Tensor] = None, key_depth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N, N) bool, speculators' create_peagle_mask_mod: a slot sees the depth-0 slots of anchors
     <= its own (its context, causally) and the slots of its own rollout at depths <= its own.
-    documents (T,): a slot sees only slots whose anchor lies in its own conversation."""
-    q_anchor, k_anchor = anchor[:, None], anchor[None, :]
-    context = (depth[None, :] == 0) & (k_anchor <= q_anchor)
-    rollout = (k_anchor == q_anchor) & (depth[None, :] <= depth[:, None])
+    documents (T,): a slot sees only slots whose anchor lies in its own conversation.
+    key_anchor / key_depth (M,): keys other than the queries' own slots -> (N, M) (sequence
+    parallelism: a rank's slots against the gathered depth-0 keys and its own deeper slots)."""
+    if key_anchor is None:
+        key_anchor, key_depth = anchor, depth
+    q_anchor, k_anchor = anchor[:, None], key_anchor[None, :]
+    context = (key_depth[None, :] == 0) & (k_anchor <= q_anchor)
+    rollout = (k_anchor == q_anchor) & (key_depth[None, :] <= depth[:, None])
     visible = context | rollout
     if documents is not None:
-        doc = documents[anchor.clamp_min(0)]
-        visible &= doc[:, None] == doc[None, :]
+        visible &= documents[anchor.clamp_min(0)][:, None] == documents[key_anchor.clamp_min(0)][None, :]
     return visible

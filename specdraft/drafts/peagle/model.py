@@ -32,14 +32,16 @@ import torch
 from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
-from specdraft.drafts.cod_attention import CODSlots
+from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
-from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective, objective_from_options,
-                                         parse_objective, term_metrics)
+from specdraft.drafts.lk import full_vocab_logsumexp
+from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
+                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
 from specdraft.errors import SpecdraftError
+from specdraft.parallel.sequence import SequenceShard
 from specdraft.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,18 @@ class PEagleDims(Eagle3Dims):
 KL = parse_objective("kl")  # speculators' P-EAGLE loss
 
 
+def counted_slots(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(N,) bool on the host: slot (a, d) predicts x_{a+d+2}, counted where position a+d is valid."""
+    orig = anchor + depth
+    return valid[orig.clamp(0, valid.shape[0] - 1)] & (orig < valid.shape[0])
+
+
+def own_slots(by_depth: List[torch.Tensor], shard: SequenceShard) -> List[torch.Tensor]:
+    """One sequence's slots depth by depth -> those anchored in this rank's shard (depth 0: its
+    positions), still sorted: its slots of the SP=1 draw."""
+    return [anchor[(anchor >= shard.start) & (anchor < shard.end)] for anchor in by_depth]
+
+
 def default_mask_token(target_config) -> int:
     """speculators asks the tokenizer (its mask token, a new <|MASK|>, then pad / eos / unk);
     the draft is built from the target's config: its pad_token_id, else eos_token_id, else the
@@ -95,7 +109,9 @@ class PEagleDraft(Eagle3Base):
     label = "P-EAGLE"
     architecture = "PEagleDraft"
     default_loss = "kl"
+    lk_loss = True
     options = PEagleOptions
+    sequence_parallel = True  # slots anchored in a rank's shard, against the gathered depth-0 keys
     dims_type = PEagleDims
     serving_formats = {"speculators": write_speculators}
     file_formats = FILE_FORMATS
@@ -138,6 +154,10 @@ class PEagleDraft(Eagle3Base):
             fail("mask_token_id", f"{mask} is outside the target vocab (0..{text.vocab_size - 1})")
 
     @classmethod
+    def sequence_parallel_reach(cls, draft_cfg):
+        return "num_depths", int(draft_cfg.num_depths)  # the teacher of (a, d) is at a + d + 1
+
+    @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "PEagleDraft":
         mask = draft_cfg.mask_token_id
         if mask is None:
@@ -166,31 +186,48 @@ class PEagleDraft(Eagle3Base):
     # -- the model ---------------------------------------------------------------------------
 
     def slot_inputs(self, aux: torch.Tensor, input_embeds: torch.Tensor, anchor: torch.Tensor,
-                    depth: torch.Tensor, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    depth: torch.Tensor, ids: Optional[torch.Tensor] = None,
+                    start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
         """One sequence's slots -> (embeds, hidden), (N, H) each. aux (T, 3 Ht) captured states,
         input_embeds (T, H) the target's embeddings of ids x_0..x_{T-1}; depth 0 reads x_{a+1} (zeros
-        past the end) and aux[a], deeper slots the mask token's embedding and mask_hidden."""
+        past the end) and aux[a], deeper slots the mask token's embedding and mask_hidden.
+        Sequence parallelism: aux holds the shard's rows from position `start`, input_embeds those
+        and the next one (SequenceShard.extend_right); ids stays the whole sequence's."""
         first = depth == 0
-        nxt = (anchor + 1).clamp(max=input_embeds.shape[0] - 1)
-        real_embeds = torch.where((anchor + 1 < input_embeds.shape[0])[:, None], input_embeds[nxt],
+        local = anchor - start
+        nxt = (local + 1).clamp(max=input_embeds.shape[0] - 1)
+        real_embeds = torch.where((local + 1 < input_embeds.shape[0])[:, None], input_embeds[nxt],
                                   torch.zeros_like(input_embeds[nxt]))
         # the mask token's row is one embedding row: where the text itself holds that token, it reads it too
-        is_mask = ~first if ids is None else ~first | (ids[nxt] == self.dims.mask_token_id)
+        is_mask = ~first if ids is None else \
+            ~first | (ids[(anchor + 1).clamp(max=ids.shape[0] - 1)] == self.dims.mask_token_id)
         embeds = torch.where(is_mask[:, None], self.mask_embedding.to(real_embeds.dtype)[None], real_embeds)
-        states = torch.where(first[:, None], aux[anchor.clamp_min(0)], self.mask_hidden.to(aux.dtype)[0])
+        states = torch.where(first[:, None], aux[local.clamp_min(0)], self.mask_hidden.to(aux.dtype)[0])
         return embeds, self.fuse(states)
 
     def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None,
-                    by_depth: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+                    by_depth: Optional[List[torch.Tensor]] = None,
+                    shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """One forward over one sequence's slots -> (N, H) the logits input (lm_head reads it).
         by_depth: the slots as cod_anchors drew them (anchor, depth = slot_order(by_depth)), which
         attend without an (N, N) mask (cod_attention.py); None (hand-made slots in any order):
-        through cod_visibility's mask."""
+        through cod_visibility's mask. shard (sequence parallelism): the slots are this rank's
+        (its positions at depth 0 first, see own_slots) and attend to the gathered depth-0 keys
+        through a dense mask (cod_attention.GatheredCODSlots); aux / input_embeds as slot_inputs."""
         device = aux.device
         anchor, depth = to_device(anchor, device), to_device(depth, device)
-        visible = (cod_visibility(anchor, depth, documents) if by_depth is None
-                   else CODSlots.of(by_depth, device, documents))
-        embeds, hidden = self.slot_inputs(aux, input_embeds, anchor, depth, ids)
+        start = 0
+        if shard is not None and shard.parallel:
+            start, local = shard.start, shard.local_length
+            key_anchor = torch.cat([torch.arange(shard.length, device=device), anchor[local:]])
+            key_depth = torch.cat([torch.zeros(shard.length, dtype=depth.dtype, device=device), depth[local:]])
+            visible = GatheredCODSlots(shard, cod_visibility(anchor, depth, documents, key_anchor=key_anchor,
+                                                             key_depth=key_depth))
+        elif by_depth is None:
+            visible = cod_visibility(anchor, depth, documents)
+        else:
+            visible = CODSlots.of(by_depth, device, documents)
+        embeds, hidden = self.slot_inputs(aux, input_embeds, anchor, depth, ids, start)
         positions = anchor + depth + 1
         _, head_in, _, _ = self.step(embeds[None], hidden[None], positions, None, None, visible)
         return head_in[0]
@@ -215,10 +252,15 @@ class PEagleDraft(Eagle3Base):
                       chunk_size: int, cod_seed: int = 0, documents: Optional[torch.Tensor] = None,
                       host: Optional[HostBatch] = None, **_) -> DraftLoss:
         B, T = input_ids.shape
+        shard = features.shard or SequenceShard.whole(T)
         dtype = self.fc.weight.dtype
         device = input_ids.device
         aux = self.aux_hidden(features).to(dtype)
         embeds = features.input_embeds.to(dtype)
+        # SP: a depth-0 slot reads x_{a+1}, the teacher of (a, d) is at a+d+1: the next rank's first rows
+        extend = self.dims.num_depths if shard.parallel else 0
+        if shard.parallel:
+            embeds = shard.extend_right(embeds, 1)
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         taught = self.objective.taught(host.loss_mask).bool()
         # slot at o predicts x_{o+2}: valid where that token is taught, in o's own conversation
@@ -228,14 +270,18 @@ class PEagleDraft(Eagle3Base):
             valid[:, :max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]
         answer = torch.zeros(B, T, dtype=torch.bool)
         answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
+        # drawn over the whole sequence, alike on every rank of an SP group: the slots of SP=1
         slots = self.sample_slots(valid, cod_seed)
-        heads, rows, depths, answers_at = [], [], [], []
+        heads, rows, depths, answers_at, group_tokens = [], [], [], [], 0
         for b, by_depth in enumerate(slots):
             docs = None if documents is None else documents[b]
+            if shard.parallel:
+                group_tokens += int(counted_slots(*slot_order(by_depth), valid[b]).sum())
+                by_depth = own_slots(by_depth, shard)
             anchor, depth = slot_order(by_depth)
-            head = self.draft_slots(aux[b], embeds[b], anchor, depth, docs, input_ids[b], by_depth)
+            head = self.draft_slots(aux[b], embeds[b], anchor, depth, docs, input_ids[b], by_depth, shard)
             orig = anchor + depth
-            counted = valid[b, orig.clamp(0, T - 1)] & (orig < T)
+            counted = counted_slots(anchor, depth, valid[b])
             heads.append(head.index_select(0, to_device(counted.nonzero().flatten(), device)))  # host indices: no sync
             rows.append(b * T + orig[counted])
             depths.append(depth[counted])
@@ -244,7 +290,11 @@ class PEagleDraft(Eagle3Base):
                                             torch.cat(answers_at))
         draft_ids = self.draft_to_target()
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
-        final = features.final_hidden.flatten(0, 1) if self.objective.needs_teacher else None
+        final = shard.extend_right(features.final_hidden, extend).flatten(0, 1) if self.objective.needs_teacher else None
+        local_rows = shard.local_length + extend  # final's rows per batch row
+        lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
+        if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
+            lse = full_vocab_logsumexp(final, lm_head_weight, chunk_size)
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
@@ -254,12 +304,14 @@ class PEagleDraft(Eagle3Base):
             pick = (depths == d).nonzero().flatten()
             at = to_device(rows[pick], device)
             labels = ids[at + 2]
+            teacher_at = at // T * local_rows + at % T - shard.start + 1  # (b, o + 1) in final's rows
             draft_labels, answers = None, is_answer[pick].nonzero().shape[0]  # on the host: no value read
             if to_draft is not None:
                 draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick])  # host mask: no sync
             out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
-                                    None if final is None else final[at + 1], teacher_rows, draft_labels,
-                                    self.objective.over_rows(pick.numel(), answers), chunk_size)
+                                    None if final is None else final[teacher_at], teacher_rows, draft_labels,
+                                    self.objective.over_rows(pick.numel(), answers), chunk_size,
+                                    teacher_lse=None if lse is None else lse[teacher_at], reduce=shard.sum)
             hits = (draft_ids[out.argmax] == labels).sum()
             tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
             loss = out.loss if loss is None else loss + out.loss
@@ -269,9 +321,13 @@ class PEagleDraft(Eagle3Base):
             for name, (value, count) in term_metrics(out.terms, tokens, answers).items():
                 total, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (total + value, seen + count)
-        # one mean over every counted slot of every depth (speculators' loss_function)
-        return DraftLoss(loss=loss / total_tokens.clamp_min(1), tokens=total_tokens, correct=hits_all,
-                         metrics=metrics)
+        # one mean over every counted slot of every depth (speculators' loss_function); SP: this
+        # rank's share of the sequence's mean, weighted by the group's counted slots
+        if not shard.parallel:
+            return DraftLoss(loss=loss / total_tokens.clamp_min(1), tokens=total_tokens, correct=hits_all,
+                             metrics=metrics)
+        loss, weight = shard.token_mean(loss, group_tokens, total_tokens)
+        return DraftLoss(loss=loss, tokens=weight, correct=hits_all, metrics=metrics)
 
     # -- decoding --------------------------------------------------------------------------
 
@@ -304,6 +360,16 @@ class PEagleDraft(Eagle3Base):
             "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
                                                                          calls=max(1, int(per_token))),
         }
+        if shape.whole_T > shape.T:  # sequence parallelism: T is this rank's shard
+            n = shape.T * per_token  # the rank's slots per row: its T at depth 0, the deeper ones anchored in it
+            keys = shape.whole_T + n - shape.T  # the gathered depth-0 keys, then its deeper slots'
+            # cod_attention.GatheredCODSlots instead of the per-depth path: the keys and values (whole
+            # sequence + own deeper slots) and the dense (slots, keys) mask, which SDPA keeps as a
+            # float bias (p bytes; the bool mask it is made from is gone before the loss's peak)
+            terms["slot attention"] = shape.B * keys * (2 * kv * hd + n) * p
+            # the next rank's first rows: x_{a+1} for depth 0, the teacher at a+d+1 (extend_right copies)
+            terms["shard borders"] = shape.B * ((shape.T + 1) * H + teacher * (shape.T + d.num_depths)
+                                                * d.target_hidden_size) * p
         if teacher:
             terms["teacher rows"] = Vd * d.target_hidden_size * p
         return terms
