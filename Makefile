@@ -43,8 +43,13 @@ speculators-venv: $(SPECULATORS_STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/specdraft demo
 
+# pytest-xdist: TEST_WORKERS processes of one thread each (a CPU each); --dist loadgroup keeps each
+# module on one worker (tests/conftest.py groups them: its fixtures are built once) and the modules
+# that start 2-rank jobs on one worker together (never two such jobs at once).
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(SPECULATORS_STAMP)
-	SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
 
 mutation: $(STAMP) $(SPECULATORS_STAMP)
 	OMP_NUM_THREADS=1 SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python tests/mutation/run.py

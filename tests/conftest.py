@@ -5,16 +5,48 @@ import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from specdraft.demo import ensure_demo_assets
+
+
+# Modules whose tests start 2-rank jobs (torchrun, the deepspeed launcher): under pytest-xdist
+# (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another, so two such jobs
+# never share the CPUs at once.
+TWO_RANK_MODULES = ("test_distributed", "test_offline_commands", "test_resume", "test_sequence_parallel",
+                    "test_user_files")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it never calls this
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups drawn here: each module is one group (its module fixtures
+    are built once, on one worker), TWO_RANK_MODULES together are one. xdist's own loadgroup reads
+    xdist_group marks through item._nodeid, which pytest 9 no longer reads back."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "two_ranks" if Path(module).stem in TWO_RANK_MODULES else module
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     # SPECDRAFT_TEST_CACHE keeps the tiny build between local runs (its stamp still decides
     # whether it is current); by default each session builds a fresh one.
-    home = os.environ.get("SPECDRAFT_TEST_CACHE") or tmp_path_factory.mktemp("specdraft_home")
-    return ensure_demo_assets(home, preset="tiny")
+    # Under pytest-xdist each worker has its own basetemp; their parent is the run's, so the
+    # workers share one build, and the lock lets one of them build while the others wait for it.
+    home = os.environ.get("SPECDRAFT_TEST_CACHE")
+    if not home:
+        base = tmp_path_factory.getbasetemp()
+        home = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "specdraft_home"
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with FileLock(Path(home) / "tiny.lock"):
+        return ensure_demo_assets(home, preset="tiny")
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ names its interpreter (default: .venv-speculators/bin/python in the repository, 
 """
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speculators_env import require_speculators_python
+from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
 from specdraft.drafts.dflash_speculators import write_speculators_export
@@ -127,12 +125,8 @@ def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir
     ours, feats = our_logits(draft, target, ids, anchors)
     hidden_states = torch.cat([feats.hidden[i] for i in draft.dims.target_layers], dim=-1)
     torch.save({"anchors": anchors, "input_ids": ids, "hidden_states": hidden_states}, tmp_path / "in.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    python = require_speculators_python()  # a failure under CI=true, never a silent skip there
-    run = subprocess.run([str(python), str(REPO / "tests" / "speculators_dflash_check.py"), str(out),
-                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # a failure under CI=true without the venv, never a silent skip there
+    run_speculators_file(REPO / "tests" / "speculators_dflash_check.py", out, tmp_path / "in.pt", tmp_path / "out.pt")
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == []
     # what a speculators DFlash checkpoint omits on purpose: the verifier's tensors, loaded from it

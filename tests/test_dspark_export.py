@@ -3,8 +3,6 @@ DSparkDraftModel (in its own venv, tests/speculators_env.py): no missing / unexp
 forward's Markov-biased logits and confidences equal ours within 1e-4, for every Markov variant."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speculators_env import require_speculators_python
+from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig, draft_from_export_config
 from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.drafts.dspark.speculators import write_speculators_export
@@ -107,12 +105,8 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_confidences(
     logits, confidence, feats = our_outputs(draft, target, ids, anchors)
     hidden_states = torch.cat([feats.hidden[i] for i in draft.dims.target_layers], dim=-1)
     torch.save({"anchors": anchors, "input_ids": ids, "hidden_states": hidden_states}, tmp_path / "in.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    python = require_speculators_python()  # a failure under CI=true, never a silent skip there
-    run = subprocess.run([str(python), str(REPO / "tests" / "speculators_dspark_check.py"), str(out),
-                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # a failure under CI=true without the venv, never a silent skip there
+    run_speculators_file(REPO / "tests" / "speculators_dspark_check.py", out, tmp_path / "in.pt", tmp_path / "out.pt")
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == []
     assert set(result["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",

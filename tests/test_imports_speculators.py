@@ -3,14 +3,11 @@ in the speculators venv: its names, its config, the verifier's tensors it carrie
 `draft.init_from`, and our draft then computes speculators' own logits (EAGLE-3 over three TTT
 steps, DFlash over whole blocks)."""
 
-import os
-import subprocess
-
 import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from speculators_env import require_speculators_python, run_in_speculators
+from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts.dflash_speculators import write_speculators_export
@@ -79,11 +76,8 @@ def test_a_dflash_speculators_saved_imports_and_computes_its_logits(tmp_path):
     logits, feats = our_logits(draft, target, ids, anchors)
     hidden_states = torch.cat([feats.hidden[i] for i in draft.dims.target_layers], dim=-1)
     torch.save({"anchors": anchors, "input_ids": ids, "hidden_states": hidden_states}, tmp_path / "in.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([str(require_speculators_python()), str(REPO / "tests" / "speculators_dflash_check.py"),
-                          str(tmp_path / "theirs"), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_speculators_file(REPO / "tests" / "speculators_dflash_check.py", tmp_path / "theirs", tmp_path / "in.pt",
+                         tmp_path / "out.pt")
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["weights_equal"]
     torch.testing.assert_close(result["logits"], logits, rtol=1e-4, atol=1e-4)

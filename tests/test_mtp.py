@@ -8,7 +8,6 @@ tensor it should; decoding with it is lossless; a target without an MTP layer is
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import REPO, qwen3_next_mtp_target, run_overrides, train_run
-from speculators_env import require_speculators_python
+from speculators_env import run_speculators_file
 from specdraft.cli import main
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, build_draft
@@ -106,12 +105,8 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_loss(mtp_targe
         outputs = draft.unroll(features.final_hidden, features.input_embeds, features.cos, features.sin)
         ours = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
     torch.save({"input_ids": ids, "hidden_states": features.final_hidden, "loss_mask": mask}, tmp_path / "in.pt")
-    python = require_speculators_python()
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([str(python), str(REPO / "tests" / "speculators_mtp_check.py"), str(tmp_path / "spec"),
-                          str(mtp_target_dir), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_speculators_file(REPO / "tests" / "speculators_mtp_check.py", tmp_path / "spec", mtp_target_dir,
+                         tmp_path / "in.pt", tmp_path / "out.pt")
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == [] and result["weights_equal"]
     assert set(result["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}
