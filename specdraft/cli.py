@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default=None, help="tree widths per depth, e.g. 4,16,16,16")
     p.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu; default: cuda if available")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="target and draft dtype; auto: the target's own torch_dtype (config.json)")
+                   help="target and draft dtype; auto: the target's own torch_dtype (config.json) on a GPU, "
+                        "fp32 on the CPU")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -124,7 +124,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     target: the target model dir (default: the path the export records).
 
     gamma None: the depth the draft was trained for. device None: CUDA when there is one.
-    dtype "auto": the target's own torch_dtype (config.json); target and draft both run in it.
+    dtype "auto": the target's own torch_dtype (config.json) on a GPU, fp32 on the CPU (a CPU
+    without native bf16, AVX2 only, runs a bf16 matmul ~47x slower); target and draft both run in it.
     thinking: the template's enable_thinking for the prompts, as the training data used (None: its default).
     confidence_threshold: a draft with a confidence head stops a block at the first slot below it
     (None: the draft's own default, draft.confidence_threshold).
@@ -149,7 +150,10 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
                              f"needs a run or export directory")
     tokenizer = load_tokenizer(export_dir, target_dir)
     prompts = read_prompts(prompts_file, tokenizer, max_prompts, thinking)
-    target = load_frozen_target(str(target_dir), dtype, resolve_device(device))
+    device = resolve_device(device)
+    if dtype == "auto" and device.type == "cpu":
+        dtype = "fp32"
+    target = load_frozen_target(str(target_dir), dtype, device)
     weight = target.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
     draft = None
     if method == "draft":
