@@ -1,6 +1,7 @@
 """Run on 2 ranks by tests/test_sequence_parallel.py: sequence parallelism (SP=2) against one rank.
 
-Part "model": every family and both objectives (ce; kl, which reads the target's distribution),
+Part "model": every family and both objectives (ce; kl, which reads the target's distribution;
+EAGLE-3 and P-EAGLE also lk_alpha and lk_lambda, whose lam all-reduces every rank's acceptance),
 TargetWithDraft's loss and every draft gradient at SP=2 against the same batch on one rank without
 SP (computed here on each rank, no process group), packed documents with borders on both sides of
 the shard boundary. Part "train" (argv): training runs of the loop (see the test file).
@@ -25,6 +26,7 @@ from specdraft.train.model import TargetWithDraft  # noqa: E402
 
 FAMILIES = ("glide", "eagle3", "dflash", "dspark", "peagle")
 OBJECTIVES = ("ce", "kl")
+LK = ("lk_alpha", "lk_lambda")  # EAGLE-3 and P-EAGLE: lk_lambda's lam is a mean over every rank's rows
 
 
 def batch(T=32):
@@ -68,7 +70,7 @@ def model_part(sp):
     ids, loss_mask, documents, positions = batch()
     report = {}
     for family in FAMILIES:
-        for objective in OBJECTIVES:
+        for objective in OBJECTIVES + (LK if family in ("eagle3", "peagle") else ()):
             runs = []
             for parallel in (None, sp):
                 draft = draft_for(family, objective, target)

@@ -130,8 +130,9 @@ def model_results(tmp_path_factory):
     return json.loads(out.read_text())["model"]
 
 
-@pytest.mark.parametrize("family", ["glide", "eagle3", "dflash", "dspark", "peagle"])
-@pytest.mark.parametrize("objective", ["ce", "kl"])
+@pytest.mark.parametrize("family,objective", [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle")
+                                              for o in ("ce", "kl")]
+                         + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")])
 def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, family, objective):
     r = model_results[f"{family}/{objective}"]
     alone, shared = r["loss"]

@@ -188,14 +188,17 @@ class MemoryShape:
         that copy (nothing more)."""
         return elements * (4 - self.dtype_bytes)
 
-    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False, calls: int = 1) -> float:
+    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False, calls: int = 1,
+                   lk: bool = False) -> float:
         """The counted rows' hidden states and their gradient (computed in the forward), and one
         chunk's fp32 logits worked in place (+ its matmul output at bf16). An objective that reads
         the target's distribution holds 7 fp32 chunks at once (objectives.objective_terms): the
         student's and the teacher's logits, both log-softmaxes, both softmaxes, and a product
         (linalg.vecdot's) or the gradient. calls: the loss runs over the rows in this many calls
-        of rows / calls each (DFlash: one per block slot), so a chunk is at most that many rows."""
-        buffers = (7 * 4 if teacher else 4) + (2 if self.mixed else 0)
+        of rows / calls each (DFlash: one per block slot), so a chunk is at most that many rows.
+        lk (draft.loss lk_*): 9, the target's unrenormalised draft-vocab probabilities and the
+        acceptance's derivative on top (lk.lk_terms)."""
+        buffers = ((9 if lk else 7) * 4 if teacher else 4) + (2 if self.mixed else 0)
         return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows // calls) * vocab * buffers
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from specdraft.drafts.loss import default_chunk_size
 
@@ -114,3 +115,13 @@ def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chu
 def lk_lambda_of(accept: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """lambda = kl_scale exp(-kl_decay mean alpha), the mean over the step's counted rows (no grad)."""
     return LK_KL_SCALE * torch.exp(-LK_KL_DECAY * accept / kept.clamp_min(1e-8))
+
+
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """lk_lambda's acceptance statistics summed over every rank (data and sequence parallel): lambda
+    is then the mean of the whole global micro-batch, the same at any world size. (SpecForge reduces
+    over its sequence-parallel group only.) Called by every rank once per step/depth, also by a
+    rank with no counted rows (chunked_objective's empty case)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value

@@ -359,8 +359,8 @@ class _ChunkedObjective(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden)
         ctx.lk_lambda = None
         if "lk_lambda" in objective.names:
-            # lam from the mean acceptance of the step's rows (of the whole sequence under SP:
-            # `reduce` sums over its group), then its rows' total lam KL + (1 - lam)(1 - alpha)
+            # lam from the mean acceptance of the step's rows (of every rank's: `reduce` sums over
+            # them), then its rows' total lam KL + (1 - lam)(1 - alpha)
             at = {name: i for i, name in enumerate(term_names)}
             accept, kept = reduce(sums[at["accept"]].clone()), reduce(sums[at["kept"]].clone())
             ctx.lk_lambda = lk_lambda_of(accept, kept)
@@ -404,7 +404,7 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
     terms count (None: all; the sums stay sums, the caller divides).
     LK: teacher_lse (N,) the target's log-sum-exp over its whole vocab when teacher_weight holds only
     the draft vocab's rows (None: they are the whole vocab); reduce sums lk_lambda's acceptance
-    statistics over the ranks that share a sequence (None: this rank's own). Its terms add
+    statistics over the ranks (lk.sum_over_ranks; None: this rank's own), called on every rank. Its terms add
     "accept", the rows' summed acceptance sum_v min(p, q) (a metric).
     """
     if objective.needs_teacher and (teacher_hidden is None or teacher_weight is None):
@@ -422,6 +422,8 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
         zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
         terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names
                  if name not in ("kept", "lk_kl")}
+        if "lk_lambda" in objective.names and reduce is not None:  # the other ranks' lambda waits on ours
+            reduce(terms["accept"].clone()), reduce(terms["accept"].clone())
         none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
         return ObjectiveSums(zero.float(), none.sum(), terms, none)
     total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,

@@ -38,7 +38,7 @@ from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
                                            default_target_layers, layer_dims, validate_layer_options)  # re-exported
-from specdraft.drafts.lk import full_vocab_logsumexp
+from specdraft.drafts.lk import full_vocab_logsumexp, sum_over_ranks
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import default_chunk_size
@@ -216,7 +216,7 @@ class Eagle3Draft(Eagle3Base):
                                 None if final is None else final[teacher_at], teacher_rows, draft_labels,
                                 self.objective.over_rows(rows.numel(), answers), chunk_size,
                                 None if in_vocab is None else in_vocab[teacher_at],
-                                None if lse is None else lse[teacher_at], shard.sum)
+                                None if lse is None else lse[teacher_at], sum_over_ranks)
             hits = (draft_ids[out.argmax] == labels).sum()
             step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
             weighted, first_weight = step_loss * self.dims.ttt_decay ** k, weight if k == 0 else first_weight
@@ -266,7 +266,8 @@ class Eagle3Draft(Eagle3Base):
             "draft activations": tokens * (H * p + held),  # fc's output, then the steps
             # every step's counted rows keep their hidden-state gradient until the backward, which
             # recomputes a chunk into the head's (Vd, H) gradient in fp32
-            "loss chunk + hidden grads": steps * tokens * H * p + Vd * H * 4 + shape.loss_chunk(tokens, Vd, H, teacher),
+            "loss chunk + hidden grads": steps * tokens * H * p + Vd * H * 4
+            + shape.loss_chunk(tokens, Vd, H, teacher, lk=self.objective.lk),
         }
         if teacher:  # the target lm_head's rows of the draft vocab, copied once, read by every step
             terms["teacher rows"] = Vd * d.target_hidden_size * p

@@ -34,7 +34,7 @@ from torch import nn
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
 from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
-from specdraft.drafts.lk import full_vocab_logsumexp
+from specdraft.drafts.lk import full_vocab_logsumexp, sum_over_ranks
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
                                          objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
@@ -311,7 +311,7 @@ class PEagleDraft(Eagle3Base):
             out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
                                     None if final is None else final[teacher_at], teacher_rows, draft_labels,
                                     self.objective.over_rows(pick.numel(), answers), chunk_size,
-                                    teacher_lse=None if lse is None else lse[teacher_at], reduce=shard.sum)
+                                    teacher_lse=None if lse is None else lse[teacher_at], reduce=sum_over_ranks)
             hits = (draft_ids[out.argmax] == labels).sum()
             tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
             loss = out.loss if loss is None else loss + out.loss
@@ -358,7 +358,8 @@ class PEagleDraft(Eagle3Base):
                                                           for k in range(1, d.num_depths)),
             # one loss call per depth: depth 0's B T rows are the largest chunk
             "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
-                                                                         calls=max(1, int(per_token))),
+                                                                         calls=max(1, int(per_token)),
+                                                                         lk=self.objective.lk),
         }
         if shape.whole_T > shape.T:  # sequence parallelism: T is this rank's shard
             n = shape.T * per_token  # the rank's slots per row: its T at depth 0, the deeper ones anchored in it
