@@ -192,6 +192,26 @@ def test_a_teacher_objective_holds_seven_fp32_chunks_at_once(loss, buffers):
     assert live.peak == pytest.approx(rows * vocab * 4 * buffers, rel=0.10)
 
 
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+def test_an_lk_objective_holds_nine_fp32_chunks_at_once(loss):
+    """The LK losses over a draft vocab (the target's whole-vocab normaliser given): the seven of a
+    teacher objective, the unrenormalised probabilities and the acceptance's derivative; forward
+    and the recomputing backward."""
+    from specdraft.drafts.base import MemoryShape
+    from specdraft.drafts.objectives import chunked_objective, parse_objective
+
+    rows, vocab, hidden = 64, 2000, 32
+    student = torch.randn(rows, hidden, requires_grad=True)
+    weight, teacher = torch.randn(vocab, hidden), torch.randn(rows, hidden)
+    with LiveTensorBytes() as live:
+        out = chunked_objective(student, weight, teacher, weight, None, parse_objective(loss), chunk_size=rows,
+                                teacher_lse=torch.randn(rows) + 10)
+        out.loss.backward()
+    shape = MemoryShape(B=1, T=rows, dtype_bytes=4, chunk=rows, documents=False, target=None)
+    assert shape.loss_chunk(rows, vocab, hidden, teacher=True, lk=True) == rows * 2 * hidden * 4 + rows * vocab * 4 * 9
+    assert live.peak == pytest.approx(rows * vocab * 4 * 9, rel=0.10)
+
+
 
 SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide", "peagle")  # those that train on sequence shards
 
