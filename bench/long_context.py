@@ -22,7 +22,8 @@ compiled on CPU, as CUDA builds it (eager create_block_mask evaluates the whole 
 --sp N: each (family, T) also at sequence_parallel_size N on N CPU ranks (torchrun, gloo): the peak
 of the rank with the highest one, its ratio to SP=1 (the step's own peak: the sequence-proportional
 terms; the weights, the same on every rank, are in the base RSS it is measured above), and the
-step-time ratio SP=N / SP=1.
+step-time ratio SP=N / SP=1. Beside every peak: the memory model's terms above weights,
+gradients and optimizer state for that shape and SP size (train/memory.py), and peak ÷ model.
 """
 
 from __future__ import annotations
@@ -103,14 +104,33 @@ def measure_one(family: str, T: int) -> dict:
     start = time.perf_counter()
     step()
     seconds = time.perf_counter() - start
-    result = {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds}
+    result = {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds,
+              "model_gb": modelled_step_gb(config, cfg, T)}
     if SP > 1:  # the rank with the highest peak, the slowest step
         ranks = [None] * SP
         dist.all_gather_object(ranks, result)
         result = {"family": family, "T": T, "peak_gb": max(r["peak_gb"] for r in ranks),
-                  "tokens_per_s": min(r["tokens_per_s"] for r in ranks)}
+                  "tokens_per_s": min(r["tokens_per_s"] for r in ranks), "model_gb": result["model_gb"]}
         dist.destroy_process_group()
     return result
+
+
+def modelled_step_gb(target_config, draft_cfg, T: int) -> float:
+    """What the memory model (train/memory.py) puts above the weights, gradients and optimizer
+    state for this step at SP: the terms the measured peak counts (it is taken above the
+    resident weights). fp32, one row of T tokens, packed documents as measured."""
+    from omegaconf import OmegaConf
+
+    from specdraft.config import TrainConfig
+    from specdraft.train import memory
+
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.draft = draft_cfg
+    cfg.precision, cfg.per_device_batch_size, cfg.max_seq_length, cfg.loss_chunk_size = "fp32", 1, T, 0
+    estimate = memory.estimate_peak(target_config, cfg, world_size=SP, documents=bool(ROW_CONVERSATION),
+                                    sequence_parallel=SP)
+    fixed = ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)")
+    return (estimate.total - sum(estimate.parts.get(name, 0) for name in fixed)) / 2**30
 
 
 def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, block: int = 8) -> None:
@@ -237,7 +257,7 @@ def main() -> None:
     if args.no_documents:
         env["BENCH_CONVERSATION"] = "0"
     lengths = [int(t) for t in args.lengths.split(",")]
-    print(f"{'family':<7} {'T':>6} {'SP':>3} {'peak GB/rank':>12} {'tokens/s':>9}")
+    print(f"{'family':<7} {'T':>6} {'SP':>3} {'peak GB/rank':>12} {'model GB':>9} {'÷ model':>7} {'tokens/s':>9}")
     peaks = {}
     for family in args.families.split(","):
         for T in lengths:
@@ -255,7 +275,8 @@ def main() -> None:
                 ratio = "" if sp == 1 or (family, T, 1) not in peaks else (
                     f"  peak/rank vs SP=1 {m['peak_gb'] / peaks[family, T, 1]:.2f}, step time vs SP=1 "
                     f"{peaks[family, T, 1, 'rate'] / rate:.2f}")
-                print(f"{family:<7} {T:>6} {sp:>3} {m['peak_gb']:12.2f} {rate:9.0f}{ratio}", flush=True)
+                print(f"{family:<7} {T:>6} {sp:>3} {m['peak_gb']:12.2f} {m['model_gb']:9.2f} "
+                      f"{m['peak_gb'] / m['model_gb']:7.2f} {rate:9.0f}{ratio}", flush=True)
     peaks = {(family, T): peaks[family, T, 1] for family in args.families.split(",") for T in lengths
              if (family, T, 1) in peaks}
     top = max(lengths)

@@ -420,11 +420,17 @@ class DFlashBackbone(Draft):
         # one block drafts block_size - 1 tokens (block_size with sample_from_anchor)
         return int(self.layout.predictions)
 
+    def trained_blocks(self, shape: MemoryShape) -> int:
+        """Blocks trained at once: up to max_anchors per sequence, drawn over the whole sequence;
+        under SP a rank trains those in its shard, its share T / whole_T (own_blocks)."""
+        anchors = min(self.dims.max_anchors, shape.context_T)
+        return shape.B * -(-anchors * shape.T // shape.context_T)
+
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
         d, p = self.dims, shape.dtype_bytes
         H, heads, kv, hd, I = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size
         context = shape.B * shape.context_T  # every position is context (all-gathered under SP)
-        blocks = shape.B * min(d.max_anchors, shape.T)  # trained at once (under SP: at most, per rank)
+        blocks = self.trained_blocks(shape)
         block = blocks * d.block_size  # their slots
         teacher = d.target_hidden_size if self.objective.needs_teacher else 0
         # per slot and layer, saved for backward (counted with saved_tensors_hooks at fp32): the two

@@ -219,7 +219,7 @@ class DSparkDraft(DFlashBackbone):
         # the head's (V, H + r) weight and, in the backward, its fp32 gradient; per block slot the
         # Markov and confidence features
         terms["DSpark heads"] = d.vocab_size * (d.hidden_size + d.markov_rank) * (p + 4) \
-            + shape.B * min(d.max_anchors, shape.T) * d.block_size * 4 * (d.hidden_size + d.markov_rank) * p
+            + self.trained_blocks(shape) * d.block_size * 4 * (d.hidden_size + d.markov_rank) * p
         return terms
 
     def make_drafter(self, target) -> DSparkDrafter:
