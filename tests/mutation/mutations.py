@@ -761,6 +761,9 @@ COD_ATTENTION = "specdraft/drafts/cod_attention.py"
 PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
 PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
 PE_SP = ("tests/test_sequence_parallel.py", "-k", "peagle and equals_one_rank")
+# the mask-free slot attention against the dense mask, then speculators' logits (one -k for both files)
+PE_SLOTS = ("tests/test_cod_attention.py", "tests/test_peagle_export.py", "-k",
+            "slot_attention_equals or vocab100 or vllm")
 PEAGLE: List[Mutation] = [
     Mutation("peagle/cod-no-shift", PEAGLE_COD, "pool = kept + 1\n", "pool = kept + 0\n", PE_UNIT,
              "deeper depths drawn from the same positions, not the next ones"),
@@ -784,10 +787,10 @@ PEAGLE: List[Mutation] = [
     Mutation("peagle/drafter-depth-position", PEAGLE_DECODE, "n + torch.arange(1, m + 1, device=dev)",
              "n + torch.arange(0, m, device=dev)", PE_UNIT, "inference positions one off the training ones"),
     Mutation("peagle/slot-attention-no-rollout", COD_ATTENTION, "ttt_attention(query, keys, values, slots.documents)",
-             "ttt_attention(query, keys[:1], values[:1], slots.documents)", ("tests/test_cod_attention.py",) + PE_SPEC,
+             "ttt_attention(query, keys[:1], values[:1], slots.documents)", PE_SLOTS,
              "a deep slot does not see its own rollout (the mask-free path)"),
     Mutation("peagle/slot-attention-wrong-anchor", COD_ATTENTION, "index_copy(2, anchor, x)",
-             "index_copy(2, anchor.flip(0), x)", ("tests/test_cod_attention.py",) + PE_SPEC,
+             "index_copy(2, anchor.flip(0), x)", PE_SLOTS,
              "a depth's slots put at another slot's position"),
     Mutation("peagle/sp-context-across-conversations", PEAGLE_PY,
              "cod_visibility(anchor, depth, documents, key_anchor=key_anchor,",
