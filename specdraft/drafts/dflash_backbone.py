@@ -421,10 +421,11 @@ class DFlashBackbone(Draft):
         return int(self.layout.predictions)
 
     def trained_blocks(self, shape: MemoryShape) -> int:
-        """Blocks trained at once: up to max_anchors per sequence, drawn over the whole sequence;
-        under SP a rank trains those in its shard, its share T / whole_T (own_blocks)."""
-        anchors = min(self.dims.max_anchors, shape.context_T)
-        return shape.B * -(-anchors * shape.T // shape.context_T)
+        """Blocks trained at once: up to max_anchors per sequence. Under SP the anchors are drawn
+        over the whole sequence and a rank trains those in its shard (own_blocks): not its even
+        share T / whole_T but up to all of them, where the answers sit in one shard (a long prompt
+        first). The busiest rank sets the peak, so the bound: min(max_anchors, T) per rank."""
+        return shape.B * min(self.dims.max_anchors, shape.T)
 
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
         d, p = self.dims, shape.dtype_bytes
