@@ -192,14 +192,14 @@ def test_the_trained_lk_losses_equal_the_reference_with_gradients(name, chunk, f
     """chunked_objective (what EAGLE-3 / P-EAGLE train on) = (counted rows) x lk_loss, the formula
     tested above: a sum over the teacher's kept rows, lambda from their mean acceptance; the
     acceptance reads the target over its whole vocab (teacher_lse), the KL the renormalised one."""
-    from specdraft.drafts.lk import full_vocab_logsumexp
+    from specdraft.drafts.loss import whole_vocab_pass
     from specdraft.drafts.objectives import chunked_objective, parse_objective
 
     hidden, head, final, target_head, keep = _lk_training_case()
     Vd = head.shape[0]
     a = [hidden.clone().requires_grad_(), head.clone().requires_grad_(not frozen_head)]
     out = chunked_objective(a[0], a[1], final, target_head[:Vd], None, parse_objective(name), chunk,
-                            teacher_keep=keep, teacher_lse=full_vocab_logsumexp(final, target_head, 4))
+                            teacher_keep=keep, teacher_lse=whole_vocab_pass(final, target_head, 4)[0])
     out.loss.backward()
     b = [hidden.clone().requires_grad_(), head.clone().requires_grad_()]
     expected = _lk_reference(*b, final, target_head, keep, name[3:])

@@ -1,7 +1,7 @@
 """SpecForge's LK losses (`specforge/core/lk_loss.py`): the formulas on whole (rows, vocab) tensors
 (the reference: acceptance_rate, lk_loss, lk_ttt_loss) and the chunk-at-a-time pieces that
 `objectives.chunked_objective` trains EAGLE-3 and P-EAGLE with (lk_terms, lk_lambda_of,
-full_vocab_logsumexp). draft.loss: lk_alpha | lk_lambda."""
+sum_over_ranks). draft.loss: lk_alpha | lk_lambda."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
-from specdraft.drafts.loss import default_chunk_size
 
 LK_MODES = ("alpha", "lambda")
 LK_KL_SCALE = 1.0  # SpecForge's defaults
@@ -76,13 +74,11 @@ def lk_terms(q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective, w
     d alpha / dz = q (s - <s, q>) with s_v = [q_v < p~_v], the side torch.minimum differentiates.
     """
     p_accept = p if teacher_lse is None else torch.exp(teacher_logits - teacher_lse[:, None])
-    s = (q < p_accept).to(q.dtype)
     alpha = torch.minimum(p_accept, q).sum(dim=-1)  # (C,)
-    ones = torch.ones_like(alpha)
-    sums = {"accept": keep(alpha).sum(), "kept": keep(ones).sum()}
-    grad = None
-    d_alpha = None
+    sums = {"accept": keep(alpha).sum(), "kept": keep(torch.ones_like(alpha)).sum()}
+    grad, d_alpha = None, None
     if with_grad:
+        s = (q < p_accept).to(q.dtype)
         d_alpha = s.sub_(torch.linalg.vecdot(s, q)[:, None]).mul_(q)  # (C, V)
     if "lk_alpha" in objective.names:
         positive = alpha > 0
@@ -100,16 +96,6 @@ def lk_terms(q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective, w
             rows = (q - p).mul_(lk_lambda).sub_(d_alpha.mul_(1.0 - lk_lambda))
             grad = keep(rows.mul_(objective.weight("lk_lambda")).t()).t()  # a dropped row: no gradient
     return sums, grad
-
-
-def full_vocab_logsumexp(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """(N, H) target hidden states -> (N,) log-sum-exp of their logits over the target's whole
-    vocabulary, float32, no grad, one (C, V) block at a time: the LK acceptance's p~ = exp(t - lse)
-    when the teacher's logits t cover only a draft vocab."""
-    chunk = chunk_size if chunk_size > 0 else default_chunk_size(lm_head_weight.shape[0])
-    with torch.no_grad():
-        return torch.cat([torch.logsumexp((part.to(lm_head_weight.dtype) @ lm_head_weight.t()).float(), dim=-1)
-                          for part in hidden.split(chunk)])
 
 
 def lk_lambda_of(accept: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

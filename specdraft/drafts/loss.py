@@ -7,7 +7,7 @@ states one chunk at a time and keeps only the (tokens x hidden) gradient for bac
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -83,3 +83,21 @@ def row_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                           for z, y in (((h @ weight.t()).float(), y)
                                        for h, y in zip(hidden.split(chunk_size), labels.split(chunk_size)))]
                          or [hidden.new_zeros(0, dtype=torch.float32)])
+
+
+def whole_vocab_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, logsumexp: bool = True,
+                     argmax: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(N, H) hidden states through a (V, H) head, one (C, V) block at a time, no grad -> (their
+    logits' log-sum-exp (N,) float32, their argmax (N,)), each None unless asked: one matmul for
+    both (EAGLE-3 with LK over a draft vocab reads both of the target's whole vocabulary)."""
+    chunk = chunk_size if chunk_size > 0 else default_chunk_size(weight.shape[0])
+    lse, top1 = [], []
+    with torch.no_grad():
+        for part in hidden.split(chunk):
+            logits = part.to(weight.dtype) @ weight.t()
+            if argmax:
+                top1.append(logits.argmax(dim=-1))
+            if logsumexp:
+                lse.append(torch.logsumexp(logits.float(), dim=-1))
+    return (torch.cat(lse) if logsumexp else None), (torch.cat(top1) if argmax else None)
+

@@ -523,7 +523,7 @@ CONVENTIONS: List[Mutation] = [
              (f"{CONV}::test_sglang_config_spells_rope_as_its_llama_layer_reads_it",),
              "SGLang reads rope_theta / rope_scaling: served at theta 10000, unscaled"),
     Mutation("conventions/teacher-rows-ignored", E3,
-             'if self.teacher_rows == "in_vocab":', "if False:", E3_TEACHER,
+             "in_vocab = None if top1 is None else self.t2d[top1]", "in_vocab = None", E3_TEACHER,
              "the recipe's rows outside the draft vocab still taught"),
     Mutation("conventions/teacher-keep-ignored", "specdraft/drafts/objectives.py",
              "keep = None if teacher_keep is None else teacher_keep[rows]", "keep = None", E3_TEACHER,

@@ -38,10 +38,10 @@ from specdraft.drafts.eagle3_decode import Eagle3Drafter
 from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
                                            default_target_layers, layer_dims, validate_layer_options)  # re-exported
-from specdraft.drafts.lk import full_vocab_logsumexp, sum_over_ranks
+from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
-from specdraft.drafts.loss import default_chunk_size
+from specdraft.drafts.loss import whole_vocab_pass
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
@@ -189,10 +189,13 @@ class Eagle3Draft(Eagle3Base):
         lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
         if self.objective.needs_teacher:
             final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
-            if self.teacher_rows == "in_vocab":
-                in_vocab = self.top1_in_draft_vocab(final, lm_head_weight, chunk_size)
-            if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
-                lse = full_vocab_logsumexp(final, lm_head_weight, chunk_size)
+            # one pass over the target's whole vocab: its top-1 (is it a draft token? on the device,
+            # no sync) and, for LK over a draft vocab, its log-sum-exp
+            want_lse = self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]
+            if self.teacher_rows == "in_vocab" or want_lse:
+                lse, top1 = whole_vocab_pass(final, lm_head_weight, chunk_size, logsumexp=want_lse,
+                                             argmax=self.teacher_rows == "in_vocab")
+                in_vocab = None if top1 is None else self.t2d[top1]
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
@@ -227,15 +230,6 @@ class Eagle3Draft(Eagle3Base):
                 total, seen = metrics.get(name, (0.0, 0))
                 metrics[name] = (total + value, seen + count)
         return DraftLoss(loss=loss, tokens=first_weight, correct=metrics["ttt_0/accuracy"][0], metrics=metrics)
-
-    def top1_in_draft_vocab(self, final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """final (N, Ht) target hidden states -> (N,) bool: the target's top-1 over its whole vocab
-        is a draft token (t2d[argmax]), on the device, no sync. Chunked: one (C, V) block at a time."""
-        chunk = chunk_size if chunk_size > 0 else default_chunk_size(lm_head_weight.shape[0])
-        with torch.no_grad():
-            top1 = torch.cat([(part.to(lm_head_weight.dtype) @ lm_head_weight.t()).argmax(dim=-1)
-                              for part in final.split(chunk)])
-        return self.t2d[top1]
 
     # -- decoding --------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from torch import nn
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
 from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
-from specdraft.drafts.lk import full_vocab_logsumexp, sum_over_ranks
+from specdraft.drafts.lk import sum_over_ranks
+from specdraft.drafts.loss import whole_vocab_pass
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
                                          objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
@@ -294,7 +295,7 @@ class PEagleDraft(Eagle3Base):
         local_rows = shard.local_length + extend  # final's rows per batch row
         lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
         if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
-            lse = full_vocab_logsumexp(final, lm_head_weight, chunk_size)
+            lse, _ = whole_vocab_pass(final, lm_head_weight, chunk_size)
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
