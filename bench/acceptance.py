@@ -48,6 +48,7 @@ from specdraft.decode.prompts import (encode_conversation, pad_with_earlier_conv
                                        stop_tokens)
 from specdraft.decode.report import plot_acceptance, require_matplotlib  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
+from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.config import family_demo_configs  # noqa: E402
@@ -136,10 +137,11 @@ def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path,
 
 @contextlib.contextmanager
 def counting_forwards(draft):
-    """Counts draft forward passes: calls of its first layer (of the draft itself when it has no
-    `layers`, as GLIDE's single block). None (prompt lookup) counts nothing."""
+    """Counts draft forward passes: calls of its first layer (`layers`, MTP's `mtp_layers`; the
+    draft itself when it has neither, as GLIDE's single block). None (prompt lookup) counts nothing."""
     counter = {"calls": 0}
-    module = None if draft is None else (draft.layers[0] if hasattr(draft, "layers") else draft)
+    layers = getattr(draft, "layers", None) or getattr(draft, "mtp_layers", None)  # MTP's one layer
+    module = None if draft is None else (layers[0] if layers is not None else draft)
     handle = None if module is None else module.register_forward_pre_hook(
         lambda *_: counter.__setitem__("calls", counter["calls"] + 1))
     try:
@@ -294,7 +296,8 @@ def main(argv=None) -> dict:
 
     # -- report --------------------------------------------------------------------------------
     trained = ", ".join(f"{label} {s:.0f}s" for label, s in train_seconds.items())
-    lines = [f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
+    lines = [machine_line(),
+             f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
              + (f"prompts padded to {args.context} tokens with earlier conversations; " if args.context else "")
              + (f"drafts trained {args.train_steps} steps on {data_glob} ({trained}); " if trained

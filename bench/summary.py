@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+
+from specdraft.demo.machine import machine_line  # noqa: E402
 SCRIPTS = ["target_weights", "checkpoint", "acceptance", "step_efficiency", "memory_model", "zero3_placement",
            "glide_attention", "regenerate"]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")
@@ -43,11 +46,12 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SCRIPTS))
     args = parser.parse_args()
     rows = []
+    print(machine_line(), flush=True)
     for name in args.only.split(","):
         print(f"== bench/{name}.py", flush=True)
         rows.append(run(name))
     width = max(len(name) for name, _, _ in rows)
-    print("\n| bench | result | wall s |\n|---|---|---|")
+    print(f"\n{machine_line()}\n\n| bench | result | wall s |\n|---|---|---|")
     for name, result, seconds in rows:
         print(f"| {name:<{width}} | {result} | {seconds:.0f} |")
 

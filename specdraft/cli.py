@@ -49,12 +49,29 @@ def _cmd_demo(args) -> int:
     from specdraft.demo import ensure_demo_assets
     from specdraft.train.loop import train
 
-    target_dir, data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
+    config_path = demo_config_path(args.config)
+    preset = args.preset or _preset_of(config_path)
+    target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
     overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
                  f"eval_prompts={data.prompts_file}", *args.overrides]
-    cfg = load_config(demo_config_path(args.config), overrides)
+    cfg = load_config(config_path, overrides)
     train(cfg)
     return 0
+
+
+def _preset_of(config_path: str) -> str:
+    """The preset whose cached target a demo config names (`${specdraft_home:}/<preset>/target`:
+    demo-mtp.yaml's is "mtp"), else "demo"."""
+    from omegaconf import OmegaConf
+
+    from specdraft.paths import specdraft_home
+
+    target = OmegaConf.load(config_path).get("target")
+    path = Path(str(target)) if target else None
+    if path is not None and path.name == "target" and path.parent.parent == specdraft_home() \
+            and path.parent.name in PRESETS:
+        return path.parent.name
+    return "demo"
 
 
 def _cmd_inspect(args) -> int:
@@ -176,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_config)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the demo assets to build and train on; default: the preset whose target the config "
+                        "names (demo-mtp: mtp), else demo")
     p.add_argument("--config", default=None,
                    help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); "
                         f"default: demo")

@@ -111,10 +111,11 @@ def gather_permuted_gradient(sp):
     return (x.grad - expected).abs().max().item()
 
 
-def train_part(target, data_dir, work, resume_from):
+def train_part(target, data_dir, work, resume_from, only=""):
     """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
     resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2. P-EAGLE: 8 steps at SP=2
-    saved at 4 (the test resumes it at SP=1)."""
+    saved at 4 (the test resumes it at SP=1). only="chain": just the last hop of SP=2 -> SP=1 ->
+    SP=2, resumed at SP=2 from resume_from (the middle, 1-rank run's slot)."""
     from helpers import run_overrides
     from specdraft.config import load_config
     from specdraft.train.loop import train
@@ -124,6 +125,8 @@ def train_part(target, data_dir, work, resume_from):
                                   per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": family})
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
+    if only == "chain":
+        return {"chain_sp2": run("chain_sp2", f"resume={resume_from}")}
     results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4"),
                "peagle_sp2": run("peagle_sp2", family="peagle")}
     if resume_from != "-":
@@ -136,8 +139,8 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     sp = sequence_parallel_groups(2)
     results = {"model": model_part(sp)} if len(sys.argv) == 2 else {}
-    if len(sys.argv) > 2:  # target, data dir, work dir, the slot an SP=2 run resumes from ("-": none)
-        results["train"] = train_part(*sys.argv[2:6])
+    if len(sys.argv) > 2:  # target, data dir, work dir, the slot an SP=2 run resumes from ("-": none)[, "chain"]
+        results["train"] = train_part(*sys.argv[2:7])
     if dist.get_rank() == 0:
         with open(out_json, "w") as f:
             json.dump(results, f, indent=1)

@@ -160,7 +160,7 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     assert config_hash(eagle3) == before
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle", "demo-mtp"])
 def test_demo_configs_are_one_copy_found_by_configs_and_the_package(name):
     from helpers import REPO
 
@@ -176,22 +176,27 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
 
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
-    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-peagle" in str(err.value)
+    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-mtp, demo-peagle" in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle"])
+@pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle", "demo-mtp"])
 def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir, tiny_data):
     """`specdraft train configs/demo*.yaml` after `specdraft demo`: its data_files glob finds the
-    build's train files (checked on the tiny build, laid out like the demo's)."""
+    build's train files (checked on the tiny build, laid out like the demo's and the mtp preset's)."""
     import glob
 
     from omegaconf import OmegaConf
 
+    from specdraft.cli import _preset_of
     from specdraft.config import demo_config_path
 
-    pattern = OmegaConf.load(demo_config_path(name))._get_node("data_files")._value()
-    build = Path(tiny_target_dir).parent  # <home>/tiny, as <home>/demo for the demo preset
-    found = sorted(glob.glob(pattern.replace("${specdraft_home:}/demo", str(build))))
+    config = OmegaConf.load(demo_config_path(name))
+    preset = _preset_of(demo_config_path(name))
+    for key in ("target", "eval_prompts", "data_files"):  # all three in the preset's own folder
+        assert config._get_node(key)._value().startswith(f"${{specdraft_home:}}/{preset}/")
+    pattern = config._get_node("data_files")._value()
+    build = Path(tiny_target_dir).parent  # <home>/tiny, as <home>/<preset> for the config's preset
+    found = sorted(glob.glob(pattern.replace(f"${{specdraft_home:}}/{preset}", str(build))))
     assert found and found == sorted(str(f) for f in tiny_data.train_files)
 
 
@@ -202,20 +207,18 @@ def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
     from specdraft.config import family_demo_configs
     from specdraft.drafts import FAMILIES
 
+    from specdraft.cli import _preset_of
+    from specdraft.demo.presets import get_preset
+
     configs = family_demo_configs()
-    # the demo target is a Llama: a family that drafts only for other targets (MTP: a target's own
-    # MTP layer) has none
-    assert set(configs) == set(demo_families())
+    assert set(configs) == set(FAMILIES)
     for family, cls in FAMILIES.items():
         assert cls.label and cls.label not in {c.label for f, c in FAMILIES.items() if f != family}
-        assert family not in configs or OmegaConf.load(configs[family]).draft.get("type", "glide") == family
-
-
-def demo_families():
-    from specdraft.drafts import FAMILIES
-
-    return [family for family, cls in FAMILIES.items()
-            if cls.target_model_types is None or "llama" in cls.target_model_types]
+        assert OmegaConf.load(configs[family]).draft.get("type", "glide") == family
+        # its config's target is a preset of an architecture the family drafts for (MTP: the mtp
+        # preset's Qwen3-Next with its native layer; the others: the demo's Llama)
+        architecture = get_preset(_preset_of(configs[family])).architecture
+        assert cls.target_model_types is None or architecture in cls.target_model_types, (family, architecture)
 
 
 def test_config_command_prints_the_resolved_config_as_a_run_records_it(valid_config, capsys, tmp_path):
@@ -260,4 +263,4 @@ def test_demo_help_names_every_packaged_demo_config(capsys):
         main(["demo", "--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
     names = sorted(Path(path).stem for path in family_demo_configs().values())
-    assert len(names) == len(demo_families()) and f"({','.join(names)})" in text
+    assert len(names) == len(FAMILIES) and f"({','.join(names)})" in text

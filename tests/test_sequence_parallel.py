@@ -151,8 +151,8 @@ def test_the_gather_returns_a_permuted_gradient_to_its_rank(model_results):
 @pytest.fixture(scope="module")
 def resume_runs(tiny_target_dir, tmp_path_factory):
     """1 rank SP=1 straight; 2 ranks SP=2 (straight, and resumed at step 4 at the same size); 1 rank
-    SP=1 resumed from SP=2's step 4; 2 ranks SP=2 resumed from that run's step 8... of the 1-rank
-    run's own step 4 slot (see sp_script.train_part)."""
+    SP=1 resumed from SP=2's step 4 (saved at 6); 2 ranks SP=2 resumed from the 1-rank run's own
+    step 4 slot (see sp_script.train_part), and from that SP=1 run's step 6 (the chain)."""
     from helpers import write_chat_files
     work = tmp_path_factory.mktemp("sp_train")
     write_chat_files(work / "data")
@@ -168,7 +168,13 @@ def resume_runs(tiny_target_dir, tmp_path_factory):
                     work / "sp1" / "ckpt" / "step_4", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs.update(json.loads(out.read_text())["train"])
-    runs["sp2_to_sp1"] = one_rank("sp2_to_sp1", f"resume={work}/sp2/ckpt/step_4")
+    # saved at 6 too: the chain's last hop resumes from it at SP=2
+    runs["sp2_to_sp1"] = one_rank("sp2_to_sp1", f"resume={work}/sp2/ckpt/step_4", "save_steps=2")
+    chain = work / "chain.json"
+    proc = torchrun(REPO / "tests" / "sp_script.py", chain, tiny_target_dir, work / "data", work,
+                    work / "sp2_to_sp1" / "ckpt" / "step_6", "chain", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs.update(json.loads(chain.read_text())["train"])
     runs["peagle_sp2_to_sp1"] = one_rank("peagle_sp2_to_sp1", f"resume={work}/peagle_sp2/ckpt/step_4",
                                          family="peagle")
     return runs
@@ -200,3 +206,11 @@ def test_a_run_resumes_across_sp_sizes(resume_runs):
     SP=2 -> SP=1 and SP=1 -> SP=2 continue the straight run."""
     _close(resume_runs["sp2_to_sp1"], resume_runs["sp1"][4:])
     _close(resume_runs["sp1_to_sp2"], resume_runs["sp1"][4:])
+
+
+def test_one_run_goes_sp2_then_sp1_then_sp2_and_follows_the_straight_run(resume_runs):
+    """One chain: 2 ranks at SP=2 (steps 1-4), 1 rank at SP=1 resumed from it (5-6, saved at 6),
+    2 ranks at SP=2 resumed from that (7-8): each hop's losses are the straight run's."""
+    _close(resume_runs["sp2"][:4], resume_runs["sp1"][:4])
+    _close(resume_runs["sp2_to_sp1"][:2], resume_runs["sp1"][4:6])
+    _close(resume_runs["chain_sp2"], resume_runs["sp1"][6:])

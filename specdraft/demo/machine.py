@@ -22,6 +22,17 @@ def describe(cpu: dict) -> str:
     return f"{cpu['model']}, {cpu['capability']}, {cpu['cpus']} CPUs, {cpu['threads']} threads"
 
 
+def machine_line() -> str:
+    """The line every bench report starts with: "machine: AMD EPYC, AVX2, 2 CPUs, 1 threads; load
+    average 0.4 (1 min); ATEN_CPU_CAPABILITY=avx2" (the last part only when torch's kernels were
+    capped below what the CPU has)."""
+    line = f"machine: {describe(this_cpu())}"
+    if hasattr(os, "getloadavg"):
+        line += f"; load average {os.getloadavg()[0]:.1f} (1 min)"
+    capped = os.environ.get("ATEN_CPU_CAPABILITY")
+    return line + (f"; ATEN_CPU_CAPABILITY={capped}" if capped else "")
+
+
 def _model_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -36,12 +36,20 @@ class DemoPreset:
     max_prompt_tokens: int  # longer prompts (long docstrings) are skipped
     max_new_tokens: int  # regenerated answers stop here if the target does not end its turn
     generate_batch: int
+    # "llama", or "qwen3_next": Qwen3-Next's layer (gated attention, partial RoPE, MoE with a shared
+    # expert; every layer full attention, so decoding can roll its cache back) with a native MTP
+    # layer pre-trained beside it, saved as Qwen's checkpoints save it (mtp.*; draft.type mtp)
+    architecture: str = "llama"
 
     def fingerprint(self) -> dict:
         """What a cached build was made from; a changed preset invalidates the cache. (The bench
         preset's targets pre-trained with bf16 matmuls recorded `bf16_autocast: true` here, so
-        they no longer match and are rebuilt in fp32.)"""
-        return asdict(self)
+        they no longer match and are rebuilt in fp32.) A field added later is left out while it
+        holds the value every earlier build had, so adding it rebuilds nothing."""
+        record = asdict(self)
+        if record["architecture"] == "llama":
+            del record["architecture"]
+        return record
 
 
 PRESETS = {
@@ -73,6 +81,17 @@ PRESETS = {
         train_steps=700, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=40, log_every=50,
         train_rows=2000, prompt_rows=64, train_files=4, max_prompt_tokens=192,
         max_new_tokens=96, generate_batch=64,
+    ),
+    # The MTP demo (configs/demo-mtp.yaml): a Qwen3-Next-shaped target whose native MTP layer
+    # (predicting x_{t+2} from its final hidden state at t and x_{t+1}) pre-trains with it, the
+    # layer draft.type mtp fine-tunes; small, so its build takes minutes on 2 cores.
+    "mtp": DemoPreset(
+        name="mtp", corpus_bytes=800_000,
+        vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=344, max_position_embeddings=1024,
+        train_steps=300, batch_size=8, seq_len=256, lr=3e-3, warmup_steps=30, log_every=25,
+        train_rows=400, prompt_rows=32, train_files=2, max_prompt_tokens=192,
+        max_new_tokens=64, generate_batch=64, architecture="qwen3_next",
     ),
 }
 

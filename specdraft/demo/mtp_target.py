@@ -1,0 +1,92 @@
+"""The MTP demo target (preset architecture "qwen3_next"): a Qwen3-Next-shaped model and the native
+MTP layer pre-trained beside it, saved as Qwen's checkpoints hold one (mtp.* tensors beside the
+model's, `num_nextn_predict_layers: 1` in config.json), which `draft.type: mtp` fine-tunes.
+
+The layer is the one draft.type mtp builds (drafts/mtp/layer.py, speculators' definition): at
+position t it reads the target's final hidden state and the embedding of x_{t+1} and predicts
+x_{t+2} through the target's lm_head. It learns from the target's detached outputs, so the target
+pre-trains exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+from specdraft.drafts.mtp.layer import build_mtp_layer, rotary_embedding, target_from_ours
+from specdraft.demo.presets import DemoPreset
+from specdraft.target.weights import SAFETENSORS_INDEX
+
+MTP_FILE = "model-mtp.safetensors"  # the layer's own shard, listed in the index like the others
+
+
+def qwen3_next_config(p: DemoPreset, vocab_size: int, special_ids: dict) -> Qwen3NextConfig:
+    """Every layer full attention (decoding rolls its KV cache back; Gated DeltaNet states do not
+    roll back), 4 experts of which 2 per token, and a shared expert, as Qwen3-Next routes."""
+    head_dim = p.hidden_size // p.num_attention_heads
+    return Qwen3NextConfig(
+        vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        moe_intermediate_size=p.intermediate_size // 2, shared_expert_intermediate_size=p.intermediate_size // 2,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=p.num_hidden_layers,
+        layer_types=["full_attention"] * p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads, head_dim=head_dim,
+        max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=False, dtype="float32",
+        **special_ids)
+
+
+class MTPHead(nn.Module):
+    """The native MTP layer and the rotary table it attends with."""
+
+    def __init__(self, config: Qwen3NextConfig, seed: int):
+        super().__init__()
+        self.layer = build_mtp_layer(config)
+        self.rotary = rotary_embedding(config)
+        # as transformers initialises Qwen3-Next: matrices and experts ~ N(0, initializer_range),
+        # the (1 + w) norms at w = 0 (a layer built outside the model is not initialised for us)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, param in sorted(self.layer.named_parameters()):
+                param.copy_(torch.zeros(param.shape) if param.dim() == 1
+                            else torch.randn(param.shape, generator=generator) * config.initializer_range)
+
+    def loss(self, model: Qwen3NextForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target's next-token loss, the layer's x_{t+2} loss) on (B, T) tokens."""
+        hidden = model.model(input_ids=batch).last_hidden_state  # after the final norm, as captured
+        head = model.lm_head.weight
+        target_loss = F.cross_entropy(F.linear(hidden[:, :-1], head).flatten(0, 1), batch[:, 1:].flatten())
+        T = batch.shape[1]
+        positions = torch.arange(T - 2).expand(batch.shape[0], -1)
+        cos, sin = self.rotary(hidden, positions)
+        out = self.layer(hidden[:, :-2].detach(), model.model.embed_tokens(batch[:, 1:-1]).detach(), (cos, sin))
+        mtp_loss = F.cross_entropy(F.linear(out, head.detach()).flatten(0, 1), batch[:, 2:].flatten())
+        return target_loss, mtp_loss
+
+
+def save_mtp_layer(head: MTPHead, directory: Path) -> None:
+    """Add the layer to a saved target: its tensors in their own shard under the checkpoint's
+    mtp.* names, the index listing them, config.json's num_nextn_predict_layers (vLLM's n_predict)."""
+    tensors = target_from_ours({f"mtp_layers.0.{k}": v for k, v in head.layer.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / MTP_FILE), metadata={"format": "pt"})
+    index_path = directory / SAFETENSORS_INDEX
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:  # one file: index it, so both files are read as one checkpoint
+        from safetensors import safe_open
+
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    index["weight_map"].update(dict.fromkeys(tensors, MTP_FILE))
+    metadata = index.setdefault("metadata", {})
+    if "total_size" in metadata:
+        metadata["total_size"] += sum(v.numel() * v.element_size() for v in tensors.values())
+    index_path.write_text(json.dumps(index, indent=2))
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
