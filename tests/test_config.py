@@ -75,7 +75,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
     (tmp_path / "d.jsonl").write_text("{}\n")
     cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
                                                      "eval_prompts=null"])
-    family = next((f for f in ("peagle", "eagle3", "dflash", "dspark") if f in name), "glide")
+    family = next((f for f in ("peagle", "eagle3", "dflash", "dspark", "mtp") if f in name), "glide")
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 

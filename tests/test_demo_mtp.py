@@ -25,7 +25,7 @@ from specdraft.target.weights import SAFETENSORS_INDEX
 SMALL = dataclasses.replace(
     presets.get_preset("mtp"), name="mtp-small", corpus_bytes=300_000, vocab_size=512, hidden_size=64,
     intermediate_size=128, max_position_embeddings=256, train_steps=60, batch_size=4, seq_len=64, warmup_steps=5,
-    log_every=10, train_rows=16, prompt_rows=4, train_files=2, max_prompt_tokens=96, max_new_tokens=16,
+    log_every=10, train_rows=48, prompt_rows=4, train_files=2, max_prompt_tokens=96, max_new_tokens=16,
     generate_batch=16)
 
 
@@ -114,3 +114,21 @@ def test_demo_mtp_trains_the_targets_layer_through_the_demo_command(home, tmp_pa
     losses = [row["loss"] for row in rows if "loss" in row]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert any("mtp_step_2/loss" in row for row in rows)  # the demo config's 3 recursive steps
+
+
+def test_the_acceptance_bench_trains_and_measures_mtp_on_its_target(home, tmp_path, monkeypatch):
+    """bench/acceptance.py --families mtp on the mtp preset's assets: lossless greedy, and its
+    draft forwards counted on the MTP layer (a draft without `layers` counted none before)."""
+    from test_bench import load_bench
+
+    monkeypatch.setitem(presets.PRESETS, SMALL.name, SMALL)
+    data = home / SMALL.name / "data"
+    results = load_bench("acceptance").main([
+        "--target", str(home / SMALL.name / "target"), "--prompts", str(data / "prompts.jsonl"),
+        "--data", str(data / "answers" / "shard-*.jsonl"), "--families", "mtp", "--train-steps", "2",
+        "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3", "--tree", "",
+        "--out", str(tmp_path)])
+    rows = {row["label"]: row for row in results["rows"]}
+    assert set(rows) == {"MTP", "prompt lookup"}
+    assert rows["MTP"]["matches_target"] and rows["prompt lookup"]["matches_target"]
+    assert rows["MTP"]["draft_forwards_per_token"] > 0 and rows["prompt lookup"]["draft_forwards_per_token"] == 0
