@@ -73,14 +73,8 @@ def save_mtp_layer(head: MTPHead, directory: Path) -> None:
     mtp.* names, the index listing them, config.json's num_nextn_predict_layers (vLLM's n_predict)."""
     tensors = target_from_ours({f"mtp_layers.0.{k}": v for k, v in head.layer.state_dict().items()})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / MTP_FILE), metadata={"format": "pt"})
-    index_path = directory / SAFETENSORS_INDEX
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-    else:  # one file: index it, so both files are read as one checkpoint
-        from safetensors import safe_open
-
-        with safe_open(str(directory / "model.safetensors"), "pt") as f:
-            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    index_path = directory / SAFETENSORS_INDEX  # the build saves sharded (target.SHARDS): an index
+    index = json.loads(index_path.read_text())
     index["weight_map"].update(dict.fromkeys(tensors, MTP_FILE))
     metadata = index.setdefault("metadata", {})
     if "total_size" in metadata:
