@@ -165,7 +165,7 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
     "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
                              "markov_rank": 64},
-    "mtp": lambda shape: {"num_speculative_steps": 3},  # speculators' default (no demo config: no MTP target)
+    "mtp": lambda shape: {"num_speculative_steps": 3},  # configs/demo-mtp.yaml (speculators' default)
     "peagle": lambda shape: {"num_depths": 8, "mask_token_id": 0},
 }
 
