@@ -142,7 +142,7 @@ def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, 
                 bce_total += bce
                 count += 1
     assert count == int(out.tokens) > 0
-    assert float(out.loss) == pytest.approx(total / count, rel=1e-4)
+    assert float(out.loss.detach()) == pytest.approx(total / count, rel=1e-4)
     bce_sum, n = out.metrics["confidence/bce"]
     assert float(bce_sum) / int(n) == pytest.approx(bce_total / count, rel=1e-4)
     assert {"confidence/brier", "confidence/accuracy", "objective/tv"} <= set(out.metrics)
