@@ -211,7 +211,7 @@ def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type
             head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(forced, 1),
                                     draft.head_weight(target.lm_head.weight))
         logprobs = torch.log_softmax(head.logits()[0, 0, 1:], dim=-1)
-        assert float(tree.scores[node]) == pytest.approx(sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4)
+        assert float(tree.scores[node].detach()) == pytest.approx(sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4)
 
 
 def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_after(target):

@@ -52,7 +52,7 @@ class DSparkDrafter(DFlashDrafter):
     def _head(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """One slot for N rows: hidden (N, H), previous (N,) -> (logits (N, V) float, confidence (N,), state)."""
         head = self.draft.block_head(hidden[:, None], previous[:, None], self.head_weight, state)
-        return head.logits()[:, 0].float(), torch.sigmoid(head.confidence[:, 0].float()), head.state
+        return head.logits()[:, 0].float(), torch.sigmoid(head.confidence[:, 0].float()).detach(), head.state
 
     def _start_block(self, tokens, target_cache):
         """The round's backbone forward and the head up to the first predicting slot -> (hidden (S, H),
