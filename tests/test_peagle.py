@@ -162,7 +162,7 @@ def test_peagle_trains_logs_depths_exports_and_evaluates(tiny_target_dir, tiny_d
     assert not (result.export_dir / "speculators").exists()  # tiny target: layer 2 (its output) is no server's
     draft, config = load_exported_draft(result.export_dir)
     assert isinstance(draft, PEagleDraft) and config["architecture"] == "PEagleDraft"
-    assert not math.isclose(float(draft.mask_embedding.abs().sum()), 0.0)
+    assert not math.isclose(float(draft.mask_embedding.detach().abs().sum()), 0.0)
     for shape in (dict(gamma=4), dict(tree=[2, 2, 2])):
         report = evaluate(result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, **shape)
         assert report["matches_target"] is True and report["tau"] >= 1.0
