@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from specdraft.drafts.mtp.layer import build_mtp_layer, rotary_embedding, target_from_ours
+from specdraft.drafts.mtp.layer import build_mtp_layer, init_layer_weights, rotary_embedding, target_from_ours
 from specdraft.demo.presets import DemoPreset
 from specdraft.target.weights import SAFETENSORS_INDEX
 
@@ -47,13 +47,7 @@ class MTPHead(nn.Module):
         super().__init__()
         self.layer = build_mtp_layer(config)
         self.rotary = rotary_embedding(config)
-        # as transformers initialises Qwen3-Next: matrices and experts ~ N(0, initializer_range),
-        # the (1 + w) norms at w = 0 (a layer built outside the model is not initialised for us)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for _, param in sorted(self.layer.named_parameters()):
-                param.copy_(torch.zeros(param.shape) if param.dim() == 1
-                            else torch.randn(param.shape, generator=generator) * config.initializer_range)
+        init_layer_weights(self.layer, config.initializer_range, seed)
 
     def loss(self, model: Qwen3NextForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the target's next-token loss, the layer's x_{t+2} loss) on (B, T) tokens."""

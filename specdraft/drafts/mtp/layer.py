@@ -103,6 +103,17 @@ def build_mtp_layer(config) -> nn.Module:
     return MTPLayer()
 
 
+def init_layer_weights(module: nn.Module, std: float, seed: int) -> None:
+    """As transformers initialises Qwen3-Next: matrices and expert tensors ~ N(0, std) from a fixed
+    seed, the (1 + w) norms at w = 0 (a layer built outside its model is not initialised for us:
+    its expert tensors would be uninitialised memory)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(module.named_parameters()):
+            param.copy_(torch.zeros(param.shape) if param.dim() == 1
+                        else torch.randn(param.shape, generator=generator) * std)
+
+
 def rotary_embedding(config) -> nn.Module:
     return layer_classes(config.model_type)[2](config=config)
 

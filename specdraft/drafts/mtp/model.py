@@ -35,7 +35,7 @@ from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.mtp.decode import MTPDrafter
 from specdraft.drafts.mtp.export import FILE_FORMAT, read_target_mtp, target_has_mtp, write_speculators, write_stitched
 from specdraft.drafts.documents import PackedDocuments
-from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer
+from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
 from specdraft.errors import SpecdraftError
 
 
@@ -112,14 +112,8 @@ class MTPDraft(Draft):
         self.init_weights(self.config.initializer_range)
 
     def init_weights(self, std: float) -> None:
-        """A layer of its own when no target file gives one (a config built in memory): matrices
-        and expert tensors ~ N(0, std) from a fixed seed, the (1 + w) norms at w = 0, as
-        transformers initialises Qwen3-Next (its expert tensors are otherwise uninitialised memory)."""
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for _, param in sorted(self.named_parameters()):
-                value = torch.zeros(param.shape) if param.dim() == 1 else torch.randn(param.shape, generator=generator) * std
-                param.copy_(value)
+        """A layer of its own when no target file gives one (a config built in memory)."""
+        init_layer_weights(self, std, seed=0)
 
     # -- construction ----------------------------------------------------------------------
 
