@@ -4,7 +4,9 @@ Part "model": every family and both objectives (ce; kl, which reads the target's
 EAGLE-3 and P-EAGLE also lk_alpha and lk_lambda, whose lam all-reduces every rank's acceptance),
 TargetWithDraft's loss and every draft gradient at SP=2 against the same batch on one rank without
 SP (computed here on each rank, no process group), packed documents with borders on both sides of
-the shard boundary. Part "train" (argv): training runs of the loop (see the test file).
+the shard boundary. Part "memory": per rank, the live tensor bytes of one training step at SP=2
+and at SP=1 against the memory model's prediction for that size (test_memory.py's target and
+family defaults). Part "train" (argv): training runs of the loop (see the test file).
 """
 
 import json
@@ -111,6 +113,56 @@ def gather_permuted_gradient(sp):
     return (x.grad - expected).abs().max().item()
 
 
+# (family, T, draft keys, loss mask on the first half only): GLIDE longer than 2 windows (its band
+# mask spans the whole sequence at any SP size); DFlash and DSpark with every trained token in rank
+# 0's half, so that rank holds every anchor (the model's bound under SP is that case)
+MEMORY_CASES = (("glide", 2048, {"sliding_window": 512}, False), ("eagle3", 512, {}, False),
+                ("peagle", 512, {}, False), ("dflash", 256, {}, True), ("dspark", 256, {}, True))
+
+
+def memory_part(sp):
+    """{case: {"1" / "2": {"ranks": live peak bytes per rank, "model": predicted}}}, one
+    conversation per row ("one") and packed, 4 conversations a row ("packed")."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import LiveTensorBytes
+    from specdraft.train import memory
+    from test_memory import FIXED, TARGET, config
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(TARGET).eval().requires_grad_(False)
+    report = {}
+    for family, T, keys, first_half in MEMORY_CASES:
+        for packed in (False, True):
+            cfg = config(family, T, documents=packed)
+            cfg.per_device_batch_size = 1
+            cfg.draft.update(keys)
+            ids = torch.randint(0, TARGET.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+            mask = torch.ones_like(ids)
+            if first_half:
+                mask[:, T // 2:] = 0
+            documents = {"document_positions": (torch.arange(T) % (T // 4))[None],
+                         "document_ids": (torch.arange(T) // (T // 4))[None]} if packed else {}
+            sizes = {}
+            for parallel in (None, sp):
+                draft = build_draft(cfg.draft, TARGET)
+                model = TargetWithDraft(target, draft, cfg.loss_chunk_size,
+                                        **({"sequence_parallel": parallel} if parallel else {}))
+                for param in draft.parameters():  # the fixed terms' gradients, already there
+                    param.grad = torch.zeros_like(param) if param.requires_grad else None
+                options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
+                with LiveTensorBytes() as live:
+                    model(ids, mask, **documents, **options).loss.backward()
+                size = parallel.size if parallel else 1
+                estimate = memory.estimate_peak(TARGET, cfg, world_size=size, documents=packed, sequence_parallel=size)
+                ranks = [None] * sp.size
+                dist.all_gather_object(ranks, live.peak)
+                sizes[str(size)] = {"ranks": ranks,
+                                    "model": estimate.total - sum(estimate.parts[name] for name in FIXED)}
+            report[f"{family}/{'packed' if packed else 'one'}"] = sizes
+    return report
+
+
 def train_part(target, data_dir, work, resume_from, only=""):
     """EAGLE-3 at SP=2 on 2 ranks: 8 steps saved at 4 and 8; the same resumed at step 4 (same size);
     resume_from (a slot of a 1-rank SP=1 run, or "-"): resumed at SP=2. P-EAGLE: 8 steps at SP=2
@@ -138,7 +190,7 @@ if __name__ == "__main__":
     out_json = sys.argv[1]
     dist.init_process_group("gloo")
     sp = sequence_parallel_groups(2)
-    results = {"model": model_part(sp)} if len(sys.argv) == 2 else {}
+    results = {"model": model_part(sp), "memory": memory_part(sp)} if len(sys.argv) == 2 else {}
     if len(sys.argv) > 2:  # target, data dir, work dir, the slot an SP=2 run resumes from ("-": none)[, "chain"]
         results["train"] = train_part(*sys.argv[2:7])
     if dist.get_rank() == 0:

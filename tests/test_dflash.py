@@ -263,6 +263,27 @@ def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_f
     assert not blocks.valid[3].any() and not blocks.counted[3].any()
 
 
+def test_each_sp_rank_takes_its_valid_blocks_and_not_the_samplers_padding():
+    """Sequence parallelism: a rank trains the valid blocks anchored in its shard. The sampler pads
+    a row with few candidates with invalid anchors at position 1 (a static A); those are dropped,
+    not given to the first rank, which would otherwise run min(max_anchors, T) blocks."""
+    from specdraft.drafts.dflash_blocks import own_blocks
+    from specdraft.parallel.sequence import SequenceShard
+
+    layout = BlockLayout(4, False)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, [6, 9, 25, 31]] = 1  # candidates 5, 8 (rank 0) and 24, 30 (rank 1)
+    loss_mask[1, [27, 33]] = 1  # candidates 26, 32: rank 1 only
+    blocks = sample_training_blocks(ids, loss_mask, layout, max_anchors=30, seed=0)
+    assert blocks.anchors.shape[1] == 30 and int(blocks.valid.sum()) == 6  # 24 padding blocks
+    first, second = (own_blocks(blocks, SequenceShard(None, 2, rank, 40)) for rank in (0, 1))
+    assert first.anchors[0].tolist() == [5, 8] and first.valid.tolist() == [[True, True], [False, False]]
+    assert second.anchors.tolist() == [[24, 30], [26, 32]] and bool(second.valid.all())
+    assert not first.counted[1].any()  # its second row's blocks are padding: anchored at 0, counting nothing
+    assert first.anchors[1].tolist() == [0, 0]
+
+
 def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversation():
     """Every token a label (distill_tokens: all), two conversations per row: an anchor whose first
     label starts the next conversation, or with no context in its own, is no candidate; later

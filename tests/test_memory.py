@@ -1,14 +1,11 @@
 """The memory model asks each family for its own terms (train/memory.py never names a family)."""
 
-import weakref
-
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers import LlamaConfig, Qwen3NextConfig
 
+from helpers import LiveTensorBytes
 from specdraft.config import TrainConfig
 from specdraft.drafts import FAMILIES
 from specdraft.train import memory
@@ -93,36 +90,6 @@ def test_the_zero_buckets_are_even_whatever_the_drafts_parameter_count():
 
 
 # -- the terms against the tensors a step really holds -------------------------------------------
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The peak bytes of CPU tensor storages allocated under this mode and still alive (an op's
-    output that shares an input's storage, a view or detach of a parameter, allocates nothing):
-    what a GPU's allocator would hold."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.storages = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-                continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size and key not in self.storages and key not in inputs:
-                self.storages.add(key)
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, key, size)
-        return out
-
-    def _free(self, key, size):
-        self.live -= size
-        self.storages.discard(key)
-
 
 def test_live_tensor_bytes_follow_storages_not_views():
     before = torch.empty(4000)
@@ -214,6 +181,24 @@ def test_an_lk_objective_holds_nine_fp32_chunks_at_once(loss):
 
 
 SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide", "peagle")  # those that train on sequence shards
+
+
+@pytest.mark.parametrize("T,window,S,expected", [
+    (512, 512, 1, 0),  # one window: causal attention, no mask
+    (768, 512, 1, 768 * 768),  # up to two windows: one (T, T) band
+    (2048, 512, 1, 2 * 4 * 512 * 1024),  # blocks of (W, 2W), per row (B = 2)
+    (2048, 512, 2, 2 * 4 * 512 * 1024),  # SP: each rank attends the whole sequence with its heads
+    (1000, 512, 2, 1000 * 1000),  # a shard under the window, the sequence over it
+])
+def test_glides_window_mask_is_the_band_sdpa_holds_over_the_whole_sequence(T, window, S, expected):
+    """One conversation per row: the float bias (4 B at fp32) of layers.sliding_window_attention's
+    band; packed rows have none (slices on CPU, a flex block mask on CUDA)."""
+    cfg = config("glide", T)
+    cfg.draft.sliding_window, cfg.per_device_batch_size = window, 2
+    one = memory.estimate_peak(TARGET, cfg, world_size=S, sequence_parallel=S).parts
+    assert one.get("window mask", 0) == expected * 4
+    assert "window mask" not in memory.estimate_peak(TARGET, config("glide", T, documents=True), world_size=S,
+                                                     sequence_parallel=S).parts
 
 
 def test_capture_working_set_under_sequence_parallelism_is_a_hand_count():

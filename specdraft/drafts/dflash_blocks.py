@@ -217,12 +217,15 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
 
 
 def own_blocks(blocks: TrainingBlocks, shard) -> TrainingBlocks:
-    """Sequence parallelism: the blocks whose anchor is among this rank's tokens (SequenceShard
-    [start, end)), still sorted, each row padded to the same count (at least 1: every rank runs
-    the layers and their collectives) with invalid blocks anchored at `start` that count nothing."""
+    """Sequence parallelism: the valid blocks whose anchor is among this rank's tokens
+    (SequenceShard [start, end)), still sorted, each row padded to the same count (at least 1: every
+    rank runs the layers and their collectives) with invalid blocks anchored at `start` that count
+    nothing. The sampler's own padding (invalid anchors at position 1, for a static A) is dropped:
+    kept, it would all land on the first rank, which would run min(max_anchors, T) blocks however
+    few anchors its shard holds."""
     if not shard.parallel or blocks.anchors.shape[1] == 0:
         return blocks
-    mine = (blocks.anchors >= shard.start) & (blocks.anchors < shard.end)
+    mine = blocks.valid & (blocks.anchors >= shard.start) & (blocks.anchors < shard.end)
     A = max(1, int(mine.sum(dim=1).max()))
     order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :A]  # own blocks first, in order
     keep = mine.gather(1, order)

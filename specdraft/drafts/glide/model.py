@@ -227,8 +227,15 @@ class GlideDraft(Draft):
                                            + shape.fp32_norm_inputs(3 * H)),
             "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
         }
-        # packed documents add no term: per-conversation slices on CPU, flex block masks on CUDA
-        # (O(T^2 / 128^2) block indices), drafts/layers.py
+        # one conversation per row longer than the window: the self-attention's band mask
+        # (layers.sliding_window_attention), as the float bias SDPA makes of it and keeps for the
+        # backward. It spans the whole sequence under SP: the core attends every token with the
+        # rank's heads. Packed documents add no term: per-conversation slices on CPU, flex block
+        # masks on CUDA (O(T^2 / 128^2) block indices), drafts/layers.py
+        T, W = shape.context_T, d.sliding_window
+        if not shape.documents and T > W:
+            band = T * T if T <= 2 * W else shape.B * -(-T // W) * W * 2 * W  # one (T, T), or (W, 2W) per block
+            terms["window mask"] = band * p
         return terms
 
     def make_drafter(self, target: nn.Module) -> GlideDrafter:
