@@ -1,7 +1,7 @@
 """Peak memory of one training step per family as the context grows, measured on CPU.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--families glide,eagle3,dflash,dspark,peagle] [--lengths 2048,4096,8192]
-        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak] [--sp N]
+        [--no-documents] [--path slices|dense] [--flex-sizes] [--mask-peak] [--sp N] [--live]
 
 Each (family, T) runs in a fresh process: a random target shaped like the demo target (Llama,
 4 layers, hidden 256, vocab 4096), the family's draft with the demo configs' keys, one batch of
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
 SP = int(os.environ.get("BENCH_SP", 1))  # ranks per sequence (the child runs under torchrun when > 1)
 PATH = os.environ.get("BENCH_PATH", "slices")  # the drafts' document attention path: slices (CPU's) or dense
+LIVE = os.environ.get("BENCH_LIVE") == "1"  # peak of live tensor bytes instead of resident memory
 
 
 def force_path(path: str) -> None:
@@ -102,9 +103,17 @@ def measure_one(family: str, T: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     base = rss_kib("VmRSS")
     start = time.perf_counter()
-    step()
+    if LIVE:
+        from specdraft.train.live_bytes import LiveTensorBytes
+
+        with LiveTensorBytes() as live:
+            step()
+        peak_gb = live.peak / 2**30
+    else:
+        step()
+        peak_gb = (rss_kib("VmHWM") - base) / 2**20
     seconds = time.perf_counter() - start
-    result = {"family": family, "T": T, "peak_gb": (rss_kib("VmHWM") - base) / 2**20, "tokens_per_s": T / seconds,
+    result = {"family": family, "T": T, "peak_gb": peak_gb, "tokens_per_s": T / seconds,
               "model_gb": modelled_step_gb(config, cfg, T)}
     if SP > 1:  # the rank with the highest peak, the slowest step
         ranks = [None] * SP
@@ -226,6 +235,7 @@ def main() -> None:
     parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
     parser.add_argument("--mask-peak", action="store_true", help="peak RSS of building a block mask, eager vs compiled")
     parser.add_argument("--sp", type=int, default=1, help="also at sequence_parallel_size N on N CPU ranks")
+    parser.add_argument("--live", action="store_true", help="peak of live tensor bytes instead of resident memory")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # family:T, in the child process
     parser.add_argument("--one-mask", help=argparse.SUPPRESS)  # mode:T, in the child process
     args = parser.parse_args()
@@ -256,6 +266,8 @@ def main() -> None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", DS_ACCELERATOR="cpu", BENCH_PATH=args.path)
     if args.no_documents:
         env["BENCH_CONVERSATION"] = "0"
+    if args.live:
+        env["BENCH_LIVE"] = "1"
     lengths = [int(t) for t in args.lengths.split(",")]
     print(f"{'family':<7} {'T':>6} {'SP':>3} {'peak GB/rank':>12} {'model GB':>9} {'÷ model':>7} {'tokens/s':>9}")
     peaks = {}

@@ -4,12 +4,7 @@ import inspect
 import json
 import os
 import sys
-import weakref
 from pathlib import Path
-
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,35 +243,3 @@ def random_target_for(family: str, **kwargs):
         return random_llama(**kwargs)
     assert "qwen3_next" in types, types
     return random_qwen3_next(**kwargs)
-
-
-# -- memory: the tensors a step holds ------------------------------------------------------------
-
-class LiveTensorBytes(TorchDispatchMode):
-    """The peak bytes of CPU tensor storages allocated under this mode and still alive (an op's
-    output that shares an input's storage, a view or detach of a parameter, allocates nothing):
-    what a GPU's allocator would hold."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.storages = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-                continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size and key not in self.storages and key not in inputs:
-                self.storages.add(key)
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, key, size)
-        return out
-
-    def _free(self, key, size):
-        self.live -= size
-        self.storages.discard(key)

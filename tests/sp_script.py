@@ -125,7 +125,7 @@ def memory_part(sp):
     conversation per row ("one") and packed, 4 conversations a row ("packed")."""
     from transformers import AutoModelForCausalLM
 
-    from helpers import LiveTensorBytes
+    from specdraft.train.live_bytes import LiveTensorBytes
     from specdraft.train import memory
     from test_memory import FIXED, TARGET, config
 

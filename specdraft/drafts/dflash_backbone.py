@@ -422,9 +422,10 @@ class DFlashBackbone(Draft):
 
     def trained_blocks(self, shape: MemoryShape) -> int:
         """Blocks trained at once: up to max_anchors per sequence. Under SP the anchors are drawn
-        over the whole sequence and a rank trains those in its shard (own_blocks): not its even
-        share T / whole_T but up to all of them, where the answers sit in one shard (a long prompt
-        first). The busiest rank sets the peak, so the bound: min(max_anchors, T) per rank."""
+        over the whole sequence and a rank trains the valid ones in its shard (own_blocks): not its
+        even share T / whole_T but up to all of them, where the answers sit in one shard (a long
+        prompt first). The busiest rank sets the peak, so the bound: min(max_anchors, T) per rank,
+        T its shard (an anchor is one of its tokens; the sampler's padding is not kept)."""
         return shape.B * min(self.dims.max_anchors, shape.T)
 
     def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
