@@ -177,7 +177,7 @@ def check_families(seqs, only=None) -> None:
     print(f"{'family':<8} {'T':>5} {'predicted MiB':>13} {'warm MiB':>8} {'error':>7} {'cold MiB':>8} {'error':>7}"
           f"  family terms (MiB)")
     for family in only or FAMILIES:
-        if not drafts_for(family, "llama"):  # MTP: its terms are pinned by tests/test_memory.py
+        if not FAMILIES[family].drafts_for("llama"):  # MTP: its terms are pinned by tests/test_memory.py
             print(f"{family:<8} skipped: it drafts only for {', '.join(FAMILIES[family].target_model_types)} "
                   f"targets, this check builds a Llama")
             continue
@@ -192,14 +192,6 @@ def check_families(seqs, only=None) -> None:
     print(f"family_memory_error={worst['warm']:.3f} family_memory_error_cold={worst['cold']:.3f}")
 
 
-def drafts_for(family: str, model_type: str) -> bool:
-    """Whether a family drafts for targets of model_type (MTP only for the targets that ship its layer)."""
-    from specdraft.drafts import FAMILIES
-
-    types = FAMILIES[family].target_model_types
-    return types is None or model_type in types
-
-
 def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
     """Per family, the predicted per-GPU peak for Qwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed
     documents, and the longest context (a power of two from 4k) that fits."""
@@ -212,7 +204,7 @@ def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
     print(f"|---|{'---|' * len(seqs)}---|")
     from specdraft.drafts import family_keys
 
-    families = {family: cls for family, cls in FAMILIES.items() if drafts_for(family, "qwen3")}
+    families = {family: cls for family, cls in FAMILIES.items() if cls.drafts_for("qwen3")}
     rows = [(family, cls.label, False) for family, cls in families.items()]
     rows += [(family, f"{cls.label}, gradient_checkpointing", True) for family, cls in families.items()
              if "gradient_checkpointing" in family_keys(cls)]

@@ -238,8 +238,7 @@ def random_target_for(family: str, **kwargs):
     """random_llama, or for a family that drafts only for other model types its own target."""
     from specdraft.drafts import FAMILIES
 
-    types = FAMILIES[family].target_model_types
-    if types is None or "llama" in types:
+    if FAMILIES[family].drafts_for("llama"):
         return random_llama(**kwargs)
-    assert "qwen3_next" in types, types
+    assert FAMILIES[family].drafts_for("qwen3_next"), family
     return random_qwen3_next(**kwargs)

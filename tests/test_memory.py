@@ -20,8 +20,7 @@ QWEN3_NEXT = Qwen3NextConfig(vocab_size=8000, hidden_size=256, intermediate_size
 
 
 def target_of(family):
-    types = FAMILIES[family].target_model_types
-    return TARGET if types is None or "llama" in types else QWEN3_NEXT
+    return TARGET if FAMILIES[family].drafts_for("llama") else QWEN3_NEXT
 
 
 def config(family, seq, documents=False):

@@ -227,6 +227,11 @@ class Draft(nn.Module, ABC):
     # that ship its layer)
     target_model_types: ClassVar[Optional[Tuple[str, ...]]] = None
 
+    @classmethod
+    def drafts_for(cls, model_type: str) -> bool:
+        """Whether this family drafts for targets of `model_type`."""
+        return cls.target_model_types is None or model_type in cls.target_model_types
+
     def cast(self, dtype: torch.dtype) -> "Draft":
         """The draft in `dtype` as training holds it: parameters cast, buffers kept (cast_parameters)."""
         return cast_parameters(self, dtype)

@@ -155,6 +155,17 @@ def sliding_window_attention(q, k, v, window: int, documents: Optional[torch.Ten
     return out.view(B, blocks, H, W, D).transpose(1, 2).reshape(B, H, blocks * W, D)[:, :, :T]
 
 
+def window_mask_elements(B: int, T: int, window: int) -> int:
+    """Elements of the band mask sliding_window_attention builds for B rows of T tokens without
+    documents (SDPA keeps it as a float bias for the backward): none within one window (causal), one
+    (T, T) up to two windows, else one (window, 2 window) per block of each row."""
+    if T <= window:
+        return 0
+    if T <= 2 * window:
+        return T * T
+    return B * -(-T // window) * window * 2 * window
+
+
 def window_block_mask(documents: torch.Tensor, window: int):
     """The sliding window inside documents as a flex_attention BlockMask (O(T x window / 128^2) blocks)."""
     def same_document_window(b, h, q, kv):

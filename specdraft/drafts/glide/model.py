@@ -26,7 +26,7 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss
 from specdraft.drafts.glide.longspec import longspec_refusal, longspec_state_dict, write_longspec
 from specdraft.drafts.glide.decode import GlideDrafter, SlidingWindowCache
 from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
-                                    lagged_cross_attention, sliding_window_attention)
+                                    lagged_cross_attention, sliding_window_attention, window_mask_elements)
 from specdraft.drafts.objectives import (CE, Objective, ObjectiveOptions, answer_labels, objective_from_options,
                                         shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError
@@ -232,9 +232,8 @@ class GlideDraft(Draft):
         # backward. It spans the whole sequence under SP: the core attends every token with the
         # rank's heads. Packed documents add no term: per-conversation slices on CPU, flex block
         # masks on CUDA (O(T^2 / 128^2) block indices), drafts/layers.py
-        T, W = shape.context_T, d.sliding_window
-        if not shape.documents and T > W:
-            band = T * T if T <= 2 * W else shape.B * -(-T // W) * W * 2 * W  # one (T, T), or (W, 2W) per block
+        band = 0 if shape.documents else window_mask_elements(shape.B, shape.context_T, d.sliding_window)
+        if band:
             terms["window mask"] = band * p
         return terms
 

@@ -110,8 +110,10 @@ def init_layer_weights(module: nn.Module, std: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(module.named_parameters()):
-            param.copy_(torch.zeros(param.shape) if param.dim() == 1
-                        else torch.randn(param.shape, generator=generator) * std)
+            if param.dim() == 1:
+                param.zero_()
+            else:  # drawn on the host from the seeded generator: the same values on any device
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 def rotary_embedding(config) -> nn.Module:
