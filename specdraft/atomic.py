@@ -1,25 +1,51 @@
 """Files and directories that appear whole or not at all, and stay after a power loss.
 
     write_atomic(path, text | bytes | writer)   temp file + fsync + rename + fsync(dir)
-    publish_dir(tmp_dir, final_dir)            fsync every file, rename, fsync(parent)
+    temp_dir_beside(final_dir)                  a fresh temp directory to build a directory in
+    publish_dir(tmp_dir, final_dir)             fsync every file, rename, fsync(parent)
 
 A reader sees the old content or the new, never a mix; the temp name is next to the final one
-(same filesystem, so the rename is atomic).
+(same filesystem, so the rename is atomic). Temp names are fresh per call (`.<name>.<random>.tmp`,
+created exclusively), so they never take, or delete, a file of the user's such as `X.tmp` or
+`X.old`, and two writers of one path never share one.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Callable, Union
 
 Content = Union[str, bytes, Callable[[Path], None]]  # a writer is called with the temp path
+TEMP_SUFFIX = ".tmp"
+ASIDE_SUFFIX = ".old"
+
+
+def fresh_name(path: Path, suffix: str = TEMP_SUFFIX) -> Path:
+    """A hidden name beside `path` that nothing holds now: `.<name>.<random><suffix>`."""
+    while True:
+        candidate = path.with_name(f".{path.name}.{secrets.token_hex(4)}{suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+
+
+def is_temp_of(name: str, final_name: str) -> bool:
+    """Whether `name` is one of our temp names for `final_name` (fresh_name's form)."""
+    prefix = f".{final_name}."
+    return name.startswith(prefix) and name.endswith(TEMP_SUFFIX) and len(name) == len(prefix) + 8 + len(TEMP_SUFFIX)
 
 
 def write_atomic(path, content: Content) -> None:
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    while True:  # created exclusively (mode 0o666 less the umask, as a plain open would)
+        tmp = fresh_name(path)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         if callable(content):
             content(tmp)
@@ -34,15 +60,28 @@ def write_atomic(path, content: Content) -> None:
     fsync_dir(path.parent)
 
 
+def temp_dir_beside(final_dir) -> Path:
+    """A new empty directory next to `final_dir` (its parents created), ours alone to fill and
+    to delete on failure."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = fresh_name(final_dir)
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
 def publish_dir(tmp_dir, final_dir) -> None:
-    """Rename a finished temp directory into place (replacing an existing one, which is removed
-    only after the new one is durable)."""
+    """Rename a finished temp directory into place (replacing an existing one of ours, which is
+    moved aside under a fresh name and removed only after the new one is durable)."""
     tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
     fsync_tree(tmp_dir)
     old = None
     if final_dir.exists():  # rename cannot replace a non-empty directory: move the old one aside
-        old = final_dir.with_name(final_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = fresh_name(final_dir, ASIDE_SUFFIX)
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from specdraft.atomic import write_atomic
+from specdraft.atomic import is_temp_of, write_atomic
 from specdraft.errors import SpecdraftError, write_error
 from specdraft.run import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
                            is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text)
@@ -30,7 +30,8 @@ def claim_run_dir(run_dir, resume: str) -> None:
     run_dir = Path(run_dir)
     flag = f"output_dir {run_dir}"
     _refuse_file(run_dir, flag)
-    outer = enclosing_run(run_dir.parent)
+    # resolved first: `.` from inside a run is that run, and a symlink's run is where it points
+    outer = enclosing_run(run_dir.resolve().parent)
     if outer is not None:
         raise SpecdraftError(f"{flag}: inside the specdraft run {outer}; choose an output_dir outside any run")
     if _non_empty(run_dir):
@@ -133,8 +134,15 @@ def _refuse_file(path: Path, flag: str) -> None:
 
 
 def _non_empty(path: Path) -> bool:
-    """Holds anything but our marker (or its temp file, while another rank writes it)."""
-    return path.is_dir() and any(not p.name.startswith(MARKER) for p in path.iterdir())
+    """Holds anything but our own marker (or its temp file, while another rank writes it). A
+    `specdraft.json` we cannot read as ours, or a `specdraft.jsonl`, is the user's."""
+    return path.is_dir() and any(not _is_our_marker(p) for p in path.iterdir())
+
+
+def _is_our_marker(path: Path) -> bool:
+    if path.name == MARKER:
+        return marker_kind(path.parent) is not None
+    return is_temp_of(path.name, MARKER)
 
 
 def _within(path: Path, directory: Path) -> bool:

@@ -14,6 +14,9 @@ run/
   ckpt/step_<N>.universal/   step_<N> in DeepSpeed's universal format (made by a resume at another
                              world size or ZeRO stage; reused by the next one), its own COMMITTED
   ckpt/step_<N>.rejected/    a slot that failed verification under resume=auto, moved aside
+  ckpt/step_<N>.abandoned/   a slot later than the one a resume rolled back to (resume=RUN/ckpt/step_<M>,
+                             M < N), moved aside with its export step_<N>.abandoned/: kept, never
+                             resumed by resume=auto, never pruned
   ckpt/latest                newest committed slot name: a hint for people and tools
   step_<N>/                  the draft export written by training (train/export.py):
     model.safetensors          the draft's weights (no target tensors, no `draft_model.` prefix)
@@ -56,6 +59,7 @@ COMMITTED = "COMMITTED"
 LATEST = "latest"
 UNIVERSAL_SUFFIX = ".universal"
 REJECTED_SUFFIX = ".rejected"
+ABANDONED_SUFFIX = ".abandoned"
 FROZEN_FILE = "draft_frozen.safetensors"
 # the files of a draft export
 SAFETENSORS_NAME = "model.safetensors"
@@ -127,11 +131,16 @@ def marker_text(kind: str, **fields) -> str:
 
 
 def marker_kind(directory) -> Optional[str]:
-    """The kind our marker in `directory` names; None without a readable one."""
+    """The kind our marker in `directory` names; None without one we wrote (missing, unreadable,
+    or a user's own `specdraft.json`: not our kinds, no specdraft_version)."""
     try:
-        return json.loads((Path(directory) / MARKER).read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
+        marker = json.loads((Path(directory) / MARKER).read_text())
+    except (OSError, ValueError):
         return None
+    if not isinstance(marker, dict) or marker.get("kind") not in (RUN, EXPORT, REGENERATE) \
+            or "specdraft_version" not in marker:
+        return None
+    return marker["kind"]
 
 
 def committed_slots(ckpt: Path) -> List[Path]:

@@ -13,7 +13,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collecti
 
 import torch  # noqa: E402
 
-from helpers import capturing_save  # noqa: E402
+from helpers import capturing_save, keep_universal_copies  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 from specdraft.train import checkpoint, slots  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
@@ -49,6 +49,7 @@ def spy_verify(slot_dir, record, names=None):
 
 os.fsync, torch.load, slots.verify_files = spy_fsync, spy_load, spy_verify
 checkpoint.CheckpointManager.save = capturing_save(checkpoint.CheckpointManager.save, 6)
+keep_universal_copies(f"{work}/copies")  # the grown runs' conversions, for the tests to read
 
 
 def base(stage, name, *extra):

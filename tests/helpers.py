@@ -116,6 +116,26 @@ def universal_optimizer_state(universal_dir) -> dict:
     return state
 
 
+def keep_universal_copies(into: Path):
+    """Have every universal conversion also copy its result to into/<source run name> (the first
+    of each source): the resuming run's copy is pruned at its first save, and the tests read it
+    after. Returns the function that undoes it."""
+    import shutil
+
+    from specdraft.train import universal
+
+    original = universal.convert_to_universal
+
+    def convert(slot_dir, out_dir):
+        original(slot_dir, out_dir)
+        kept = Path(into) / Path(slot_dir).parent.parent.name
+        if not kept.exists():
+            shutil.copytree(out_dir, kept)
+
+    universal.convert_to_universal = convert
+    return lambda: setattr(universal, "convert_to_universal", original)
+
+
 def capturing_save(original, step: int):
     """A CheckpointManager.save that, after saving `step`, has rank 0 write the engine's full
     optimizer state next to the run: state_file(run_dir, step)."""

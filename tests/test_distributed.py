@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
-from helpers import (MOMENTS, REPO, capturing_save, free_port, run_overrides, state_file, torchrun,
-                     universal_optimizer_state, write_chat_files)
+from helpers import (MOMENTS, REPO, capturing_save, free_port, keep_universal_copies, run_overrides, state_file,
+                     torchrun, universal_optimizer_state, write_chat_files)
 from specdraft.config import load_config
 from specdraft.run import universal_dir
 from specdraft.train import checkpoint, slots
@@ -71,8 +71,13 @@ def two_rank_results(tiny_target_dir, dist_work, dist_data, one_rank_runs):
 @pytest.fixture(scope="module")
 def shrunk_runs(tiny_target_dir, dist_work, dist_data, two_rank_results):
     """2 -> 1 rank at ZeRO 1-3 (accumulation 1 in the config: the resume makes it 2)."""
-    return {stage: train(config(tiny_target_dir, dist_work, dist_data, f"shrunk{stage}", stage,
-                                f"resume={dist_work}/two{stage}/ckpt/step_6"), **quiet).losses for stage in (1, 2, 3)}
+    undo = keep_universal_copies(dist_work / "copies")
+    try:
+        return {stage: train(config(tiny_target_dir, dist_work, dist_data, f"shrunk{stage}", stage,
+                                    f"resume={dist_work}/two{stage}/ckpt/step_6"), **quiet).losses
+                for stage in (1, 2, 3)}
+    finally:
+        undo()
 
 
 def test_two_ranks_train_at_zero1_2_3_with_the_same_first_loss(two_rank_results):
@@ -109,7 +114,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(two_rank_results, one_rank_run
 def test_universal_copy_holds_the_original_fp32_weights_and_adam_moments(two_rank_results, shrunk_runs, dist_work,
                                                                          source):
     captured = torch.load(state_file(dist_work / source, 6), weights_only=True)
-    converted = universal_optimizer_state(dist_work / source / "ckpt" / "step_6.universal")
+    converted = universal_optimizer_state(dist_work / "copies" / source)
     assert set(converted) == set(captured) and captured
     for name in captured:
         for key in MOMENTS:
@@ -117,17 +122,34 @@ def test_universal_copy_holds_the_original_fp32_weights_and_adam_moments(two_ran
 
 
 def test_conversion_leaves_the_slot_alone_and_is_reused(tiny_target_dir, dist_work, dist_data, shrunk_runs, capsys):
+    """The copy goes into the resuming run's ckpt/, never into the run the slot belongs to, and a
+    second resume of that run from the same slot reuses it."""
     slot = dist_work / "two2" / "ckpt" / "step_6"
     slots.verify_slot(slot)  # the original still matches its manifest
     assert not (slot.parent / "latest_universal").exists()  # ds_to_universal's stray pointer stayed in its temp dir
-    universal = universal_dir(slot)
-    before = {p: p.stat().st_mtime_ns for p in universal.rglob("*")}
+    assert not [p for p in slot.parent.iterdir() if "universal" in p.name]  # nothing written into that run
     logs = []
-    again = train(config(tiny_target_dir, dist_work, dist_data, "shrunk2_again", 2, f"resume={slot}"),
-                  log=logs.append)
+    resume = f"resume={slot}"
+    train(config(tiny_target_dir, dist_work, dist_data, "shrunk2_again", 2, resume, "max_steps=6"), log=logs.append)
+    universal = universal_dir(dist_work / "shrunk2_again" / "ckpt" / "step_6")
+    assert any(line.startswith(f"resume: converted step_6") and line.endswith(str(universal)) for line in logs), logs
+    before = {p: p.stat().st_mtime_ns for p in universal.rglob("*")}
+    logs.clear()
+    mtimes = {}
+
+    def look(*args):  # the copy as it is just before the first save prunes it
+        mtimes.update({p: p.stat().st_mtime_ns for p in universal.rglob("*")})
+        return original(*args)
+
+    original = slots.prune
+    slots.prune = look
+    try:
+        again = train(config(tiny_target_dir, dist_work, dist_data, "shrunk2_again", 2, resume), log=logs.append)
+    finally:
+        slots.prune = original
     assert any(line.startswith(f"resume: reusing {universal}") for line in logs), logs
     assert any("gradient_accumulation_steps 1 -> 2" in line for line in logs), logs
-    assert {p: p.stat().st_mtime_ns for p in universal.rglob("*")} == before
+    assert mtimes == before
     assert again.losses == shrunk_runs[2]
 
 

@@ -101,7 +101,10 @@ def test_resume_at_the_same_size_is_bit_identical(runs, family):
 def test_elastic_resume_on_one_rank_continues_the_two_rank_run(runs, shrunk, work, family):
     losses, lines = shrunk[family]
     assert any(line.startswith("resume: converted") for line in lines), lines
-    assert (universal_dir(work / family / "ckpt" / f"step_{SAVE_STEPS}") / "COMMITTED").is_file()
+    # the copy is the resuming run's (pruned at its first save), never written into the source run
+    copy = universal_dir(work / f"{family}_shrunk" / "ckpt" / f"step_{SAVE_STEPS}")
+    assert any(line.startswith("resume: converted") and line.endswith(str(copy)) for line in lines), lines
+    assert not universal_dir(work / family / "ckpt" / f"step_{SAVE_STEPS}").exists()
     straight = runs[family]["full"][SAVE_STEPS:]
     assert len(losses) == len(straight)
     assert max(abs(a - b) for a, b in zip(losses, straight)) <= ELASTIC_TOLERANCE, (losses, straight)
@@ -206,7 +209,9 @@ def test_a_several_draft_run_resumes_bit_identically_and_elastically_on_one_rank
     losses, lines = several_shrunk
     assert sum(line.startswith("resume: converted") for line in lines) == len(SEVERAL_FAMILIES), lines
     for name in SEVERAL_FAMILIES:
-        assert (universal_dir(work / SEVERAL / "ckpt" / f"step_{SAVE_STEPS}") / name / "COMMITTED").is_file()
+        copy = universal_dir(work / f"{SEVERAL}_shrunk" / "ckpt" / f"step_{SAVE_STEPS}") / name
+        assert any(line.startswith("resume: converted") and line.endswith(str(copy)) for line in lines), lines
+        assert not universal_dir(work / SEVERAL / "ckpt" / f"step_{SAVE_STEPS}").exists()
         straight = full[name][SAVE_STEPS:]
         assert len(losses[name]) == len(straight)
         assert max(abs(a - b) for a, b in zip(losses[name], straight)) <= ELASTIC_TOLERANCE, (name, losses, straight)

@@ -123,7 +123,23 @@ def runs(tiny_target_dir, tmp_path_factory):
                                drafts=sections(["e3", "df"]), **common)
     for name in SECTIONS:
         results[name] = train_run(tiny_target_dir, root / "data", root, name, **alone_overrides(name), **common)
+    # a one-entry drafts: mapping of a draft that moves the target's positions, and that draft alone
+    results["moved"] = train_run(tiny_target_dir, root / "data", root, "moved", drafts=json.dumps({"ga": MOVED}),
+                                 **common)
+    results["ga"] = train_run(tiny_target_dir, root / "data", root, "ga",
+                              **{f"draft.{key}": value for key, value in MOVED.items()}, **common)
     return root, results
+
+
+MOVED = {"type": "glide", "max_lag": 2, "anchor_offset": True}  # Anchor-Offset: the target reads shifted positions
+
+
+def test_a_one_draft_mapping_keeps_the_positions_a_draft_gives_the_target(runs):
+    """GLIDE's anchor_offset moves the target's positions per batch: under `drafts:` alone it must
+    train bit for bit as `draft:` does (the target pass takes its positions)."""
+    _, results = runs
+    alone = results["ga"].losses
+    assert len(alone) == STEPS and results["moved"].draft_losses["ga"] == alone
 
 
 @pytest.mark.parametrize("together, names", [("three", ["g", "e3", "ds"]), ("two", ["e3", "df"])])

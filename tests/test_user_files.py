@@ -124,7 +124,7 @@ def test_export_replaces_only_its_own_earlier_export_whose_marker_names_run_and_
     first = tree(out)
     (out / "model.safetensors").write_bytes(b"stale")  # replaced whole by the next export
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
-    assert tree(out) == first and not list(tmp_path.glob("exported.*"))  # no .old / .tmp left
+    assert tree(out) == first and not list(tmp_path.glob("*exported.*"))  # no .old / .tmp left
     # the run's own default, export_step_<N>, is inside the run and allowed
     assert main(["export", str(run_dir)]) == 0 and (run_dir / "export_step_2" / MARKER).is_file()
     # training's exports carry the marker too
@@ -206,6 +206,117 @@ def test_consolidate_into_a_run_whose_consolidated_is_a_file(run_dir, capsys):
         refused(capsys, ["consolidate", run_dir], f"{blocker / 'step_2'}: Not a directory", run_dir)
     finally:
         blocker.unlink()
+
+
+# -- 1b. names beside the output, markers that are not ours, rollbacks, links ------------------------
+
+def test_export_never_touches_the_users_x_old_and_x_tmp_beside_its_out(run_dir, tmp_path):
+    """`X.old` is what people call their backup: neither it nor `X.tmp` is ours to use or delete."""
+    user = tmp_path / "u"
+    (user / "draft").mkdir(parents=True)
+    for name in ("draft.old", "draft.tmp", "draft.bak"):
+        (user / name).mkdir()
+        (user / name / "weights.bin").write_bytes(os.urandom(32))
+    (user / "draft.json.tmp").write_text("mine")
+    theirs = tree(*(user / n for n in ("draft.old", "draft.tmp", "draft.bak", "draft.json.tmp")))
+    assert main(["export", str(run_dir), "--out", str(user / "draft")]) == 0  # an empty folder: taken
+    assert main(["export", str(run_dir), "--out", str(user / "draft")]) == 0  # our export: replaced
+    assert tree(*(user / n for n in ("draft.old", "draft.tmp", "draft.bak", "draft.json.tmp"))) == theirs
+    assert sorted(p.name for p in user.iterdir()) == ["draft", "draft.bak", "draft.json.tmp", "draft.old",
+                                                      "draft.tmp"]  # nothing of ours left beside it
+    assert json.loads((user / "draft" / MARKER).read_text())["kind"] == "export"
+
+
+def test_a_users_specdraft_jsonl_or_own_specdraft_json_is_never_taken_for_our_marker(
+        run_dir, tiny_target_dir, tiny_data, data_dir, tmp_path, capsys, no_target_load):
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "specdraft.jsonl").write_text('{"prompt": "hi"}\n')
+    refused(capsys, ["export", run_dir, "--out", dataset],
+            f"--out {dataset}: exists, is not empty and is not an export specdraft wrote", dataset)
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / MARKER).write_text('{"kind": "run", "note": "my own settings file"}')  # no specdraft_version
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, own, tmp_path / "cache")
+    refused(capsys, ["train", cfg], f"output_dir {own}: exists, is not empty and is not a specdraft run", own)
+    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", tiny_data.prompts_file, "--out", own],
+            f"--out {own}: exists, is not empty and is not a `specdraft regenerate` output", own)
+    refused(capsys, ["export", run_dir, "--out", own], f"--out {own}: exists, is not empty", own)
+
+
+def test_export_through_a_symlink_writes_where_it_points_and_keeps_the_link(run_dir, tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    for _ in range(2):  # into the empty folder, then over our own export
+        assert main(["export", str(run_dir), "--out", str(link)]) == 0
+        assert link.is_symlink() and os.readlink(link) == str(real)
+        assert json.loads((real / MARKER).read_text())["kind"] == "export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_output_dir_dot_inside_a_run_is_that_run_and_a_link_into_another_run_is_refused(
+        run_dir, tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys, no_target_load):
+    from specdraft.outputs import claim_run_dir
+
+    monkeypatch.chdir(run_dir)
+    claim_run_dir(Path("."), "auto")  # `.` is the run itself: continued, not "inside" it
+    monkeypatch.chdir(tmp_path)
+    (run_dir / "sub").mkdir()
+    link = tmp_path / "innocent"
+    link.symlink_to(run_dir / "sub", target_is_directory=True)
+    try:
+        cfg = config_file(tmp_path, tiny_target_dir, data_dir, link, tmp_path / "cache")
+        refused(capsys, ["train", cfg], f"output_dir {link}: inside the specdraft run {run_dir.resolve()}", run_dir)
+    finally:
+        (run_dir / "sub").rmdir()
+
+
+@pytest.fixture(scope="module")
+def stepped_run(tiny_target_dir, data_dir, work):
+    """4 steps, a slot and an export each step, keep_last=4: (run dir, its losses)."""
+    result = train_run(tiny_target_dir, data_dir, work, "stepped", max_steps=4, save_steps=1, keep_last=4)
+    return result.run_dir, result.losses
+
+
+def test_a_rollback_to_an_older_slot_sets_the_later_ones_aside_and_continues_exactly(
+        stepped_run, tiny_target_dir, data_dir, tmp_path, capsys):
+    run, losses = stepped_run
+    later = {n: tree(run / "ckpt" / n, run / n) for n in ("step_3", "step_4")}
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=1,
+                      keep_last=2)
+    capsys.readouterr()
+    assert main(["train", str(cfg), f"resume={run / 'ckpt' / 'step_2'}"]) == 0
+    out = capsys.readouterr().out
+    assert "resume: rolled back to step_2" in out, out
+    # the new trajectory: committed step_3 and step_4, keep_last=2 of it; latest names the newest
+    assert [s.name for s in committed_slots(run / "ckpt")] == ["step_3", "step_4"]
+    assert (run / "ckpt" / "latest").read_text() == "step_4"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics[-2:]] == losses[2:]  # the same steps again, exactly
+    # the abandoned ones, byte for byte, out of the slot namespace
+    for name, before in later.items():
+        moved = {k.replace(f"/{name}.abandoned", f"/{name}"): v
+                 for k, v in tree(run / "ckpt" / f"{name}.abandoned", run / f"{name}.abandoned").items()}
+        assert moved == before
+    assert main(["train", str(cfg)]) == 0  # resume=auto: the new step_4, already the last step
+    assert "already reached step 4" in capsys.readouterr().out
+
+
+def test_resuming_another_runs_slot_elsewhere_writes_nothing_into_that_run(other_run, tiny_target_dir, data_dir,
+                                                                           tmp_path, capsys):
+    """Another ZeRO stage needs DeepSpeed's universal copy: it goes into the resuming run's ckpt/,
+    so an immutable (read-only, shared) checkpoint still resumes."""
+    before = tree(other_run)
+    listing = sorted(str(p) for p in other_run.rglob("*"))
+    cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "new", tmp_path / "cache", max_steps=1,
+                      zero_stage=3)
+    with unwritable(other_run / "ckpt"):
+        assert main(["train", str(cfg), f"resume={other_run / 'ckpt' / 'step_1'}"]) == 0
+    assert "converted step_1" in capsys.readouterr().out
+    assert tree(other_run) == before and sorted(str(p) for p in other_run.rglob("*")) == listing
+    assert (tmp_path / "new" / "ckpt" / "step_1.universal" / "COMMITTED").is_file()
 
 
 # -- 2. write failures: one line, nothing lost -------------------------------------------------

@@ -288,11 +288,15 @@ class CheckpointManager:
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record
+        moved = run_shared(lambda: slots.set_aside_later(slot_dir, self.run_dir))
+        if moved:
+            log(f"resume: rolled back to {slot_dir.name}; the later slots and exports are kept aside, never "
+                f"resumed by resume=auto: {', '.join(p.name for p in moved)}")
         for part in parts:
             load_dir = draft_part(slot_dir, part.name)
             if plan.universal:
-                load_dir = universal_copy(slot_dir, log, f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}",
-                                          part.name)
+                load_dir = universal_copy(slot_dir, self.ckpt_dir, log,
+                                          f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}", part.name)
             ours = load_draft(part, slot_dir, load_dir, record, plan.universal)[CLIENT_KEY]
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
             set_rng_state(ours["rng"][self.rank])

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
-from specdraft.atomic import publish_dir, write_atomic
+from specdraft.atomic import publish_dir, temp_dir_beside, write_atomic
 from specdraft.config import config_hash, draft_view
 from specdraft.drafts import Draft, draft_from_export_config
 from specdraft.errors import SpecdraftError, write_failure
@@ -67,14 +67,17 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
         if name not in draft.serving_formats:
             raise SpecdraftError(f"export format {name!r}: a {draft.family} draft has no such serving format "
                                  f"(it has: {', '.join(['native', *draft.serving_formats])})")
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    # a symlink the user gave is followed, never replaced: the export lands where it points
+    out_dir = Path(os.path.realpath(out_dir))
     origin = {"run": None if run_dir is None else os.path.abspath(run_dir), "step": step}
+    tmp = None
     try:
+        tmp = temp_dir_beside(out_dir)
         _write_export_files(tmp, state_dict, draft, cfg, tokenizer, formats, target_heads, serving, origin)
         publish_dir(tmp, out_dir)
     except Exception as err:  # a full disk: one line; earlier exports are untouched
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         reason = write_failure(err, out_dir)
         if reason is None:
             raise
@@ -85,8 +88,6 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
 def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, target_heads, serving, origin) -> None:
     from safetensors.torch import save_file
 
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     # save_file refuses tensors sharing memory: give each its own contiguous storage
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     if "pth" in formats:

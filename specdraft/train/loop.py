@@ -295,8 +295,12 @@ def forward_drafts(target, engines: list, batch: dict, options: List[dict],
     inputs = {key: to_device(value, device) for key, value in batch.items()}
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
     request = functools.reduce(CaptureRequest.merged, [e.module.draft_model.capture_request() for e in engines])
+    # a draft that moves the target's positions (GLIDE's anchor_offset) is alone in its run (config
+    # check): its positions are the target pass's, as in forward_step
+    moved = [own["position_ids"] for own in options if "position_ids" in own]
     features = target_features(target.model, request, inputs["input_ids"], inputs.get("document_positions"),
-                               inputs.get("document_ids"), shard=sp.shard(inputs["input_ids"].shape[1]))
+                               inputs.get("document_ids"), position_ids=moved[0] if moved else None,
+                               shard=sp.shard(inputs["input_ids"].shape[1]))
     outs = []
     for engine, own in zip(engines, options):
         out: DraftLoss = engine(features, target.lm_head.weight, inputs["input_ids"], inputs["loss_mask"],

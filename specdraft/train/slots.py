@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional
 
 from specdraft.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import (CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, committed_slots, slot_name,
+from specdraft.run import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, committed_slots, slot_name,
                            slot_step, step_of)
 from specdraft.train import safe_load
 
@@ -236,16 +236,38 @@ def prune(ckpt_dir: Path, keep_last: int) -> None:
             shutil.rmtree(path)
 
 
-def move_aside(slot: Path) -> Path:
-    """Rename a slot that failed verification out of the slot namespace; nothing is deleted."""
-    target = slot.with_name(slot.name + REJECTED_SUFFIX)
+def move_aside(slot: Path, suffix: str = REJECTED_SUFFIX) -> Path:
+    """Rename a slot (or an export) out of the slot namespace, to <name><suffix>[-k]: a slot that
+    failed verification (.rejected), a later slot a rollback abandons (.abandoned). Nothing is
+    deleted, and the new name is never taken from anything already there."""
+    target = slot.with_name(slot.name + suffix)
     n = 1
-    while target.exists():
-        target = slot.with_name(f"{slot.name}{REJECTED_SUFFIX}-{n}")
+    while os.path.lexists(target):
+        target = slot.with_name(f"{slot.name}{suffix}-{n}")
         n += 1
     os.rename(slot, target)
     fsync_dir(slot.parent)
     return target
+
+
+def set_aside_later(slot: Path, run_dir: Path) -> List[Path]:
+    """A rollback: resuming `slot` of this very run while later committed slots exist. Those
+    slots (and their exports step_<N>/) belong to the trajectory the user abandons: moved aside
+    (.abandoned), so the new saves neither collide with nor get pruned against them, and
+    resume=auto never silently continues the old trajectory. `latest` names `slot` again."""
+    ckpt = Path(run_dir) / CKPT_DIR
+    if slot.resolve().parent != ckpt.resolve():
+        return []  # another run's slot: never touched
+    step = slot_step(slot)
+    moved = []
+    for later in (p for p in committed_slots(ckpt) if slot_step(p) > step):
+        moved.append(move_aside(later, ABANDONED_SUFFIX))
+        export = Path(run_dir) / later.name
+        if export.is_dir():
+            moved.append(move_aside(export, ABANDONED_SUFFIX))
+    if moved:
+        write_atomic(ckpt / LATEST, slot.name)
+    return moved
 
 
 # -- a filesystem every rank shares ---------------------------------------------------------------

@@ -96,11 +96,13 @@ def commit_of(source: Path) -> Path:
     return source / COMMITTED if (source / COMMITTED).is_file() else source.parent / COMMITTED
 
 
-def universal_copy(slot_dir: Path, log: Callable[[str], None], where: str, name: Optional[str] = None) -> Path:
+def universal_copy(slot_dir: Path, ckpt_dir: Path, log: Callable[[str], None], where: str,
+                   name: Optional[str] = None) -> Path:
     """Collective: the slot's universal copy (of draft `name` of a several-draft slot), made once
     by rank 0 (or reused when it verifies), then verified by every rank before loading.
-    where: "N rank(s) at ZeRO-S", for the log."""
-    out = draft_part(universal_dir(slot_dir), name)
+    ckpt_dir: the resuming run's own checkpoint directory, where the copy is written: a slot of
+    another run is only read (it may be read-only, or shared). where: "N rank(s) at ZeRO-S"."""
+    out = draft_part(universal_dir(Path(ckpt_dir) / slot_dir.name), name)
     record = read_commit(slot_dir)
     slot_dir = draft_part(slot_dir, name)
     saved = f"saved with {record['world_size']} rank(s) at ZeRO-{record['zero_stage']}"
