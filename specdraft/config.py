@@ -82,8 +82,9 @@ class TrainConfig:
     thinking: Optional[bool] = None
     data_cache_dir: Optional[str] = None  # tokenised + packed data; default $SPECDRAFT_HOME/data
     max_seq_length: int = 512  # tokens per packed training sequence
-    # true: a row with nothing to learn (no assistant turn, template refusal, empty answers) stops the
-    # data build naming file:line; false: it is skipped and counted in the start-up summary
+    # true: a row with nothing to learn (no assistant turn, template refusal, empty answers) or with
+    # turns not trained yet (a tool turn, null content) stops the data build naming file:line;
+    # false: it is skipped and counted in the start-up summary
     data_strict: bool = False
     # packed conversations: positions restart and attention stops at each conversation border
     # (target and draft); false: a window is one stream across borders (LongSpec's packing)

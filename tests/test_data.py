@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.packing import build_packed_cache, open_packed_cache
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.data.sources import iter_conversations
+from specdraft.data.sources import SkippedRow, iter_conversations, normalise_conversation
 from specdraft.errors import SpecdraftError
 
 
@@ -20,6 +20,22 @@ def tokenizer(tiny_target_dir):
 
 def conversation(user="What is 2+2?", answer="It is four."):
     return {"conversations": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+# an OpenAI tool call: the assistant's content null beside its tool_calls, then the tool's result
+TOOL_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "assistant", "content": "It is 18C."}]}
+NULL_ROW = {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "hello"}]}
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def test_malformed_line_names_file_and_line(tmp_path):
@@ -140,3 +156,85 @@ def test_sampler_position_carries_over_to_another_world_size(new_world, new_accu
     mismatched = ShardedBatchSampler(100, 3, 0, 3, seed=5)
     with pytest.raises(SpecdraftError, match="global batch is 12"):
         mismatched.load_state_dict(before_samplers[0].state_dict())
+
+
+@pytest.mark.parametrize("turns,reason,detail", [
+    (TOOL_ROW["messages"], "tool turn", "tool turn: turn 1 carries 'tool_calls'"),
+    ([{"role": "user", "content": "q"}, {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "a"}],
+     "tool turn", "tool turn: turn 1 has role 'tool'"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "function_call": {"name": "f"}},
+      {"role": "function", "name": "f", "content": "1"}, {"role": "assistant", "content": "a"}],
+     "tool turn", "tool turn: turn 1 carries 'function_call'"),
+    ([{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}, {"from": "observation", "value": "1"},
+      {"from": "gpt", "value": "a"}], "tool turn", "tool turn: turn 1 has role 'function_call'"),
+    (NULL_ROW["messages"], "null content", "null content: turn 0 (system) has content null"),
+    ([{"from": "human", "value": None}, {"from": "gpt", "value": "a"}], "null content",
+     "null content: turn 0 (human) has value null"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], "null content",
+     "null content: turn 1 (assistant) has content null"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "q"}, {"role": "tool", "content": "1"},
+      {"role": "assistant", "content": "a"}], "tool turn", "tool turn: turn 2 has role 'tool'"),  # one reason: tool
+], ids=["openai-tool-call", "tool-role", "openai-function-call", "sharegpt-tools", "null-system", "sharegpt-null",
+        "null-answer", "tool-and-null"])
+def test_tool_and_null_content_turns_skip_their_row_with_the_reason(turns, reason, detail):
+    for require_answer in (True, False):  # train's reading and regenerate's
+        with pytest.raises(SkippedRow) as err:
+            normalise_conversation({"messages": turns}, "d.jsonl:7", require_answer=require_answer)
+        assert err.value.reason == reason and str(err.value).startswith(f"d.jsonl:7: {detail}")
+
+
+def test_only_a_real_tool_call_skips_and_a_malformed_turn_stays_an_error():
+    with pytest.raises(SkippedRow, match="tool turn"):
+        normalise_conversation({"messages": [{"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]},
+                               "x")
+    # a malformed turn beside a skipped one still names the file's mistake (not counted as a skip)
+    for bad in ([{"role": "tool", "content": "1"}, "not a turn"], [{"role": "tool", "content": "1"}, {"role": "bot"}],
+                [{"role": "bot", "content": None}, {"role": "assistant", "content": "a"}]):
+        with pytest.raises(SpecdraftError) as err:
+            normalise_conversation({"messages": bad}, "x")
+        assert not isinstance(err.value, SkippedRow), bad
+    # empty or null tool_calls / function_call (common in exports) call nothing: the row is trained
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": [],
+                                                 "function_call": None}]
+    assert normalise_conversation({"messages": plain}, "x") == [{"role": "user", "content": "q"},
+                                                                {"role": "assistant", "content": "a"}]
+
+
+def test_tool_turn_and_null_content_rows_are_skipped_counted_and_the_rest_packed(tokenizer, tmp_path):
+    good = [conversation(f"question {i}", f"answer number {i}") for i in range(3)]
+    mixed = write_rows(tmp_path / "mixed.jsonl", [good[0], TOOL_ROW, good[1], NULL_ROW, good[2]])
+    clean = write_rows(tmp_path / "clean.jsonl", good)
+    logged = []
+    meta = build_packed_cache([str(mixed)], tokenizer, 8, tmp_path / "mixed", log=logged.append)
+    expected = build_packed_cache([str(clean)], tokenizer, 8, tmp_path / "clean", log=lambda *_: None)
+    for name in ("tokens.bin", "loss_mask.bin", "doc_start.bin"):  # the good rows, token for token
+        assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+    assert [meta[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")] == \
+        [expected[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")] and meta["conversations"] == 3
+    assert {reason: (e["count"], e["rows"]) for reason, e in meta["skipped"].items()} == {
+        "tool turn": (1, [f"{mixed}:2"]), "null content": (1, [f"{mixed}:4"])}
+    assert logged[-1] == f"data: skipped 2 of 5 rows: tool turn ({mixed}:2), null content ({mixed}:4)"  # train's log
+    rows = [json.loads(line) for line in (tmp_path / "mixed" / "rows.jsonl").read_text().splitlines()]
+    assert [r.get("skipped") for r in rows] == [None, "tool turn", None, "null content", None]
+
+
+def test_regenerate_skips_tool_and_null_content_rows_with_their_reason(tiny_target_dir, tmp_path):
+    from specdraft.data.generation import Answer
+    from specdraft.regenerate import RegenerateConfig, regenerate
+
+    class Echo:  # answers at once: which rows are asked is what is tested
+        name = "hf"
+
+        def generate(self, requests, progress=lambda n: None):
+            return [Answer(text="re: " + r.messages[-1]["content"], tokens=1) for r in requests]
+
+    data = write_rows(tmp_path / "in.jsonl", [{"prompt": "hi"}, TOOL_ROW, NULL_ROW])
+    logged = []
+    summary = regenerate(RegenerateConfig(target=str(tiny_target_dir), data=[str(data)], out=str(tmp_path / "o")),
+                         Echo(), log=logged.append, progress_bar=False)
+    assert (summary["rows"], summary["skipped"], summary["failed"]) == (1, 2, 0)
+    errors = [json.loads(line) for line in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["kind"], e["reason"]) for e in errors] == [
+        (f"{data}:2", "skipped", "tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"),
+        (f"{data}:3", "skipped", "null content: turn 0 (system) has content null")]
+    assert "; 2 rows skipped (tool turn 1, null content 1)" in logged[-1]

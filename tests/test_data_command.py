@@ -189,3 +189,43 @@ def test_tokens_and_masks_in_the_cache_are_the_rows_own(tiny_target_dir, rows_fi
         expected_mask += mask
     assert np.fromfile(cache / "tokens.bin", dtype=np.uint32).tolist() == expected_ids
     assert np.fromfile(cache / "loss_mask.bin", dtype=np.uint8).tolist() == expected_mask
+
+
+TOOL_CALL = {"messages": [  # OpenAI's tool-call format: the assistant's content null beside tool_calls
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"}, {"role": "assistant", "content": "It is 18C."}]}
+NULL_SYSTEM = {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.fixture
+def tool_rows_command(tiny_target_dir, tmp_path):
+    """`specdraft data` arguments for good rows with a tool-call row (line 2) and a null-content row (line 4)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [ROWS[0], TOOL_CALL, ROWS[1], NULL_SYSTEM]))
+    (tmp_path / "c.yaml").write_text("max_seq_length: 8\n")
+    target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")
+    return path, ["data", str(tmp_path / "c.yaml"), f"target={target}", f"data_files={path}",
+                  f"data_cache_dir={tmp_path / 'c'}"]
+
+
+def test_the_command_counts_tool_turn_and_null_content_rows_and_succeeds(tool_rows_command):
+    path, args = tool_rows_command
+    done = subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1:5] == ["rows: 4", "skipped rows: 2", f"  tool turn: 1 ({path}:2)", f"  null content: 1 ({path}:4)"]
+    assert lines[-1] == f"skipped 2 of 4 rows: tool turn ({path}:2), null content ({path}:4)"
+    assert done.stderr.splitlines()[-1] == f"data: {lines[-1]}"  # the line train logs
+
+
+def test_data_strict_refuses_a_tool_turn_in_one_line(tool_rows_command, capsys):
+    from specdraft.cli import main
+
+    path, args = tool_rows_command
+    assert main(args + ["data_strict=true"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"specdraft: error: {path}:2: tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"]

@@ -30,8 +30,9 @@ from specdraft.data.sources import SkippedRow, iter_records, normalise_conversat
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 
-CACHE_FORMAT = 4  # 2: doc_start.bin; 3: masks from one render, answer + end-of-turn, token_ids honoured;
-# 4: spans located by marker renders, rows with nothing to learn skipped (rows.jsonl names each row)
+CACHE_FORMAT = 5  # 2: doc_start.bin; 3: masks from one render, answer + end-of-turn, token_ids honoured;
+# 4: spans located by marker renders, rows with nothing to learn skipped (rows.jsonl names each row);
+# 5: rows with a tool turn or null content skipped (a format-4 cache trained an answer's text beside its tool_calls)
 TOKEN_DTYPE = np.uint32
 FLUSH_TOKENS = 1 << 20  # write to disk every ~1M tokens: bounded builder memory
 ROWS_FILE = "rows.jsonl"  # per row: its source and token count, or the reason it was skipped

@@ -858,6 +858,7 @@ DOCUMENTS: List[Mutation] = [
 
 CHAT_PY = "specdraft/data/chat.py"
 PACKING_PY = "specdraft/data/packing.py"
+SOURCES_PY = "specdraft/data/sources.py"
 SPANS = "tests/test_spans.py"
 DATA_COMMAND = "tests/test_data_command.py"
 DATA_SPANS: List[Mutation] = [
@@ -901,6 +902,13 @@ DATA_SPANS: List[Mutation] = [
     Mutation("data/skipped-rows-unnamed", PACKING_PY,
              "                rows.write(json.dumps({\"source\": where, \"skipped\": skip.reason}) + \"\\n\")",
              "                pass", (DATA_COMMAND,), "--json loses the skipped rows and every later row's source"),
+    Mutation("data/tool-role-stops-the-build", SOURCES_PY,
+             "    if name in TOOL_ROLES:", "    if False:", ("tests/test_data.py", "-k", "tool"),
+             "a row with a tool turn stops the data build (unknown role) instead of being skipped and counted"),
+    Mutation("data/tool-call-counted-as-null-content", SOURCES_PY,
+             "calls = next((key for key in TOOL_CALL_KEYS if turn.get(key)), None)", "calls = None",
+             ("tests/test_data.py", "-k", "tool"),
+             "an OpenAI tool call (content null beside tool_calls) is counted as null content, not a tool turn"),
 ]
 
 # issue 35's losses (D-PACE, LK) as formulas on per-position tensors
