@@ -129,6 +129,9 @@ def check_plot_file(path, flag: str = "--plot") -> None:
 # -- helpers -----------------------------------------------------------------------------------------
 
 def _refuse_file(path: Path, flag: str) -> None:
+    if path.is_symlink() and not path.exists():
+        raise SpecdraftError(f"{flag}: is a symlink to {os.readlink(path)}, which does not exist; specdraft never "
+                             f"replaces a link: create what it points to, or choose another path")
     if path.exists() and not path.is_dir():
         raise SpecdraftError(f"{flag}: is a file, not a directory; specdraft never replaces it")
 
