@@ -292,8 +292,9 @@ def test_the_highest_committed_step_wins_over_a_stale_latest(tiny_target_dir, da
 
 
 def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, data_dir, work, victim, monkeypatch):
-    """Resuming step_6 by path re-saves step_12 over a committed step_12, and keep_last=1 prunes:
-    every directory removal must find its COMMITTED already gone (and the unlink fsynced)."""
+    """Resuming step_6 by path rolls back (the committed step_12 is set aside, never deleted) and
+    keep_last=1 prunes step_6 after the new step_12: every directory removal must find its
+    COMMITTED already gone (and the unlink fsynced)."""
     import shutil
 
     removed, synced = [], []
@@ -304,10 +305,11 @@ def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, d
     train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
                                           save_steps=6, keep_last=1, resume=victim / "ckpt" / "step_6")), **quiet)
     slots = [entry for entry in removed if Path(entry[0]).parent == victim / "ckpt"]
-    assert {Path(p).name for p, _, _ in slots} >= {"step_12", "step_6"}
+    assert {Path(p).name for p, _, _ in slots} == {"step_6"}
     for path, still_committed, synced in slots:
         assert not still_committed and path in synced, path
     assert [s.name for s in committed_slots(victim / "ckpt")] == ["step_12"]
+    assert (victim / "ckpt" / "step_12.abandoned" / COMMITTED).is_file()
 
 
 def test_auto_resume_moves_a_damaged_newest_slot_aside_and_uses_the_previous(tiny_target_dir, data_dir, work,

@@ -1,9 +1,8 @@
-"""Crash-safe checkpoints that resume exactly, at any world size: the policy. What a save writes
-and commits, which slot a resume takes and what it checks first, and how the run adapts to it.
-The files are elsewhere: the layout in specdraft/run.py, the manifest and removal in slots.py, each
+"""Crash-safe checkpoints that resume exactly, at any world size: the policy. What a save writes and
+commits, which slot a resume takes and what it checks first, and how the run adapts to it. The files
+are elsewhere: the layout in specdraft/run.py, the manifest, removal and rollback in slots.py, each
 draft's part of a slot in draft_parts.py (several drafts: one folder each, one commit for all), the
 draft state DeepSpeed does not save in frozen_state.py, other world sizes in universal.py.
-
 The checkpoint directory must be on a filesystem every node sees at the same path: rank 0 commits
 what every rank wrote, and every rank reads back what it needs.
 """
@@ -288,15 +287,12 @@ class CheckpointManager:
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record
-        moved = run_shared(lambda: slots.set_aside_later(slot_dir, self.run_dir))
-        if moved:
-            log(f"resume: rolled back to {slot_dir.name}; the later slots and exports are kept aside, never "
-                f"resumed by resume=auto: {', '.join(p.name for p in moved)}")
+        run_shared(lambda: slots.set_aside_later(slot_dir, self.run_dir, log))  # a rollback in this run
         for part in parts:
             load_dir = draft_part(slot_dir, part.name)
             if plan.universal:
-                load_dir = universal_copy(slot_dir, self.ckpt_dir, log,
-                                          f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}", part.name)
+                where = f"{self.world_size} rank(s) at ZeRO-{self.cfg.zero_stage}"
+                load_dir = universal_copy(slot_dir, self.ckpt_dir, log, where, part.name)
             ours = load_draft(part, slot_dir, load_dir, record, plan.universal)[CLIENT_KEY]
         if self.rank < len(ours["rng"]):  # a rank the saving run did not have keeps its seeded RNG
             set_rng_state(ours["rng"][self.rank])

@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional
 
 from specdraft.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX, committed_slots, slot_name,
-                           slot_step, step_of)
+from specdraft.run import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX,
+                           committed_slots, slot_name, slot_step, step_of)
 from specdraft.train import safe_load
 
 PICKLE_SUFFIX = ".pt"  # DeepSpeed's files; the rest of a slot is JSON, safetensors and zero_to_fp32.py
@@ -250,7 +250,7 @@ def move_aside(slot: Path, suffix: str = REJECTED_SUFFIX) -> Path:
     return target
 
 
-def set_aside_later(slot: Path, run_dir: Path) -> List[Path]:
+def set_aside_later(slot: Path, run_dir: Path, log: Callable[[str], None]) -> List[Path]:
     """A rollback: resuming `slot` of this very run while later committed slots exist. Those
     slots (and their exports step_<N>/) belong to the trajectory the user abandons: moved aside
     (.abandoned), so the new saves neither collide with nor get pruned against them, and
@@ -267,6 +267,8 @@ def set_aside_later(slot: Path, run_dir: Path) -> List[Path]:
             moved.append(move_aside(export, ABANDONED_SUFFIX))
     if moved:
         write_atomic(ckpt / LATEST, slot.name)
+        log(f"resume: rolled back to {slot.name}; the later slots and exports are kept aside, never resumed by "
+            f"resume=auto: {', '.join(p.name for p in moved)}")
     return moved
 
 
