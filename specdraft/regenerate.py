@@ -10,8 +10,8 @@ output directory holds what `specdraft train` reads directly:
                                         each regenerated assistant turn carries its "token_ids", and
                                         "truncated": true when cut at its budget (finish=length:
                                         training learns no end-of-turn after it)
-    OUT/manifest.json                   sources, target identity, sampling (written before the first
-                                        shard, checked by every rerun), then counts
+    OUT/manifest.json                   sources, target identity, backend, sampling (written before
+                                        the first shard, checked by every rerun), then counts
     OUT/errors[-r<rank>].jsonl          this run's rows without an answer, with the reason and kind:
                                         "failed" (the server did not answer) or "skipped" (the row
                                         itself: template refused, too long, empty answer, duplicate)
@@ -21,6 +21,11 @@ hash of its content. A row is written only once it is complete, a shard appears 
 atomically) or not at all, so a rerun after any crash writes exactly the rows no shard holds yet,
 each once. Error rows of both kinds are asked again by the next run. Failed rows make the command
 exit 1 (so `regenerate && train` stops); skipped rows do not (a rerun would skip them again).
+
+Ctrl-C (SIGINT) or SIGTERM: the rows finished so far are written, the manifest counts them, one line
+says so, and the command exits 130 (143 for SIGTERM); the same command resumes after them.
+Under torchrun (RANK / WORLD_SIZE) each rank takes the rows its ids hash to; global rank 0 alone
+writes manifest.json, its counts once every rank has finished (regenerate_ranks.py).
 """
 
 from __future__ import annotations
@@ -35,16 +40,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from specdraft.atomic import write_atomic
+from specdraft.atomic import is_temp_of, write_atomic
 from specdraft.config import read_yaml, resolve_data_files
 from specdraft.data.generation import Request, Sampling
 from specdraft.data.sources import iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
 from specdraft.outputs import claim_regenerate_out
+from specdraft.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
 from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
-MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.jsonl"
+# Test hook: seconds to sleep after each generate call, so a test can signal a run whose rows land
+# wave after wave.
+PAUSE_ENV = "SPECDRAFT_REGENERATE_PAUSE_S"
 
 
 @dataclass
@@ -158,12 +166,13 @@ class Item:
 class ShardWriter:
     """Completed rows -> atomically written shards, named per rank and run (never overwritten)."""
 
-    def __init__(self, out: Path, rank: int, rows_per_shard: int):
-        self.out, self.rows_per_shard = out, rows_per_shard
+    def __init__(self, out: Path, rank: int, rows_per_shard: int, ready: Callable[[], bool] = lambda: True):
+        self.out, self.rows_per_shard, self.ready = out, rows_per_shard, ready
         # a run killed mid-write (SIGKILL, power loss) leaves its shard's temp file: never a
         # shard, so this rank's rerun removes it (each rank only its own: they run at once)
-        for stale in out.glob(f"shard-r{rank:03d}-*.jsonl.tmp"):
-            stale.unlink(missing_ok=True)
+        for stale in out.glob(f".shard-r{rank:03d}-*.jsonl.*.tmp"):  # atomic.fresh_name's form
+            if is_temp_of(stale.name, stale.name[1:].rsplit(".", 2)[0]):
+                stale.unlink(missing_ok=True)
         self.prefix = f"shard-r{rank:03d}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
         self.pending: List[dict] = []
         self.count = 0
@@ -174,7 +183,7 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        if not self.pending:
+        if not self.pending or not self.ready():  # not ready: no manifest, so no shard (a rerun redoes them)
             return
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.pending)
         write_atomic(self.out / f"{self.prefix}-{self.count:05d}.jsonl", text)
@@ -226,33 +235,84 @@ def read_rows(files: List[str], samples: int, rank: int, world: int, done) -> Tu
 
 
 def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] = print,
-               progress_bar: bool = True) -> dict:
+               progress_bar: bool = True, ranks: Optional[Tuple[int, int]] = None) -> dict:
     """Run (or resume) a regeneration; returns the summary (its "failed": rows the servers did not
     answer, a non-zero exit for the command). `backend`: an already built one (the demo passes its
-    in-process model); default: built from cfg."""
+    in-process model); default: built from cfg. `ranks`: (rank, world), default RANK / WORLD_SIZE
+    (the global rank: a multi-node run has a LOCAL_RANK 0 on every node); (0, 1) for a process
+    that writes every row alone whatever launched it. A signal ends it with RegenerateInterrupted."""
     files = resolve_data_files(cfg.data, "command line", "--data")
     check_tokenizer(cfg.target, "--target")
     out = Path(cfg.out)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = ranks or (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
     claim_regenerate_out(out, rank)  # before the target is loaded
-    settings = run_settings(cfg, files)
-    _check_manifest(out, settings)
+    settings = run_settings(cfg, files, cfg.backend if backend is None else backend.name)
+    _check_manifest(out, settings)  # before any model is loaded or server asked
     items, errors, total = read_rows(files, cfg.samples, rank, world, written_keys(out))
     if backend is None:
         backend = _build_backend(cfg)
     if hasattr(backend, "check"):
         backend.check()  # every server answers, before the first row
-    if not (out / MANIFEST).is_file():  # the settings go on disk before the first shard
-        write_atomic(out / MANIFEST, json.dumps({**settings, "backend": backend.name}, indent=1))
-    suffix = "" if world == 1 else f"-r{rank:03d}"
-    writer = ShardWriter(out, rank, cfg.rows_per_shard)
-    stats = {"rows": 0, "tokens": 0, "truncated": 0}
-    t0 = time.perf_counter()
-    bar = _progress(len(items), progress_bar)
+    if rank == 0 and not (out / MANIFEST).is_file():  # the settings go on disk before the first shard
+        write_atomic(out / MANIFEST, json.dumps(settings, indent=1))
+    stop = Stop()
+    sync = RankSync(out, rank, world, stop, log)
+    writer = ShardWriter(out, rank, cfg.rows_per_shard, ready=sync.manifest_ready)
+    stats = {"rows": 0, "tokens": 0, "truncated": 0, "t0": time.perf_counter()}
+    with stop.installed():
+        bar = _progress(len(items), progress_bar)
+        try:
+            _generate(cfg, backend, items, writer, errors, stats, bar, stop)
+        except Interrupted:
+            pass  # stop.signum says which: the rows finished before it are in the writer
+        writer.flush()
+        bar.close()
+        elapsed = time.perf_counter() - stats["t0"]
+        errors_file = out / f"errors{'' if world == 1 else f'-r{rank:03d}'}.jsonl"
+        if sync.manifest_ready():
+            write_atomic(errors_file, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors))
+        mine = {"errors": len(errors), "refused": _refused(backend)}
+        if rank == 0:  # the counts over every rank, once all have written their rows
+            _write_manifest(out, settings, backend.name, [mine, *sync.gather().values()], stop.name)
+        else:
+            sync.finish(mine)
+    written = written_keys(out)
+    if stop.signum:
+        log(f"regenerate: interrupted by {stop.name}: {len(written)} rows on disk in {out} ({stats['rows']} "
+            f"written by this run); rerun the same command to resume")
+        raise RegenerateInterrupted(stop.signum)
+    failed = [e for e in errors if e["kind"] == "failed"]
+    skipped = [e for e in errors if e["kind"] == "skipped"]
+    summary = {"rows": stats["rows"], "tokens": stats["tokens"], "seconds": round(elapsed, 2),
+               "tok_per_s": round(stats["tokens"] / elapsed, 1) if elapsed > 0 else 0.0,
+               "truncated": stats["truncated"], "errors": len(errors), "failed": len(failed),
+               "skipped": len(skipped), "rows_total": total, "rows_written": len(written),
+               "skipped_done": total - len(items)}
+    log(f"regenerate: {stats['rows']} rows, {stats['tokens']} tokens in {elapsed:.1f}s "
+        f"({summary['tok_per_s']:.0f} tok/s), {stats['truncated']} answers cut at max_new_tokens"
+        + (f"; {len(skipped)} rows skipped ({_reasons(skipped)})" if skipped else "")
+        + (f"; {len(failed)} rows FAILED (server errors: rerun the same command to retry them)" if failed else "")
+        + (f" (see {errors_file})" if errors else "")
+        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}"))
+    return summary
 
+
+def _generate(cfg: RegenerateConfig, backend, items: List[Item], writer: ShardWriter, errors: List[dict],
+              stats: dict, bar, stop: Stop) -> None:
+    """Every item through its turns, in waves of whole batches; complete rows go to the writer. A
+    signal ends it out of a generate call (Interrupted): the answers of that call are lost, never
+    a row half recorded."""
     def on_tokens(n: int) -> None:
         stats["tokens"] += n
-        bar.set_postfix_str(f"{stats['tokens'] / max(time.perf_counter() - t0, 1e-9):.0f} tok/s", refresh=False)
+        bar.set_postfix_str(f"{stats['tokens'] / max(time.perf_counter() - stats['t0'], 1e-9):.0f} tok/s",
+                            refresh=False)
+
+    def ask(requests: List[Request]):
+        answers = backend.generate(requests, on_tokens)
+        pause = float(os.environ.get(PAUSE_ENV) or 0)
+        if pause > 0:
+            time.sleep(pause)
+        return answers
 
     wave = max(cfg.batch_size, cfg.concurrency) * 4  # rows in flight: whole batches for every turn
     for start in range(0, len(items), wave):
@@ -261,8 +321,8 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
             prompts = [(item, item.advance()) for item in active]
             finished = [item for item, prompt in prompts if prompt is None]
             asking = [(item, prompt) for item, prompt in prompts if prompt is not None]
-            answers = backend.generate([Request(p, row_seed(cfg.seed, i.key, i.sample, i.turn), i.where)
-                                        for i, p in asking], on_tokens) if asking else []
+            answers = stop.call(ask, [Request(p, row_seed(cfg.seed, i.key, i.sample, i.turn), i.where)
+                                      for i, p in asking]) if asking else []
             for (item, _), answer in zip(asking, answers):
                 if answer.error is None and not answer.text.strip():
                     answer.error = "empty answer"
@@ -281,43 +341,35 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
                     bar.update(1)
             complete = {id(item) for item in finished}
             active = [item for item in active if item.error is None and id(item) not in complete]
-    writer.flush()
-    bar.close()
-    elapsed = time.perf_counter() - t0
-    errors_file = out / f"errors{suffix}.jsonl"
-    write_atomic(errors_file, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors))
+
+
+def _write_manifest(out: Path, settings: dict, backend: str, ranks: List[dict], interrupted: str) -> None:
+    """The settings and the counts of every row on disk; `ranks`: each rank's errors and refused fields."""
     written = written_keys(out)
-    failed = [e for e in errors if e["kind"] == "failed"]
-    skipped = [e for e in errors if e["kind"] == "skipped"]
-    summary = {"rows": stats["rows"], "tokens": stats["tokens"], "seconds": round(elapsed, 2),
-               "tok_per_s": round(stats["tokens"] / elapsed, 1) if elapsed > 0 else 0.0,
-               "truncated": stats["truncated"], "errors": len(errors), "failed": len(failed),
-               "skipped": len(skipped), "rows_total": total, "rows_written": len(written),
-               "skipped_done": total - len(items)}
-    if rank == 0:
-        manifest = {**settings, "backend": backend.name, "token_ids": _ids_note(backend),
-                    "counts": {"rows_written": len(written), "answer_tokens": sum(t for t, _ in written.values()),
-                               "truncated_answers": sum(n for _, n in written.values()),
-                               "errors_last_run": len(errors)},
-                    "shards": sorted(p.name for p in out.glob(SHARD_GLOB))}
-        if getattr(backend, "refused_fields", None):
-            manifest["server_refused_fields"] = backend.refused_fields()
-        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
-    log(f"regenerate: {stats['rows']} rows, {stats['tokens']} tokens in {elapsed:.1f}s "
-        f"({summary['tok_per_s']:.0f} tok/s), {stats['truncated']} answers cut at max_new_tokens"
-        + (f"; {len(skipped)} rows skipped ({_reasons(skipped)})" if skipped else "")
-        + (f"; {len(failed)} rows FAILED (server errors: rerun the same command to retry them)" if failed else "")
-        + (f" (see {errors_file})" if errors else "")
-        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}"))
-    return summary
+    refused: Dict[str, set] = {}
+    for counts in ranks:
+        for url, fields in (counts.get("refused") or {}).items():
+            refused.setdefault(url, set()).update(fields)
+    refused = {url: sorted(fields) for url, fields in sorted(refused.items())}
+    manifest = {**settings, "token_ids": _ids_note(backend, refused),
+                "counts": {"rows_written": len(written), "answer_tokens": sum(t for t, _ in written.values()),
+                           "truncated_answers": sum(n for _, n in written.values()),
+                           "errors_last_run": sum(counts.get("errors", 0) for counts in ranks)},
+                "shards": sorted(p.name for p in out.glob(SHARD_GLOB))}
+    if refused:
+        manifest["server_refused_fields"] = refused
+    if interrupted:  # the counts so far
+        manifest["interrupted"] = interrupted
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
 
 
-def run_settings(cfg: RegenerateConfig, files: List[str]) -> dict:
-    """What decides the rows written: a rerun into the same directory must have the same."""
+def run_settings(cfg: RegenerateConfig, files: List[str], backend: str) -> dict:
+    """What decides the rows written: a rerun into the same directory must have the same (the
+    backend too: hf rows carry the generated ids, openai rows what the server gave)."""
     from specdraft.target.weights import target_identity
 
-    return {"target": target_identity(cfg.target), "sampling": asdict(cfg.sampling()), "seed": cfg.seed,
-            "samples": cfg.samples, "sources": [os.path.abspath(f) for f in files]}
+    return {"target": target_identity(cfg.target), "backend": backend, "sampling": asdict(cfg.sampling()),
+            "seed": cfg.seed, "samples": cfg.samples, "sources": [os.path.abspath(f) for f in files]}
 
 
 def _check_manifest(out: Path, settings: dict) -> None:
@@ -329,8 +381,9 @@ def _check_manifest(out: Path, settings: dict) -> None:
                                  f"use a new --out directory")
         return
     old = json.loads(path.read_text())
-    recorded = {**{k: old.get(k) for k in ("target", "seed", "samples", "sources")}, **(old.get("sampling") or {})}
-    asked = {**{k: settings[k] for k in ("target", "seed", "samples", "sources")}, **settings["sampling"]}
+    keys = ("target", "backend", "seed", "samples", "sources")
+    recorded = {**{k: old.get(k) for k in keys}, **(old.get("sampling") or {})}
+    asked = {**{k: settings[k] for k in keys}, **settings["sampling"]}
     for name, value in asked.items():
         if recorded.get(name) != value:
             if name == "sources":
@@ -350,12 +403,16 @@ def _reasons(errors: List[dict]) -> str:
     return ", ".join(f"{r} {n}" for r, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
 
 
-def _ids_note(backend) -> str:
-    if backend.name == "hf":
+def _ids_note(backend: str, refused: Dict[str, List[str]]) -> str:
+    if backend == "hf":
         return "generated ids"
-    refused = getattr(backend, "refused_fields", lambda: {})()
     return "none from some servers: text tokenised" if any("return_token_ids" in f for f in refused.values()) \
         else "server ids"
+
+
+def _refused(backend) -> Dict[str, List[str]]:
+    """The sampling fields each server refused (openai)."""
+    return getattr(backend, "refused_fields", lambda: {})()
 
 
 def _build_backend(cfg: RegenerateConfig):

@@ -13,8 +13,8 @@ from specdraft.demo import ensure_demo_assets
 # Modules whose tests start 2-rank jobs (torchrun, the deepspeed launcher): under pytest-xdist
 # (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another, so two such jobs
 # never share the CPUs at once.
-TWO_RANK_MODULES = ("test_distributed", "test_offline_commands", "test_resume", "test_sequence_parallel",
-                    "test_user_files")
+TWO_RANK_MODULES = ("test_distributed", "test_multinode", "test_offline_commands", "test_regenerate_ranks",
+                    "test_resume", "test_sequence_parallel", "test_user_files")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it never calls this

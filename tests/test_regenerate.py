@@ -131,46 +131,22 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
 
 def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks(tiny_target_dir, tiny_data,
                                                                                   tmp_path):
-    """A SIGKILL between a shard's temp write and its rename leaves `<shard>.jsonl.tmp` (never a
-    shard); the rerun of that rank removes it. Another rank's temp file may be its live write."""
+    """A SIGKILL between a shard's temp write and its rename leaves `.<shard>.jsonl.<random>.tmp`
+    (never a shard); the rerun of that rank removes it. Another rank's temp file may be its live
+    write; a file of another form is not ours to remove."""
     data = source(tmp_path, prompts_from(tiny_data, 2))
     out = tmp_path / "o"
     out.mkdir()
     (out / MARKER).write_text(marker_text(REGENERATE))  # what the killed run wrote first
-    ours = out / "shard-r000-20260101000000-abcdef-00003.jsonl.tmp"
-    theirs = out / "shard-r001-20260101000000-fedcba-00000.jsonl.tmp"
-    for stale in (ours, theirs):
+    ours = out / ".shard-r000-20260101000000-abcdef-00003.jsonl.0badc0de.tmp"
+    theirs = out / ".shard-r001-20260101000000-fedcba-00000.jsonl.0badc0de.tmp"
+    unknown = out / ".shard-r000-notes.jsonl.mine.tmp"
+    for stale in (ours, theirs, unknown):
         stale.write_text('{"id": "half a row')
     cfg = config(tiny_target_dir, data, out)
     summary = regenerate(cfg, HFBackend.load(tiny_target_dir, cfg.sampling(), 4), log=lambda m: None,
                          progress_bar=False)
-    assert summary["rows"] == 2 and not ours.exists() and theirs.exists()
-
-
-def test_ranks_share_the_rows_and_write_what_one_process_writes(tiny_target_dir, tiny_data, tmp_path, monkeypatch):
-    """Under torchrun each rank (RANK / WORLD_SIZE) takes the rows its id hashes to: two ranks into
-    one directory write every row exactly once, the same answers one process writes (seeds come
-    from the row, not from the process)."""
-    data = source(tmp_path, prompts_from(tiny_data, 12))
-    single = tmp_path / "single"
-    regenerate(config(tiny_target_dir, data, single, temperature=0.7), progress_bar=False)
-    shared = tmp_path / "shared"
-    for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
-        regenerate(config(tiny_target_dir, data, shared, temperature=0.7), progress_bar=False)
-    rows = out_rows(shared)
-    import hashlib
-
-    for rank in (0, 1):  # each rank wrote exactly the rows whose id hashes to it
-        own = [json.loads(line) for p in shared.glob(f"shard-r{rank:03d}-*.jsonl") for line in p.read_text().splitlines()]
-        assert own and all(int(hashlib.sha256(f"{r['id']}#{r['sample']}".encode()).hexdigest(), 16) % 2 == rank
-                           for r in own)
-    keys = [(r["id"], r["sample"]) for r in rows]
-    single_rows = out_rows(single)
-    assert len(keys) == len(set(keys)) == len(single_rows) >= 10  # an empty sampled answer is an error row
-    answers = lambda rs: {(r["id"], r["sample"]): r["conversations"][-1]["content"] for r in rs}  # noqa: E731
-    assert answers(rows) == answers(single_rows)
+    assert summary["rows"] == 2 and not ours.exists() and theirs.exists() and unknown.exists()
 
 
 def test_too_long_rows_go_to_the_errors_file(tiny_target_dir, tmp_path):
@@ -423,3 +399,171 @@ def test_a_truncated_answer_is_kept_without_a_trained_end_of_turn(tiny_target_di
     for where, messages in iter_conversations([str(p) for p in sorted((tmp_path / "o").glob("shard-*"))]):
         ids, mask = tokenize_conversation(tokenizer, messages, where)
         assert [t for t, k in zip(ids, mask) if k] == messages[-1]["token_ids"]  # no <|im_end|> after it
+
+
+class Echo:
+    """Answers at once ("re: <prompt>"), under the given backend name; `on_call(n)` runs at its n-th call."""
+
+    def __init__(self, name="hf", on_call=lambda n: None):
+        self.name, self.on_call, self.calls = name, on_call, 0
+
+    def generate(self, requests, progress=lambda n: None):
+        from specdraft.data.generation import Answer
+
+        self.calls += 1
+        self.on_call(self.calls)
+        return [Answer(text="re: " + r.messages[-1]["content"], tokens=1) for r in requests]
+
+
+def files_of(out):
+    return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir())}
+
+
+@pytest.mark.parametrize("first, then", [("hf", "openai"), ("openai", "hf")])
+def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_touched(
+        first, then, tiny_target_dir, tiny_data, tmp_path, monkeypatch, capsys):
+    """hf rows carry the ids the target generated, openai rows what a server gave: one --out holds
+    one backend's rows. The refusal names the key, comes before any model is loaded or server
+    asked, and leaves every file as it was."""
+    from specdraft import cli
+    from specdraft import regenerate as module
+
+    data = source(tmp_path, prompts_from(tiny_data, 3))
+    out = tmp_path / "o"
+    regenerate(config(tiny_target_dir, data, out, backend=first, servers=["http://127.0.0.1:9"]), Echo(first),
+               log=lambda m: None, progress_bar=False)
+    assert json.loads((out / "manifest.json").read_text())["backend"] == first and out_rows(out)
+    before = files_of(out)
+
+    def no_backend(cfg):
+        raise AssertionError("a backend was built: a model loaded or a server asked")
+
+    monkeypatch.setattr(module, "_build_backend", no_backend)
+    capsys.readouterr()
+    code = cli.main(["regenerate", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out),
+                     "--max-new-tokens", "16", "--backend", then, "--servers", "http://127.0.0.1:9"])
+    assert code == 2
+    assert capsys.readouterr().err == (f"specdraft: error: {out}: holds rows regenerated with other backend: "
+                                       f"{first!r} there, {then!r} asked; rerun with the same settings or use a "
+                                       f"new --out directory\n")
+    assert files_of(out) == before
+
+
+def test_sigterm_keeps_the_finished_rows_counts_them_and_exits_143(tiny_target_dir, tiny_data, tmp_path, capsys):
+    """SIGTERM (what SLURM and Kubernetes send) in the third generate call: the 8 rows the first two
+    finished are written though no shard was full, the manifest counts them, one line says so, the
+    exit code is 128 + 15, and the caller's handler is back. The rerun does the other rows only."""
+    data = source(tmp_path, prompts_from(tiny_data, 12))
+    out = tmp_path / "o"
+    # a wave is 4 rows (batch_size and concurrency 1): one generate call finishes 4 one-turn rows
+    cfg = config(tiny_target_dir, data, out, batch_size=1, concurrency=1, rows_per_shard=1000)
+
+    class Stopped(Exception):
+        pass
+
+    def callers_handler(signum, frame):  # the handler regenerate must put back (and, before the fix,
+        raise Stopped()                  # what ran instead of it: nothing written)
+
+    def kill(n):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the signal lands in here
+
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            regenerate(cfg, Echo(on_call=kill), progress_bar=False)
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    rows = out_rows(out)
+    assert stopped.value.code == 143 and len(rows) == 8
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"regenerate: interrupted by SIGTERM: 8 rows on disk in {out} (8 written by this run); "
+        f"rerun the same command to resume")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["rows_written"] == 8 and manifest["interrupted"] == "SIGTERM"
+    again = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
+    keys = [(r["id"], r["sample"]) for r in out_rows(out)]
+    assert again["rows"] == 4 and again["skipped_done"] == 8 and len(keys) == len(set(keys)) == 12
+
+
+def bar_rows(path: Path, total: int) -> int:
+    """The rows the progress bar (tqdm, on stderr) has counted so far."""
+    import re
+
+    found = re.findall(rf"(\d+)/{total} \[", path.read_text(errors="replace")) if path.exists() else []
+    return max(map(int, found), default=0)
+
+
+def test_ctrl_c_writes_the_finished_rows_and_the_same_command_resumes_after_them(tiny_target_dir, tiny_data,
+                                                                                 tmp_path):
+    """Ctrl-C once a wave of rows has finished, none of them in a shard yet (--rows-per-shard 1000):
+    they are written, counted in manifest.json, one line says so, exit 130; the rerun writes every
+    other row once."""
+    total = 24
+    data = source(tmp_path, prompts_from(tiny_data, total))
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "specdraft", "regenerate", "--target", str(tiny_target_dir), "--data", str(data),
+           "--out", str(out), "--max-new-tokens", "8", "--batch-size", "1", "--concurrency", "1",
+           "--rows-per-shard", "1000"]
+    stderr = tmp_path / "stderr.txt"
+    # rows finish 4 at a time (a wave); the pause after each generate call keeps the run going
+    env = {**os.environ, "SPECDRAFT_REGENERATE_PAUSE_S": "0.5"}
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and bar_rows(stderr, total) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    rows = out_rows(out)
+    assert proc.returncode == 130, stderr.read_text()[-2000:]
+    assert len(rows) >= 4 and not list(out.glob("*.tmp"))
+    assert stdout.splitlines()[-1] == (f"regenerate: interrupted by SIGINT: {len(rows)} rows on disk in {out} "
+                                       f"({len(rows)} written by this run); rerun the same command to resume")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["rows_written"] == len(rows) and manifest["interrupted"] == "SIGINT"
+    kept = files_of(out)
+    done = subprocess.run(cmd, env={**os.environ, "TQDM_DISABLE": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    keys = [(r["id"], r["sample"]) for r in out_rows(out)]
+    errors = len((out / "errors.jsonl").read_text().splitlines())
+    assert len(keys) == len(set(keys)) and len(keys) + errors == total
+    after = files_of(out)  # the kept rows' shards, untouched
+    assert all(after[name] == content for name, content in kept.items() if name.startswith("shard-"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["rows_written"] == len(keys) and "interrupted" not in manifest
+
+
+def test_rank_0_waits_for_this_launch_s_ranks_never_for_files_an_earlier_launch_left(tmp_path):
+    """The ranks meet through files in --out. An earlier launch killed before rank 0 read them left
+    a finished rank 1 and rank 0's answer: neither passes for this launch's, whichever rank comes
+    first, and rank 0 gets this launch's counts."""
+    import threading
+
+    from specdraft.regenerate_ranks import RankSync, Stop
+
+    def launch(first):
+        out = tmp_path / first
+        out.mkdir()
+        (out / "manifest.json").write_text("{}")
+        zero, one = RankSync(out, 0, 2, Stop()), RankSync(out, 1, 2, Stop())
+        one.path(1).write_text(json.dumps({"nonce": "old", "run": "old-run", "errors": 7}))
+        zero.path(0).write_text(json.dumps({"run": "old-run", "nonces": {"1": "old"}}))
+        gathered = {}
+        threads = {"zero": threading.Thread(target=lambda: gathered.update(zero.gather())),
+                   "one": threading.Thread(target=lambda: one.finish({"errors": 2}))}
+        threads[first].start()
+        threads[first].join(timeout=1.0)
+        assert threads[first].is_alive()  # it waits for the other rank of this launch
+        second = "one" if first == "zero" else "zero"
+        threads[second].start()
+        for thread in threads.values():
+            thread.join(timeout=60)
+        assert not any(t.is_alive() for t in threads.values())
+        assert list(gathered) == [1] and gathered[1]["errors"] == 2 and gathered[1]["run"] == zero.token
+
+    launch("zero")
+    launch("one")

@@ -24,7 +24,8 @@ class Stub:
     """An OpenAI-compatible server. `script[prompt]`: the replies to that prompt's requests in turn
     (the last one repeats): "ok", "long" (finish_reason length), "empty" (no choices), "incomplete"
     (a body cut short), "reset" (the connection reset), ("http", code, detail), ("refuse", field)
-    (422 naming the field while it is sent, as `transformers serve` does)."""
+    (422 naming the field while it is sent, as `transformers serve` does), ("hold", event) ("ok" once
+    the event is set: a long generation)."""
 
     def __init__(self):
         self.bodies, self.script, self.seen, self.models_status = [], {}, {}, 200
@@ -48,6 +49,9 @@ class Stub:
                     n = stub.seen[prompt] = stub.seen.get(prompt, -1) + 1
                     replies = stub.script.get(prompt, ["ok"])
                     what = replies[min(n, len(replies) - 1)]
+                if isinstance(what, tuple) and what[0] == "hold":
+                    what[1].wait(60)
+                    what = "ok"
                 if what in ("ok", "long") or (isinstance(what, tuple) and what[0] == "refuse"
                                               and what[1] not in body):
                     return self.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant",
@@ -269,3 +273,26 @@ def test_a_server_that_dies_mid_run_has_its_requests_retried_on_the_others(stub,
     other.close()  # checked, then gone
     answers = backend.generate([Request([{"role": "user", "content": p}], 0, p) for p in ("a", "b", "c")])
     assert [a.text for a in answers] == ["re: a", "re: b", "re: c"] and len(stub.bodies) == 3
+
+
+def test_a_stopped_generate_call_returns_at_once_and_sends_none_of_its_queued_requests(stub, tokenizer):
+    """Ctrl-C in a generate call (here: raised as the first answer comes back) stops it at once,
+    not after the requests in flight (a long generation: "p1" is held), and the queued ones are
+    never sent: regenerate then writes its finished rows and exits."""
+    released = threading.Event()
+    stub.script = {"p1": [("hold", released)]}
+    backend = OpenAIBackend([stub.url], tokenizer, Sampling(max_new_tokens=4), concurrency=1)
+
+    def stop(tokens):
+        raise KeyboardInterrupt
+
+    timer = threading.Timer(10, released.set)  # were it waited for, the held reply would come then
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backend.generate([Request([{"role": "user", "content": f"p{i}"}], 0, str(i)) for i in range(8)], stop)
+        assert not released.is_set()
+    finally:
+        timer.cancel()
+        released.set()
+    assert {b["messages"][-1]["content"] for b in stub.bodies} <= {"p0", "p1"}

@@ -99,8 +99,11 @@ class OpenAIBackend:
             progress(answer.tokens)
             return answer
 
-        with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency))
+        try:
             return list(pool.map(one, requests))
+        finally:  # stopped (Ctrl-C): the queued requests are dropped, not sent (those in flight end)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def body(self, request: Request, budget: int) -> dict:
         """Everything that decides the answer, explicitly."""

@@ -115,7 +115,8 @@ def regenerate_rows(model, tokenizer, source, out_dir, target_dir, p, temperatur
                            max_new_tokens=p.max_new_tokens, max_length=1 << 30, seed=seed,
                            batch_size=p.generate_batch, rows_per_shard=rows_per_shard)
     backend = HFBackend(model, tokenizer, cfg.sampling(), cfg.batch_size)
-    return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=False)
+    # every row, in this process's own temp directory, even on one rank of a distributed demo
+    return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=False, ranks=(0, 1))
 
 
 def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
