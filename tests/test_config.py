@@ -264,3 +264,18 @@ def test_demo_help_names_every_packaged_demo_config(capsys):
     text = "".join(capsys.readouterr().out.split())  # argparse wraps at hyphens
     names = sorted(Path(path).stem for path in family_demo_configs().values())
     assert len(names) == len(FAMILIES) and f"({','.join(names)})" in text
+
+
+@pytest.mark.parametrize("command", ["", "train", "config", "data", "demo", "inspect", "export", "consolidate", "eval",
+                                     "regenerate"])
+def test_help_imports_neither_torch_nor_deepspeed_nor_transformers(command):
+    """`specdraft [COMMAND] --help` answers at once: the heavy imports happen inside the commands."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom specdraft.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe, *command.split(), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "usage: specdraft" in proc.stdout, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
