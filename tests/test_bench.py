@@ -155,6 +155,45 @@ def test_step_efficiency_bench_runs_every_family(tmp_path):
     assert all(math.isfinite(float(value)) for value in last.values())
 
 
+def test_gpu_step_bench_runs_every_family_on_the_cpu_preset():
+    """bench/gpu_step.py --device cpu: the GPU twin's code (target built on the device, capture,
+    draft alone, engine step, clocks, peaks, dynamo counters) on the tiny preset, every registered
+    family (a new one without bench support fails here). Each training step counts exactly the
+    batch's B x T tokens, and every case's ratio, tokens/s and peak are finite and positive."""
+    import math
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from helpers import free_port
+    from specdraft.drafts import FAMILIES
+
+    families = sorted(FAMILIES)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--device", "cpu", "--families",
+                          ",".join(families), "--steps", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert re.match(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$", lines[-1])  # what bench/summary.py reads
+    last = dict(item.split("=") for item in lines[-1].split())
+    shapes = {"64x2": (64, 2), "128x1": (128, 1)}  # the CPU preset: T x B
+    keys = ("ratio", "tokens_per_s", "peak_gb", "step_ms", "first_s", "recompiles", "tokens")
+    assert set(last) == {f"{family}_{shape}_{key}" for family in families for shape in shapes for key in keys}
+    for family in families:
+        for shape, (seq, batch) in shapes.items():
+            case = {key: last[f"{family}_{shape}_{key}"] for key in keys}
+            assert int(case["tokens"]) == seq * batch, (family, shape, case)  # counted per step, as the loop does
+            for key in ("ratio", "tokens_per_s", "peak_gb", "step_ms", "first_s"):
+                assert math.isfinite(float(case[key])) and float(case[key]) > 0, (family, shape, key, case)
+            assert int(case["recompiles"]) >= 0
+    # one table row per case, each measured (none oom, skipped or failed)
+    rows = [line.split() for line in lines if line.split()[:1] and line.split()[0] in families]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((f, s) for f in families for s in shapes)
+    assert all(float(r[6]) > 0 for r in rows)  # c/(a+b)
+
+
 def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
     """A smoke run: every registered family together and alone on the tiny shape, one round."""
     import math
