@@ -26,6 +26,7 @@ from specdraft.config import draft_names, draft_view, resolve_data_files, save_c
 from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
+from specdraft.errors import SpecdraftError
 from specdraft.outputs import claim_run_dir, start_run_dir
 from specdraft.parallel.sequence import SequenceParallel, sequence_parallel_groups
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
@@ -37,6 +38,7 @@ from specdraft.train.engine import (build_engine, draft_parameter_count, gather_
 from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.train.imports import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
+from specdraft.train.slots import wait_visible
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.memory import estimate_run_peak
 from specdraft.train.model import DraftWithLoss, TargetWithDraft, target_features
@@ -362,9 +364,11 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
 
 
 def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
-    """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it."""
-    files = resolve_data_files(cfg.data_files)
-    cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
+    """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it. A
+    rank that cannot read the data files or see the cache (another node's disk) stops every rank
+    in one line instead of leaving them waiting."""
+    # each rank names the cache from its own view of the files (their sizes and times)
+    files, cache_dir = run_shared(lambda: _data_and_cache(cfg), on_rank=None)
     error = None
     if rank == 0:
         try:
@@ -377,7 +381,20 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
         raise error
     if failed:
         raise SystemExit(2)  # rank 0 reports the data error
+    run_shared(lambda: _expect_cache(cache_dir, rank), on_rank=None)
     return open_packed_cache(cache_dir)
+
+
+def _data_and_cache(cfg: DictConfig):
+    files = resolve_data_files(cfg.data_files)
+    return files, packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
+
+
+def _expect_cache(cache_dir: Path, rank: int) -> None:
+    if not wait_visible(Path(cache_dir) / "meta.json"):
+        raise SpecdraftError(f"{cache_dir}: rank {rank} cannot see the packed data rank 0 built there: set "
+                             f"data_cache_dir to a directory every node shares, or run `specdraft data CONFIG` "
+                             f"on every node first")
 
 
 def planned_steps(cfg: DictConfig, sampler: ShardedBatchSampler) -> int:
