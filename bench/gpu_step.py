@@ -182,26 +182,11 @@ def build_target(config, device: torch.device, dtype: torch.dtype):
 
 def packed_data(shape: Shape, rows: int, out: Path):
     """A packed cache as prepare_data leaves it: random tokens in conversations of 64-512 tokens
-    (the first third a prompt, the rest the answer: the loss mask), several per row."""
-    from specdraft.data.packing import TOKEN_DTYPE, open_packed_cache
+    (the first third a prompt, the rest the answer: the loss mask), several per row; the CPU
+    twin's data, at this bench's shape."""
+    from step_efficiency import packed_data as cpu_twins
 
-    rng = np.random.default_rng(0)
-    out.mkdir(parents=True, exist_ok=True)
-    count = rows * shape.seq
-    tokens = rng.integers(0, shape.vocab, size=count).astype(TOKEN_DTYPE)
-    mask = np.zeros(count, dtype=np.uint8)
-    starts = np.zeros(count, dtype=np.uint8)
-    start = 0
-    while start < count:
-        length = int(rng.integers(min(64, shape.seq // 2), min(513, shape.seq + 1)))
-        starts[start] = 1
-        mask[start + length // 3:start + length] = 1
-        start += length
-    tokens.tofile(out / "tokens.bin")
-    mask.tofile(out / "loss_mask.bin")
-    starts.tofile(out / "doc_start.bin")
-    (out / "meta.json").write_text(json.dumps({"sequences": rows, "max_seq_length": shape.seq}))
-    return open_packed_cache(out)
+    return cpu_twins(shape, rows, out)
 
 
 def run_config(shape: Shape, family: str, precision: str):
