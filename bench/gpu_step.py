@@ -63,7 +63,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -79,7 +78,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 FAMILY_ORDER = ("glide", "eagle3", "peagle", "dflash", "dspark", "mtp")
