@@ -150,7 +150,7 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
     from specdraft.drafts.base import document_starts
     from specdraft.drafts.dflash_blocks import BlockVisibility
     from specdraft.drafts.documents import document_block_mask
-    from specdraft.drafts.layers import window_block_mask
+    from specdraft.drafts.layers import lagged_block_mask, window_block_mask
 
     def nbytes(mask) -> int:
         return sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
@@ -160,7 +160,7 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
     visibility = BlockVisibility(starts, T, block, document_starts(documents).gather(1, starts))
     blocked = -(-T // window) * window * 2 * window  # the dense path's band: blocks of (window, 2 window)
     rows = [("GLIDE window", window_block_mask(documents, window), T * T if T <= 2 * window else blocked),
-            ("GLIDE cross", document_block_mask(documents[:, lag:], documents[:, :T - lag]), (T - lag) ** 2),
+            ("GLIDE cross", lagged_block_mask(documents, lag), (T - lag) ** 2),
             ("EAGLE-3 causal", document_block_mask(documents), T * T),
             ("DFlash blocks", visibility.block_mask(), visibility.query_len * (T + visibility.query_len))]
     for name, mask, dense in rows:
@@ -173,16 +173,15 @@ def mask_build_peak(mode: str, T: int) -> dict:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from specdraft.drafts import documents as docs_module
-    from specdraft.drafts.documents import document_block_mask
+    from specdraft.drafts import layers
 
     build = torch.compile(create_block_mask) if mode == "compiled" else create_block_mask
-    docs_module.make_block_mask = lambda mask_mod, B, q, kv, device: build(mask_mod, B, None, q, kv, device=device)
+    layers.make_block_mask = lambda mask_mod, B, q, kv, device: build(mask_mod, B, None, q, kv, device=device)
     documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
-    document_block_mask(documents[:, 2:], documents[:, :T - 2])  # warm-up (compiles)
+    layers.lagged_block_mask(documents, 2)  # warm-up (compiles)
     Path("/proc/self/clear_refs").write_text("5")
     base = rss_kib("VmRSS")
-    document_block_mask(documents[:, 2:], documents[:, :T - 2])
+    layers.lagged_block_mask(documents, 2)
     return {"mode": mode, "T": T, "peak_mib": (rss_kib("VmHWM") - base) / 2**10}
 
 
@@ -202,7 +201,7 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
 
     def masks():
         return [layers.window_block_mask(documents, 16),
-                docs_module.document_block_mask(documents[:, 2:], documents[:, :T - 2]),
+                layers.lagged_block_mask(documents, 2),
                 docs_module.document_block_mask(documents),
                 dflash_blocks.BlockVisibility(anchors, T, 4, starts).block_mask()]
 

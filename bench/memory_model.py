@@ -3,6 +3,8 @@ on CPU, then its predictions for real targets on 8 x 80 GB GPUs.
 
     OMP_NUM_THREADS=1 python bench/memory_model.py [--skip-check]
     OMP_NUM_THREADS=1 python bench/memory_model.py --families [--seqs 1024,4096,8192] [--only glide]
+    OMP_NUM_THREADS=1 python bench/memory_model.py --targets   # predictions only: Qwen3-8B per family,
+                                                               # gpt-oss-20b and Qwen3-30B-A3B rows
 
 Measurement (CPU, one rank, fp32, batches without document borders): each shape runs in a fresh process that builds a random Llama
 target, the GLIDE draft and the DeepSpeed engine, and trains 2 steps. Peak = the kernel's
@@ -61,6 +63,25 @@ QWEN3 = {
     "Qwen3-32B": dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000),
+}
+# Mixture-of-experts targets, shaped as the published config.json of openai/gpt-oss-20b and
+# Qwen/Qwen3-30B-A3B on Hugging Face (written here: nothing can be downloaded on this machine).
+# gpt-oss-20b's release stores its experts in MXFP4; training holds them in bf16, as the model
+# counts them (every parameter at the run's precision).
+MOE_TARGETS = {
+    "gpt-oss-20b": ("gpt_oss", dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
 }
 GPU_BYTES = 80e9
 USABLE = 0.9  # CUDA context, NCCL buffers and allocator fragmentation take the rest
@@ -189,6 +210,7 @@ def check_families(seqs, only=None) -> None:
                               and "optimizer" not in k and "grads" not in k)
             print(f"{family:<8} {seq:>5} {estimate.total / 2**20:13.0f}{cells}  {parts}", flush=True)
     qwen3_8b_table()
+    moe_target_rows()
     print(f"family_memory_error={worst['warm']:.3f} family_memory_error_cold={worst['cold']:.3f}")
 
 
@@ -219,6 +241,57 @@ def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
             longest, seq = seq, seq * 2
         cells = " | ".join(f"{peak(t) / 1e9:.1f}" for t in seqs)
         print(f"| {label} | {cells} | {f'{longest // 1024}k' if longest else 'under 4k'} |")
+
+
+def moe_target_config(name: str):
+    from transformers import AutoConfig
+
+    model_type, fields = MOE_TARGETS[name]
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def moe_target_rows(seqs=(4096, 32768, 65536)) -> None:
+    """gpt-oss-20b and Qwen3-30B-A3B shaped targets, per family that drafts for them: the predicted
+    per-GPU peak on 8 x 80 GB, bf16, batch 1, packed documents, at ZeRO-2 (the target replicated:
+    every expert's weights on every GPU) and ZeRO-3 with the target partitioned, and the longest
+    context (a power of two from 4k) that fits."""
+    from specdraft.drafts import FAMILIES
+    from specdraft.train.memory import attention_tile_bytes, mlp_working_bytes
+    from specdraft.target.moe import moe_shape
+
+    print(f"\nMixture-of-experts targets, 8 x 80 GB, bf16, batch 1, packed documents: predicted GB per GPU "
+          f"(fits: <= {USABLE:.0%} of 80 GB)")
+    for name in MOE_TARGETS:
+        config = moe_target_config(name)
+        moe = moe_shape(config)
+        print(f"{name}: {moe.experts} experts, top {moe.top_k}, expert intermediate {moe.expert_intermediate}, "
+              f"window {getattr(config, 'sliding_window', None) or '-'}; the capture's MLP holds "
+              f"{mlp_working_bytes(config, 2) / 1024:.1f} KB per token (routed activations); one row of 32k "
+              f"without packed documents adds an attention tile of "
+              f"{attention_tile_bytes(config, 1, 32768, 2, documents=False) / 1e9:.2f} GB")
+    print(f"| target, family, ZeRO (target) | {' | '.join(f'{t // 1024}k' for t in seqs)} | longest that fits |")
+    print(f"|---|{'---|' * len(seqs)}---|")
+    for name in MOE_TARGETS:
+        config = moe_target_config(name)
+        for family, cls in FAMILIES.items():
+            if not cls.drafts_for(config.model_type):
+                continue
+            for stage, placement in ((2, "replicated"), (3, "partitioned")):
+                def peak(seq):
+                    cfg = run_config(dict(zero=stage, batch=1, seq=seq, window=512, family=family), precision="bf16")
+                    cfg.document_mask = True
+                    return estimate_peak(config, cfg, world_size=8, target_placement=placement).total
+                try:
+                    peak(4096)
+                except Exception as err:  # a refused cell (docs/targets.md): say so, one line
+                    print(f"| {name}, {cls.label} | refused: {str(err).splitlines()[0][:80]} |")
+                    break
+                longest, seq = None, 4096
+                while seq <= 262144 and peak(seq) <= USABLE * GPU_BYTES:
+                    longest, seq = seq, seq * 2
+                cells = " | ".join(f"{peak(t) / 1e9:.1f}" for t in seqs)
+                print(f"| {name}, {cls.label}, {stage} ({placement}) | {cells} | "
+                      f"{f'{longest // 1024}k' if longest else 'under 4k'} |", flush=True)
 
 
 def qwen3_8b_sequence_parallel_table(sizes=(1, 2, 4, 8)) -> None:
@@ -264,9 +337,15 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="with --families: these families (comma-separated)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="only the Qwen3-8B table of the longest context per family at SP = 1, 2, 4, 8")
+    parser.add_argument("--targets", action="store_true",
+                        help="only the Qwen3-8B table per family, then the gpt-oss-20b and Qwen3-30B-A3B rows")
     args = parser.parse_args()
     if args.sequence_parallel:
         qwen3_8b_sequence_parallel_table()
+        return
+    if args.targets:
+        qwen3_8b_table()
+        moe_target_rows()
         return
     if args.child:
         measure_child(json.loads(args.child))

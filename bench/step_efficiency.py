@@ -112,7 +112,7 @@ SHAPES = {
 def random_target(shape: Shape, family: str = "glide"):
     """A seeded random Llama of the shape; for a family that drafts only for qwen3_next targets
     (MTP), a qwen3_next of the same dims (every layer full attention, 8 experts, top 2)."""
-    if FAMILIES[family].target_model_types == ("qwen3_next",):
+    if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         config = Qwen3NextConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,

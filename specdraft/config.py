@@ -27,7 +27,7 @@ from specdraft.atomic import write_atomic
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 from specdraft.parallel.checks import sequence_parallel_key_refusal
-from specdraft.target.model import check_sequence_length, check_tokenizer, load_target_config
+from specdraft.target.model import check_packed_documents, check_sequence_length, check_tokenizer, load_target_config
 from specdraft.run import step_of
 
 # `${specdraft_home:}` in a YAML config: where `specdraft demo` caches its target and data.
@@ -283,6 +283,7 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     if target_config is not None:  # a model directory: it must hold a tokenizer and cover the sequences
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
+        check_packed_documents(target_config, cfg.document_mask, source)
     refusal = sequence_parallel_key_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config, family,
                                             cfg.draft, FAMILIES)
     if refusal:

@@ -179,7 +179,7 @@ MTP_TARGET_LAYERS = 2
 
 
 def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp: bool = True, hidden: int = 64,
-                          seed: int = 0, init: float = 0.2) -> Path:
+                          seed: int = 0, init: float = 0.2, layers: int = MTP_TARGET_LAYERS) -> Path:
     """A tiny `qwen3_next` target shaped like Qwen3-Next (gated attention, partial RoPE, MoE with a
     shared expert), with a native MTP layer stored as Qwen's checkpoints store it (mtp.fc,
     mtp.pre_fc_norm_hidden, mtp.pre_fc_norm_embedding, mtp.norm, mtp.layers.0.* with per-expert
@@ -188,7 +188,7 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
     The mtp.layers.0.* tensors are what transformers itself saves for one more decoder layer (a
     model of MTP_TARGET_LAYERS + 1 layers, its last renamed): no code of ours names them. hybrid:
     Qwen3-Next's linear-attention (Gated DeltaNet) layers before each full-attention one; else
-    every layer full attention (decoding needs a KV cache it can roll back)."""
+    every layer full attention (decoding needs a KV cache it can roll back). layers: the decoder's."""
     import shutil
 
     import torch
@@ -196,7 +196,6 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     directory = Path(directory)
-    layers = MTP_TARGET_LAYERS
     types = ["linear_attention", "full_attention"] * (layers // 2) if hybrid else ["full_attention"] * layers
     base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
                 shared_expert_intermediate_size=hidden // 2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

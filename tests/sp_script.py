@@ -23,6 +23,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from helpers import random_llama  # noqa: E402
 from specdraft.config import DraftConfig  # noqa: E402
 from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.drafts.vocab import vocab_maps  # noqa: E402
 from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402
 
@@ -48,8 +49,8 @@ def batch(T=32):
 
 def draft_for(family, objective, target):
     cfg = OmegaConf.merge(OmegaConf.structured(DraftConfig), {"type": family, "loss": objective})
-    if family in ("eagle3", "peagle"):
-        cfg.draft_vocab_size = 96
+    if family in ("eagle3", "peagle"):  # smaller than the target's: in_vocab and LK read its whole vocab
+        cfg.draft_vocab_size = 64
     if family == "eagle3":
         cfg.ttt_steps = 3
     if family == "peagle":  # r_min high enough that the deeper depths hold slots on both ranks
@@ -58,7 +59,8 @@ def draft_for(family, objective, target):
         cfg.block_size = 4
     draft = build_draft(cfg, target.config)
     if family in ("eagle3", "peagle"):
-        draft.set_vocab_maps(torch.zeros(96, dtype=torch.long), torch.ones(96, dtype=torch.bool))
+        counts = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(2)).numpy()
+        draft.set_vocab_maps(*vocab_maps(counts, 64))
     return draft
 
 

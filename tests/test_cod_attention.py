@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafts.cod_attention import CODSlots, cod_attention
-from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
+from specdraft.drafts.peagle.cod import cod_anchors, cod_sample_batch, cod_visibility, slot_order
 
 
 def slots_of(T, seed, documents=None):
@@ -44,6 +44,35 @@ def test_slot_attention_equals_the_dense_mask_values_and_gradients(packed):
     expected = torch.autograd.grad((theirs * weights).sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_a_batch_of_slots_with_padding_equals_each_rows_dense_mask_values_and_gradients():
+    """Training's layout (cod_sample_batch: B rows, each depth in places fixed by T, padding
+    anchored at T): each row's drawn slots get what SDPA under that row's own dense mask gives,
+    and the padding neither reaches a drawn slot nor receives a gradient."""
+    B, T, Hq, Hkv, D = 3, 48, 4, 2, 8
+    documents = torch.tensor([[0] * 48, [0] * 20 + [1] * 28, [0] * 3 + [1] * 40 + [2] * 5])
+    valid = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) > 0.2
+    valid[:, -2:] = False
+    valid[:, :-2] &= documents[:, 2:] == documents[:, :-2]
+    slots = cod_sample_batch(valid, 5, 0.7, 0.2, torch.Generator().manual_seed(2))
+    assert (~slots.drawn).any(dim=1).all()  # every row has padding
+    generator = torch.Generator().manual_seed(0)
+    N = slots.anchor.shape[1]
+    q, k, v = (torch.randn(B, h, N, D, generator=generator, dtype=torch.float64).requires_grad_()
+               for h in (Hq, Hkv, Hkv))
+    ours = cod_attention(q, k, v, CODSlots.of_batch(slots.anchor, slots.sizes, documents))
+    weights = torch.randn(ours.shape, generator=generator, dtype=torch.float64) * slots.drawn[:, None, :, None]
+    grads = torch.autograd.grad((ours * weights).sum(), (q, k, v))
+    for b in range(B):
+        drawn = slots.drawn[b]
+        rows = [x[b:b + 1, :, drawn].detach().requires_grad_() for x in (q, k, v)]
+        theirs = dense(*rows, slots.anchor[b, drawn], slots.depth[drawn], documents[b])
+        torch.testing.assert_close(ours[b:b + 1, :, drawn], theirs, rtol=1e-9, atol=1e-9)
+        expected = torch.autograd.grad((theirs * weights[b:b + 1, :, drawn]).sum(), rows)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got[b:b + 1, :, drawn], want, rtol=1e-9, atol=1e-9)
+            assert not got[b, :, ~drawn].any()
 
 
 def test_cods_anchors_are_sorted_subsets_depth_by_depth():

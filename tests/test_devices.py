@@ -7,6 +7,7 @@ Meta cannot catch 0-dim CPU tensors or host syncs: those have a targeted test ea
 Every family in the registry (specdraft.drafts.FAMILIES) runs through the harness.
 """
 
+import collections
 import contextlib
 import json
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdraft
 from specdraft.config import DraftConfig
@@ -46,7 +48,8 @@ SMALL = {
 
 def build_family(family, target_config, **keys):
     """A fresh draft of `family` for a target config (every registered family takes part)."""
-    return build_draft(OmegaConf.structured(DraftConfig(type=family, **SMALL.get(family, {}), **keys)), target_config)
+    keys = {**SMALL.get(family, {}), **keys}
+    return build_draft(OmegaConf.structured(DraftConfig(type=family, **keys)), target_config)
 
 
 FAMILY_NAMES = sorted(FAMILIES)
@@ -97,7 +100,7 @@ def meta_targets(meta_target, mtp_target_dir):
 
 def target_for(family, meta_targets):
     types = FAMILIES[family].target_model_types
-    return meta_targets["llama" if types is None or "llama" in types else types[0]]
+    return meta_targets["llama" if types is None or "llama" in types else "qwen3_next"]
 
 
 @pytest.fixture(autouse=True)
@@ -267,15 +270,15 @@ class PageableCopyCounter:
 
 
 class MetaEngine:
-    """What forward_step asks of a DeepSpeed engine, for a module on meta."""
+    """What forward_step and forward_drafts ask of a DeepSpeed engine, for a module on meta."""
 
     device = META
 
     def __init__(self, module):
         self.module = module
 
-    def __call__(self, **inputs):
-        return self.module(**inputs)
+    def __call__(self, *args, **inputs):
+        return self.module(*args, **inputs)
 
     def backward(self, loss):
         loss.backward()
@@ -289,21 +292,29 @@ def test_a_training_step_makes_no_pageable_host_to_device_copy(family, loss, tok
     """The whole micro-batch as the loop runs it (batch copy, capture, loss), on a device: every
     host tensor it sends there is pinned and copied asynchronously."""
     meta_target = target_for(family, meta_targets)
-    from specdraft.train.loop import forward_step, model_inputs
+    from specdraft.train.loop import forward_step
 
     draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
     engine = MetaEngine(TargetWithDraft(meta_target, draft, loss_chunk_size=16))
-    B, T = 2, 24
-    documents = torch.tensor([[0] * 12 + [1] * 12, [0] * T])  # a border: the document path too
-    starts = torch.tensor([[0] * 12 + [12] * 12, [0] * T])
-    batch = model_inputs({"input_ids": torch.randint(0, 50, (B, T), generator=torch.Generator().manual_seed(0)),
-                          "loss_mask": prompt_then_answer(B, T), "document_ids": documents,
-                          "document_positions": torch.arange(T).expand(B, T) - starts}, document_mask=True)
-    options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
+    batch = packed_batch(24)
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), 24)
     counter = PageableCopyCounter(monkeypatch)
     out = forward_step(engine, batch, options)
     assert out.loss.device == META
     assert counter.calls == []
+
+
+def packed_batch(T: int, seed: int = 0) -> dict:
+    """Two rows of T tokens as the loop hands them over (model_inputs), the first with a border
+    in its middle (the document path too), the second one conversation."""
+    from specdraft.train.loop import model_inputs
+
+    half = T // 2
+    documents = torch.tensor([[0] * half + [1] * (T - half), [0] * T])
+    starts = torch.tensor([[0] * half + [half] * (T - half), [0] * T])
+    return model_inputs({"input_ids": torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(seed)),
+                         "loss_mask": prompt_then_answer(2, T), "document_ids": documents,
+                         "document_positions": torch.arange(T).expand(2, T) - starts}, document_mask=True)
 
 
 def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
@@ -344,6 +355,136 @@ def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
         TargetWithDraft(meta_target, draft)(ids, torch.ones_like(ids), lag=1)
     with pytest.raises(Exception):
         ids[ids.bool()]
+
+
+# -- the work a step launches does not grow with the batch's rows or documents -------------------
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operator a region runs (forward and backward, on any device: the host's
+    own work on the host batch too), by name; not the views (slice, expand, alias ...), which
+    launch nothing and follow the layout (a slice of a whole dimension is an alias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_operators(family, target, B: int, conversations: int, T: int, sequence_parallel=None):
+    """The operators of one training step (capture, the draft's forward and loss, backward) of a
+    (B, T) batch whose rows each pack `conversations` conversations, on the device of `target`.
+    On meta, attention_path "dense" stands in for "flex" (neither slices a row per conversation);
+    on the CPU under forced_attention_path("flex") it is the GPU's own (forward only there)."""
+    device = target.lm_head.weight.device
+    # one loss chunk: the chunked losses loop over chunks of counted rows (a bound on memory, not a
+    # loop per row or conversation), as many as the batch's counted rows fill; so does a teacher's
+    # pass over the target's whole vocab beside a draft vocab (none: the draft vocab is the whole one)
+    keys = family_keys(FAMILIES[family])
+    draft = build_family(family, target.config, **({"draft_vocab_size": target.config.vocab_size}
+                                                     if "draft_vocab_size" in keys else {})).to(device)
+    model = TargetWithDraft(target, draft, loss_chunk_size=1 << 20,
+                            **({} if sequence_parallel is None else {"sequence_parallel": sequence_parallel}))
+    length = T // conversations
+    documents = torch.arange(T).clamp(max=conversations * length - 1) // length  # (T,): the last one longer
+    starts = torch.searchsorted(documents, documents)  # each token's conversation's first index
+    mask = torch.ones(T, dtype=torch.long)
+    mask[torch.arange(T) - starts < 2] = 0  # two prompt tokens per conversation, then its answer
+    ids = torch.randint(0, target.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
+    host = HostBatch(ids, mask.expand(B, T).clone(), documents.expand(B, T).clone())
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
+    inputs = dict(input_ids=ids, loss_mask=host.loss_mask, document_positions=torch.arange(T) - starts,
+                  document_ids=host.documents)
+    inputs = {key: value.expand(B, T).to(device) for key, value in inputs.items()}
+    if device == META:
+        with OpCounter() as counter:
+            model(**inputs, host=host, **options).loss.backward()
+        return counter.ops
+    # the CPU's flex_attention runs through torch.compile, which no dispatch mode may watch: the
+    # profiler's count of the aten operators called from Python instead (not those an operator's
+    # CPU kernel calls inside, which depend on sizes), of a second run (the first one compiles)
+    from torch.profiler import ProfilerActivity, profile
+
+    def counted(event):  # an outermost aten operator, or a flex_attention call
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        return event.name.startswith("aten::") and parent is None or event.name == FLEX
+
+    for _ in range(2):
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():  # no flex backward on the CPU
+            model(**inputs, host=host, **options)
+    return collections.Counter(event.name for event in prof.events() if counted(event))
+
+
+FLEX = "FlexAttentionAutogradOp"  # the profiler's name of a flex_attention call
+
+
+def without_layout_copies(ops: collections.Counter) -> collections.Counter:
+    """Without the copies a layout asks for (reshape's clone and _unsafe_view, contiguous's clone):
+    a (B, ...) tensor permuted or sliced is often contiguous already at B = 1, not at B > 1."""
+    return collections.Counter({op: n for op, n in ops.items() if op not in LAYOUT_COPIES})
+
+
+LAYOUT_COPIES = ("aten.clone.default", "aten._unsafe_view.default")
+
+
+def assert_same_operators(family, counts):
+    """counts {(B, conversations): operators}: the same for every conversation count at a B and for
+    every B >= 2; B = 1 against B = 2 but for the copies its layouts skip."""
+    def check(a, b, normal=lambda ops: ops):
+        (shape, ops), (other_shape, other) = a, b
+        diff = sorted((op, ops[op], other[op]) for op in ops.keys() | other.keys() if ops[op] != other[op])[:12]
+        assert normal(ops) == normal(other), (
+            f"{family}: {sum(ops.values())} operators for {shape[0]} rows of {shape[1]} conversations, "
+            f"{sum(other.values())} for {other_shape[0]} rows of {other_shape[1]}: {diff}")
+
+    by_rows = {}
+    for shape, ops in counts.items():
+        by_rows.setdefault(shape[0], []).append((shape, ops))
+    for group in by_rows.values():
+        for other in group[1:]:
+            check(group[0], other)
+    firsts = [group[0] for B, group in sorted(by_rows.items()) if B >= 2]
+    for other in firsts[1:]:
+        check(firsts[0], other)
+    if 1 in by_rows and firsts:
+        check(by_rows[1][0], firsts[0], without_layout_copies)
+
+
+SHAPES = ((1, 1), (1, 40), (2, 1), (4, 1), (4, 40))  # (rows, conversations per row)
+
+
+@pytest.mark.parametrize("family,sp", [(family, 1) for family in FAMILY_NAMES]
+                         + [(family, 2) for family in FAMILY_NAMES if FAMILIES[family].sequence_parallel])
+def test_a_steps_operators_do_not_grow_with_rows_or_conversations(family, sp, meta_targets, one_rank_of_two):
+    """The same operators, as many of each, for 1 conversation and for 40 packed in a row, and for
+    1, 2 and 4 rows, forward and backward, on the meta device's stand-in for the GPU path: no
+    Python loop over rows or conversations (P-EAGLE's slots included), so a step launches the same
+    work whatever the batch packs. Document ids are given for 1 conversation too (the loop drops
+    them for a batch without a border: the plain causal path, another one). SP = 2: rank 0 of two,
+    collectives stood in."""
+    target = target_for(family, meta_targets)
+    layout = one_rank_of_two(0) if sp == 2 else None
+    assert_same_operators(family, {shape: step_operators(family, target, *shape, 320, layout) for shape in SHAPES})
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_steps_forward_on_the_flex_path_runs_the_same_operators_for_any_rows_or_conversations(
+        family, cpu_target, mtp_target_dir):
+    """The same on the CPU along the GPU's own attention (flex_attention over block masks, eager:
+    the CPU has no flex backward, so the forward only)."""
+    from specdraft.drafts.documents import forced_attention_path
+
+    if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
+        cpu_target = load_frozen_target(str(mtp_target_dir))
+    with forced_attention_path("flex", compile=False):
+        counts = {shape: step_operators(family, cpu_target, *shape, 256) for shape in SHAPES}
+    assert counts[SHAPES[0]][FLEX] > 0, "not the flex path"
+    assert_same_operators(family, counts)
 
 
 def test_target_capture_runs_on_meta(meta_target):
@@ -425,7 +566,7 @@ class HostSyncCounter:
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
 def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, mtp_target_dir,
                                                                     monkeypatch):
-    if FAMILIES[family].target_model_types == ("qwen3_next",):
+    if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
         cpu_target = load_frozen_target(str(mtp_target_dir))
     torch.manual_seed(0)
     draft = build_family(family, cpu_target.config, loss=loss, distill_tokens=tokens)
@@ -457,6 +598,124 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
     tokens = sum(s[1] for s in sums)
     assert values["loss"] == pytest.approx(sum(s[0] for s in sums) / tokens, rel=1e-12)
     assert values["accuracy"] == pytest.approx(sum(s[2] for s in sums) / tokens, rel=1e-12)
+
+
+# sequence parallelism and several drafts: the loop's other two ways through a micro-batch
+
+SP_CASES = [case for case in OBJECTIVE_CASES if FAMILIES[case[0]].sequence_parallel]
+# the drafts one run may train together on one target pass (GLIDE without anchor_offset: moved
+# positions keep a draft alone in its run)
+SHARED = [family for family in FAMILY_NAMES if FAMILIES[family].target_model_types is None
+          or "llama" in FAMILIES[family].target_model_types]
+
+
+def shared_drafts(target_config, device):
+    return [build_family(family, target_config, **({"anchor_offset": False} if family == "glide" else {})).to(device)
+            for family in SHARED]
+
+
+@pytest.fixture
+def one_rank_of_two(monkeypatch):
+    """Rank r of an SP group of 2, run alone: each collective hands back a tensor of the right
+    shape (this rank's own where another rank's would come; the values are not what 2 ranks
+    compute, what the step reads on the host is the point)."""
+    from specdraft.parallel import sequence
+    from specdraft.parallel.sequence import SequenceParallel
+
+    calls = []
+
+    class OneRank:
+        @staticmethod
+        def all_gather(parts, x, group=None):
+            calls.append("all_gather")
+            for part in parts:
+                part.copy_(x)
+
+        @staticmethod
+        def all_reduce(x, *args, **kwargs):
+            calls.append("all_reduce")
+
+    def all_to_all(x, group):
+        calls.append("all_to_all")
+        return x.clone()
+
+    monkeypatch.setattr(sequence, "dist", OneRank)
+    monkeypatch.setattr(sequence, "_all_to_all", all_to_all)
+    layout = lambda rank: SequenceParallel(size=2, rank=rank)  # noqa: E731
+    layout.calls = calls
+    return layout
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("family,loss,tokens", SP_CASES)
+def test_a_sequence_parallel_micro_batch_reads_no_device_value_and_copies_nothing_pageable(
+        family, loss, tokens, rank, meta_targets, one_rank_of_two, monkeypatch):
+    """Each rank of SP = 2 (its local computation in one process, collectives stood in) through
+    forward_step on meta: a host read of a device value raises there (a meta tensor has none),
+    what a rank counts on the host comes from the host batch (SequenceShard.host_count, DFlash's
+    and P-EAGLE's own slots), and every host tensor it sends is pinned."""
+    from specdraft.train.loop import forward_step
+
+    meta_target = target_for(family, meta_targets)
+    draft = build_family(family, meta_target.config, loss=loss, distill_tokens=tokens).to(META)
+    model = TargetWithDraft(meta_target, draft, loss_chunk_size=16, sequence_parallel=one_rank_of_two(rank))
+    engine = MetaEngine(model)
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), 32)
+    counter = PageableCopyCounter(monkeypatch)
+    out = forward_step(engine, packed_batch(32), options)  # the border at 16: the shard boundary
+    assert out.loss.device == META and out.tokens.device == META
+    assert "all_to_all" in one_rank_of_two.calls  # the sharded path ran (the capture's head exchange)
+    assert counter.calls == []
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_several_drafts_read_no_device_value_and_copy_nothing_pageable(sp, meta_target, one_rank_of_two, monkeypatch):
+    """forward_drafts (one target pass, then each draft's loss, backward and step) with every
+    draft that can share a run, on meta, packed, at SP = 1 and as rank 1 of SP = 2."""
+    from specdraft.parallel.sequence import SequenceParallel
+    from specdraft.train.loop import forward_drafts
+    from specdraft.train.model import DraftWithLoss
+
+    drafts = shared_drafts(meta_target.config, META)
+    engines = [MetaEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
+    options = [draft.sample_batch_options(torch.Generator().manual_seed(0), 32) for draft in drafts]
+    counter = PageableCopyCounter(monkeypatch)
+    outs = forward_drafts(meta_target, engines, packed_batch(32), options,
+                          one_rank_of_two(1) if sp == 2 else SequenceParallel())
+    assert len(outs) == len(drafts) >= 4 and all(out.loss.device == META for out in outs)
+    assert ("all_to_all" in one_rank_of_two.calls) == (sp == 2)
+    assert counter.calls == []
+
+
+def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_log_interval(cpu_target, monkeypatch):
+    """The CPU count of specdraft's host reads, as for one draft above: none in 2 optimizer steps
+    of 2 micro-batches of every draft that can share a run, one per draft at the log."""
+    from specdraft.train.loop import forward_drafts
+    from specdraft.train.model import DraftWithLoss
+
+    class CPUEngine(MetaEngine):
+        device = torch.device("cpu")
+
+    torch.manual_seed(0)
+    drafts = shared_drafts(cpu_target.config, "cpu")
+    engines = [CPUEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
+    windows = [LossWindow() for _ in drafts]
+    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
+    batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]
+    options = [[draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for draft in drafts] for i in range(4)]
+    counter = HostSyncCounter(monkeypatch)
+    for i, (ids, own) in enumerate(zip(batches, options)):
+        outs = forward_drafts(cpu_target, engines, {"input_ids": ids, "loss_mask": prompt_then_answer(2, 24)}, own)
+        for window, out in zip(windows, outs):
+            window.add(out)
+        assert counter.calls == []
+        if i % 2:
+            for window in windows:
+                window.end_step()
+    for window in windows:
+        window.reduce()
+    assert len(counter.calls) == len(drafts) >= 4, counter.calls
 
 
 # -- collectives go where the backend needs them ------------------------------------------------

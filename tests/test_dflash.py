@@ -282,6 +282,9 @@ def test_each_sp_rank_takes_its_valid_blocks_and_not_the_samplers_padding():
     assert second.anchors.tolist() == [[24, 30], [26, 32]] and bool(second.valid.all())
     assert not first.counted[1].any()  # its second row's blocks are padding: anchored at 0, counting nothing
     assert first.anchors[1].tolist() == [0, 0]
+    fixed = own_blocks(blocks, SequenceShard(None, 2, 1, 40), static=True)  # compiled flex: the sampler's A, always
+    assert fixed.anchors.shape == (2, 30) and fixed.anchors[:, :2].tolist() == [[24, 30], [26, 32]]
+    assert not fixed.valid[:, 2:].any() and not fixed.counted[:, 2:].any() and bool((fixed.anchors[:, 2:] == 20).all())
 
 
 def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversation():

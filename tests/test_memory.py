@@ -261,3 +261,114 @@ def test_sequence_parallel_terms_equal_a_hand_count(family):
     assert shard["block mask"] == half["block mask"] + slots * (T - T // 2) * (1 + 4 * layers)
     assert {k: v for k, v in shard.items() if k not in ("draft activations", "block mask")} == \
         {k: v for k, v in half.items() if k not in ("draft activations", "block mask")}
+
+
+# -- mixture-of-experts and windowed targets -------------------------------------------------------
+
+QWEN3_MOE = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                 tie_word_embeddings=False)
+
+
+def test_a_moe_targets_capture_holds_its_routed_activations_a_hand_count():
+    """Qwen3-MoE, fp32, a rank's 512 tokens: the dense layer's terms with the MLP's 3I replaced by
+    the routed activations, top_k = 2 per token, each the gathered input and the expert's gate/up
+    and product (H + 3 x 128), and the router's logits and fp32 softmax over 8 experts."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    attention = (2 * 256 + 2 * 4 * 64 + 2 * 2 * 64) * 4 + 2 * 256 * 4
+    routed = 2 * (256 + 3 * 128) * 4 + 8 * (4 + 4)
+    assert memory.mlp_working_bytes(Qwen3MoeConfig(**QWEN3_MOE), 4) == routed
+    assert memory.capture_working_set(Qwen3MoeConfig(**QWEN3_MOE), 512, 4) == 512 * (attention + routed)
+    # DeepSeek-V3-like: a dense first layer (first_k_dense_replace 1) of intermediate 688 is the larger
+    # MLP; the shared expert (2 x 128) runs after the routed ones, beside their output
+    deepseek = DeepseekV3Config(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=128,
+                                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=1, topk_group=1,
+                                first_k_dense_replace=1)
+    assert memory.mlp_working_bytes(deepseek, 4) == max(routed, (3 * 256 + 256) * 4, 3 * 688 * 4) == 3 * 688 * 4
+    deepseek.first_k_dense_replace = 0  # every layer sparse: the routed activations
+    assert memory.mlp_working_bytes(deepseek, 4) == routed
+
+
+def test_every_experts_weights_are_resident_a_hand_count():
+    """The target's weights count every expert of every sparse layer (a token may be routed to any):
+    Qwen3-MoE of 4 layers, per layer attention q/k/v/o and q/k norms, two RMSNorms, the router
+    (8 x 256) and 8 experts' gate/up (2 x 128 x 256) and down (256 x 128); embeddings, lm_head, norm."""
+    from transformers import Qwen3MoeConfig
+
+    attention = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 2 * 64
+    experts = 8 * (2 * 128 * 256 + 256 * 128)
+    layer = attention + 2 * 256 + 8 * 256 + experts
+    params = 4 * layer + 2 * 8000 * 256 + 256
+    target = Qwen3MoeConfig(**QWEN3_MOE)
+    est = memory.estimate_peak(target, config("eagle3", 1024), world_size=1)
+    assert est.parts["target weights"] == params * 4
+    counts = memory.parameter_counts(target, config("eagle3", 1024).draft)
+    assert counts["target_layer"] == layer  # what a ZeRO-3 partitioned target gathers per layer
+
+
+def test_a_windowed_layers_attention_is_bounded_by_its_window():
+    """One sequence per row: the capture's core computes a windowed layer's scores in tiles of W
+    queries over up to 2W - 1 keys (2p + 4 B each: scores, masked copy, fp32 softmax), the same at
+    any T past the window; with packed documents (flex_attention on CUDA) none. gpt-oss's full layers
+    with sinks: tiles of 128 queries over the keys before them, one more p for the sink column."""
+    from transformers import GptOssConfig, MistralConfig
+
+    mistral = MistralConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=512)
+    tile = 2 * 4 * 512 * (2 * 512 - 1) * (2 * 2 + 4)  # B = 2, 4 heads, bf16
+    assert memory.attention_tile_bytes(mistral, 2, 4096, 2, documents=False) == tile
+    assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=False) == tile
+    assert memory.attention_tile_bytes(mistral, 2, 512, 2, documents=False) == 0  # within the window: causal SDPA
+    assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=True) == 0
+    assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=False, sequence_parallel=2) == tile // 2
+    gpt_oss = GptOssConfig(vocab_size=8000, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
+                           num_experts_per_tok=2, sliding_window=128)
+    assert memory.attention_tile_bytes(gpt_oss, 1, 4096, 2, documents=False) == 4 * 128 * 4096 * (3 * 2 + 4)
+
+
+
+def test_the_attention_tile_is_part_of_the_captures_working_set(monkeypatch):
+    from transformers import MistralConfig
+
+    mistral = MistralConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, sliding_window=512)
+    monkeypatch.setattr(memory, "capture_working_set", lambda *args: 1e12)  # the largest transient here
+    rows = memory.estimate_peak(mistral, config("eagle3", 4096), world_size=1, documents=False)
+    packed = memory.estimate_peak(mistral, config("eagle3", 4096), world_size=1, documents=True)
+    B = config("eagle3", 4096).per_device_batch_size
+    assert rows.parts["capture working set (transient)"] == 1e12 + B * 4 * 512 * 1023 * (2 * 4 + 4)
+    assert packed.parts["capture working set (transient)"] == 1e12
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_mtp_terms_on_moe_targets_are_the_tensors_a_training_step_holds(model_type):
+    """The MTP layer of DeepSeek-V3 (MLA, MoE with a shared expert) and GLM-4.5 (MoE with a shared
+    expert): one training forward and backward holds within 10% of its terms (as the family test
+    above checks on Qwen3-Next)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
+
+    from specdraft.drafts import build_draft
+    from specdraft.train.model import TargetWithDraft
+
+    common = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  tie_word_embeddings=False, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                  n_shared_experts=1, first_k_dense_replace=1)
+    target_config = DeepseekV3Config(**common, num_key_value_heads=4, n_group=1, topk_group=1, q_lora_rank=128,
+                                     kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64) \
+        if model_type == "deepseek_v3" else Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=64, use_qk_norm=True)
+    cfg = config("mtp", 256)
+    cfg.per_device_batch_size = 1
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(target_config).eval().requires_grad_(False)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target_config), cfg.loss_chunk_size)
+    ids = torch.randint(0, 8000, (1, 256), generator=torch.Generator().manual_seed(0))
+    for param in model.draft_model.parameters():
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    with LiveTensorBytes() as live:
+        model(ids, torch.ones_like(ids)).loss.backward()
+    estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
+    predicted = estimate.total - sum(estimate.parts[name] for name in FIXED)
+    assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in estimate.parts.items()}

@@ -323,6 +323,20 @@ def test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line(tiny_target_dir,
     assert "\n" not in str(err.value)
 
 
+def test_a_hybrid_target_with_packed_conversations_is_refused_naming_document_mask(tiny_target_dir, data_dir,
+                                                                                   tmp_path):
+    """Its linear-attention layers would carry one conversation's state into the next packed one."""
+    from helpers import run_overrides
+    from specdraft.config import load_config
+
+    hybrid = qwen3_next_mtp_target(tmp_path / "hybrid", tiny_target_dir, hybrid=True)
+    base = run_overrides(hybrid, data_dir, tmp_path / "out", tmp_path / "cache", **{"draft.type": "mtp"})
+    with pytest.raises(SpecdraftError, match="key 'document_mask': the target's linear-attention layers") as err:
+        load_config(None, base)
+    assert "\n" not in str(err.value)
+    assert load_config(None, [*base, "document_mask=false"]).document_mask is False  # one stream: trains
+
+
 # -- draft.init_from ------------------------------------------------------------------------------
 
 SPECULATORS_SAVE = r"""

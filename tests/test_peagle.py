@@ -13,7 +13,7 @@ from helpers import run_overrides, train_run
 from speculators_env import run_in_speculators
 from specdraft.config import load_config
 from specdraft.drafts import DraftConfig, build_draft
-from specdraft.drafts.peagle.cod import cod_sample, cod_visibility
+from specdraft.drafts.peagle.cod import cod_anchors, cod_capacity, cod_sample, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.model import PEagleDraft
 from specdraft.drafts.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
@@ -83,6 +83,115 @@ def test_the_same_seed_draws_the_same_slots_and_another_does_not():
     other = cod_sample(valid, 6, 0.7, 0.2, torch.Generator().manual_seed(6))
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     assert not torch.equal(one[0], other[0])
+
+
+def assert_cod_rule(valid, slots, K, r, r_min):
+    """Every row of a CODBatch against COD's rule (cod.py), row by row on the host: depth 0 every
+    position; depth d's slots first in its places, increasing, then padding (anchor T, not drawn);
+    a slot at position o = anchor + d lies in the pool (depth 1: the valid positions >= 1; then
+    the depth d-1 slots' o + 1 that are valid); as many as min(n_d, |pool|)."""
+    B, T = valid.shape
+    assert slots.sizes == (T, *cod_capacity(T, K, r, r_min)) and slots.anchor.shape == (B, sum(slots.sizes))
+    assert torch.equal(slots.anchor[:, :T], torch.arange(T).expand(B, T)) and slots.drawn[:, :T].all()
+    counts = []
+    for b in range(B):
+        n_valid = int(valid[b].sum())
+        pool = {o for o in range(1, T) if valid[b, o]}
+        row = []
+        for d, (first, last) in enumerate(slots.depth_rows(), start=1):
+            assert (slots.depth[first:last] == d).all()
+            drawn, anchor = slots.drawn[b, first:last], slots.anchor[b, first:last]
+            k = int(drawn.sum())
+            assert drawn[:k].all() and (anchor[k:] == T).all()
+            kept = (anchor[:k] + d).tolist()
+            assert kept == sorted(set(kept)) and set(kept) <= pool, (b, d)
+            assert k == min(int(max(0, n_valid - d) * max(r ** d, r_min)), len(pool)), (b, d)
+            pool = {o + 1 for o in kept if o + 1 < T and valid[b, o + 1]}
+            row.append(k)
+        counts.append(row)
+    return counts
+
+
+def test_the_batched_cod_sampler_keeps_the_rule_in_every_row():
+    """cod_sample_batch (training: every row at once, fixed shapes) draws by cod_anchors' rule in
+    each row, whatever the other rows hold; the same seed the same slots (exact resume)."""
+    T, K = 64, 6
+    g = torch.Generator().manual_seed(0)
+    valid = torch.rand(6, T, generator=g) > 0.3
+    valid[1, 20:30] = False  # a border: a rollout stops there
+    valid[2] = False  # nothing taught
+    valid[3] = True
+    valid[4, 5:] = False  # a few positions
+    valid[:, -2:] = False  # training's rows: the last two positions predict nothing
+    slots = cod_sample_batch(valid, K, 0.7, 0.2, torch.Generator().manual_seed(5))
+    counts = assert_cod_rule(valid, slots, K, 0.7, 0.2)
+    assert counts[2] == [0] * (K - 1) and counts[3][0] == int((int(valid[3].sum()) - 1) * 0.7)
+    again = cod_sample_batch(valid, K, 0.7, 0.2, torch.Generator().manual_seed(5))
+    other = cod_sample_batch(valid, K, 0.7, 0.2, torch.Generator().manual_seed(6))
+    assert torch.equal(slots.anchor, again.anchor) and torch.equal(slots.drawn, again.drawn)
+    assert not torch.equal(slots.anchor, other.anchor)
+    assert cod_sample_batch(valid, 1, 0.7, 0.2, g).sizes == (T,)  # one depth: depth 0 alone
+
+
+def test_the_batched_cod_sampler_draws_each_pool_position_with_cods_probability():
+    """A pool position is kept at depth d with probability min(1, n_d / |pool|) (a uniform subset
+    of the pool, as randperm's first n_d), and each (depth, position) is a slot as often as under
+    cod_anchors, the one-row reference: 6000 rows drawn at once against 6000 reference draws."""
+    T, K, r, r_min, n = 20, 4, 0.6, 0.3, 6000
+    valid = torch.zeros(T, dtype=torch.bool)
+    valid[2:18] = True
+    valid[9] = False  # a rollout crossing 9 stops
+    slots = cod_sample_batch(valid.expand(n, T), K, r, r_min, torch.Generator().manual_seed(0))
+    n_valid = int(valid.sum())
+    pool = valid.clone()
+    pool[0] = False
+    pool = pool.expand(n, T)
+    ours = []
+    for d, (first, last) in enumerate(slots.depth_rows(), start=1):
+        drawn = slots.drawn[:, first:last]
+        at = torch.where(drawn, slots.anchor[:, first:last] + d, T)  # the slot's position o; padding: T
+        kept = torch.zeros(n, T + 1, dtype=torch.bool).scatter(1, at, drawn)[:, :T]
+        size = int(max(0, n_valid - d) * max(r ** d, r_min))
+        chance = (size / pool.sum(dim=1, keepdim=True).clamp_min(1)).clamp(max=1.0)  # per row, given its pool
+        expected = (pool * chance).mean(dim=0)
+        assert (kept.double().mean(dim=0) - expected).abs().max() < 0.03, d
+        assert not (kept & ~pool).any()
+        ours.append(kept.double().mean(dim=0))
+        pool = torch.zeros_like(kept)
+        pool[:, 1:] = kept[:, :-1] & valid[1:]
+    generator = torch.Generator().manual_seed(1)
+    reference = torch.zeros(K - 1, T, dtype=torch.float64)
+    for _ in range(n):
+        for d, anchor in enumerate(cod_anchors(valid, K, r, r_min, generator)[1:]):
+            reference[d, anchor + d + 1] += 1.0 / n
+    assert len(ours) == K - 1 and reference[0, 0] == 0
+    assert (torch.stack(ours) - reference).abs().max() < 0.04
+
+
+def test_the_batched_forward_equals_each_rows_own(monkeypatch):
+    """The training forward over a batch of COD slots (fixed places, padding, mask-free attention,
+    packed conversations) gives each drawn slot what the one-sequence forward over that row's
+    slots alone gives under cod_visibility's dense mask."""
+    target = llama(layers=4, vocab=64).eval()
+    draft = peagle_for(target)
+    B, T = 3, 40
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(2))
+    ids[1, 7] = draft.dims.mask_token_id
+    documents = torch.tensor([[0] * 40, [0] * 13 + [1] * 27, [0] * 5 + [1] * 30 + [2] * 5])
+    valid = torch.rand(B, T, generator=torch.Generator().manual_seed(3)) > 0.2
+    valid[:, -2:] = False
+    valid[:, :-2] &= documents[:, 2:] == documents[:, :-2]
+    slots = cod_sample_batch(valid, draft.dims.num_depths, 0.7, 0.2, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        feats = capture(target.model, ids, torch.arange(T).expand(B, T), draft.capture_request())
+        aux, embeds = draft.aux_hidden(feats), feats.input_embeds
+        batched = draft.draft_slots(aux, embeds, slots.anchor, slots.depth, documents, ids, sizes=slots.sizes)
+        assert batched.shape == (B, sum(slots.sizes), draft.dims.hidden_size)
+        for b in range(B):
+            drawn = slots.drawn[b]
+            alone = draft.draft_slots(aux[b], embeds[b], slots.anchor[b, drawn], slots.depth[drawn], documents[b],
+                                      ids[b])
+            torch.testing.assert_close(batched[b, drawn], alone, rtol=1e-5, atol=1e-5)
 
 
 def peagle_for(target, seed=0, **options):

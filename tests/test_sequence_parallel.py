@@ -46,8 +46,9 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir,
 
 
 def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, data_dir, tmp_path, capsys):
-    """MTP fine-tunes the MTP layer of targets (qwen3_next) whose linear-attention layers the
-    sharded capture does not run: refused before anything is written."""
+    """MTP fine-tunes the target's own MTP layer (transformers' decoder layer class, no head
+    exchange; Qwen3-Next's linear-attention layers the sharded capture does not run): refused
+    before anything is written."""
     from specdraft.cli import main
 
     overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache",
@@ -56,9 +57,9 @@ def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, 
     assert main(["train", str(tmp_path / "run.yaml"), *overrides]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert ("key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its targets "
-            "(qwen3_next) have linear-attention layers, which the sharded capture does not run (families "
-            "that do: glide, eagle3, dflash, dspark, peagle)") in err
+    assert ("key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its layer is the "
+            "target's own decoder layer class (no head exchange), and Qwen3-Next's linear-attention layers do not "
+            "run in the sharded capture (families that do: glide, eagle3, dflash, dspark, peagle)") in err
     assert not (tmp_path / "run").exists()
 
 

@@ -202,3 +202,65 @@ def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path
         assert model.rotary_emb.inv_freq.dtype == torch.float32
         assert torch.equal(model.rotary_emb.inv_freq, trained)
         assert model.d2t.dtype == torch.long and model.t2d.dtype == torch.bool
+
+
+# -- the targets of docs/targets.md, at their released depths --------------------------------------
+
+# model_type -> (released model, num_hidden_layers of its published config.json)
+RELEASED_DEPTHS = {"gpt_oss": ("gpt-oss-20b", 24), "qwen3_moe": ("Qwen3-30B-A3B", 48),
+                   "deepseek_v3": ("DeepSeek-V3", 61), "glm4_moe": ("GLM-4.5", 92),
+                   "gemma3_text": ("gemma-3-27b", 62), "mistral": ("Mistral-7B-v0.1", 32),
+                   "phi3": ("Phi-3-mini", 32), "qwen3_next": ("Qwen3-Next-80B-A3B", 48)}
+
+
+@pytest.mark.parametrize("model_type", sorted(RELEASED_DEPTHS))
+def test_eagle3_layer_ids_of_each_target_are_the_servers_default(model_type, tmp_path):
+    """EAGLE-3's default layers on a target of the released depth L are [2, L//2, L-3]: speculators'
+    resolve_target_layer_ids (src/speculators/models/utils.py:52, what Eagle3DraftModel.from_pretrained
+    fills in when the config names none: models/eagle3/core.py:169) and vLLM's SupportsEagle3 default
+    (get_eagle3_aux_hidden_state_layers). The speculators config names them as they are, SGLang's
+    eagle_config one less (set_eagle3_layers_to_capture captures val + 1); the verifier block names
+    the target's architectures (src/speculators/config.py:80-99, VerifierConfig.from_pretrained)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from specdraft.drafts.eagle3_export import sglang_config, speculators_config
+    from specdraft.drafts.eagle3_layer import Eagle3Dims, layer_dims
+
+    name, layers = RELEASED_DEPTHS[model_type]
+    config = AutoConfig.for_model(model_type, num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=512)
+    config.architectures = [f"{type(config).__name__[:-len('Config')]}ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    cfg = run_cfg(tmp_path, tmp_path / "out")
+    draft = SimpleNamespace(dims=Eagle3Dims(**layer_dims(config, cfg.draft, "eagle3")))
+    default = [2, layers // 2, layers - 3]
+    assert draft.dims.target_layers == default, name
+    speculators = speculators_config(draft, str(tmp_path))
+    assert speculators["eagle_aux_hidden_state_layer_ids"] == default
+    assert speculators["speculators_config"]["verifier"]["architectures"] == config.architectures
+    assert sglang_config(draft)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in default]
+
+
+@pytest.mark.parametrize("model_type,rope", [
+    ("gemma3_text", {"rope_type": "default", "rope_theta": 10000.0}),
+    ("glm4_moe", {"rope_type": "default", "rope_theta": 10000.0}),
+    ("gpt_oss", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
+])
+def test_an_eagle3_drafts_rope_is_one_flat_table_over_its_whole_head(model_type, rope):
+    """The draft's own RoPE, as its transformer_layer_config writes it: Gemma 3's nested per-layer
+    rope_parameters flattened to the local layers' (speculators' flatten_rope_parameters,
+    src/speculators/models/utils.py:60, takes "sliding_attention"), a partial_rotary_factor dropped
+    (the draft rotates its whole head, as its LlamaRotaryEmbedding does in training; vLLM's get_rope
+    would rotate part of it), gpt-oss's YaRN kept."""
+    from transformers import AutoConfig
+
+    from specdraft.drafts.eagle3_layer import layer_dims
+    from specdraft.target.rotary import draft_rope_parameters
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=512)
+    assert draft_rope_parameters(config) == rope
+    assert layer_dims(config, run_cfg("unused", "unused").draft, "eagle3")["rope_parameters"] == rope

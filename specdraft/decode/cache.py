@@ -13,13 +13,55 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import record_layer_inputs
 
 
 def new_cache(model: nn.Module) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """The model's cache with every attention layer kept whole: a sliding-window layer's own cache
+    (transformers' DynamicSlidingWindowLayer) keeps only its last window of entries, so a rejected
+    draft token could not be dropped without losing the entry it pushed out. Windowed layers still
+    attend only through their window: transformers' sliding mask over a whole cache, and the masks
+    of tree passes (attention_masks) apply it."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    return cache
+
+
+def sliding_window_kinds(config) -> Tuple[Optional[int], Optional[Tuple[str, ...]]]:
+    """(window, layer kinds): the target's attention window (None: no windowed layer) and, for a
+    model whose layers differ (layer_types: gpt-oss, Gemma 3, Qwen2 with use_sliding_window), the
+    kinds its forward takes one mask each for; None: one mask for every layer (Mistral, Phi-3)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = getattr(text, "layer_types", None)
+    if window is None or (kinds and "sliding_attention" not in kinds):
+        return None, None
+    return int(window), tuple(sorted(set(kinds))) if kinds else None
+
+
+def attention_masks(model: nn.Module, visible: torch.Tensor, positions: torch.Tensor, dtype, device):
+    """A tree pass's mask, as the model's forward takes it: visible (T, S) bool over the S = cache +
+    T keys -> additive (1, 1, T, S) (0 / dtype min), which transformers passes through unchanged.
+    A target with sliding-window layers gets the window applied too, in token positions (query at
+    positions[i], key j at j for the cache, then at the queries' positions: the target's cache holds
+    one entry per position, in order): the one mask of a model whose every layer is windowed, or a
+    mask per layer kind ({"full_attention": ..., "sliding_attention": ...}), as those models build."""
+    def additive(allowed):
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return mask.masked_fill(~allowed.to(device), torch.finfo(dtype).min)[None, None]
+
+    window, kinds = sliding_window_kinds(model.config)
+    if window is None:
+        return additive(visible)
+    queries = positions.to(visible.device)
+    keys = torch.cat([torch.arange(visible.shape[1] - len(queries), device=visible.device), queries])
+    windowed = visible & (queries[:, None] - keys[None, :] < window)  # transformers: kv > q - window
+    if kinds is None:
+        return additive(windowed)
+    return {kind: additive(windowed if kind == "sliding_attention" else visible) for kind in kinds}
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -75,14 +117,12 @@ def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor
 
     visible (T, cache_length + T) bool replaces causal attention (tree passes); None = causal.
     transformers passes a 4D mask through unchanged, so it is given additive (0 / dtype min),
-    which both its sdpa and eager attention accept.
+    which both its sdpa and eager attention accept (attention_masks: with the target's window).
     """
     weight = model.get_input_embeddings().weight  # a parameter, or a buffer when held outside ZeRO-3
     mask = None
-    if visible is not None:
-        mask = torch.zeros(visible.shape, dtype=weight.dtype, device=weight.device)
-        mask = mask.masked_fill(~visible.to(weight.device), torch.finfo(weight.dtype).min)
-        mask = mask[None, None]  # (1, 1, T, cache_length + T)
+    if visible is not None:  # (1, 1, T, cache_length + T), or one per layer kind of a windowed target
+        mask = attention_masks(model, visible, positions, weight.dtype, weight.device)
     with record_layer_inputs(model.model, layers) as hidden:
         out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
                     attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tu
 import torch
 from torch import nn
 
+from specdraft.drafts.loss import default_chunk_size
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 from specdraft.transfer import to_device
 
@@ -197,9 +198,14 @@ class MemoryShape:
         (linalg.vecdot's) or the gradient. calls: the loss runs over the rows in this many calls
         of rows / calls each (DFlash: one per block slot), so a chunk is at most that many rows.
         lk (draft.loss lk_*): 9, the target's unrenormalised draft-vocab probabilities and the
-        acceptance's derivative on top (lk.lk_terms)."""
+        acceptance's derivative on top (lk.lk_terms). vocab: the logits' (a draft vocab's for
+        EAGLE-3); a chunk of 0 rows is sized from it, as the loss sizes it (loss.default_chunk_size).
+        The pass over a target's whole vocab that a draft-vocab teacher may need (its top-1, its
+        log-sum-exp: loss.teacher_vocab_pass) runs before, in blocks of a chunk's elements at
+        most 6 bytes each: within this term."""
         buffers = ((9 if lk else 7) * 4 if teacher else 4) + (2 if self.mixed else 0)
-        return rows * 2 * hidden * self.dtype_bytes + min(self.chunk, rows // calls) * vocab * buffers
+        chunk = self.chunk if self.chunk > 0 else default_chunk_size(vocab)
+        return rows * 2 * hidden * self.dtype_bytes + min(chunk, rows // calls) * vocab * buffers
 
 
 class Draft(nn.Module, ABC):

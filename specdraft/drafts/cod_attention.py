@@ -27,29 +27,41 @@ from specdraft.transfer import to_device
 
 @dataclass(frozen=True)
 class CODSlots:
-    """Where each depth's slots lie in the slot order, and their anchors (on the device)."""
+    """Where each depth's slots lie in the slot order, and their anchors (on the device), for B
+    rows laid out alike (peagle/cod.py: CODBatch; a row's unused places anchored at T)."""
 
     positions: int  # T: depth 0's slots are positions 0..T-1, in order
     depth_rows: Tuple[Tuple[int, int], ...]  # depths 1..: [start, end) in the slot order
-    anchors: Tuple[torch.Tensor, ...]  # depths 1..: (n_d,) long
-    documents: Optional[PackedDocuments] = None  # (1, T) of packed data
+    anchors: Tuple[torch.Tensor, ...]  # depths 1..: (B, n_d) long, increasing in each row; T: no slot
+    documents: Optional[PackedDocuments] = None  # (B, T) of packed data
 
     @classmethod
     def of(cls, anchors_by_depth: Sequence[torch.Tensor], device, documents=None) -> "CODSlots":
-        """From COD's slots depth by depth (peagle/cod.py: cod_anchors, on the host): depth 0 is
-        arange(T); each later depth's anchors are sorted and a subset of the depth before's."""
+        """One sequence's slots from COD's lists depth by depth (peagle/cod.py: cod_anchors, on the
+        host): depth 0 is arange(T); each later depth's anchors are sorted and a subset of the
+        depth before's. documents (T,)."""
         T = anchors_by_depth[0].numel()
         rows, start = [], T
         for anchor in anchors_by_depth[1:]:  # sizes only: no tensor value is read
             rows.append((start, start + anchor.numel()))
             start += anchor.numel()
         docs = None if documents is None else PackedDocuments.of(documents.reshape(1, -1))
-        return cls(T, tuple(rows), tuple(to_device(a, device) for a in anchors_by_depth[1:]), docs)
+        return cls(T, tuple(rows), tuple(to_device(a[None], device) for a in anchors_by_depth[1:]), docs)
+
+    @classmethod
+    def of_batch(cls, anchor: torch.Tensor, sizes: Sequence[int], documents=None) -> "CODSlots":
+        """anchor (B, N) on the device in CODBatch's order (`sizes`: its places per depth, the same
+        in every row), documents (B, T) or None."""
+        rows, start = [], sizes[0]
+        for size in sizes[1:]:
+            rows.append((start, start + size))
+            start += size
+        return cls(sizes[0], tuple(rows), tuple(anchor[:, a:b] for a, b in rows), PackedDocuments.of(documents))
 
 
 def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: CODSlots) -> torch.Tensor:
     """q (B, Hq, N, D), k/v (B, Hkv, N, D) in the slot order of `slots` -> (B, Hq, N, D), equal to
-    SDPA under cod_visibility's dense mask."""
+    SDPA under cod_visibility's dense mask (at the places that hold a slot)."""
     T = slots.positions
     keys, values = [k[:, :, :T]], [v[:, :, :T]]
     outs = [ttt_attention(q[:, :, :T], keys, values, slots.documents)]
@@ -57,13 +69,20 @@ def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: CODS
         keys.append(_at_anchors(k[:, :, start:end], anchor, T))
         values.append(_at_anchors(v[:, :, start:end], anchor, T))
         query = _at_anchors(q[:, :, start:end], anchor, T)
-        outs.append(ttt_attention(query, keys, values, slots.documents).index_select(2, anchor))
+        out = ttt_attention(query, keys, values, slots.documents)
+        outs.append(out.gather(2, _rows(anchor.clamp(max=T - 1), out)))  # an unused place reads row T - 1
     return torch.cat(outs, dim=2)
 
 
+def _rows(anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, n) anchors -> the (B, H, n, D) index of those rows of a (B, H, ., D) tensor."""
+    return anchor[:, None, :, None].expand(x.shape[0], x.shape[1], anchor.shape[1], x.shape[-1])
+
+
 def _at_anchors(x: torch.Tensor, anchor: torch.Tensor, T: int) -> torch.Tensor:
-    """(B, H, n, D) rows -> (B, H, T, D) with row i at position anchor[i], zeros elsewhere."""
-    return x.new_zeros(*x.shape[:2], T, x.shape[-1]).index_copy(2, anchor, x)
+    """(B, H, n, D) rows -> (B, H, T, D) with row i of batch row b at position anchor[b, i], zeros
+    elsewhere; the rows anchored at T (no slot) land on a row T that is dropped."""
+    return x.new_zeros(*x.shape[:2], T + 1, x.shape[-1]).scatter(2, _rows(anchor, x), x)[:, :, :T]
 
 
 @dataclass(frozen=True)
@@ -76,7 +95,7 @@ class GatheredCODSlots:
     mask-free path puts every depth at all T positions, the whole sequence's rows on every rank."""
 
     shard: SequenceShard
-    visible: torch.Tensor  # (n, T + n - T/N) bool on the device
+    visible: torch.Tensor  # (B, 1, n, T + n - T/N) bool on the device
 
 
 def gathered_cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: GatheredCODSlots) -> torch.Tensor:

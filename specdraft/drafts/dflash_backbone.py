@@ -44,7 +44,9 @@ from specdraft.drafts.dflash_decode import DFlashDrafter
 from specdraft.drafts.dflash_options import (LOSS_WEIGHTINGS, DFlashDims, DFlashOptions,  # noqa: F401 (re-exported)
                                             default_target_layers)
 from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
+from specdraft.drafts.documents import attention_path
 from specdraft.drafts.layers import GatedMLP, Projections, RMSNorm, apply_rope
+from specdraft.target.rotary import rotary_refusal
 from specdraft.drafts.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (CE, Objective, answer_labels, chunked_objective,
                                         dpace_weights, objective_from_options, shared_head_objective, term_metrics)
@@ -189,6 +191,11 @@ class DFlashBackbone(Draft):
         if target_config is None:
             return
         text = target_text_config(target_config)
+        rotary = rotary_refusal(target_config)
+        if rotary:
+            fail("type", f"{cls.label} rotates its own queries and keys over whole heads with one rotary table, "
+                         f"the target's (servers rebuild it from the exported transformer_layer_config); the "
+                         f"target {rotary}")
         num_target_layers = text.num_hidden_layers
         bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
         if bad:
@@ -316,7 +323,7 @@ class DFlashBackbone(Draft):
                                            host.documents)
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         group_tokens = shard.host_count(host_blocks.counted)  # on the host: the whole sequence's, every rank alike
-        host_blocks = own_blocks(host_blocks, shard)
+        host_blocks = own_blocks(host_blocks, shard, static=attention_path(input_ids.device) == "flex")
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
             metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)

@@ -216,17 +216,19 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
 
 
-def own_blocks(blocks: TrainingBlocks, shard) -> TrainingBlocks:
+def own_blocks(blocks: TrainingBlocks, shard, static: bool = False) -> TrainingBlocks:
     """Sequence parallelism: the valid blocks whose anchor is among this rank's tokens
     (SequenceShard [start, end)), still sorted, each row padded to the same count (at least 1: every
     rank runs the layers and their collectives) with invalid blocks anchored at `start` that count
     nothing. The sampler's own padding (invalid anchors at position 1, for a static A) is dropped:
     kept, it would all land on the first rank, which would run min(max_anchors, T) blocks however
-    few anchors its shard holds."""
+    few anchors its shard holds. static (the compiled flex path): every rank pads to the sampler's
+    A, the most its shard can hold, so the block mask and attention shapes are the same for every
+    batch (the count of a rank's own anchors changes with each batch: a recompile per count)."""
     if not shard.parallel or blocks.anchors.shape[1] == 0:
         return blocks
     mine = blocks.valid & (blocks.anchors >= shard.start) & (blocks.anchors < shard.end)
-    A = max(1, int(mine.sum(dim=1).max()))
+    A = blocks.anchors.shape[1] if static else max(1, int(mine.sum(dim=1).max()))
     order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :A]  # own blocks first, in order
     keep = mine.gather(1, order)
 

@@ -23,6 +23,7 @@ from specdraft.decode.cache import cache_length
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import DraftTree, chain
+from specdraft.target.capture import rotary_tables
 
 
 class DFlashDrafter(Drafter):
@@ -33,7 +34,7 @@ class DFlashDrafter(Drafter):
         self.trained_depth = draft.trained_depth
         self.layout = draft.layout
         self.embed_tokens = target.get_input_embeddings()
-        self.rotary_emb = target.model.rotary_emb
+        self.rotary_emb = rotary_tables(target.model)  # the capture's tables (gpt-oss's at head width)
         weight = draft.fc.weight
         self.dtype, self.device = weight.dtype, weight.device
         # Copies, not views: under ZeRO-3 the parameters' storage is released after each forward.

@@ -7,20 +7,74 @@ Packed rows hold several conversations; a query sees keys of its own one only (E
 - CUDA ("flex"): flex_attention with a block mask built on the device from the document ids (no
   T^2 tensor, no host sync). flex_attention has no backward on CPU (torch 2.13), hence the slices.
 - Any other device ("dense"; meta, the tests' stand-in for a second device): a dense mask.
+Tests run the CUDA path on the CPU under `forced_attention_path("flex")` (forward only there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from specdraft.target.capture import tiled_attention
+
+
+_forced: Optional[tuple] = None  # forced_attention_path's (path, compile, backend), for the CPU
+
 
 def attention_path(device) -> str:
     """How packed documents are attended on `device`: "slices" (CPU), "flex" (CUDA), "dense" (else)."""
+    if _forced is not None and torch.device(device).type == "cpu":
+        return _forced[0]
     return {"cpu": "slices", "cuda": "flex"}.get(torch.device(device).type, "dense")
+
+
+@contextlib.contextmanager
+def forced_attention_path(path: str, compile: bool = True, backend="inductor"):
+    """Tests only: the CPU attends packed documents along `path` ("flex": the CUDA path, its block
+    masks and flex_attention compiled as on CUDA when `compile`, with torch.compile's `backend`, a
+    name or a callable: any keeps dynamo's guards and recompiles, without inductor's slow CPU
+    codegen). The CPU has no flex backward: run forwards only there. Never set by the package."""
+    global _forced
+    saved, _forced = _forced, (path, compile, backend)
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+# Compiled entries per compiled function: one per call site of the flex path (the target's, each
+# draft's: its shapes, grad mode, log-sum-exp or not), all made in the first step. Dynamo's default
+# recompile_limit (8) runs any further one eagerly, scores and all: every family at once made 15.
+COMPILED_VARIANTS = 64
+
+
+def _compiled(fn, device):
+    """fn compiled as the flex path compiles it on `device` (CUDA, or the CPU under
+    forced_attention_path(compile=True)), one compiled function per (fn, backend); None: eager.
+    Static shapes (dynamic=False): each call site compiles once for its own shapes. Dynamo's
+    automatic dynamic shapes would recompile the first call site whose shapes differ from an
+    earlier one's (the target's T x T beside a draft's lagged or block queries) into a graph with
+    symbolic sizes, and any size a batch changes (a lag, an anchor count) on its second value."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        backend = "inductor"
+    elif device.type == "cpu" and _forced is not None and _forced[1]:
+        backend = _forced[2]
+    else:
+        return None
+    key = (fn.__name__, backend)
+    if key not in _compiled_functions:
+        # the process's limit, raised once (a patch around each call costs ~20 us of host time)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
+        _compiled_functions[key] = torch.compile(fn, backend=backend, dynamic=False)
+    return _compiled_functions[key]
+
+
+_compiled_functions: dict = {}
 
 
 @dataclass(frozen=True)
@@ -30,6 +84,8 @@ class PackedDocuments:
     ids: torch.Tensor
     segments: Optional[List[List[Tuple[int, int]]]] = None  # CPU: per row, each conversation's [start, end)
     block_mask: Optional[object] = None  # CUDA: flex_attention's BlockMask
+    # CUDA: the target's windowed block masks, one per window, built at its first layer of that window
+    window_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, documents) -> Optional["PackedDocuments"]:
@@ -69,11 +125,15 @@ def document_causal_attention(q, k, v, documents: Optional[PackedDocuments] = No
 
 def document_attention(document_ids: Optional[torch.Tensor]):
     """The target's core attention for packed data (target/capture.py's `attention`): causal
-    inside each document of document_ids (B, T); None (plain causal) without documents."""
-    if document_ids is None:
-        return None
+    inside each document of document_ids (B, T), with each layer's own window, sinks and
+    soft-cap (target_attention). None: one document per row (plain causal SDPA where no layer
+    rule applies; flex_attention for one on CUDA, where capture's own core computes tiles)."""
     documents = PackedDocuments.of(document_ids)
-    return lambda q, k, v, scale: document_causal_attention(q, k, v, documents, scale)
+
+    def core(q, k, v, scale=None, window=None, sinks=None, softcap=None):
+        return target_attention(q, k, v, documents, scale, window, sinks, softcap)
+
+    return core
 
 
 def document_segments(documents: torch.Tensor) -> List[List[Tuple[int, int]]]:
@@ -109,38 +169,124 @@ def document_block_mask(documents: torch.Tensor, key_documents: Optional[torch.T
     return make_block_mask(same_document_causal, B, Q, key_documents.shape[1], documents.device)
 
 
-_compiled_block_mask = None
-
-
 def make_block_mask(mask_mod, B: int, q_len: int, kv_len: int, device):
     """flex_attention's BlockMask of mask_mod(b, h, q, kv): (B, 1, q_len/128, kv_len/128) block
     indices. Eager create_block_mask first evaluates mask_mod over the whole (B, 1, Q, KV) grid (a
     T^2 bool tensor, then freed); compiled (CUDA) it evaluates it block by block instead."""
-    global _compiled_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
-    build = create_block_mask
-    if torch.device(device).type == "cuda":
-        if _compiled_block_mask is None:
-            _compiled_block_mask = torch.compile(create_block_mask)
-        build = _compiled_block_mask
+    build = _compiled(create_block_mask, device) or create_block_mask
     return build(mask_mod, B, None, q_len, kv_len, device=device)
 
 
-_compiled_flex = None
-
-
-def flex_attention(q, k, v, block_mask, scale: Optional[float] = None, return_lse: bool = False):
+def flex_attention(q, k, v, block_mask, scale: Optional[float] = None, return_lse: bool = False,
+                   score_mod: Optional[Callable] = None):
     """flex_attention with `block_mask`; compiled on CUDA (eager flex materialises the scores).
-    return_lse: also the (B, H, T) natural log-sum-exp of each row's scores (differentiable)."""
-    global _compiled_flex
+    return_lse: also the (B, H, T) natural log-sum-exp of each row's scores (differentiable).
+    score_mod: flex's, applied to each scaled score before the mask (the target's soft-capping)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention as eager
 
-    if q.device.type == "cuda" and _compiled_flex is None:
-        _compiled_flex = torch.compile(eager)
-    flex = _compiled_flex if q.device.type == "cuda" else eager
+    flex = _compiled(eager, q.device) or eager
     gqa = q.shape[1] != k.shape[1]
     if not return_lse:
-        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    out, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                    return_aux=AuxRequest(lse=True))
     return out, aux.lse
+
+
+# -- the target's own attention per layer: sliding windows, attention sinks, soft-capping ---------
+
+def target_attention(q, k, v, documents: Optional[PackedDocuments] = None, scale: Optional[float] = None,
+                     window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """A target layer's attention inside each document (target/capture.py's core), as transformers'
+    eager attention computes it, without a (T, T) tensor on CPU and CUDA.
+
+    q (B, H, T, D), k (B, KV, T, D), v (B, KV, T, Dv) -> (B, H, T, Dv); documents None: one per row.
+    window: query t sees keys t - window < s <= t (transformers' sliding_window_overlay); None, or
+    one covering the sequence: causal. sinks (H,): one more logit per head in each row's softmax
+    denominator with no value (gpt-oss): out * sigmoid(lse - sink), lse the row's log-sum-exp
+    over its visible keys. softcap: scores -> softcap * tanh(scores / softcap) before the mask
+    (transformers' `softcap` argument; Gemma 2 passes it, Gemma 3 does not).
+    - CPU ("slices"): each document alone, in query tiles attending only to the keys their window
+      reaches (a (tile, tile + window) score tensor), or one SDPA call where no window cuts and
+      neither sinks nor a soft-cap change the softmax (today's path).
+    - CUDA ("flex"): flex_attention over a block mask of document, causality and window (one per
+      window and batch, the window a constant of the mask_mod: one compilation per layer kind),
+      softcap as its score_mod, sinks through its log-sum-exp.
+    - Other devices ("dense"): the CPU's tiles, the documents as a per-tile mask.
+    """
+    T = q.shape[2]
+    window = window if window is not None and window < T else None
+    if window is None and sinks is None and softcap is None:
+        return document_causal_attention(q, k, v, documents, scale)
+    path = attention_path(q.device)
+    if path == "flex":
+        if documents is not None and documents.block_mask is None:  # built for another device
+            documents = PackedDocuments.of(documents.ids)
+        if window is None:
+            block_mask = documents.block_mask if documents is not None else _causal_block_mask(T, q.device)
+        elif documents is None:
+            block_mask = _causal_block_mask(T, q.device, window)
+        else:
+            if window not in documents.window_masks:
+                documents.window_masks[window] = document_window_block_mask(documents.ids, window)
+            block_mask = documents.window_masks[window]
+        score_mod = None if softcap is None else _softcap_score(softcap)
+        if sinks is None:
+            return flex_attention(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+        out, lse = flex_attention(q, k, v, block_mask, scale=scale, return_lse=True, score_mod=score_mod)
+        return out * torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])[..., None].to(out.dtype)
+
+    def attend(q, k, v, ids=None):
+        return tiled_attention(q, k, v, scale, window, sinks, softcap, ids)
+
+    if documents is None:
+        return attend(q, k, v)
+    if path == "slices":
+        segments = documents.segments if documents.segments is not None else document_segments(documents.ids)
+        return per_document(attend, segments, q, k, v)
+    return attend(q, k, v, documents.ids)
+
+
+def document_window_block_mask(documents: torch.Tensor, window: int):
+    """Query q sees key kv of its own document with q - window < kv <= q, as a flex BlockMask.
+    The window is a constant of the mask_mod: fixed per layer kind of a target, so one
+    compilation each, never one per batch."""
+    def same_document_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window) & (documents[b, q] == documents[b, kv])
+
+    B, T = documents.shape
+    return make_block_mask(same_document_window, B, T, T, documents.device)
+
+
+def _causal_block_mask(T: int, device, window: Optional[int] = None):
+    """Causal (within `window`) over one sequence per row: a BlockMask of batch 1 that
+    flex_attention broadcasts, kept per (T, window, device): it depends on nothing else."""
+    key = (T, window, str(torch.device(device)))
+    if key not in _causal_block_masks:
+        if window is None:
+            def mask_mod(b, h, q, kv):
+                return q >= kv
+        else:
+            def mask_mod(b, h, q, kv):
+                return (q >= kv) & (q - kv < window)
+        _causal_block_masks[key] = make_block_mask(mask_mod, 1, T, T, device)
+    return _causal_block_masks[key]
+
+
+_causal_block_masks: dict = {}
+
+
+def _softcap_score(softcap: float):
+    """flex's score_mod of a soft-cap, one function per value (kept: the same object each layer)."""
+    if softcap not in _softcap_scores:
+        def softcapped(score, b, h, q, kv):
+            return torch.tanh(score / softcap) * softcap
+
+        _softcap_scores[softcap] = softcapped
+    return _softcap_scores[softcap]
+
+
+_softcap_scores: dict = {}

@@ -19,6 +19,7 @@ from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots, cod_atten
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3_export import serving_refusal
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
+from specdraft.target.rotary import draft_rope_parameters
 from specdraft.drafts.ttt_attention import ttt_attention
 from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
@@ -78,8 +79,7 @@ def layer_dims(target_config, draft_cfg, family: str) -> Dict[str, Any]:
     if not layers:
         layers, why = default_target_layers(text.num_hidden_layers)
         log.info("%s: capturing target layer inputs %s (%s)", family, layers, why)
-    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    rope = draft_rope_parameters(target_config)  # its own Llama RoPE over its whole head (target/rotary.py)
     return dict(**target_layer_shape(target_config), vocab_size=text.vocab_size,
                 draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
                 target_hidden_size=text.hidden_size, target_num_layers=text.num_hidden_layers, target_layers=layers,
@@ -247,8 +247,8 @@ class Eagle3Base(Draft):
 
     def step(self, embeds, hidden, positions, past_keys=None, past_values=None, visible=None):
         """One draft step over (B, T) inputs at `positions` (T,) -> (next hidden input, logits input,
-        new keys, new values). visible (T, S + T) over past + new keys."""
-        cos, sin = self.rotary_emb(embeds, positions[None])
+        new keys, new values). visible (T, S + T) over past + new keys. positions (B, T): each row's own."""
+        cos, sin = self.rotary_emb(embeds, positions if positions.dim() == 2 else positions[None])
         out, k, v = self.run_layer(self.layers[0], embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
                                    past_keys, past_values, visible)
         normed = self.norm(out)

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.documents import (attention_path, document_block_mask, document_segments, flex_attention,
-                                        make_block_mask, per_document)
+from specdraft.drafts.documents import attention_path, document_segments, flex_attention, make_block_mask, per_document
 
 
 @dataclass
@@ -175,6 +174,20 @@ def window_block_mask(documents: torch.Tensor, window: int):
     return make_block_mask(same_document_window, B, T, T, documents.device)
 
 
+def lagged_block_mask(documents: torch.Tensor, lag: int):
+    """Query t sees key s <= t - lag of its own document, as a flex_attention BlockMask over all T
+    queries and keys (rows without a visible key come out zero). The lag is read from a tensor: a
+    Python int in the mask_mod would be a constant of the compiled create_block_mask (one
+    compilation per lag), as the (T - lag) queries of the sliced form would be a shape."""
+    B, T = documents.shape
+    last_key = torch.arange(T, device=documents.device) - lag  # (T,) the last key query t sees
+
+    def same_document_lagged(b, h, q, kv):
+        return (kv <= last_key[q]) & (documents[b, kv] == documents[b, q])
+
+    return make_block_mask(same_document_lagged, B, T, T, documents.device)
+
+
 def lagged_cross_attention(q, k, v, lag: int, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Query t attends to target keys 0 .. t-lag (of its own document): causal attention of the
     queries [lag:] over the keys [:T-lag], so no document in the batch means plain is_causal.
@@ -187,13 +200,13 @@ def lagged_cross_attention(q, k, v, lag: int, documents: Optional[torch.Tensor] 
     gqa = H != k.shape[1]
     if documents is not None and attention_path(q.device) == "slices":
         return per_document(lambda *t: lagged_cross_attention(*t, lag), document_segments(documents), q, k, v)
+    if documents is not None and attention_path(q.device) == "flex":  # every lag at the same (T, T) shapes
+        return flex_attention(q, k, v, lagged_block_mask(documents, lag))
     if lag >= T:
         return q.new_zeros(B, H, T, v.shape[-1])
     q, k, v = q[:, :, lag:], k[:, :, :T - lag], v[:, :, :T - lag]
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    elif attention_path(q.device) == "flex":  # key i is the target at i, query i the draft at i + lag
-        out = flex_attention(q, k, v, document_block_mask(documents[:, lag:], documents[:, :T - lag]))
     else:
         n = T - lag
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()

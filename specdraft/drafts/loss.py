@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from specdraft.transfer import to_device
 
 LOGITS_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk; sets the default chunk size
 
@@ -89,7 +90,8 @@ def whole_vocab_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int
                      argmax: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(N, H) hidden states through a (V, H) head, one (C, V) block at a time, no grad -> (their
     logits' log-sum-exp (N,) float32, their argmax (N,)), each None unless asked: one matmul for
-    both (EAGLE-3 with LK over a draft vocab reads both of the target's whole vocabulary)."""
+    both (EAGLE-3 with LK over a draft vocab reads both of the target's whole vocabulary). A block
+    holds its matmul output and, for the log-sum-exp, one fp32 copy worked in place."""
     chunk = chunk_size if chunk_size > 0 else default_chunk_size(weight.shape[0])
     lse, top1 = [], []
     with torch.no_grad():
@@ -97,7 +99,29 @@ def whole_vocab_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int
             logits = part.to(weight.dtype) @ weight.t()
             if argmax:
                 top1.append(logits.argmax(dim=-1))
-            if logsumexp:
-                lse.append(torch.logsumexp(logits.float(), dim=-1))
+            if logsumexp:  # torch.logsumexp's own steps, without its (C, V) temporary
+                logits = logits.float()
+                peak = logits.amax(dim=-1)
+                lse.append(logits.sub_(peak[:, None]).exp_().sum(dim=-1).log_().add_(peak))
+            del logits
     return (torch.cat(lse) if logsumexp else None), (torch.cat(top1) if argmax else None)
 
+
+def teacher_vocab_pass(final: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, chunk_size: int,
+                       draft_vocab: int, logsumexp: bool, argmax: bool
+                       ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What a teacher over a draft vocab reads of the target's whole vocabulary (EAGLE-3's
+    in_vocab top-1, LK's log-sum-exp): whole_vocab_pass over `rows` only, the host indices of the
+    rows of final (N, Ht) the loss reads (a teacher row of some step or depth), -> (N,) tensors,
+    0 at the rows no loss reads. A block has the elements of the loss's largest chunk (chunk_size
+    rows, 0: sized from the draft vocab, of draft_vocab logits; at most len(rows) rows, about what
+    one call of the loss has: EAGLE-3's step 0, P-EAGLE's depth 0), at 6 bytes each at most where
+    the loss holds 30 or more: the pass holds less than the loss does."""
+    device, V = final.device, weight.shape[0]
+    chunk = min(chunk_size if chunk_size > 0 else default_chunk_size(draft_vocab), rows.numel())
+    at = to_device(rows, device)
+    lse, top1 = whole_vocab_pass(final.index_select(0, at), weight, max(1, chunk * draft_vocab // V),
+                                 logsumexp, argmax)
+    n = final.shape[0]
+    return (None if lse is None else lse.new_zeros(n).index_copy_(0, at, lse),
+            None if top1 is None else top1.new_zeros(n).index_copy_(0, at, top1))

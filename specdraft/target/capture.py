@@ -14,8 +14,16 @@ then never run); K/V are kept for the last layer only, never a cache of every la
 Attention builds no mask: transformers' own mask (B, 1, T, T) for packed documents is quadratic in
 T (4.3 GB at 64k). The layers run our attention function (CORE_ATTENTION) instead, which calls a
 core handed in per pass: causal attention inside each document (drafts/documents.py: slices on CPU,
-flex block masks on CUDA) or plain causal SDPA. Nor is anything inferred from position_ids (without
+flex block masks on CUDA) or plain causal SDPA, with each layer's own rule as transformers hands it
+to the attention function: its sliding window (`sliding_window`: Mistral's every layer, the
+`sliding_attention` layers of layer_types in Qwen2/Qwen3 with use_sliding_window, gpt-oss, Gemma 3),
+its attention sinks (gpt-oss's `s_aux`), its soft-cap (`softcap`), its scaling (Gemma 3's
+query_pre_attn_scalar, DeepSeek's mscale). Nor is anything inferred from position_ids (without
 a mask transformers reads jumps in them as borders; Anchor-Offset positions jump on purpose).
+
+The last layer's K/V are those its attention function receives: RoPE applied, (B, KV, T, D) for
+grouped-query attention; for MLA (DeepSeek-V3) the decompressed per-head keys (qk_nope + qk_rope
+dims) and values (v_head_dim), not the compressed latent its cache stores.
 Under sequence parallelism (`shard`) each rank embeds and runs its own T/N tokens and the core sees
 the whole sequence with h/N heads (parallel/sequence.py): every feature comes back per shard.
 """
@@ -29,7 +37,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface
 
 from specdraft.parallel.sequence import SequenceShard
 
@@ -113,16 +121,16 @@ def record_layer_inputs(base_model: nn.Module, layers: Sequence[int],
             handle.remove()
 
 
-class _LastLayerKV(DynamicCache):
-    """A cache that keeps only the last decoder layer's K/V (RoPE applied: what that layer attends
-    with) and hands every other layer's K/V straight back, stored nowhere.
+class _LastLayerKV:
+    """Keeps only the last decoder layer's K/V as its attention function receives them (RoPE
+    applied; MLA's decompressed ones) and hands every other layer's K/V straight back, stored
+    nowhere. Not a cache: transformers' caches store what a layer re-reads (MLA: the latent).
 
     stop: raise _DeepEnough once they are stored, so the last layer's attention, its MLP and the
     final norm never run.
     """
 
-    def __init__(self, config, last_layer: int, stop: bool):
-        super().__init__(config=config)
+    def __init__(self, last_layer: int, stop: bool):
         self.last_layer = last_layer
         self.stop = stop
         self.keys: Optional[torch.Tensor] = None  # (B, KV, T, D)
@@ -138,23 +146,86 @@ class _LastLayerKV(DynamicCache):
 
 CORE_ATTENTION = "specdraft_core"  # the attention function the target runs while capturing
 
-# core(q (B, h, T, D), k, v (B, kv, T, D), scale) -> (B, h, T, D): causal over the whole sequence
-CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
+# core(q (B, h, T, D), k, v (B, kv, T, D), scale, window=None, sinks=None, softcap=None) -> (B, h, T, D):
+# causal over the whole sequence; window / sinks (h,) / softcap: the layer's own (documents.target_attention)
+CoreAttention = Callable[..., torch.Tensor]
 
 
-def causal_attention(q, k, v, scale=None):
-    """One document per row: plain causal SDPA (its fast kernels, no mask)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+def causal_attention(q, k, v, scale=None, window=None, sinks=None, softcap=None):
+    """One document per row: plain causal SDPA (its fast kernels, no mask); a layer's window,
+    sinks or soft-cap in query tiles (tiled_attention: no (T, T) tensor). The training path's core
+    (drafts/documents.py's document_attention) takes flex_attention for these on CUDA."""
+    window = window if window is not None and window < q.shape[2] else None  # one covering T cuts nothing
+    if window is None and sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return tiled_attention(q, k, v, scale, window, sinks, softcap)
+
+
+TARGET_QUERY_BLOCK = 128  # queries per tile of tiled_attention without a window
+
+
+def tiled_attention(q, k, v, scale: Optional[float] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                    documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of one sequence per row, computed as transformers' eager attention does
+    (scores, soft-cap, mask, softmax with the sink logit, weights @ v), one query tile at a time:
+    tiles of `window` queries over the keys [tile start - window + 1, tile end) with a windowed
+    layer, of TARGET_QUERY_BLOCK queries over [0, tile end) without one. No (T, T) tensor: the
+    scores of one tile, (B, H, tile, <= tile + window) or (B, H, tile, <= T). Shapes depend on T
+    and the window only (no host read): any device. documents (B, T): ids, attended inside each.
+
+    q (B, H, T, D), k (B, KV, T, D), v (B, KV, T, Dv) -> (B, H, T, Dv)."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    group = H // KV
+    scale = D ** -0.5 if scale is None else scale
+    tile = window if window is not None else TARGET_QUERY_BLOCK
+    sink = None if sinks is None else sinks.to(q.dtype).view(1, KV, group, 1, 1)
+    upcast = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 at least, as transformers' eager
+    outs = []
+    for start in range(0, T, tile):
+        end = min(start + tile, T)
+        first = 0 if window is None else max(0, start - window + 1)
+        qs = q[:, :, start:end].reshape(B, KV, group, end - start, D)  # grouped queries: no repeat of k/v
+        scores = torch.matmul(qs, k[:, :, None, first:end].transpose(-1, -2)) * scale  # (B, KV, g, n, m)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        t = torch.arange(start, end, device=q.device)[:, None]
+        s = torch.arange(first, end, device=q.device)[None, :]
+        visible = s <= t
+        if window is not None:
+            visible = visible & (t - s < window)
+        if documents is not None:
+            same = documents[:, start:end, None] == documents[:, None, first:end]  # (B, n, m)
+            visible = visible & same[:, None, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sink is not None:
+            logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+            weights = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1, dtype=upcast)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1, dtype=upcast)
+        outs.append(torch.matmul(weights.to(v.dtype), v[:, :, None, first:end]).reshape(B, H, end - start, -1))
+    return torch.cat(outs, dim=2)
 
 
 def _core_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                    specdraft_core: Optional[CoreAttention] = None, specdraft_shard: Optional[SequenceShard] = None,
+                    softcap=None, s_aux=None, specdraft_core: Optional[CoreAttention] = None,
+                    specdraft_shard: Optional[SequenceShard] = None, specdraft_kv: Optional[_LastLayerKV] = None,
                     **_):
-    """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None."""
+    """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None.
+    sliding_window / softcap / s_aux (the sinks): what the layer hands its attention function."""
+    if not getattr(module, "is_causal", True):  # Gemma 3 with use_bidirectional_attention
+        raise ValueError(f"capture: {type(module).__name__} attends bidirectionally; a draft's target is causal")
+    if specdraft_kv is not None:
+        specdraft_kv.update(key, value, getattr(module, "layer_idx", None))
     shard = specdraft_shard or SequenceShard.whole(query.shape[2])
-    if sliding_window is not None and sliding_window < query.shape[2] * shard.size:
-        raise NotImplementedError("capture: sliding-window target layers are not supported")
-    out = shard.attention(specdraft_core, query, key, value, scaling)
+    sinks = s_aux
+    if sinks is not None and shard.parallel:  # the core holds this rank's h/N heads (SequenceShard.to_heads)
+        sinks = sinks.view(shard.size, -1)[shard.rank]
+    extras = {name: setting for name, setting in (("window", sliding_window), ("sinks", sinks), ("softcap", softcap))
+              if setting is not None}
+    out = shard.attention(specdraft_core, query, key, value, scaling, **extras)
     return out.transpose(1, 2), None
 
 
@@ -173,6 +244,31 @@ def core_attention_implementation(base_model: nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
+def rotary_tables(base_model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+    """(x, position_ids (B, N)) -> the target's cos, sin (B, N, D) in the rotate-half layout a
+    draft's apply_rope reads (x: the dtype and device). Where the target's rotary_emb differs:
+    - a table per layer kind (Gemma 3: local and global bases; rotary_emb(x, positions, kind)): the
+      last layer's kind, the RoPE its K/V carry;
+    - gpt-oss: its tables are half width (its _apply_rotary_emb rotates the two halves with the
+      same frequencies): repeated to the head width, which is rotate-half exactly.
+    Otherwise rotary_emb's own: DeepSeek-V3 (qk_rope_head_dim, interleaved with rope_interleave)
+    and partial rotary (GLM-4.5, Qwen3-Next: head_dim x partial_rotary_factor) come back as narrow
+    as the target applies them."""
+    import inspect
+
+    rotary_emb = base_model.rotary_emb
+    config = base_model.config
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        kind = config.layer_types[len(base_model.layers) - 1]
+        return lambda x, positions: rotary_emb(x, positions, kind)
+    if config.model_type == "gpt_oss":
+        def doubled(x, positions):
+            cos, sin = rotary_emb(x, positions)
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return doubled
+    return rotary_emb
+
+
 @torch.no_grad()
 def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
             request: CaptureRequest, attention: Optional[CoreAttention] = None,
@@ -185,11 +281,12 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     shard = shard or SequenceShard.whole(input_ids.shape[1])
     input_ids, position_ids = shard.local(input_ids), shard.local(position_ids.expand(input_ids.shape[0], -1))
     embeds = base_model.embed_tokens(input_ids)
-    cos, sin = base_model.rotary_emb(embeds, position_ids)
+    rotary = rotary_tables(base_model)
+    cos, sin = rotary(embeds, position_ids)
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
     features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={}, position_ids=position_ids,
-                              rotary=lambda positions: base_model.rotary_emb(embeds, positions),
+                              rotary=lambda positions: rotary(embeds, positions),
                               shard=shard if shard.parallel else None)
     if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
         # filled on the device (a tensor of a Python list would be a host-to-device copy per batch)
@@ -202,8 +299,7 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     may_stop = not whole and not _is_zero3_partitioned(base_model)
     # The last layer's K/V are its deepest need unless a layer input is asked for after them.
     kv_is_deepest = request.last_layer_kv and not any(layer >= num_layers for layer in request.layers)
-    cache = _LastLayerKV(base_model.config, num_layers - 1, stop=may_stop and kv_is_deepest) \
-        if request.last_layer_kv else None
+    kv = _LastLayerKV(num_layers - 1, stop=may_stop and kv_is_deepest) if request.last_layer_kv else None
     stop_at_layer = may_stop and not request.last_layer_kv
     # a dict of masks: transformers builds none; the layers read none
     layer_types = getattr(base_model.config, "layer_types", None) or ()
@@ -212,13 +308,13 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
             core_attention_implementation(base_model):
         try:
             out = base_model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=no_masks,
-                             past_key_values=cache, use_cache=cache is not None,
-                             specdraft_core=attention or causal_attention, specdraft_shard=shard)
+                             use_cache=False, specdraft_core=attention or causal_attention, specdraft_shard=shard,
+                             specdraft_kv=kv)
         except _DeepEnough:
             out = None
     features.hidden = {layer: recorded[layer] for layer in request.layers}
     if request.last_layer_kv:
-        features.last_keys, features.last_values = cache.keys, cache.values
+        features.last_keys, features.last_values = kv.keys, kv.values
     if request.final_hidden:
         features.final_hidden = out.last_hidden_state
     return features

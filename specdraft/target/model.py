@@ -12,8 +12,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from specdraft.errors import SpecdraftError
 
 # Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
-# drafts read. Others may work but are not tested.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_next")  # qwen3_next: draft.type mtp
+# drafts read, each tested with every draft family (tests/test_target_matrix.py; docs/targets.md
+# says which family trains on which, and why the others refuse). Others may work but are not tested.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "mistral", "deepseek_v3",
+                         "glm4_moe", "phi3", "qwen3_next")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_DTYPE = "auto"  # the checkpoint's own torch_dtype (config.json)
@@ -80,21 +82,16 @@ def check_sequence_length(config, max_seq_length: int, source: str) -> None:
                              f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
                              f"covers it)")
 
-    window = sliding_window_below(config, max_seq_length)
-    if window is not None:
-        raise SpecdraftError(f"{source}: key 'max_seq_length': {max_seq_length} is above the target's sliding "
-                             f"window of {window} tokens, which the capture's attention does not apply yet "
-                             f"(lower max_seq_length to {window} or less)")
 
-
-def sliding_window_below(config, length: int) -> Optional[int]:
-    """The target's attention window when some of its layers attend through one shorter than
-    `length` (Mistral v0.1: every layer, 4096; Qwen2 with use_sliding_window: those of layer_types)."""
-    text = config.get_text_config()
-    window = getattr(text, "sliding_window", None)
-    kinds = getattr(text, "layer_types", None)
-    windowed = "sliding_attention" in kinds if kinds else window is not None
-    return window if windowed and window is not None and window < length else None
+def check_packed_documents(config, document_mask: bool, source: str) -> None:
+    """Packed conversations attend each to itself through the capture's attention core; a layer
+    that carries a recurrent state along the row (Qwen3-Next's linear attention, Gated DeltaNet)
+    would hand one conversation's state to the next: refused, naming what trains as one stream."""
+    kinds = set(getattr(getattr(config, "text_config", config), "layer_types", None) or ())
+    if document_mask and "linear_attention" in kinds:
+        raise SpecdraftError(f"{source}: key 'document_mask': the target's linear-attention layers carry their "
+                             f"state across the packed conversations of a row, which the capture cannot reset at "
+                             f"their borders; set document_mask: false (each row one stream, LongSpec's packing)")
 
 
 def load_frozen_target(target_dir: str, precision: str = "fp32",

@@ -11,6 +11,17 @@ counts follow the code: what autograd saves per token in the draft (each family 
 what one target decoder layer holds at once under no_grad. bench/memory_model.py checks the total
 against measured peaks, per family.
 
+Mixture-of-experts targets (Qwen3-MoE, gpt-oss, DeepSeek-V3, GLM-4.5, Qwen3-Next): every expert's
+weights are resident (the exact count of the meta model: a token may be routed to any of them),
+and a sparse layer's MLP holds its routed activations at once, as transformers' grouped_mm experts
+(integrations/moe.py, its default on CUDA) computes them: per token and each of its top_k experts
+the gathered input and the expert's gate/up and gated product (H + 3 x expert intermediate), plus
+the router's logits and fp32 probabilities over every expert (mlp_working_bytes). Windowed layers
+(gpt-oss, Gemma 3, Mistral, Phi-3) cost the capture no more than full ones where its core runs
+flex_attention (packed documents on CUDA); one sequence per row runs them in query tiles whose
+scores are bounded by the window, (window, 2 window) per tile and head, and a full layer with
+sinks or soft-capping in tiles of 128 queries over the keys before them (attention_tile_bytes).
+
 Sequence parallelism (sequence_parallel_size S, Ulysses): each rank holds T / S tokens of every
 row, so the per-token terms divide by S: the captured features, the draft's activations and loss,
 the capture's working set. Weights, gradients and optimizer state do not. What is all-gathered
@@ -32,7 +43,7 @@ from specdraft.config import draft_names, draft_view
 from specdraft.drafts import build_draft
 from specdraft.drafts.base import MemoryShape, target_text_config
 from specdraft.target.capture import CaptureRequest
-from specdraft.drafts.loss import default_chunk_size
+from specdraft.target.moe import moe_shape
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 USABLE_FRACTION = 0.9  # of a GPU's memory: CUDA context, NCCL buffers, fragmentation take the rest
@@ -58,7 +69,8 @@ def parameter_counts(target_config, draft_cfg, models=None) -> Dict[str, int]:
     """Exact counts, from models built on the meta device."""
     target, draft = models or meta_models(target_config, draft_cfg)
     text = target_text_config(target_config)
-    per_layer = sum(p.numel() for p in target.model.layers[0].parameters())
+    # the largest layer: a MoE target's sparse layers (DeepSeek-V3's first three are dense)
+    per_layer = max(sum(p.numel() for p in layer.parameters()) for layer in target.model.layers)
     embed = target.get_input_embeddings().weight.numel()
     return {"target": sum(p.numel() for p in target.parameters()), "draft": sum(p.numel() for p in draft.parameters()),
             "target_layer": per_layer, "embed": embed, "layers": text.num_hidden_layers}
@@ -74,15 +86,61 @@ def reduce_bucket_elements(draft_params: int) -> int:
 
 def capture_working_set(text, tokens: int, p: int, sequence_parallel: int = 1) -> float:
     """The target's capture, one decoder layer under no_grad, for a rank's tokens: residual +
-    normed input (2H), q/k/v/attn out (2 heads hd + 2 kv hd), MLP gate/up/product (3I); RMSNorm
-    works in fp32 (2H x 4 B). Under SP the head exchange (all_to_all) of q/k/v and the attention
-    output keeps a received copy of each (2 heads hd + 2 kv hd)."""
-    H, I = text.hidden_size, text.intermediate_size
+    normed input (2H), q/k/v/attn out (2 heads hd + 2 kv hd), the MLP's (mlp_working_bytes: a
+    dense one's gate/up/product 3I); RMSNorm works in fp32 (2H x 4 B). Under SP the head exchange
+    (all_to_all) of q/k/v and the attention output keeps a received copy of each (2 heads hd + 2 kv hd)."""
+    H = text.hidden_size
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     hd = getattr(text, "head_dim", None) or H // heads
     exchange = (2 * heads * hd + 2 * kv * hd) * p if sequence_parallel > 1 else 0
-    return tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd + 3 * I) * p + 2 * H * 4 + exchange)
+    return tokens * ((2 * H + 2 * heads * hd + 2 * kv * hd) * p + 2 * H * 4 + exchange + mlp_working_bytes(text, p))
+
+
+def mlp_working_bytes(text, p: int) -> float:
+    """Bytes per token of one target layer's MLP under no_grad, its largest kind of layer. Dense:
+    gate, up and their product (3I). Sparse (target/moe.py): the routed activations, top_k per
+    token, each its gathered input, gate/up and gated product (H + 3 I_e), as grouped_mm holds
+    them at once, and the router's logits (E) with their fp32 softmax (4 B each); its shared
+    expert's gate/up/product (3 I_s) run after them (DeepSeek-V3, GLM-4.5, Qwen3-Next), beside the
+    routed output (H)."""
+    moe = moe_shape(text)
+    dense = 3 * text.intermediate_size * p
+    if moe is None:
+        return dense
+    routed = moe.top_k * (text.hidden_size + 3 * moe.expert_intermediate) * p + moe.experts * (p + 4)
+    shared = (3 * moe.shared_intermediate + text.hidden_size) * p if moe.shared_intermediate else 0
+    sparse = max(routed, shared)
+    return sparse if len(moe.sparse_layers) == text.num_hidden_layers else max(sparse, dense)
+
+
+ATTENTION_TILE = 128  # queries per tile of the capture's tiled attention without a window (target/capture.py)
+
+
+def attention_tile_bytes(text, B: int, T: int, p: int, documents: bool, sequence_parallel: int = 1) -> float:
+    """The capture's attention scores of one query tile, its largest kind of layer, where its core
+    computes them itself (target/capture.tiled_attention: one sequence per row with a window, sinks
+    or soft-capping); with packed documents the core is flex_attention on CUDA, which keeps none.
+    A windowed layer (window W < T): W queries over up to 2W - 1 keys; a full layer with sinks
+    (gpt-oss) or soft-capping: 128 queries over up to T keys; per element the scores, their masked
+    copy and the fp32 softmax (2p + 4 B), the sink column's concatenation one more (p). The core
+    sees the whole sequence with heads / sequence_parallel heads. Plain causal layers: SDPA's fused
+    kernels, nothing."""
+    if documents:
+        return 0.0
+    heads = max(1, text.num_attention_heads // max(1, sequence_parallel))
+    window = getattr(text, "sliding_window", None)
+    kinds = list(getattr(text, "layer_types", None) or [])
+    windowed = window is not None and window < T and ("sliding_attention" in kinds if kinds else True)
+    full = not windowed or (kinds and "full_attention" in kinds)
+    sinks = text.model_type == "gpt_oss"
+    per_element = 2 * p + 4 + (p if sinks else 0)
+    tiles = []
+    if windowed:
+        tiles.append(window * min(T, 2 * window - 1))
+    if full and (sinks or getattr(text, "attn_logit_softcapping", None)):
+        tiles.append(min(ATTENTION_TILE, T) * T)
+    return B * heads * max(tiles, default=0) * per_element
 
 
 def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
@@ -102,7 +160,6 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     B, whole = cfg.per_device_batch_size, cfg.max_seq_length
     T = -(-whole // S)  # this rank's shard
     tokens = B * T
-    V = text.vocab_size
     P_t, P_d = counts["target"], counts["draft"]
     est = MemoryEstimate()
 
@@ -128,14 +185,15 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
         est.parts["optimizer (fp32 master + Adam m, v)"] = P_d * 12 / n
 
     # -- the family's own terms, and the target's pass ---------------------------------------
-    chunk = cfg.loss_chunk_size if cfg.loss_chunk_size > 0 else default_chunk_size(V)
+    chunk = max(cfg.loss_chunk_size, 0)  # 0: each loss sizes its chunk from its logits' vocab, as at run time
     with_documents = cfg.document_mask if documents is None else documents
     terms = draft.memory_terms(MemoryShape(B=B, T=T, dtype_bytes=p, chunk=chunk, documents=bool(with_documents),
                                            target=text, whole_T=whole if S > 1 else 0))
     transient = {k: terms.pop(k) for k in ("draft activations", "loss chunk + hidden grads") if k in terms}
     est.parts.update(terms)
     # the capture builds no (B, 1, T, T) mask: its core attention is document-aware (target/capture.py)
-    capture_transient = capture_working_set(text, tokens, p, S)
+    capture_transient = capture_working_set(text, tokens, p, S) \
+        + attention_tile_bytes(text, B, whole, p, bool(with_documents), S)
     if capture_transient > sum(transient.values()):
         est.parts["capture working set (transient)"] = capture_transient
     else:

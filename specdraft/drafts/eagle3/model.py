@@ -41,7 +41,7 @@ from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagl
 from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
-from specdraft.drafts.loss import whole_vocab_pass
+from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
@@ -186,19 +186,8 @@ class Eagle3Draft(Eagle3Base):
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         final, in_vocab, extend, local = None, None, (self.dims.ttt_steps if shard.parallel else 0), shard.local_length  # SP: t+1+k may be next rank's
-        lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
-        if self.objective.needs_teacher:
-            final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
-            # one pass over the target's whole vocab: its top-1 (is it a draft token? on the device,
-            # no sync) and, for LK over a draft vocab, its log-sum-exp
-            want_lse = self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]
-            if self.teacher_rows == "in_vocab" or want_lse:
-                lse, top1 = whole_vocab_pass(final, lm_head_weight, chunk_size, logsumexp=want_lse,
-                                             argmax=self.teacher_rows == "in_vocab")
-                in_vocab = None if top1 is None else self.t2d[top1]
-        loss = None
-        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for k, head_in in enumerate(heads):
+        steps = []  # per TTT step, on the host: its counted rows, those with an answer label, the group's count
+        for k in range(len(heads)):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
             counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host, whole T
             counted[:, :max(T - 2 - k, 0)] = taught[:, 2 + k:]
@@ -207,8 +196,27 @@ class Eagle3Draft(Eagle3Base):
             label_is_answer = torch.zeros_like(counted)
             label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
             label_is_answer &= counted
-            group_tokens = shard.host_count(counted)
-            counted, label_is_answer = shard.local(counted), shard.local(label_is_answer)
+            steps.append((shard.local(counted), shard.local(label_is_answer), shard.host_count(counted)))
+        lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
+        if self.objective.needs_teacher:
+            final = shard.extend_right(features.final_hidden, extend).flatten(0, 1)  # (B (T/N + extend), Ht)
+            # one pass over the target's whole vocab, at the rows some step's teacher reads: its top-1
+            # (is it a draft token? on the device, no sync; always, when the draft vocab is the whole
+            # one) and, for LK over a draft vocab, its log-sum-exp
+            smaller = draft_ids.numel() < lm_head_weight.shape[0]
+            want_lse, want_top = self.objective.lk and smaller, self.teacher_rows == "in_vocab" and smaller
+            if want_top or want_lse:
+                read = torch.zeros(B, local + extend, dtype=torch.bool)  # final's rows a teacher reads
+                for k, (counted, _, _) in enumerate(steps):
+                    width = max(min(local, local + extend - 1 - k), 0)  # t+1+k within final's rows
+                    read[:, 1 + k:1 + k + width] |= counted[:, :width]
+                lse, top1 = teacher_vocab_pass(final, lm_head_weight, read.flatten().nonzero().flatten(), chunk_size,
+                                               draft_ids.numel(), logsumexp=want_lse, argmax=want_top)
+                in_vocab = None if top1 is None else self.t2d[top1]
+        loss = None
+        metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for k, head_in in enumerate(heads):
+            counted, label_is_answer, group_tokens = steps[k]
             rows, tokens = rows_where(counted, input_ids.device)  # over this rank's (B, T/N)
             labels = shard.local(F.pad(input_ids[:, 2 + k:], (0, 2 + k))).flatten()[rows]  # x_{t+2+k}
             teacher_at = rows + rows // local * extend + 1 + k  # t+1+k in final's rows

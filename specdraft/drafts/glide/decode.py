@@ -17,6 +17,7 @@ from specdraft.decode.cache import cache_length, last_layer_kv
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
+from specdraft.target.capture import rotary_tables
 
 
 class SlidingWindowCache:
@@ -70,7 +71,7 @@ class GlideDrafter(Drafter):
         self.draft = draft
         self.trained_depth = draft.trained_depth
         self.embed_tokens = target.get_input_embeddings()
-        self.rotary_emb = target.model.rotary_emb
+        self.rotary_emb = rotary_tables(target.model)  # the capture's: the RoPE of the last layer's keys
         weight = next(draft.parameters())
         self.dtype, self.device = weight.dtype, weight.device
         # A copy, not a view: under ZeRO-3 the parameter's storage is released again after each

@@ -69,8 +69,8 @@ class GlideSelfAttention(Projections):
                 shard: Optional[SequenceShard] = None):
         # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache;
         # shard: this rank's tokens of it (sequence parallelism; documents are the whole sequence's)
-        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
-        k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
+        q = rope(self.heads(self.q_proj(x)), cos, sin)
+        k = rope(self.heads(self.k_proj(x)), cos, sin)
         v = self.heads(self.v_proj(x))
         if index is None:
             shard = shard or SequenceShard.whole(x.shape[1])
@@ -93,7 +93,7 @@ class GlideCrossAttention(Projections):
                 shard: Optional[SequenceShard] = None):
         # limit (T,): the last target position query t may read; < 0 means none.
         # limit None: a whole training sequence, query t reads up to t - lag (of its document)
-        q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
+        q = rope(self.heads(self.q_proj(x)), cos, sin)
         keys, values = target_keys.to(q.dtype), target_values.to(q.dtype)
         if limit is None:
             shard = shard or SequenceShard.whole(x.shape[1])
@@ -157,6 +157,9 @@ class GlideDraft(Draft):
                 raise SpecdraftError(f"{source}: key 'draft.{key}': must be >= 1, got {draft_cfg[key]}")
         if draft_cfg.max_lag >= max_seq_length:
             raise SpecdraftError(f"{source}: key 'draft.max_lag': must be < max_seq_length ({max_seq_length})")
+        why = target_refusal(target_config) if target_config is not None else None
+        if why:
+            raise SpecdraftError(f"{source}: key 'draft.type': {why}")
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "GlideDraft":
@@ -278,6 +281,32 @@ class GlideDraft(Draft):
         correct = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
         loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
         return DraftLoss(loss=loss, tokens=weight, correct=correct, metrics=term_metrics(out.terms, tokens, answers))
+
+
+def target_refusal(target_config) -> Optional[str]:
+    """Why GLIDE cannot draft for this target, in one line; None when it can. Its cross-attention
+    reads the keys/values the target's last layer attends with, with queries of the same head width
+    rotated as the target rotated those keys (rope)."""
+    text = target_text_config(target_config)
+    if getattr(text, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3, Kimi-K2)
+        qk = text.qk_nope_head_dim + text.qk_rope_head_dim
+        return (f"GLIDE's cross-attention takes keys and values of one head width (head_dim "
+                f"{text.head_dim}), RoPE over the whole head; {text.model_type} attends with MLA: per head keys "
+                f"of {qk} ({text.qk_nope_head_dim} without RoPE + {text.qk_rope_head_dim} with interleaved RoPE) "
+                f"and values of {text.v_head_dim}, decompressed from a cached latent of {text.kv_lora_rank}, "
+                f"which it cannot take")
+    return None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The target's RoPE on x (B, heads, T, D) as its attention applies it (cos/sin (B, T, R), the
+    capture's tables): over the whole head, or with partial rotary (GLM-4.5, Qwen3-Next: R < D) over
+    the first R dims of each head, the rest passed through (their apply_rotary_pos_emb). Queries of
+    the cross-attention so meet the target's keys rotated alike."""
+    rotated = cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]], dim=-1)
 
 
 def resolved_attention_bias(value: Optional[bool], target_config) -> bool:

@@ -4,11 +4,16 @@ speculators (MTPDraftModel, speculators 0.9.0): config.json with speculators_mod
     num_nextn_predict_layers 1, the target's text config as transformer_layer_config, and
     model.safetensors with the draft's own keys (mtp_layers.0.*: speculators' names, ours). No
     embed_tokens / lm_head: speculators reads them from the verifier (its _keys_to_ignore_on_save).
-stitched: the target directory itself with its mtp.* tensors replaced by the trained layer (every
-    other file and tensor as it was), which vLLM serves with
+    Qwen3-Next only among our targets: speculators builds MTP layers for the model types of its
+    mtp_model_classes (src/speculators/models/mtp/model_definitions.py: qwen3, qwen3_next,
+    qwen3_5_text, qwen3_5_moe_text), not deepseek_v3 or glm4_moe (SPECULATORS_MODEL_TYPES).
+stitched: the target directory itself with its MTP tensors (mtp.*, or DeepSeek-V3's / GLM-4.5's
+    model.layers.<num_hidden_layers>.*) replaced by the trained layer (every other file and tensor
+    as it was), which vLLM serves with
     --speculative-config '{"method": "mtp", "num_speculative_tokens": K}' (vllm/config/speculative.py:
     "mtp" is one of MTPModelTypes; hf_config_override turns model_type qwen3_next into
-    qwen3_next_mtp with n_predict = num_nextn_predict_layers, so the config carries that field).
+    qwen3_next_mtp, deepseek_v3 into deepseek_mtp and glm4_moe into glm4_moe_mtp, each with
+    n_predict = num_nextn_predict_layers, so the config carries that field).
     It copies the whole target, so a save writes it only when asked for (export --format stitched).
 """
 
@@ -18,14 +23,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdraft.drafts.base import FileFormat
-from specdraft.drafts.mtp.layer import TARGET_PREFIX, ours_from_target, target_from_ours
+from specdraft.drafts.mtp.layer import CheckpointLayout, checkpoint_layout, ours_from_target, target_from_ours
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_tensors, target_weight_files
 
@@ -40,17 +45,31 @@ VLLM_METHOD = "mtp"
 FILE_FORMAT = FileFormat(lambda draft, state: dict(state))
 
 
+# the model types speculators' MTPDraftModel builds layers for (model_definitions.py, mtp_model_classes)
+SPECULATORS_MODEL_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def target_layout(target_dir: str) -> CheckpointLayout:
+    """Where the target's checkpoint keeps its MTP layer (its config.json's model type and depth)."""
+    config = _target_config(target_dir)
+    text = config.get("text_config") or config
+    return checkpoint_layout(text.get("model_type", config.get("model_type")), int(text["num_hidden_layers"]))
+
+
 def target_has_mtp(target_dir: str) -> bool:
-    return any(key.startswith(TARGET_PREFIX) for key in target_weight_files(target_dir))
+    layout = target_layout(target_dir)
+    return any(layout.holds(key) for key in target_weight_files(target_dir))
 
 
 def read_target_mtp(target_dir: str, expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The target's own MTP layer in our names, checked against the draft's state `expected`
     (names and shapes) and cast to its dtypes."""
-    ours = ours_from_target(load_target_tensors(target_dir, TARGET_PREFIX))
+    layout = target_layout(target_dir)
+    stored = load_target_tensors(target_dir, layout.prefix)
+    ours = ours_from_target({key: value for key, value in stored.items() if layout.holds(key)}, layout)
     if not ours:
-        raise SpecdraftError(f"{target_dir}: no mtp.* tensors in its weight files (draft.type mtp fine-tunes a "
-                             f"target's native MTP layer)")
+        raise SpecdraftError(f"{target_dir}: no {layout.prefix}* tensors in its weight files (draft.type mtp "
+                             f"fine-tunes a target's native MTP layer)")
     missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
     if missing or unexpected:
         raise SpecdraftError(f"{target_dir}: its MTP layer does not match the layer its config describes "
@@ -88,7 +107,20 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
     }
 
 
+def speculators_refusal(draft) -> Optional[str]:
+    """Why speculators cannot load this draft, in one line; None when it can."""
+    model_type = draft.dims.target_config.get("model_type")
+    if model_type in SPECULATORS_MODEL_TYPES:
+        return None
+    return (f"speculators' MTPDraftModel builds MTP layers for {', '.join(SPECULATORS_MODEL_TYPES)} targets only "
+            f"(its mtp_model_classes), not {model_type}; export --format stitched: the target with the trained "
+            f"layer, which vLLM serves with method mtp")
+
+
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+    refusal = speculators_refusal(draft)
+    if refusal:
+        raise SpecdraftError(refusal)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()},
@@ -101,11 +133,12 @@ def write_stitched(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, ta
     names, layout and dtypes); files without mtp.* tensors are hard-linked where the filesystem
     allows, else copied."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
-    trained = target_from_ours(state_dict)
+    layout = target_layout(str(target_dir))
+    trained = target_from_ours(state_dict, layout)
     weight_map = target_weight_files(target_dir)
-    stored = {key for key in weight_map if key.startswith(TARGET_PREFIX)}
+    stored = {key for key in weight_map if layout.holds(key)}
     if set(trained) != stored:
-        raise SpecdraftError(f"{target_dir}: its mtp.* tensors are not the trained layer's "
+        raise SpecdraftError(f"{target_dir}: its {layout.prefix}* tensors are not the trained layer's "
                              f"({len(stored)} stored, {len(trained)} trained); stitch into the target it was trained on")
     rewrite = {Path(weight_map[key]).name for key in stored}
     if any(not name.endswith(".safetensors") for name in rewrite):
@@ -119,7 +152,7 @@ def write_stitched(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, ta
             _rewrite(path, out_dir / path.name, trained)
         elif path.name == CONFIG_NAME:
             config = json.loads(path.read_text())
-            config.setdefault("num_nextn_predict_layers", 1)  # vLLM's n_predict for qwen3_next
+            config.setdefault("num_nextn_predict_layers", 1)  # vLLM's n_predict (qwen3_next, deepseek_v3, glm4_moe)
             (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         else:
             _link_or_copy(path, out_dir / path.name)

@@ -7,13 +7,19 @@ modules around it (speculators' names, which are our state-dict names):
     out = final_layernorm(DecoderLayer(input_proj(cat(e, h))))       input_proj: 2H -> H, no bias
 
 The decoder layer is transformers' class for the target's model_type (Qwen3-Next: gated attention
-with partial RoPE and an MoE MLP), so it computes exactly what the target's checkpoint means.
+with partial RoPE and an MoE MLP; DeepSeek-V3: MLA and MoE; GLM-4.5: partial RoPE and MoE), so it
+computes exactly what the target's checkpoint means. DeepSeek-V3's and GLM-4.5's MTP layer is the
+same computation under other names: transformers' MtpLayer (modeling_layers.py: enorm, hnorm,
+eh_proj over cat(enorm(e), hnorm(h)), mtp_block, post_norm, built from config.get_mtp_config(),
+whose first_k_dense_replace 0 makes its MLP the MoE one), stored as layer num_hidden_layers of the
+checkpoint (model.layers.<L>.*, which the main model's loader drops: _keys_to_ignore_on_load_unexpected).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import torch
 from torch import nn
@@ -31,9 +37,24 @@ def _qwen3_next():
     return Qwen3NextDecoderLayer, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
 
 
+def _deepseek_v3():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                                                      DeepseekV3RotaryEmbedding)
+
+    return DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding
+
+
+def _glm4_moe():
+    from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
+                                                                Glm4MoeRotaryEmbedding)
+
+    return Glm4MoeDecoderLayer, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding
+
+
 # model_type -> (decoder layer, RMSNorm, rotary embedding) classes; the targets with native MTP
-# layers this family is tested on
-LAYER_CLASSES = {"qwen3_next": _qwen3_next}
+# layers in transformers (qwen3_next: mtp.*; deepseek_v3, glm4_moe: MtpModel's model.layers.<L>.*)
+# this family is tested on
+LAYER_CLASSES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe}
 
 
 def layer_classes(model_type: str):
@@ -84,9 +105,13 @@ AttentionInterface.register(ATTENTION, packed_document_attention)
 def build_mtp_layer(config) -> nn.Module:
     decoder_class, norm_class, _ = layer_classes(config.model_type)
 
+    layer_config = copy.copy(config)
+    if hasattr(layer_config, "first_k_dense_replace"):  # transformers' get_mtp_config: MTP layers are MoE
+        layer_config.first_k_dense_replace = 0
+
     class MTPLayer(decoder_class):
         def __init__(self):
-            super().__init__(copy.copy(config), last_full_attention(config))
+            super().__init__(layer_config, last_full_attention(config))
             H, eps = config.hidden_size, config.rms_norm_eps
             self.hidden_layernorm = norm_class(H, eps=eps)
             self.token_layernorm = norm_class(H, eps=eps)
@@ -132,14 +157,53 @@ PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def ours_from_target(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The target's mtp.* tensors -> our state dict: renamed, and per-expert weights
-    (mlp.experts.<i>.{gate,up,down}_proj.weight) fused as transformers holds them
-    (experts.gate_up_proj (E, 2I, H) = [gate_i; up_i], experts.down_proj (E, H, I))."""
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a target's checkpoint keeps its MTP layer: every tensor under `prefix`, renamed to ours
+    by `exact` names, else by the first of `prefixes` it starts with; `skipped`: tensors under the
+    prefix that are the target's own (DeepSeek-V3 stores copies of its embeddings and head with the
+    layer), neither read nor rewritten."""
+    prefix: str
+    exact: Dict[str, str]
+    prefixes: Tuple[Tuple[str, str], ...]
+    skipped: Tuple[str, ...] = ()
+
+    def holds(self, key: str) -> bool:
+        return key.startswith(self.prefix) and key not in self.skipped
+
+
+QWEN3_NEXT_LAYOUT = CheckpointLayout(TARGET_PREFIX, EXACT, PREFIXES)
+
+
+def layer_after_the_stack(num_layers: int) -> CheckpointLayout:
+    """DeepSeek-V3's and GLM-4.5's: layer L = num_hidden_layers of the checkpoint (vLLM's
+    deepseek_mtp.py / glm4_moe_mtp.py: enorm, hnorm, eh_proj, shared_head.{norm,head}, the decoder
+    layer's own names; transformers' conversion_mapping renames shared_head.norm to post_norm)."""
+    p = f"model.layers.{num_layers}."
+    return CheckpointLayout(p, {p + "eh_proj.weight": "mtp_layers.0.input_proj.weight",
+                                p + "shared_head.norm.weight": "mtp_layers.0.final_layernorm.weight"},
+                            ((p + "hnorm.", "mtp_layers.0.hidden_layernorm."),
+                             (p + "enorm.", "mtp_layers.0.token_layernorm."),
+                             (p, "mtp_layers.0.")),
+                            skipped=(p + "embed_tokens.weight", p + "shared_head.head.weight"))
+
+
+def checkpoint_layout(model_type: str, num_layers: int) -> CheckpointLayout:
+    """The layout of a target of `model_type` with `num_layers` decoder layers (config.json's)."""
+    return QWEN3_NEXT_LAYOUT if model_type == "qwen3_next" else layer_after_the_stack(num_layers)
+
+
+def ours_from_target(tensors: Dict[str, torch.Tensor],
+                     layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> Dict[str, torch.Tensor]:
+    """The target's MTP tensors (mtp.*, or model.layers.<L>.*) -> our state dict: renamed, and
+    per-expert weights (mlp.experts.<i>.{gate,up,down}_proj.weight) fused as transformers holds
+    them (experts.gate_up_proj (E, 2I, H) = [gate_i; up_i], experts.down_proj (E, H, I))."""
     out: Dict[str, torch.Tensor] = {}
     experts: Dict[str, Dict[int, Dict[str, torch.Tensor]]] = {}
     for key, value in tensors.items():
-        name = _rename(key)
+        if key in layout.skipped:
+            continue
+        name = _rename(key, layout)
         head, sep, rest = name.partition(".experts.")
         index, _, proj = rest.partition(".")
         if sep and index.isdigit() and proj[:-len(".weight")] in EXPERTS:
@@ -157,36 +221,37 @@ def ours_from_target(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
     return out
 
 
-def target_from_ours(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Our state dict -> the target checkpoint's mtp.* names and layout (ours_from_target inverted)."""
+def target_from_ours(state: Dict[str, torch.Tensor],
+                     layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> Dict[str, torch.Tensor]:
+    """Our state dict -> the target checkpoint's names and layout (ours_from_target inverted)."""
     out: Dict[str, torch.Tensor] = {}
-    back_exact = {ours: theirs for theirs, ours in EXACT.items()}
+    back_exact = {ours: theirs for theirs, ours in layout.exact.items()}
     for name, value in state.items():
         if name.endswith(".experts.gate_up_proj"):
-            prefix = _unrename(name[:-len(".gate_up_proj")])
+            prefix = _unrename(name[:-len(".gate_up_proj")], layout)
             gate, up = value.chunk(2, dim=1)
             for i in range(value.shape[0]):
                 out[f"{prefix}.{i}.gate_proj.weight"], out[f"{prefix}.{i}.up_proj.weight"] = gate[i], up[i]
         elif name.endswith(".experts.down_proj"):
-            prefix = _unrename(name[:-len(".down_proj")])
+            prefix = _unrename(name[:-len(".down_proj")], layout)
             for i in range(value.shape[0]):
                 out[f"{prefix}.{i}.down_proj.weight"] = value[i]
         else:
-            out[back_exact.get(name) or _unrename(name)] = value
+            out[back_exact.get(name) or _unrename(name, layout)] = value
     return out
 
 
-def _rename(key: str) -> str:
-    if key in EXACT:
-        return EXACT[key]
-    for theirs, ours in PREFIXES:
+def _rename(key: str, layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> str:
+    if key in layout.exact:
+        return layout.exact[key]
+    for theirs, ours in layout.prefixes:
         if key.startswith(theirs):
             return ours + key[len(theirs):]
     raise SpecdraftError(f"the target's tensor {key}: not part of a native MTP layer this family knows")
 
 
-def _unrename(name: str) -> str:
-    for theirs, ours in PREFIXES:
+def _unrename(name: str, layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> str:
+    for theirs, ours in layout.prefixes:
         if name.startswith(ours):  # the two norms come before the whole layer's prefix
             return theirs + name[len(ours):]
     raise ValueError(f"{name}: not an MTP layer tensor")

@@ -33,10 +33,12 @@ from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, 
                                    target_text_config)
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.mtp.decode import MTPDrafter
-from specdraft.drafts.mtp.export import FILE_FORMAT, read_target_mtp, target_has_mtp, write_speculators, write_stitched
+from specdraft.drafts.mtp.export import (FILE_FORMAT, read_target_mtp, speculators_refusal, target_has_mtp,
+                                         target_layout, write_speculators, write_stitched)
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
 from specdraft.errors import SpecdraftError
+from specdraft.target.moe import moe_shape
 
 
 @dataclass
@@ -99,10 +101,12 @@ class MTPDraft(Draft):
     on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
     file_formats = {"speculators": FILE_FORMAT}
     target_model_types = tuple(LAYER_CLASSES)
-    # its targets' capture cannot be sharded: Gated DeltaNet's recurrence runs through the whole
-    # sequence (no head exchange makes it whole), so the layer's input h_t never exists per shard
-    sequence_parallel_refusal = (f"does not train on sequence shards: its targets ({', '.join(LAYER_CLASSES)}) "
-                                 "have linear-attention layers, which the sharded capture does not run")
+    # Qwen3-Next's capture cannot be sharded: Gated DeltaNet's recurrence runs through the whole
+    # sequence (no head exchange makes it whole), so the layer's input h_t never exists per shard;
+    # and the layer is transformers' decoder layer class, whose attention exchanges no heads
+    sequence_parallel_refusal = ("does not train on sequence shards: its layer is the target's own decoder layer "
+                                 "class (no head exchange), and Qwen3-Next's linear-attention layers do not run "
+                                 "in the sharded capture")
 
     def __init__(self, dims: MTPDims):
         super().__init__()
@@ -143,6 +147,9 @@ class MTPDraft(Draft):
         if path and torch.empty(0).device.type != "meta":
             draft.load_state_dict(read_target_mtp(path, draft.state_dict()), strict=True)
         return draft
+
+    def serving_refusal(self, fmt: str) -> Optional[str]:
+        return speculators_refusal(self) if fmt == "speculators" else None
 
     def describe(self) -> str:
         beta, steps = self.dims.step_weight_beta, self.dims.num_speculative_steps
@@ -210,11 +217,10 @@ class MTPDraft(Draft):
         p, steps, H = shape.dtype_bytes, self.dims.num_speculative_steps, c.hidden_size
         tokens = shape.B * shape.T
         heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        mlp = self.mtp_layers[0].mlp
-        if hasattr(mlp, "experts"):  # MoE: per routed expert its gathered input, gate/up, product and
-            # output; router logits and weights; the shared expert's gate, up, act, product, output
-            inner = c.num_experts_per_tok * (3 * H + 4 * c.moe_intermediate_size) + 3 * c.num_experts \
-                + 5 * c.shared_expert_intermediate_size
+        moe = moe_shape(c)  # the layer's MLP is the sparse one (MTP layers are MoE: first_k_dense_replace 0)
+        if moe is not None:  # per routed expert its gathered input, gate/up, product and output; router
+            # logits and weights; the shared expert's gate, up, act, product, output
+            inner = moe.top_k * (3 * H + 4 * moe.expert_intermediate) + 3 * moe.experts + 5 * moe.shared_intermediate
         else:
             inner = 5 * c.intermediate_size
         # per step and token, saved for backward (counted with tests/test_memory.py's LiveTensorBytes:
@@ -222,7 +228,12 @@ class MTPDraft(Draft):
         # concatenation, input_proj's output and the residuals (13 H); q with its gate, the q/k norms,
         # the rotated q/k, the attention output and its gating (7 heads hd, 6 kv hd); the MLP's; six
         # RMSNorms keep their inputs in fp32
-        step = (13 * H + 7 * heads * hd + 6 * kv * hd + inner) * p + shape.fp32_norm_inputs(6 * H)
+        attention = 7 * heads * hd + 6 * kv * hd
+        if getattr(c, "kv_lora_rank", None):  # MLA (DeepSeek-V3): per head queries and keys of qk dims,
+            # values of v dims, and the latents (q: q_lora_rank, kv: kv_lora_rank + rope) with their norms
+            qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+            attention = heads * (5 * qk + 3 * v) + 3 * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
+        step = (13 * H + attention + inner) * p + shape.fp32_norm_inputs(6 * H)
         held = steps * step if not self.gradient_checkpointing else steps * 2 * H * p + step
         return {
             # the input embeddings, cos/sin and the target's final hidden state
@@ -245,8 +256,10 @@ def refuse_target_without_mtp(target_config, source: str) -> None:
     path = target_path(target_config) or "the target"
     if text.model_type not in LAYER_CLASSES:
         raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-                             f"(model_type {text.model_type}) has none (targets with one: "
-                             f"{', '.join(LAYER_CLASSES)} checkpoints holding mtp.* tensors)")
+                             f"(model_type {text.model_type}) has none in transformers (targets with one: "
+                             f"qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and glm4_moe ones holding "
+                             f"model.layers.<num_hidden_layers>.*)")
     if path != "the target" and not target_has_mtp(path):
+        layout = target_layout(path)
         raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-                             f"has none (no mtp.* tensors in its weight files)")
+                             f"has none (no {layout.prefix}* tensors in its weight files)")

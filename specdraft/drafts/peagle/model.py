@@ -35,10 +35,10 @@ from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemorySh
 from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots
 from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
 from specdraft.drafts.lk import sum_over_ranks
-from specdraft.drafts.loss import whole_vocab_pass
+from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
                                          objective_from_options, parse_objective, term_metrics)
-from specdraft.drafts.peagle.cod import cod_anchors, cod_visibility, slot_order
+from specdraft.drafts.peagle.cod import CODBatch, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
 from specdraft.errors import SpecdraftError
@@ -77,16 +77,16 @@ class PEagleDims(Eagle3Dims):
 KL = parse_objective("kl")  # speculators' P-EAGLE loss
 
 
-def counted_slots(anchor: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(N,) bool on the host: slot (a, d) predicts x_{a+d+2}, counted where position a+d is valid."""
-    orig = anchor + depth
-    return valid[orig.clamp(0, valid.shape[0] - 1)] & (orig < valid.shape[0])
+def counted_slots(slots: CODBatch, valid: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool on the host: slot (a, d) predicts x_{a+d+2}, counted where it was drawn and
+    position a+d is valid (valid (B, T))."""
+    orig = slots.anchor + slots.depth
+    return slots.drawn & valid.gather(1, orig.clamp(0, valid.shape[1] - 1)) & (orig < valid.shape[1])
 
 
-def own_slots(by_depth: List[torch.Tensor], shard: SequenceShard) -> List[torch.Tensor]:
-    """One sequence's slots depth by depth -> those anchored in this rank's shard (depth 0: its
-    positions), still sorted: its slots of the SP=1 draw."""
-    return [anchor[(anchor >= shard.start) & (anchor < shard.end)] for anchor in by_depth]
+def _rows(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(B, N) row indices -> the (B, N, C) gather index of those rows of a (B, ., C) tensor."""
+    return index[..., None].expand(*index.shape, x.shape[-1])
 
 
 def default_mask_token(target_config) -> int:
@@ -189,49 +189,70 @@ class PEagleDraft(Eagle3Base):
     def slot_inputs(self, aux: torch.Tensor, input_embeds: torch.Tensor, anchor: torch.Tensor,
                     depth: torch.Tensor, ids: Optional[torch.Tensor] = None,
                     start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's slots -> (embeds, hidden), (N, H) each. aux (T, 3 Ht) captured states,
-        input_embeds (T, H) the target's embeddings of ids x_0..x_{T-1}; depth 0 reads x_{a+1} (zeros
-        past the end) and aux[a], deeper slots the mask token's embedding and mask_hidden.
-        Sequence parallelism: aux holds the shard's rows from position `start`, input_embeds those
-        and the next one (SequenceShard.extend_right); ids stays the whole sequence's."""
-        first = depth == 0
+        """B sequences' slots -> (embeds, hidden), (B, N, H) each. aux (B, T, 3 Ht) captured states,
+        input_embeds (B, T, H) the target's embeddings of ids x_0..x_{T-1}; anchor (B, N), depth
+        (N,) or (B, N). Depth 0 reads x_{a+1} (zeros past the end) and fc(aux[a]), deeper slots the
+        mask token's embedding and fc(mask_hidden) (fc once per position and once for mask_hidden,
+        not once per slot). Sequence parallelism: aux holds the shard's rows from position `start`,
+        input_embeds those and the next one (SequenceShard.extend_right); ids stays the whole
+        sequence's. An anchor past the end (CODBatch's padding) reads clamped rows."""
+        first = (depth == 0).expand(anchor.shape)
         local = anchor - start
-        nxt = (local + 1).clamp(max=input_embeds.shape[0] - 1)
-        real_embeds = torch.where((local + 1 < input_embeds.shape[0])[:, None], input_embeds[nxt],
-                                  torch.zeros_like(input_embeds[nxt]))
+        width = input_embeds.shape[1]
+        real_embeds = input_embeds.gather(1, _rows((local + 1).clamp(0, width - 1), input_embeds))
+        real_embeds = torch.where((local + 1 < width)[..., None], real_embeds, torch.zeros_like(real_embeds))
         # the mask token's row is one embedding row: where the text itself holds that token, it reads it too
         is_mask = ~first if ids is None else \
-            ~first | (ids[(anchor + 1).clamp(max=ids.shape[0] - 1)] == self.dims.mask_token_id)
-        embeds = torch.where(is_mask[:, None], self.mask_embedding.to(real_embeds.dtype)[None], real_embeds)
-        states = torch.where(first[:, None], aux[local.clamp_min(0)], self.mask_hidden.to(aux.dtype)[0])
-        return embeds, self.fuse(states)
+            ~first | (ids.gather(1, (anchor + 1).clamp(max=ids.shape[1] - 1)) == self.dims.mask_token_id)
+        embeds = torch.where(is_mask[..., None], self.mask_embedding.to(real_embeds.dtype), real_embeds)
+        fused = self.fuse(aux)
+        states = fused.gather(1, _rows(local.clamp(0, aux.shape[1] - 1), fused))
+        mask_state = self.fuse(self.mask_hidden.to(aux.dtype)[0]).to(states.dtype)  # (1, H)
+        return embeds, torch.where(first[..., None], states, mask_state)
 
     def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None,
                     by_depth: Optional[List[torch.Tensor]] = None,
-                    shard: Optional[SequenceShard] = None) -> torch.Tensor:
-        """One forward over one sequence's slots -> (N, H) the logits input (lm_head reads it).
-        by_depth: the slots as cod_anchors drew them (anchor, depth = slot_order(by_depth)), which
-        attend without an (N, N) mask (cod_attention.py); None (hand-made slots in any order):
-        through cod_visibility's mask. shard (sequence parallelism): the slots are this rank's
-        (its positions at depth 0 first, see own_slots) and attend to the gathered depth-0 keys
-        through a dense mask (cod_attention.GatheredCODSlots); aux / input_embeds as slot_inputs."""
+                    shard: Optional[SequenceShard] = None, sizes: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+        """One forward over B sequences' slots -> (B, N, H) the logits input (lm_head reads it);
+        aux / input_embeds / anchor / depth as slot_inputs, documents and ids (B, T). sizes: the
+        slots are CODBatch's (cod_sample_batch, `sizes` its places per depth), which attend
+        without an (N, N) mask (cod_attention.py); None (hand-made slots in any order): through
+        cod_visibility's mask. shard (sequence parallelism): the slots are this rank's
+        (CODBatch.own: its positions at depth 0 first) and attend to the gathered depth-0 keys
+        through a dense mask (cod_attention.GatheredCODSlots).
+        One sequence (anchor (N,), aux (T, 3 Ht), input_embeds / ids / documents (T,.)) -> (N, H);
+        by_depth: its slots as cod_anchors drew them (anchor, depth = slot_order(by_depth)), mask-free."""
+        if anchor.dim() == 1:
+            slots = None if by_depth is None else CODSlots.of(by_depth, aux.device, documents)
+            head = self._draft_slots(aux[None], input_embeds[None], anchor[None], depth,
+                                     None if documents is None else documents[None], None if ids is None else ids[None],
+                                     slots, shard)
+            return head[0]
+        anchor = to_device(anchor, aux.device)
+        slots = None if sizes is None or (shard is not None and shard.parallel) else \
+            CODSlots.of_batch(anchor, sizes, documents)
+        return self._draft_slots(aux, input_embeds, anchor, depth, documents, ids, slots, shard)
+
+    def _draft_slots(self, aux, input_embeds, anchor, depth, documents, ids, slots: Optional[CODSlots],
+                     shard: Optional[SequenceShard]) -> torch.Tensor:
         device = aux.device
         anchor, depth = to_device(anchor, device), to_device(depth, device)
         start = 0
         if shard is not None and shard.parallel:
             start, local = shard.start, shard.local_length
-            key_anchor = torch.cat([torch.arange(shard.length, device=device), anchor[local:]])
+            key_anchor = torch.cat([torch.arange(shard.length, device=device).expand(anchor.shape[0], -1),
+                                    anchor[:, local:]], dim=1)
             key_depth = torch.cat([torch.zeros(shard.length, dtype=depth.dtype, device=device), depth[local:]])
             visible = GatheredCODSlots(shard, cod_visibility(anchor, depth, documents, key_anchor=key_anchor,
-                                                             key_depth=key_depth))
-        elif by_depth is None:
-            visible = cod_visibility(anchor, depth, documents)
+                                                             key_depth=key_depth)[:, None])
+        elif slots is None:
+            visible = cod_visibility(anchor, depth, documents)[:, None]
         else:
-            visible = CODSlots.of(by_depth, device, documents)
+            visible = slots
         embeds, hidden = self.slot_inputs(aux, input_embeds, anchor, depth, ids, start)
-        positions = anchor + depth + 1
-        _, head_in, _, _ = self.step(embeds[None], hidden[None], positions, None, None, visible)
-        return head_in[0]
+        positions = anchor + depth + 1  # (B, N)
+        _, head_in, _, _ = self.step(embeds, hidden, positions, None, None, visible)
+        return head_in
 
     # -- training --------------------------------------------------------------------------
 
@@ -241,13 +262,12 @@ class PEagleDraft(Eagle3Base):
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, int]:
         return {"cod_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
 
-    def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> List[List[torch.Tensor]]:
-        """valid (B, T) bool on the host -> per row its slots' anchors depth by depth (cod_anchors),
-        drawn row by row from one generator seeded with cod_seed."""
+    def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> CODBatch:
+        """valid (B, T) bool -> every row's slots at fixed shapes (cod_sample_batch), drawn from
+        one generator seeded with cod_seed: a pure function of the batch's seed (exact resume)."""
         generator = torch.Generator().manual_seed(int(cod_seed))
         d = self.dims
-        return [cod_anchors(row, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
-                for row in valid]
+        return cod_sample_batch(valid, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
 
     def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
                       chunk_size: int, cod_seed: int = 0, documents: Optional[torch.Tensor] = None,
@@ -271,31 +291,31 @@ class PEagleDraft(Eagle3Base):
             valid[:, :max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]
         answer = torch.zeros(B, T, dtype=torch.bool)
         answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
-        # drawn over the whole sequence, alike on every rank of an SP group: the slots of SP=1
+        # drawn on the host copy over the whole batch and sequence (fixed shapes, no loop over
+        # rows), alike on every rank of an SP group: the slots of SP=1; the loss picks its rows from them
         slots = self.sample_slots(valid, cod_seed)
-        heads, rows, depths, answers_at, group_tokens = [], [], [], [], 0
-        for b, by_depth in enumerate(slots):
-            docs = None if documents is None else documents[b]
-            if shard.parallel:
-                group_tokens += int(counted_slots(*slot_order(by_depth), valid[b]).sum())
-                by_depth = own_slots(by_depth, shard)
-            anchor, depth = slot_order(by_depth)
-            head = self.draft_slots(aux[b], embeds[b], anchor, depth, docs, input_ids[b], by_depth, shard)
-            orig = anchor + depth
-            counted = counted_slots(anchor, depth, valid[b])
-            heads.append(head.index_select(0, to_device(counted.nonzero().flatten(), device)))  # host indices: no sync
-            rows.append(b * T + orig[counted])
-            depths.append(depth[counted])
-            answers_at.append(answer[b, orig[counted]])
-        head_in, rows, depths, is_answer = (torch.cat(heads), torch.cat(rows), torch.cat(depths),
-                                            torch.cat(answers_at))
+        counted = counted_slots(slots, valid)  # (B, N) on the host
+        group_tokens = shard.host_count(counted)
+        if shard.parallel:
+            slots = slots.own(shard.start, shard.end)
+            counted = counted_slots(slots, valid)
+        head = self.draft_slots(aux, embeds, slots.anchor, slots.depth, documents, input_ids, shard=shard,
+                                sizes=slots.sizes)  # (B, N, H)
+        picked = to_device(counted.flatten().nonzero().flatten(), device)  # host indices: no sync
+        head_in = head.flatten(0, 1).index_select(0, picked)
+        orig = slots.anchor + slots.depth
+        rows = (torch.arange(B)[:, None] * T + orig)[counted]  # row-major: each row's slots in slot order
+        depths = slots.depth.expand(B, -1)[counted]
+        is_answer = answer.gather(1, orig.clamp(max=T - 1))[counted]
         draft_ids = self.draft_to_target()
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         final = shard.extend_right(features.final_hidden, extend).flatten(0, 1) if self.objective.needs_teacher else None
         local_rows = shard.local_length + extend  # final's rows per batch row
         lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
-        if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:
-            lse, _ = whole_vocab_pass(final, lm_head_weight, chunk_size)
+        if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:  # at the rows a teacher reads
+            read = (rows // T * local_rows + rows % T - shard.start + 1).unique()  # on the host, as teacher_at
+            lse, _ = teacher_vocab_pass(final, lm_head_weight, read, chunk_size, draft_ids.numel(), logsumexp=True,
+                                        argmax=False)
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
@@ -345,8 +365,8 @@ class PEagleDraft(Eagle3Base):
         per_token = 1 + sum(max(d.down_sample_ratio ** k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
         slots = shape.B * shape.T * per_token
         # per slot, saved for backward: EAGLE-3's step (the fused 2H input, norms, q/k/v, MLP) plus
-        # the 3 Ht gathered state fc reads
-        step = (10 * H + 2 * heads * hd + 2 * kv * hd + 4 * I + 3 * d.target_hidden_size) * p \
+        # fc's output gathered to each slot (fc runs once per position: its input is the capture's)
+        step = (11 * H + 2 * heads * hd + 2 * kv * hd + 4 * I) * p \
             + shape.fp32_norm_inputs(3 * H)
         terms = {
             "capture features": shape.capture_features(H + (3 + teacher) * d.target_hidden_size),
