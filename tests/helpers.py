@@ -261,3 +261,23 @@ def random_target_for(family: str, **kwargs):
         return random_llama(**kwargs)
     assert FAMILIES[family].drafts_for("qwen3_next"), family
     return random_qwen3_next(**kwargs)
+
+
+def loss_step_peak_against_model(model, target_config, cfg, fixed, seq: int):
+    """One training forward and backward of `model` (a TargetWithDraft) on one random row of `seq`
+    tokens, every token trained: (the peak of live tensor bytes, what the memory model puts above
+    the `fixed` terms: weights, gradients, optimizer state, {term: bytes})."""
+    import torch
+
+    from specdraft.train import memory
+    from specdraft.train.live_bytes import LiveTensorBytes
+
+    draft = model.draft_model
+    ids = torch.randint(0, target_config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    options = draft.sample_batch_options(torch.Generator().manual_seed(0), seq)
+    for param in draft.parameters():  # the fixed terms' gradients, already there
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    with LiveTensorBytes() as live:
+        model(ids, torch.ones_like(ids), **options).loss.backward()
+    estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
+    return live.peak, estimate.total - sum(estimate.parts[name] for name in fixed), estimate.parts

@@ -5,6 +5,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, Qwen3NextConfig
 
+from helpers import loss_step_peak_against_model
+
 from specdraft.train.live_bytes import LiveTensorBytes
 from specdraft.config import TrainConfig
 from specdraft.drafts import FAMILIES
@@ -136,15 +138,8 @@ def test_the_familys_terms_are_the_tensors_a_training_step_holds(family, precisi
     target_config = target_of(family)
     target = AutoModelForCausalLM.from_config(target_config).eval().requires_grad_(False).to(dtype)
     model = TargetWithDraft(target, build_draft(cfg.draft, target_config).to(dtype), cfg.loss_chunk_size)
-    ids = torch.randint(0, target_config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-    options = model.draft_model.sample_batch_options(torch.Generator().manual_seed(0), T)
-    for param in model.draft_model.parameters():  # the fixed terms' gradients, already there
-        param.grad = torch.zeros_like(param) if param.requires_grad else None
-    with LiveTensorBytes() as live:
-        model(ids, torch.ones_like(ids), **options).loss.backward()
-    estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
-    predicted = estimate.total - sum(estimate.parts[name] for name in FIXED)
-    assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in estimate.parts.items()}
+    peak, predicted, parts = loss_step_peak_against_model(model, target_config, cfg, FIXED, T)
+    assert peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in parts.items()}
 
 
 @pytest.mark.parametrize("loss,buffers", [("kl", 7), ("soft_ce", 7), ("0.9*tv + 0.1*ce", 7)])
@@ -364,11 +359,6 @@ def test_mtp_terms_on_moe_targets_are_the_tensors_a_training_step_holds(model_ty
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(target_config).eval().requires_grad_(False)
     model = TargetWithDraft(target, build_draft(cfg.draft, target_config), cfg.loss_chunk_size)
-    ids = torch.randint(0, 8000, (1, 256), generator=torch.Generator().manual_seed(0))
-    for param in model.draft_model.parameters():
-        param.grad = torch.zeros_like(param) if param.requires_grad else None
-    with LiveTensorBytes() as live:
-        model(ids, torch.ones_like(ids)).loss.backward()
-    estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
-    predicted = estimate.total - sum(estimate.parts[name] for name in FIXED)
-    assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in estimate.parts.items()}
+    assert target_config.vocab_size == 8000
+    peak, predicted, parts = loss_step_peak_against_model(model, target_config, cfg, FIXED, 256)
+    assert peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.1f} MiB" for k, v in parts.items()}

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from helpers import random_llama
+from helpers import loss_step_peak_against_model, random_llama
 from specdraft.config import DraftConfig, TrainConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts import loss as loss_module
@@ -259,8 +259,6 @@ def test_the_teachers_peak_is_its_term_of_the_memory_model(monkeypatch, family, 
     target's (64); the whole-vocab pass of in_vocab / LK stays within the loss chunk's term."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from specdraft.train import memory
-    from specdraft.train.live_bytes import LiveTensorBytes
     from specdraft.train.model import TargetWithDraft
 
     vocab, draft_vocab, seq = 4750, 400, 256
@@ -278,15 +276,8 @@ def test_the_teachers_peak_is_its_term_of_the_memory_model(monkeypatch, family, 
     draft.set_vocab_maps(*vocab_maps(torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(0))
                                      .numpy(), draft_vocab))
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
-    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-    options = draft.sample_batch_options(torch.Generator().manual_seed(0), seq)
-    for param in draft.parameters():  # the fixed terms' gradients, already there
-        param.grad = torch.zeros_like(param) if param.requires_grad else None
-    with LiveTensorBytes() as live:
-        model(ids, torch.ones_like(ids), **options).loss.backward()
-    estimate = memory.estimate_peak(config, cfg, world_size=1, documents=False)
-    predicted = estimate.total - sum(estimate.parts[name] for name in MEMORY_FIXED)
-    assert live.peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.2f} MiB" for k, v in estimate.parts.items()}
+    peak, predicted, parts = loss_step_peak_against_model(model, config, cfg, MEMORY_FIXED, seq)
+    assert peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.2f} MiB" for k, v in parts.items()}
 
 
 def test_a_zero_chunk_is_sized_from_the_losss_own_vocab_by_hand():
