@@ -296,8 +296,8 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
         cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)
-    if cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
-        fail("eval_prompts", f"file not found: {cfg.eval_prompts}")
+    if cfg.eval_steps > 0 and cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
+        fail("eval_prompts", f"file not found: {cfg.eval_prompts}")  # read only when tau is measured
 
 
 def data_world(cfg: DictConfig, world_size: int) -> int:

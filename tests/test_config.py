@@ -279,3 +279,15 @@ def test_help_imports_neither_torch_nor_deepspeed_nor_transformers(command):
                           timeout=60)
     assert proc.returncode == 0 and "usage: specdraft" in proc.stdout, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+def test_a_missing_eval_prompts_file_matters_only_when_tau_is_measured(tiny_target_dir, data_dir, tmp_path):
+    """eval_steps <= 0 never reads eval_prompts: a config naming a file not on this machine loads."""
+    from helpers import run_overrides
+    from specdraft.errors import SpecdraftError
+
+    base = run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache",
+                         eval_prompts=tmp_path / "missing.jsonl")
+    assert load_config(None, [*base, "eval_steps=-1"]).eval_steps == -1
+    with pytest.raises(SpecdraftError, match="key 'eval_prompts': file not found"):
+        load_config(None, [*base, "eval_steps=10"])

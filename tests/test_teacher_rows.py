@@ -159,6 +159,7 @@ class HeadReads(TorchDispatchMode):
         super().__init__()
         self.head, self.vocab = weight.untyped_storage().data_ptr(), weight.shape[0]
         self.copies, self.whole, self.teacher, self.vocab_rows = [], [], [], []
+        self.held = []  # the copies themselves: while held, no other tensor can take their address
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -172,6 +173,7 @@ class HeadReads(TorchDispatchMode):
                 self.teacher.append(tuple(outputs[0].shape))
         elif name == "index_select" and self.head in inputs and outputs[0].dim() == 2:
             self.copies.append(outputs[0].untyped_storage().data_ptr())
+            self.held.append(outputs[0])
         self.vocab_rows += [t.shape[:-1].numel() for t in outputs if t.dim() >= 2 and t.shape[-1] == self.vocab
                             and t.untyped_storage().data_ptr() not in inputs]  # made, not a view (weight.t())
         return out
