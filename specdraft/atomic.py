@@ -31,6 +31,14 @@ def fresh_name(path: Path, suffix: str = TEMP_SUFFIX) -> Path:
             return candidate
 
 
+def temp_target(name: str) -> "str | None":
+    """The final name a temp name of fresh_name's form stands for, None for any other name."""
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return None
+    final = name[1:-len(TEMP_SUFFIX)].rsplit(".", 1)[0]
+    return final if is_temp_of(name, final) else None
+
+
 def is_temp_of(name: str, final_name: str) -> bool:
     """Whether `name` is one of our temp names for `final_name` (fresh_name's form)."""
     prefix = f".{final_name}."

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
-from specdraft.atomic import is_temp_of, write_atomic
+from specdraft.atomic import is_temp_of, temp_target, write_atomic
 from specdraft.errors import SpecdraftError, write_error
 from specdraft.run import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
-                           is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text)
+                           is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text, step_of)
 
 
 
@@ -62,6 +63,10 @@ def start_run_dir(run_dir) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if marker_kind(run_dir) != RUN:
         write_atomic(run_dir / MARKER, marker_text(RUN))
+    for path in run_dir.iterdir():  # a training export a crash left half-written: ours, never an export
+        final = temp_target(path.name)
+        if final is not None and step_of(final) is not None and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
 
 
 def probe_writable(directory: Path) -> None:

@@ -319,6 +319,23 @@ def test_resuming_another_runs_slot_elsewhere_writes_nothing_into_that_run(other
     assert (tmp_path / "new" / "ckpt" / "step_1.universal" / "COMMITTED").is_file()
 
 
+def test_a_restarted_run_clears_the_half_written_export_a_crash_left_and_nothing_else(tiny_target_dir, data_dir,
+                                                                                    tmp_path):
+    """A SIGKILL while the export thread writes step_N/ leaves its temp folder (.step_N.<random>.tmp):
+    ours, and never an export. The next start of the run removes it; other hidden names stay."""
+    run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=1, save_steps=1).run_dir
+    stale = run / ".step_2.0badc0de.tmp"
+    (stale / "speculators").mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    kept = [run / ".step_2.notes.tmp", run / ".export_step_1.0badc0de.tmp"]  # not ours / an export command's
+    for path in kept:
+        path.mkdir()
+        (path / "x").write_text("x")
+    train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=1)
+    assert not stale.exists() and all((path / "x").is_file() for path in kept)
+    assert (run / "step_2" / MARKER).is_file()
+
+
 # -- 2. write failures: one line, nothing lost -------------------------------------------------
 
 def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(tiny_target_dir, data_dir, tmp_path, capsys,
