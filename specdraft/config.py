@@ -354,8 +354,8 @@ def identity_change(saved: Optional[dict], cfg: DictConfig) -> str:
     """Why a checkpoint's identity (its COMMITTED `config_identity`) differs from this run's: each
     differing key with both values. A checkpoint from before that record: its hash only."""
     if not saved:
-        return (f"saved with another draft or max_seq_length (config hash differs; this checkpoint does not "
-                f"record its keys)")
+        return ("saved with another draft or max_seq_length (config hash differs; this checkpoint does not "
+                "record its keys)")
     old, new = _dotted(saved), _dotted(config_identity(cfg))
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k, "unset") != new.get(k, "unset"))
     changes = ", ".join(f"{k}: saved {old.get(k, 'unset')!r}, this run {new.get(k, 'unset')!r}" for k in keys)

@@ -10,7 +10,6 @@ family defaults). Part "train" (argv): training runs of the loop (see the test f
 """
 
 import json
-import os
 import sys
 import warnings
 

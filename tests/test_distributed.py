@@ -132,7 +132,7 @@ def test_conversion_leaves_the_slot_alone_and_is_reused(tiny_target_dir, dist_wo
     resume = f"resume={slot}"
     train(config(tiny_target_dir, dist_work, dist_data, "shrunk2_again", 2, resume, "max_steps=6"), log=logs.append)
     universal = universal_dir(dist_work / "shrunk2_again" / "ckpt" / "step_6")
-    assert any(line.startswith(f"resume: converted step_6") and line.endswith(str(universal)) for line in logs), logs
+    assert any(line.startswith("resume: converted step_6") and line.endswith(str(universal)) for line in logs), logs
     before = {p: p.stat().st_mtime_ns for p in universal.rglob("*")}
     logs.clear()
     mtimes = {}

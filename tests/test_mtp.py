@@ -8,7 +8,6 @@ tensor it should; decoding with it is lossless; a target without an MTP layer is
 """
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -230,7 +230,9 @@ class Eagle3Draft(Eagle3Base):
                                 None if lse is None else lse[teacher_at], sum_over_ranks)
             hits = (draft_ids[out.argmax] == labels).sum()
             step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
-            weighted, first_weight = step_loss * self.dims.ttt_decay ** k, weight if k == 0 else first_weight
+            if k == 0:
+                first_weight = weight
+            weighted = step_loss * self.dims.ttt_decay ** k
             loss = weighted if loss is None else loss + weighted
             metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
