@@ -39,6 +39,7 @@ from torch import nn
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
 
@@ -216,7 +217,8 @@ def _core_attention(module, query, key, value, attention_mask, scaling=None, dro
     """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None.
     sliding_window / softcap / s_aux (the sinks): what the layer hands its attention function."""
     if not getattr(module, "is_causal", True):  # Gemma 3 with use_bidirectional_attention
-        raise ValueError(f"capture: {type(module).__name__} attends bidirectionally; a draft's target is causal")
+        raise SpecdraftError(f"capture: {type(module).__name__} attends bidirectionally (use_bidirectional_attention); "
+                             f"a draft's target is causal")
     if specdraft_kv is not None:
         specdraft_kv.update(key, value, getattr(module, "layer_idx", None))
     shard = specdraft_shard or SequenceShard.whole(query.shape[2])

@@ -206,7 +206,8 @@ class Eagle3Draft(Eagle3Base):
             smaller = draft_ids.numel() < lm_head_weight.shape[0]
             want_lse, want_top = self.objective.lk and smaller, self.teacher_rows == "in_vocab" and smaller
             if want_top or want_lse:
-                read = torch.zeros(B, local + extend, dtype=torch.bool)  # final's rows a teacher reads
+                # on the host, from the steps' host masks: final's rows a teacher reads
+                read = torch.zeros(B, local + extend, dtype=torch.bool)
                 for k, (counted, _, _) in enumerate(steps):
                     width = max(min(local, local + extend - 1 - k), 0)  # t+1+k within final's rows
                     read[:, 1 + k:1 + k + width] |= counted[:, :width]
