@@ -57,7 +57,7 @@ mutation: $(STAMP) $(SPECULATORS_STAMP)
 
 # The configuration reference is generated from the schema; tests/test_docs.py fails when it is stale.
 docs: $(STAMP)
-	$(VENV)/bin/python -m specdraft.config_reference > docs/config-reference.md
+	$(VENV)/bin/python -m specdraft.commands.config_reference > docs/config-reference.md
 	$(VENV)/bin/python -m mkdocs build --strict
 
 # Every bench script, then one summary table of their key=value last lines.

@@ -53,10 +53,10 @@ from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.config import family_demo_configs  # noqa: E402
 from specdraft.drafts import FAMILIES, draft_from_export_config  # noqa: E402
-from specdraft.train.export import load_exported_draft, read_export_config  # noqa: E402
+from specdraft.export.files import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
-from specdraft.evaluate import load_tokenizer, resolve_device, resolve_export  # noqa: E402
+from specdraft.commands.evaluate import load_tokenizer, resolve_device, resolve_export  # noqa: E402
 
 CONFIGS = family_demo_configs()  # every family with a packaged demo config takes part
 LABELS = {family: cls.label for family, cls in FAMILIES.items()}
@@ -120,7 +120,7 @@ def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path,
     """The family's demo config on this target and data, `steps` steps, one export at the end. A
     run this bench left in out_dir before is trained anew (resume=no never mixes into it)."""
     from specdraft.config import load_config
-    from specdraft.run import is_run_dir
+    from specdraft.rundir.layout import is_run_dir
     from specdraft.train.loop import train
 
     if is_run_dir(out_dir):

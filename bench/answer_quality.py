@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from specdraft.decode.prompts import encode_messages, read_prompts, stop_tokens  # noqa: E402
-from specdraft.evaluate import load_tokenizer  # noqa: E402
+from specdraft.commands.evaluate import load_tokenizer  # noqa: E402
 from specdraft.demo.cache import read_stamp  # noqa: E402
 from specdraft.demo.machine import describe  # noqa: E402
 from specdraft.demo.presets import PRESETS, get_preset  # noqa: E402

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import run_overrides, write_chat_files  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 from specdraft.train import loop  # noqa: E402
-from specdraft.run import COMMITTED  # noqa: E402
-from specdraft.train.checkpoint import CheckpointManager  # noqa: E402
+from specdraft.rundir.layout import COMMITTED  # noqa: E402
+from specdraft.checkpoint.manager import CheckpointManager  # noqa: E402
 
 
 def main() -> None:

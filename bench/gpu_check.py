@@ -39,7 +39,7 @@ def kernel_checks() -> dict:
     from test_ttt_attention import dense_reference  # the CPU tests' reference
 
     from specdraft.drafts.documents import PackedDocuments, document_block_mask
-    from specdraft.drafts.ttt_attention import ttt_attention
+    from specdraft.drafts.eagle3.ttt_attention import ttt_attention
 
     device, results = torch.device("cuda"), {}
     g = torch.Generator().manual_seed(0)

@@ -148,7 +148,7 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
     import torch
 
     from specdraft.drafts.base import document_starts
-    from specdraft.drafts.dflash_blocks import BlockVisibility
+    from specdraft.drafts.dflash.blocks import BlockVisibility
     from specdraft.drafts.documents import document_block_mask
     from specdraft.drafts.layers import lagged_block_mask, window_block_mask
 

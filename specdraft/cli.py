@@ -31,7 +31,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_data(args) -> int:
     from specdraft.config import load_config
-    from specdraft.data_report import data_report
+    from specdraft.commands.data_report import data_report
 
     data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
     return 0
@@ -83,7 +83,7 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from specdraft.train.export import export_from_run
+    from specdraft.commands.export import export_from_run
 
     out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out,
                           with_target_heads=args.with_target_heads, draft_name=args.draft)
@@ -92,7 +92,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_consolidate(args) -> int:
-    from specdraft.train.export import consolidate_run
+    from specdraft.commands.export import consolidate_run
 
     out = consolidate_run(args.run_dir, slot=args.slot, draft=args.draft)
     print(f"fp32 draft weights written to {out}")
@@ -100,7 +100,7 @@ def _cmd_consolidate(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from specdraft.evaluate import evaluate, run_draft_names
+    from specdraft.commands.evaluate import evaluate, run_draft_names
     from specdraft.decode.report import format_comparison, format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
@@ -127,7 +127,7 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_regenerate(args) -> int:
-    from specdraft.regenerate import load_regenerate_config, regenerate
+    from specdraft.commands.regenerate import load_regenerate_config, regenerate
 
     thinking = None if args.thinking is None else args.thinking == "on"
     values = dict(target=args.target, data=args.data, out=args.out, backend=args.backend,
@@ -150,7 +150,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _packaged_demo_configs() -> List[str]:
-    """The names `specdraft demo --config` takes (read from the package, without importing config.py)."""
+    """The names `specdraft demo --config` takes (read from the package, without importing specdraft.config)."""
     return sorted(p.stem for p in (Path(__file__).parent / "configs").glob("demo*.yaml"))
 
 

@@ -16,8 +16,8 @@ import warnings
 warnings.filterwarnings("ignore")
 
 from specdraft.config import load_config  # noqa: E402
-from specdraft.run import COMMITTED, LATEST  # noqa: E402
-from specdraft.train.slots import committed_slots, verify_slot  # noqa: E402
+from specdraft.rundir.layout import COMMITTED, LATEST  # noqa: E402
+from specdraft.checkpoint.slots import committed_slots, verify_slot  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
 overrides_file, run_dir, trials, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

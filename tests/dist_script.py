@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from helpers import capturing_save, keep_universal_copies  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
-from specdraft.train import checkpoint, slots  # noqa: E402
+from specdraft.checkpoint import manager as checkpoint, slots  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
 target, data_dir, work, out_json = sys.argv[1:5]

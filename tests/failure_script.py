@@ -11,8 +11,10 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from specdraft.config import load_config  # noqa: E402
-from specdraft.run import COMMITTED  # noqa: E402
-from specdraft.train import export, loop, metrics, slots  # noqa: E402
+from specdraft.rundir.layout import COMMITTED  # noqa: E402
+from specdraft.checkpoint import slots  # noqa: E402
+from specdraft.export import files as export  # noqa: E402
+from specdraft.train import loop, metrics  # noqa: E402
 
 target, data_dir, work, out_json = sys.argv[1:5]
 rank = int(os.environ["RANK"])

@@ -122,7 +122,7 @@ def keep_universal_copies(into: Path):
     after. Returns the function that undoes it."""
     import shutil
 
-    from specdraft.train import universal
+    from specdraft.checkpoint import universal
 
     original = universal.convert_to_universal
 

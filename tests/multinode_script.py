@@ -41,10 +41,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collecti
 import torch  # noqa: E402
 
 from specdraft.config import load_config  # noqa: E402
-from specdraft.run import COMMITTED  # noqa: E402
-from specdraft.train.checkpoint import PAUSE_ENV  # noqa: E402
+from specdraft.rundir.layout import COMMITTED  # noqa: E402
+from specdraft.checkpoint.manager import PAUSE_ENV  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
-from specdraft.train.slots import committed_slots  # noqa: E402
+from specdraft.checkpoint.slots import committed_slots  # noqa: E402
 
 mode, plan_file, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 plan = json.loads(Path(plan_file).read_text())

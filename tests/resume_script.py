@@ -18,7 +18,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collecti
 from specdraft.config import load_config  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.interrupt import TrainingInterrupted  # noqa: E402
-from specdraft.train.slots import committed_slots  # noqa: E402
+from specdraft.checkpoint.slots import committed_slots  # noqa: E402
 
 runs_file, out_dir = sys.argv[1:3]
 rank = int(os.environ["RANK"])

@@ -10,7 +10,7 @@ from helpers import random_target_for
 from specdraft.config import DraftConfig
 from specdraft.drafts import FAMILIES, build_draft, family_keys
 from specdraft.drafts.base import MemoryShape
-from specdraft.drafts.vocab import vocab_maps
+from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.train.model import TargetWithDraft
 
 SMALL = {"eagle3": dict(draft_vocab_size=64, ttt_steps=3), "dflash": dict(num_layers=2, block_size=4, max_anchors=6),

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from helpers import REPO, run_overrides, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
-from specdraft.train.export import load_exported_draft
+from specdraft.export.files import load_exported_draft
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED, LATEST
-from specdraft.train.slots import committed_slots
+from specdraft.rundir.layout import COMMITTED, LATEST
+from specdraft.checkpoint.slots import committed_slots
 from specdraft.train.loop import train
 
 quiet = dict(log=lambda *a: None)
@@ -359,24 +359,26 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny
 
 
 def test_layout_and_file_writes_live_in_one_place():
-    """`step_` and the run layout: specdraft/run.py only; renames into place: specdraft/atomic.py only
+    """`step_` and the run layout: specdraft/rundir/layout.py only; renames into place: specdraft/rundir/atomic.py only
     (config.yaml included) and the one rename aside of a rejected slot; the offline commands live in
-    export.py."""
+    commands/export.py, not in the checkpoint manager or the export writer."""
     import re
 
-    from specdraft.train import checkpoint, export
+    from specdraft.checkpoint import manager
+    from specdraft.commands import export
+    from specdraft.export import files
 
     package = REPO / "specdraft"
     for path in package.rglob("*.py"):
         code = path.read_text()
-        if path.relative_to(package) != Path("run.py"):
+        if path.relative_to(package) != Path("rundir/layout.py"):
             # a slot or export name (step_3, f"step_{n}", "step_"), not a key such as step_weight_beta
             assert not re.search(r"""["']step_(?![a-z])""", code), path
             assert not re.search(r"""["']config\.yaml""", code), path
-        if path.name != "atomic.py" and path.parent.name != "demo":
+        if path.relative_to(package) != Path("rundir/atomic.py") and path.parent.name != "demo":
             assert "os.replace(" not in code and ".rename(" not in code.replace("os.rename(slot", ""), path
     assert hasattr(export, "export_from_run") and hasattr(export, "consolidate_run")
-    assert not hasattr(checkpoint, "export_from_run") and not hasattr(checkpoint, "consolidate_run")
+    assert not any(hasattr(m, name) for m in (manager, files) for name in ("export_from_run", "consolidate_run"))
 
 
 def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_dir, data_dir, work, zero_runs,
@@ -473,7 +475,7 @@ class _EnumByName:
 def test_a_checkpoint_pickle_loads_an_enum_pickled_by_name_and_nothing_callable(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from specdraft.train import safe_load
+    from specdraft.checkpoint import safe_load
 
     path = tmp_path / "optimizer_state.pt"
     torch.save({"zero_stage": _EnumByName(), "step": torch.tensor(6)}, path)

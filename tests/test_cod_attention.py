@@ -1,4 +1,4 @@
-"""P-EAGLE's slot attention without its (N, N) mask (drafts/cod_attention.py) equals SDPA under
+"""P-EAGLE's slot attention without its (N, N) mask (drafts/peagle/cod_attention.py) equals SDPA under
 cod_visibility's dense mask: values and gradients, with packed conversations whose borders cut
 through the rollouts, GQA, and slot sets that are not in COD's order (the dense path serves)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafts.cod_attention import CODSlots, cod_attention
+from specdraft.drafts.peagle.cod_attention import CODSlots, cod_attention
 from specdraft.drafts.peagle.cod import cod_anchors, cod_sample_batch, cod_visibility, slot_order
 
 

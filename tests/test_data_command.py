@@ -15,7 +15,7 @@ import pytest
 from chat_template_cases import TEMPLATES, template_target
 from specdraft.config import load_config
 from specdraft.data.packing import build_packed_cache, open_packed_cache, packed_cache_dir
-from specdraft.data_report import data_report
+from specdraft.commands.data_report import data_report
 
 ROWS = [
     {"conversations": [{"role": "system", "content": "assistant"}, {"role": "user", "content": "Say a letter."},

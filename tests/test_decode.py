@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from helpers import random_llama, random_target_for
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.decode.measure import measure_tau
-from specdraft.evaluate import evaluate
+from specdraft.commands.evaluate import evaluate
 from specdraft.decode.report import format_report
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
@@ -537,7 +537,7 @@ def test_eval_renders_the_prompts_with_the_thinking_setting(run_dir, tmp_path, m
     """`specdraft eval --thinking on|off` reaches the chat template as enable_thinking, as in the data."""
     import shutil
 
-    import specdraft.evaluate as evaluate_module
+    import specdraft.commands.evaluate as evaluate_module
     from specdraft.cli import main
 
     root, _ = run_dir

@@ -27,7 +27,7 @@ from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft, famil
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target
-from specdraft.train import collectives
+from specdraft.parallel import collectives
 from specdraft.train.loop import LossWindow
 from specdraft.train.model import TargetWithDraft
 
@@ -794,7 +794,7 @@ def test_any_rank_and_the_loss_window_reduce_on_the_backends_device(nccl_on_meta
 def test_rng_state_carries_every_device_generator_through_the_accelerator(monkeypatch):
     import deepspeed.accelerator
 
-    from specdraft.train.rng import rng_state, set_rng_state
+    from specdraft.checkpoint.rng import rng_state, set_rng_state
 
     accelerator = FakeAccelerator("cuda", count=2)
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
@@ -815,7 +815,7 @@ def test_rng_state_carries_every_device_generator_through_the_accelerator(monkey
 
 
 def test_rng_state_on_the_cpu_accelerator_holds_no_device_generators():
-    from specdraft.train.rng import rng_state
+    from specdraft.checkpoint.rng import rng_state
 
     assert rng_state()["devices"] == []  # the CPU accelerator's "device" RNG is torch's CPU one
 
@@ -839,8 +839,8 @@ def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(tiny_
                                                                             capsys):
     from specdraft.cli import main
     from specdraft.decode.prompts import read_prompts
-    from specdraft.evaluate import load_tokenizer
-    from specdraft.train.export import load_exported_draft
+    from specdraft.commands.evaluate import load_tokenizer
+    from specdraft.export.files import load_exported_draft
 
     assert main(["eval", str(tiny_export), "--prompts", str(tiny_data.prompts_file), "--dtype", "bf16",
                  "--device", "cpu", "--max-new-tokens", "16", "--max-prompts", "3", "--json"]) == 0
@@ -885,7 +885,7 @@ def test_eval_dtype_auto_is_fp32_on_the_cpu_and_a_missing_gpu_is_one_line(tiny_t
 
 
 def test_eval_warns_once_when_asked_deeper_than_the_draft_was_trained(tiny_data, tiny_export, capsys, caplog):
-    from specdraft.evaluate import evaluate
+    from specdraft.commands.evaluate import evaluate
 
     with caplog.at_level("WARNING"):
         evaluate(tiny_export, tiny_data.prompts_file, gamma=3, max_new_tokens=4, max_prompts=1, device="cpu")

@@ -15,9 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import dflash_reference as reference
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
-from specdraft.drafts.dflash_backbone import default_target_layers
-from specdraft.drafts.dflash_blocks import BlockLayout, BlockVisibility, loss_weights, sample_training_blocks
-from specdraft.drafts.dflash_decode import DFlashDrafter
+from specdraft.drafts.dflash.backbone import default_target_layers
+from specdraft.drafts.dflash.blocks import BlockLayout, BlockVisibility, loss_weights, sample_training_blocks
+from specdraft.drafts.dflash.decode import DFlashDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import TargetFeatures, capture
 
@@ -267,7 +267,7 @@ def test_each_sp_rank_takes_its_valid_blocks_and_not_the_samplers_padding():
     """Sequence parallelism: a rank trains the valid blocks anchored in its shard. The sampler pads
     a row with few candidates with invalid anchors at position 1 (a static A); those are dropped,
     not given to the first rank, which would otherwise run min(max_anchors, T) blocks."""
-    from specdraft.drafts.dflash_blocks import own_blocks
+    from specdraft.drafts.dflash.blocks import own_blocks
     from specdraft.parallel.sequence import SequenceShard
 
     layout = BlockLayout(4, False)

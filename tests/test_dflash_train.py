@@ -9,9 +9,9 @@ import pytest
 
 from helpers import run_overrides, train_run
 from specdraft.config import load_config
-from specdraft.evaluate import evaluate
+from specdraft.commands.evaluate import evaluate
 from specdraft.drafts.dflash.model import DFlashDraft
-from specdraft.train.export import load_exported_draft
+from specdraft.export.files import load_exported_draft
 from specdraft.errors import SpecdraftError
 
 DFLASH = dict(**{"draft.type": "dflash", "draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16})

@@ -20,8 +20,8 @@ import torch
 from helpers import (MOMENTS, REPO, capturing_save, free_port, keep_universal_copies, run_overrides, state_file,
                      torchrun, universal_optimizer_state, write_chat_files)
 from specdraft.config import load_config
-from specdraft.run import universal_dir
-from specdraft.train import checkpoint, slots
+from specdraft.rundir.layout import universal_dir
+from specdraft.checkpoint import manager as checkpoint, slots
 from specdraft.train.loop import train
 
 ELASTIC_TOLERANCE = 1e-5

@@ -45,7 +45,7 @@ def test_the_site_builds_with_strict_links_anchors_and_nav(tmp_path):
 def schema_keys():
     from omegaconf import DictConfig, OmegaConf
 
-    from specdraft.config import TrainConfig, _all_keys
+    from specdraft.config.schema import TrainConfig, _all_keys
 
     schema = OmegaConf.structured(TrainConfig)
     return {key for key in _all_keys(schema) if not isinstance(OmegaConf.select(schema, key), DictConfig)}
@@ -65,14 +65,14 @@ def test_the_reference_names_every_schema_key_once_and_no_other():
 
 
 def test_the_reference_page_is_the_generated_one():
-    from specdraft.config_reference import reference_markdown
+    from specdraft.commands.config_reference import reference_markdown
 
     assert (DOCS / "config-reference.md").read_text() == reference_markdown(), \
-        "docs/config-reference.md is stale: run `make docs` (python -m specdraft.config_reference)"
+        "docs/config-reference.md is stale: run `make docs` (python -m specdraft.commands.config_reference)"
 
 
 def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
-    from specdraft.config_reference import reference_rows
+    from specdraft.commands.config_reference import reference_rows
 
     rows = {row[0]: row for row in reference_rows()}
     assert all(kind and default and families and meaning.strip() for _, kind, default, families, meaning in rows.values())
@@ -91,7 +91,7 @@ def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
 def test_a_field_s_meaning_is_its_trailing_comment_or_the_comment_lines_above_it():
     from dataclasses import dataclass
 
-    from specdraft.config_reference import field_comments
+    from specdraft.commands.config_reference import field_comments
 
     @dataclass
     class Base:

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.drafts import DraftConfig, build_draft, dflash_blocks, layers
 from specdraft.drafts.base import document_starts
-from specdraft.drafts.dflash_blocks import BlockVisibility, block_attention
+from specdraft.drafts.dflash.blocks import BlockVisibility, block_attention
 from specdraft.drafts.documents import attention_path
 from specdraft.drafts.layers import lagged_cross_attention, sliding_window_attention
 from specdraft.target.capture import capture

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, check_family_keys, draft_family
-from specdraft.drafts.dflash_blocks import loss_weights, sample_training_blocks
+from specdraft.drafts.dflash.blocks import loss_weights, sample_training_blocks
 from specdraft.drafts.dspark.model import DSparkDraft, acceptance_targets
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
@@ -65,7 +65,7 @@ def test_each_slots_previous_token_is_the_token_before_the_one_it_predicts():
 
 
 def _layout(sample_from_anchor):
-    from specdraft.drafts.dflash_blocks import BlockLayout
+    from specdraft.drafts.dflash.blocks import BlockLayout
 
     return BlockLayout(4, sample_from_anchor)
 

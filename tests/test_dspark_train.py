@@ -7,8 +7,8 @@ import json
 from helpers import run_overrides, train_run
 from specdraft.cli import main
 from specdraft.drafts.dspark.model import DSparkDraft
-from specdraft.evaluate import evaluate
-from specdraft.train.export import load_exported_draft
+from specdraft.commands.evaluate import evaluate
+from specdraft.export.files import load_exported_draft
 
 DSPARK = {"draft.type": "dspark", "draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16,
           "draft.markov_rank": 8}

@@ -14,7 +14,7 @@ from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import build_draft
 from specdraft.drafts.eagle3 import model as eagle3_module
 from specdraft.drafts.eagle3.model import default_target_layers, ttt_visibility
-from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
+from specdraft.drafts.eagle3.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 from specdraft.train.model import TargetWithDraft
@@ -283,7 +283,7 @@ def test_draft_vocab_is_the_top_n_masked_tokens_streamed(monkeypatch):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50, size=(37, 11)).astype(np.uint32)
     mask = (rng.random((37, 11)) < 0.5).astype(np.uint8)
-    monkeypatch.setattr("specdraft.drafts.vocab.ROWS_PER_BLOCK", 4)  # many blocks
+    monkeypatch.setattr("specdraft.drafts.eagle3.vocab.ROWS_PER_BLOCK", 4)  # many blocks
     counts = count_target_tokens(FakePacked(tokens, mask), 60)
     assert (counts == np.bincount(tokens[mask.astype(bool)].astype(np.int64), minlength=60)).all()
     d2t, t2d = vocab_maps(counts, 20)

@@ -11,10 +11,10 @@ from safetensors import safe_open
 from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
-from specdraft.drafts.vocab import vocab_maps
+from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
-from specdraft.train.export import write_draft_export
+from specdraft.export.files import write_draft_export
 from test_eagle3 import llama
 
 T = 128  # speculators' flex attention wants T % 128 == 0 for more than one TTT step

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from helpers import run_overrides
 from specdraft.cli import main
 from specdraft.config import load_config
-from specdraft.drafts import vocab as vocab_module
-from specdraft.train.export import load_exported_draft
+from specdraft.drafts.eagle3 import vocab as vocab_module
+from specdraft.export.files import load_exported_draft
 from specdraft.train.loop import train
 
 
@@ -51,7 +51,7 @@ def test_eagle3_trains_logs_ttt_steps_saves_maps_and_resumes_without_recounting(
 
     # resume: the maps come from the slot, never from counting again
     monkeypatch.setattr(vocab_module, "count_target_tokens", lambda *a: pytest.fail("recounted on resume"))
-    from specdraft.drafts import eagle3_layer as eagle3_module  # where a new draft counts its maps
+    from specdraft.drafts.eagle3 import layer as eagle3_module  # where a new draft counts its maps
 
     monkeypatch.setattr(eagle3_module, "count_target_tokens", lambda *a: pytest.fail("recounted on resume"))
     more = overrides(tiny_target_dir, data_dir, tmp_path, "run", max_steps=22, save_steps=10)

@@ -18,10 +18,10 @@ from transformers import AutoConfig
 
 from specdraft.config import TrainConfig
 from specdraft.drafts import FAMILIES, build_draft
-from specdraft.drafts.vocab import vocab_maps
+from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
-from specdraft.train.export import write_draft_export
-from specdraft.train.imports import read_init_from
+from specdraft.export.files import write_draft_export
+from specdraft.export.init_from import read_init_from
 
 SMALL = {"glide": {"attention_bias": True}, "eagle3": {"ttt_steps": 2, "draft_vocab_size": 200},
          "dflash": {"num_layers": 2, "block_size": 4}, "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 8,

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
-from specdraft.drafts.dflash_speculators import write_speculators_export
-from specdraft.train.export import write_draft_export
-from specdraft.train.imports import read_init_from
+from specdraft.drafts.dflash.speculators import write_speculators_export
+from specdraft.export.files import write_draft_export
+from specdraft.export.init_from import read_init_from
 from test_dflash_export import REPO, VOCAB, make_draft, our_logits
 from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg, target_dir  # noqa: F401
 

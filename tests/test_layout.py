@@ -1,11 +1,15 @@
-"""The layout shows the design (shared/DESIGN.md, "Layout"): imports point one way, cli ->
-commands (train, evaluate, regenerate, demo) -> train -> drafts -> decode / target / data, each
-family is one folder drafts/<family>/ that imports the shared blocks in drafts/ and never another
-family's folder, and each module stays small enough to read."""
+"""The layout shows the design (docs/architecture.md): imports point one way, cli -> commands / demo ->
+train -> checkpoint / export -> config -> drafts -> decode / target / data -> parallel -> rundir, each
+family is one folder drafts/<family>/ holding all of its code, importing the shared blocks in drafts/
+and at most the one base family it declares; a shared module names no family; and each module stays
+small enough to read."""
 
 import ast
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 import specdraft
 from specdraft.drafts import FAMILIES
@@ -13,19 +17,27 @@ from specdraft.drafts import FAMILIES
 PACKAGE = Path(specdraft.__file__).resolve().parent
 DRAFTS = PACKAGE / "drafts"
 MAX_LINES = 500
-# Packages that must never import these (the engine below the families, the leaves below them).
+# Packages that must never import these (each layer imports only the layers below it).
+ABOVE = ["cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "target",
+         "data", "parallel", "rundir"]
 NEVER = {
-    "decode": {"drafts", "train", "evaluate", "regenerate", "cli", "demo"},
-    "target": {"drafts", "train", "decode", "evaluate", "regenerate", "cli", "demo"},
-    "data": {"drafts", "train", "decode", "evaluate", "cli", "demo"},
-    "drafts": {"train", "evaluate", "regenerate", "cli", "demo"},
-    "train": {"evaluate", "regenerate", "cli", "demo"},
-    "run": {"drafts", "train", "decode", "target", "data", "evaluate", "cli"},
+    "commands": {"cli"},
+    "demo": {"cli"},
+    "train": {"cli", "commands", "demo"},
+    "checkpoint": {"cli", "commands", "demo", "train", "export"},
+    "export": {"cli", "commands", "demo", "train"},
+    "config": {"cli", "commands", "demo", "train", "checkpoint", "export"},
+    "drafts": {"cli", "commands", "demo", "train", "checkpoint", "export", "config"},
+    "decode": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts"},
+    "target": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "data"},
+    "data": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "target"},
+    "parallel": set(ABOVE) - {"parallel", "rundir"},
+    "rundir": set(ABOVE) - {"rundir"},
 }
-
+LEAVES = ("errors", "paths", "transfer")  # modules at the package root that import nothing of ours
 
 def unit(module: str) -> str:
-    """specdraft.train.loop -> train; specdraft.run -> run; specdraft -> specdraft."""
+    """specdraft.train.loop -> train; specdraft.rundir.layout -> run; specdraft -> specdraft."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "specdraft"
 
@@ -69,14 +81,23 @@ def test_no_module_is_over_500_lines():
 
 
 def test_the_checkpoint_manager_holds_the_policy_only():
-    assert len((PACKAGE / "train" / "checkpoint.py").read_text().splitlines()) <= 300
+    assert len((PACKAGE / "checkpoint" / "manager.py").read_text().splitlines()) <= 300
 
 
-def imported_modules(path: Path):
+def test_the_package_root_holds_the_cli_and_leaves_only():
+    """Commands live in commands/, the run directory's rules in rundir/; the root keeps the entry
+    points and the leaf modules every package may use."""
+    root = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert root == sorted(["__init__", "__main__", "cli", *LEAVES])
+    edges = imports_by_unit()
+    assert not {leaf: dict(edges[leaf]) for leaf in LEAVES if set(edges.get(leaf, {})) - {"errors"}}
+
+
+def imported_modules(path: Path, source: Optional[str] = None):
     """Every specdraft module a file imports (function-level imports included), as dotted names;
-    `from specdraft.drafts import x` names specdraft.drafts.x."""
+    `from specdraft.drafts import x` names specdraft.drafts.x. source: the file's text (default: read)."""
     package = ".".join(("specdraft",) + path.relative_to(PACKAGE).parent.parts)
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the file's package, up level - 1
@@ -110,17 +131,75 @@ def test_each_family_is_one_folder_of_drafts():
         name: f"specdraft.drafts.{name}.model" for name in FAMILIES}
 
 
-def test_a_family_folder_imports_shared_blocks_never_another_family():
-    """What two families share (DFlash's block backbone under DSpark) is a shared block in drafts/;
-    a shared block imports no family folder."""
+def wrong_family_imports(rel: Path, source: str):
+    """The imports of drafts/<rel> that break the rule: a shared block (a module directly in drafts/)
+    imports no family folder; a family folder imports its own, the shared blocks and the folder of
+    the one base family its class declares (Draft.base_family), nothing else."""
+    own = rel.parts[0] if len(rel.parts) > 1 else None
+    allowed = {own, FAMILIES[own].base_family} - {None} if own else set()
     wrong = []
-    for path in sorted(DRAFTS.rglob("*.py")):
-        rel = path.relative_to(DRAFTS)
-        own = rel.parts[0] if len(rel.parts) > 1 else None
-        if rel == Path("__init__.py"):
-            continue  # the registry: it imports every family
-        for module in imported_modules(path):
-            there = family_folder_imported(module)
-            if there is not None and there != own:
-                wrong.append((str(rel), module))
+    for module in imported_modules(DRAFTS / rel, source):
+        there = family_folder_imported(module)
+        if there is not None and there not in allowed:
+            wrong.append((str(rel), module))
+    return wrong
+
+
+def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only():
+    wrong = [w for path in sorted(DRAFTS.rglob("*.py")) if path != DRAFTS / "__init__.py"  # the registry
+             for w in wrong_family_imports(path.relative_to(DRAFTS), path.read_text())]
     assert not wrong, wrong
+    assert {name: cls.base_family for name, cls in FAMILIES.items() if cls.base_family} == {
+        "peagle": "eagle3", "dspark": "dflash"}
+
+
+@pytest.mark.parametrize("rel, planted, refused", [
+    ("peagle/model.py", "from specdraft.drafts.eagle3.layer import Eagle3Base", False),  # its base
+    ("dspark/decode.py", "from specdraft.drafts.dflash import blocks", False),
+    ("peagle/model.py", "from specdraft.drafts.dflash.blocks import BlockShape", True),  # not its base
+    ("eagle3/layer.py", "from specdraft.drafts.peagle.cod_attention import CODSlots", True),  # base -> child
+    ("dflash/model.py", "import specdraft.drafts.dspark.model", True),
+    ("glide/model.py", "from ..mtp import layer", True),  # relative
+    ("documents.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
+    ("layers.py", "from specdraft.drafts import FAMILIES", True),  # the registry imports every family
+    ("mtp/model.py", "from specdraft.drafts.layers import RMSNorm", False),
+])
+def test_a_planted_import_is_judged_by_the_rule(rel, planted, refused):
+    source = (DRAFTS / rel).read_text()
+    assert not wrong_family_imports(Path(rel), source)
+    inside_a_function = source + "\n\ndef _planted():\n    " + planted + "\n"
+    assert bool(wrong_family_imports(Path(rel), inside_a_function)) == refused
+
+
+def family_names_in(source: str):
+    """String constants equal to a family's name and identifiers that contain one (GlideDraft,
+    eagle3_layer, is_peagle)."""
+    names = {name.lower() for name in FAMILIES}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names:
+            yield repr(node.value)
+        for ident in (getattr(node, "id", None), getattr(node, "attr", None),
+                      node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.alias)) else None):
+            if isinstance(ident, str) and any(name in ident.lower() for name in names):
+                yield ident
+
+
+def test_no_shared_module_names_a_family():
+    """What every family uses (drafts/ blocks, train/, checkpoint/, export/, decode/, config/ ...)
+    asks a draft through its interface; only the registry and the demo, which pick families, name
+    them."""
+    named = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if (rel.parts[0] == "drafts" and len(rel.parts) > 2) or rel == Path("drafts/__init__.py") or \
+                rel.parts[0] == "demo":
+            continue
+        if found := sorted(set(family_names_in(path.read_text()))):
+            named[str(rel)] = found
+    assert not named, named
+
+
+def test_the_family_name_check_sees_a_planted_name():
+    assert list(family_names_in("if draft.family == 'peagle':\n    pass")) == ["'peagle'"]
+    assert list(family_names_in("from x import GlideDraft")) == ["GlideDraft"]
+    assert not list(family_names_in("if draft.base_family:\n    pass"))

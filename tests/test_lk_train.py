@@ -56,7 +56,7 @@ def test_eagle3_lk_is_specforge_per_step_weighted_0_8_to_the_k(target, mode, tea
     """Each TTT step: SpecForge's LK against the target restricted to the draft vocab (80 of 96;
     acceptance: its probabilities before renormalising), over the step's counted rows; steps
     weighted 0.8^k; the gradient of every parameter."""
-    from specdraft.drafts.vocab import draft_to_target_ids
+    from specdraft.drafts.eagle3.vocab import draft_to_target_ids
     from specdraft.train.model import TargetWithDraft
     from test_eagle3 import T, VOCAB, eagle3_for, features_of
 

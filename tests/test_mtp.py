@@ -360,8 +360,8 @@ with safe_open(out + "/model.safetensors", "pt") as f:
 def test_init_from_our_exports_and_speculators_saves(mtp_target_dir, tmp_path):
     from speculators_env import run_in_speculators
     from specdraft.config import TrainConfig
-    from specdraft.train.export import write_draft_export
-    from specdraft.train.imports import read_init_from
+    from specdraft.export.files import write_draft_export
+    from specdraft.export.init_from import read_init_from
 
     def imported(source):
         cfg = OmegaConf.structured(TrainConfig(target=str(mtp_target_dir), data_files="unused"))

@@ -26,9 +26,9 @@ from helpers import REPO, torchrun, write_chat_files
 from offline_runs import SAVE_STEPS, SEVERAL, SEVERAL_FAMILIES, STEPS, run_config, target_of
 from specdraft.cli import main
 from specdraft.drafts import FAMILIES
-from specdraft.train.export import load_exported_draft
-from specdraft.run import universal_dir
-from specdraft.train.export import EXPORT_FORMATS
+from specdraft.export.files import load_exported_draft
+from specdraft.rundir.layout import universal_dir
+from specdraft.commands.export import EXPORT_FORMATS
 from specdraft.train.loop import train
 
 ELASTIC_TOLERANCE = 1e-5  # see tests/test_distributed.py; measured here: 0 for every family

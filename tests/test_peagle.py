@@ -15,11 +15,11 @@ from specdraft.config import load_config
 from specdraft.drafts import DraftConfig, build_draft
 from specdraft.drafts.peagle.cod import cod_anchors, cod_capacity, cod_sample, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.model import PEagleDraft
-from specdraft.drafts.vocab import vocab_maps
+from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
-from specdraft.evaluate import evaluate
+from specdraft.commands.evaluate import evaluate
 from specdraft.target.capture import capture
-from specdraft.train.export import load_exported_draft
+from specdraft.export.files import load_exported_draft
 from test_eagle3 import llama
 
 PEAGLE = {"draft.type": "peagle", "draft.num_depths": 4, "draft.mask_token_id": 3}

@@ -13,7 +13,7 @@ from specdraft.config import TrainConfig
 from specdraft.drafts import build_draft
 from specdraft.drafts.peagle.cod import cod_anchors, slot_order
 from specdraft.target.capture import capture
-from specdraft.train.export import write_draft_export
+from specdraft.export.files import write_draft_export
 from test_eagle3_export import random_eagle3, target_dir  # noqa: F401 (the 6-layer verifier fixture)
 from test_eagle3_export import run_cfg as eagle3_run_cfg
 
@@ -141,7 +141,7 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
     """init_from a PEagleDraftModel.save_pretrained: its weights, mask_hidden and the mask token's
     embedding row come in, and speculators computes the imported draft's logits."""
     from transformers import AutoModelForCausalLM
-    from specdraft.train.imports import read_init_from
+    from specdraft.export.init_from import read_init_from
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     cfg = run_cfg(target_dir, tmp_path, draft_vocab_size=100, mask_token_id=7)

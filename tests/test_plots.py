@@ -42,7 +42,7 @@ def no_matplotlib(monkeypatch):
 
 
 def test_without_matplotlib_eval_plot_is_one_line_before_any_work(no_matplotlib, tmp_path, capsys):
-    from specdraft.evaluate import evaluate
+    from specdraft.commands.evaluate import evaluate
 
     with pytest.raises(SpecdraftError, match=r"^--plot: matplotlib is not installed; pip install specdraft\[plots\]$"):
         evaluate(tmp_path / "no-such-run", tmp_path / "prompts.jsonl", plot_path=tmp_path / "a.png")

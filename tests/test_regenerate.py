@@ -19,8 +19,8 @@ from specdraft.data.chat import tokenize_conversation
 from specdraft.data.generation import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
-from specdraft.regenerate import RegenerateConfig, regenerate, written_keys
-from specdraft.run import MARKER, REGENERATE, marker_text
+from specdraft.commands.regenerate import RegenerateConfig, regenerate, written_keys
+from specdraft.rundir.layout import MARKER, REGENERATE, marker_text
 
 ROWS = [
     {"prompt": "def add(a, b):"},
@@ -426,7 +426,7 @@ def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_tou
     one backend's rows. The refusal names the key, comes before any model is loaded or server
     asked, and leaves every file as it was."""
     from specdraft import cli
-    from specdraft import regenerate as module
+    from specdraft.commands import regenerate as module
 
     data = source(tmp_path, prompts_from(tiny_data, 3))
     out = tmp_path / "o"
@@ -543,7 +543,7 @@ def test_rank_0_waits_for_this_launch_s_ranks_never_for_files_an_earlier_launch_
     first, and rank 0 gets this launch's counts."""
     import threading
 
-    from specdraft.regenerate_ranks import RankSync, Stop
+    from specdraft.commands.regenerate_ranks import RankSync, Stop
 
     def launch(first):
         out = tmp_path / first

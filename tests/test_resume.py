@@ -29,11 +29,11 @@ from helpers import REPO, run_overrides, torchrun, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED
+from specdraft.rundir.layout import COMMITTED
 from specdraft.train import loop
-from specdraft.train.frozen_state import check_fingerprint, draft_fingerprint
+from specdraft.checkpoint.frozen_state import check_fingerprint, draft_fingerprint
 from specdraft.train.interrupt import TrainingInterrupted
-from specdraft.train.slots import committed_slots, file_entry, verify_slot
+from specdraft.checkpoint.slots import committed_slots, file_entry, verify_slot
 
 FAMILIES = {
     "glide": {},

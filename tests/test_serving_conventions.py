@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from helpers import random_llama
-from specdraft.drafts.eagle3_export import serving_refusal
-from specdraft.drafts.vocab import draft_to_target_ids
+from specdraft.drafts.eagle3.export import serving_refusal
+from specdraft.drafts.eagle3.vocab import draft_to_target_ids
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
-from specdraft.train.export import write_draft_export
+from specdraft.export.files import write_draft_export
 from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -189,7 +189,7 @@ def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path
     """DeepSpeed's bf16 engine casts parameters only (engine._configure_distributed_model:
     "preserve fp32 buffers (e.g. rotary inv_freq)"); Draft.cast does the same at eval, and the
     exported weights load into the same draft."""
-    from specdraft.train.export import load_exported_draft
+    from specdraft.export.files import load_exported_draft
 
     target = target_of(plain_dir)
     cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100)
@@ -225,8 +225,8 @@ def test_eagle3_layer_ids_of_each_target_are_the_servers_default(model_type, tmp
 
     from transformers import AutoConfig
 
-    from specdraft.drafts.eagle3_export import sglang_config, speculators_config
-    from specdraft.drafts.eagle3_layer import Eagle3Dims, layer_dims
+    from specdraft.drafts.eagle3.export import sglang_config, speculators_config
+    from specdraft.drafts.eagle3.layer import Eagle3Dims, layer_dims
 
     name, layers = RELEASED_DEPTHS[model_type]
     config = AutoConfig.for_model(model_type, num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
@@ -257,7 +257,7 @@ def test_an_eagle3_drafts_rope_is_one_flat_table_over_its_whole_head(model_type,
     would rotate part of it), gpt-oss's YaRN kept."""
     from transformers import AutoConfig
 
-    from specdraft.drafts.eagle3_layer import layer_dims
+    from specdraft.drafts.eagle3.layer import layer_dims
     from specdraft.target.rotary import draft_rope_parameters
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=4, hidden_size=64, num_attention_heads=4,

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from helpers import REPO, free_port, run_overrides, train_run
 from specdraft.config import config_hash, draft_view, load_config, save_config
 from specdraft.errors import SpecdraftError
-from specdraft.train.slots import committed_slots, verify_slot
+from specdraft.checkpoint.slots import committed_slots, verify_slot
 
 STEPS = 4
 # small drafts of four families; each name is the folder the draft's files go to

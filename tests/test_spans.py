@@ -9,7 +9,7 @@ import pytest
 from chat_template_cases import (ALTERNATING, SPACE_BEFORE, TEMPLATES, rendered_answer, template_tokenizer)
 from specdraft.data.chat import assistant_spans, tokenize_conversation
 from specdraft.data.sources import SkippedRow
-from specdraft.data_report import runs
+from specdraft.commands.data_report import runs
 
 
 @pytest.fixture(scope="module")

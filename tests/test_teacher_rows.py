@@ -21,7 +21,7 @@ from specdraft.drafts.eagle3 import model as eagle3_module
 from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.drafts.objectives import TEACHER_OBJECTIVES
 from specdraft.drafts.peagle import model as peagle_module
-from specdraft.drafts.vocab import vocab_maps
+from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.target.capture import capture
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import torch
 
 from specdraft.drafts.eagle3.model import ttt_visibility
 from specdraft.drafts.layers import attend
-from specdraft.drafts.ttt_attention import ttt_attention
+from specdraft.drafts.eagle3.ttt_attention import ttt_attention
 
 
 def dense_reference(q, keys, values, documents):

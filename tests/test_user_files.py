@@ -18,7 +18,7 @@ import pytest
 
 from helpers import REPO, run_overrides, torchrun, train_run
 from specdraft.cli import main
-from specdraft.run import MARKER, committed_slots
+from specdraft.rundir.layout import MARKER, committed_slots
 
 IMMUTABLE_NOTE = "root ignores permission bits: chattr +i makes the directory refuse writes instead"
 
@@ -178,7 +178,7 @@ def test_regenerate_refuses_a_users_folder_and_a_file(tiny_target_dir, tiny_data
 
 
 def test_eval_plot_refuses_a_users_file_and_a_directory(run_dir, tiny_data, user_dir, capsys, monkeypatch):
-    import specdraft.evaluate as evaluate
+    import specdraft.commands.evaluate as evaluate
 
     monkeypatch.setattr(evaluate, "load_frozen_target", lambda *a, **k: pytest.fail("target loaded"))
     picture = user_dir / "notes" / "todo.txt"
@@ -193,7 +193,7 @@ def test_eval_plot_replaces_its_own_png(run_dir, tiny_data, tmp_path):
     args = ["eval", str(run_dir), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "1",
             "--max-new-tokens", "4", "--device", "cpu", "--plot", str(plot)]
     assert main(args) == 0 and plot.is_file()
-    from specdraft.run import is_our_plot
+    from specdraft.rundir.layout import is_our_plot
 
     assert is_our_plot(plot)
     assert main(args) == 0  # ours: replaced
@@ -258,7 +258,7 @@ def test_export_through_a_symlink_writes_where_it_points_and_keeps_the_link(run_
 
 def test_output_dir_dot_inside_a_run_is_that_run_and_a_link_into_another_run_is_refused(
         run_dir, tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys, no_target_load):
-    from specdraft.outputs import claim_run_dir
+    from specdraft.rundir.ownership import claim_run_dir
 
     monkeypatch.chdir(run_dir)
     claim_run_dir(Path("."), "auto")  # `.` is the run itself: continued, not "inside" it
@@ -396,7 +396,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     import specdraft.config
-    import specdraft.train.export
+    import specdraft.export.files
     import specdraft.train.metrics
 
     run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=2).run_dir
@@ -434,7 +434,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
         ("checkpoint", TorchCheckpointEngine, "save", save,
          f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on device; this save is discarded, "
          f"the committed slots (step_2) and the exports are untouched"),
-        ("export", specdraft.train.export, "publish_dir", export_full,
+        ("export", specdraft.export.files, "publish_dir", export_full,
          f"{run / 'step_4'}: writing the draft export failed (No space left on device)"),
     ]
     for name, owner, attr, replacement, line in cases:

@@ -24,7 +24,7 @@ from typing import Callable, List
 import numpy as np
 import torch
 
-from specdraft.atomic import publish_dir
+from specdraft.rundir.atomic import publish_dir
 from specdraft.data.chat import tokenize_conversation
 from specdraft.data.sources import SkippedRow, iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError

@@ -11,5 +11,5 @@
 
 This package is the engine below the families: it never imports specdraft.drafts or train. A
 trained draft's Drafter comes from its family (`draft.make_drafter(target)`), which builds it from
-this package's drafters/cache/tree modules. `specdraft eval` is specdraft/evaluate.py.
+this package's drafters/cache/tree modules. `specdraft eval` is specdraft/commands/evaluate.py.
 """

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from specdraft.decode.speculative import Generation
 from specdraft.errors import SpecdraftError
-from specdraft.run import PLOT_SOFTWARE
+from specdraft.rundir.layout import PLOT_SOFTWARE
 
 
 def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str, Any]:

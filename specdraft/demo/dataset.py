@@ -108,8 +108,8 @@ def regenerate_rows(model, tokenizer, source, out_dir, target_dir, p, temperatur
                     rows_per_shard: int) -> dict:
     """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
     from specdraft.data.generation import HFBackend
-    from specdraft.regenerate import RegenerateConfig
-    from specdraft.regenerate import regenerate as run_regenerate
+    from specdraft.commands.regenerate import RegenerateConfig
+    from specdraft.commands.regenerate import regenerate as run_regenerate
 
     cfg = RegenerateConfig(target=str(target_dir), data=[str(source)], out=str(out_dir), temperature=temperature,
                            max_new_tokens=p.max_new_tokens, max_length=1 << 30, seed=seed,
@@ -126,7 +126,7 @@ def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_
     temperature 0 greedy, else sampled per prompt from a generator seeded by (seed, prompt index),
     so an answer does not depend on its batch and the caller's RNG is left as it was."""
     from specdraft.data.generation import HFBackend, Request, Sampling
-    from specdraft.regenerate import row_seed
+    from specdraft.commands.regenerate import row_seed
 
     backend = HFBackend(model, tokenizer, Sampling(temperature, 1.0, max_new_tokens, 1 << 30), batch_size)
     requests = [Request([{"role": "user", "content": q}], row_seed(seed, str(i), 0, 0), f"prompt {i}")

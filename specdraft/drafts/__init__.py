@@ -28,7 +28,7 @@ DEFAULT_FAMILY = "glide"
 # `draft.` keys of every family, with their meaning (the configuration reference prints it)
 SHARED_KEYS = {
     "type": f"the draft family: {', '.join(FAMILIES)}",
-    # train/imports.py
+    # export/init_from.py
     "init_from": "an existing draft the run starts from: an export, a run, or another tool's files (a path)",
 }
 

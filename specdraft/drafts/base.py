@@ -32,6 +32,9 @@ from specdraft.drafts.loss import default_chunk_size
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 from specdraft.transfer import to_device
 
+# The draft's parameters inside the trained module (train/model.py's TargetWithDraft.draft_model);
+# exports and checkpoints strip it.
+DRAFT_PREFIX = "draft_model."
 # writer(draft, state_dict, out_dir, target_dir): the files one serving engine loads
 ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
 
@@ -39,7 +42,7 @@ ServingWriter = Callable[["Draft", Dict[str, torch.Tensor], Path, str], None]
 @dataclass(frozen=True)
 class FileFormat:
     """How another tool's files name a draft of this family: what the format's writer saves, and
-    what an import (`draft.init_from`, train/imports.py) reads backwards, so the names live once."""
+    what an import (`draft.init_from`, export/init_from.py) reads backwards, so the names live once."""
 
     # (draft, our state dict) -> the format's tensors in its names; a tensor it passes through
     # unchanged is ours (an import maps it back by identity), a new one is filler an import skips
@@ -212,6 +215,8 @@ class Draft(nn.Module, ABC):
     family: ClassVar[str] = ""  # the `draft.type` value
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
     label: ClassVar[str] = ""  # the family's name in tables and logs (EAGLE-3)
+    # the one family whose folder this family's folder may import (P-EAGLE builds on EAGLE-3's layer)
+    base_family: ClassVar[Optional[str]] = None
     options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
     default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null

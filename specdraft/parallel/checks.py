@@ -1,4 +1,4 @@
-"""The one-line refusals of `sequence_parallel_size` (config.py asks them when a run's config loads):
+"""The one-line refusals of `sequence_parallel_size` (config/validate.py asks them when a run's config loads):
 the sizes that cannot split the target's sequence, and the drafts that cannot train on a shard."""
 
 from __future__ import annotations

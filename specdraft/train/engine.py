@@ -6,7 +6,7 @@ import atexit
 import contextlib
 import os
 import socket
-from typing import Dict, Optional, Tuple
+from typing import Tuple
 
 import torch
 from omegaconf import DictConfig
@@ -15,7 +15,7 @@ from specdraft.target.model import hold_weights_as_buffers
 from specdraft.errors import SpecdraftError
 from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_run_peak, reduce_bucket_elements
 from specdraft.train.model import DraftWithLoss, TargetWithDraft
-from specdraft.train.safe_load import load_weights_only
+from specdraft.checkpoint.safe_load import load_weights_only
 
 
 def _free_port() -> int:
@@ -174,15 +174,6 @@ def _numel(param: torch.nn.Parameter) -> int:
     return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3 partitions report ds_numel
 
 
-def gathered(params: list):
-    """Context in which `params` are whole on every rank: ZeRO-3 gathers them (a collective,
-    every rank must enter); at other stages they already are, and this does nothing."""
-    import deepspeed
-
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3)
-
-
 @contextlib.contextmanager
 def steps_of_their_own(engine, modules: list):
     """Context in which each call of `modules` is a ZeRO-3 step of its own, as a call of
@@ -207,15 +198,3 @@ def steps_of_their_own(engine, modules: list):
         for hook in hooks:
             hook.remove()
         coordinator.reset_step()  # training re-records its own trace from here
-
-
-def gather_draft_state_dict(engine) -> Optional[Dict[str, torch.Tensor]]:
-    """The draft's full weights (CPU copies, no prefix) on rank 0, None elsewhere; every rank
-    must call. Under ZeRO-3 only the draft's parameters are gathered, never the target's."""
-    import torch.distributed as dist
-
-    draft = engine.module.draft_model
-    with gathered(list(draft.parameters())):
-        if dist.get_rank() != 0:
-            return None
-        return {name: t.detach().clone().cpu() for name, t in draft.state_dict().items()}

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 
-from specdraft.train.collectives import agree_max
+from specdraft.parallel.collectives import agree_max
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_WINDOW_S = 1.0

@@ -27,18 +27,19 @@ from specdraft.data.packing import PackedData, build_packed_cache, open_packed_c
 from specdraft.data.sampler import ShardedBatchSampler
 from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
 from specdraft.errors import SpecdraftError
-from specdraft.outputs import claim_run_dir, start_run_dir
+from specdraft.rundir.ownership import claim_run_dir, start_run_dir
 from specdraft.parallel.sequence import SequenceParallel, sequence_parallel_groups
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
-from specdraft.run import config_file, draft_part, export_dir
-from specdraft.train.checkpoint import CheckpointManager, DraftPart
-from specdraft.train.collectives import all_reduce, any_rank, run_shared
-from specdraft.train.engine import (build_engine, draft_parameter_count, gather_draft_state_dict, gathered,
-                                    init_distributed, resolve_target_placement, steps_of_their_own)
-from specdraft.train.export import BackgroundExporter, serving_formats, write_draft_export
-from specdraft.train.imports import apply_import, planned_import
+from specdraft.rundir.layout import config_file, draft_part, export_dir
+from specdraft.checkpoint.manager import CheckpointManager, DraftPart
+from specdraft.parallel.collectives import all_reduce, any_rank, run_shared
+from specdraft.parallel.zero import gather_draft_state_dict, gathered
+from specdraft.train.engine import (build_engine, draft_parameter_count, init_distributed, resolve_target_placement,
+                                    steps_of_their_own)
+from specdraft.export.files import BackgroundExporter, serving_formats, write_draft_export
+from specdraft.export.init_from import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
-from specdraft.train.slots import wait_visible
+from specdraft.checkpoint.slots import wait_visible
 from specdraft.train.metrics import MetricsLogger
 from specdraft.train.memory import estimate_run_peak
 from specdraft.train.model import DraftWithLoss, TargetWithDraft, target_features

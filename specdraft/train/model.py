@@ -17,8 +17,6 @@ from specdraft.parallel.sequence import SequenceParallel, SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures, capture
 from specdraft.transfer import to_device
 
-DRAFT_PREFIX = "draft_model."
-
 
 def target_features(base_model: nn.Module, request: CaptureRequest, input_ids: torch.Tensor,
                     document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,

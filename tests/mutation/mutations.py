@@ -233,13 +233,13 @@ DECODING: List[Mutation] = [
 
 # EAGLE-3 (from notes/eagle3-mutations.py)
 E3 = "specdraft/drafts/eagle3/model.py"
-E3_LAYER = "specdraft/drafts/eagle3_layer.py"
-E3_DECODE = "specdraft/drafts/eagle3_decode.py"
-E3_VOCAB = "specdraft/drafts/vocab.py"
+E3_LAYER = "specdraft/drafts/eagle3/layer.py"
+E3_DECODE = "specdraft/drafts/eagle3/decode.py"
+E3_VOCAB = "specdraft/drafts/eagle3/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
 DOCUMENTS_PY = "specdraft/drafts/documents.py"
 DOCUMENT_TESTS = ("tests/test_document_attention.py",)  # GLIDE's and DFlash's paths over packed documents
-TTT_ATTENTION_PY = "specdraft/drafts/ttt_attention.py"
+TTT_ATTENTION_PY = "specdraft/drafts/eagle3/ttt_attention.py"
 TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
 E3_SPEC = ("tests/test_eagle3_export.py",)
 
@@ -328,10 +328,10 @@ EAGLE3: List[Mutation] = [
 ]
 
 # DFlash (from notes/dflash_mutations.py)
-DFLASH_PY = "specdraft/drafts/dflash_backbone.py"
-DFLASH_BLOCKS_PY = "specdraft/drafts/dflash_blocks.py"
-DFLASH_DECODE_PY = "specdraft/drafts/dflash_decode.py"
-DFLASH_SPEC_PY = "specdraft/drafts/dflash_speculators.py"
+DFLASH_PY = "specdraft/drafts/dflash/backbone.py"
+DFLASH_BLOCKS_PY = "specdraft/drafts/dflash/blocks.py"
+DFLASH_DECODE_PY = "specdraft/drafts/dflash/decode.py"
+DFLASH_SPEC_PY = "specdraft/drafts/dflash/speculators.py"
 DFLASH_TESTS = ("tests/test_dflash.py",)
 DFLASH_REF = ("tests/test_dflash.py::test_vectorised_forward_loss_and_grads_equal_the_reference",)
 DFLASH_EXPORT = ("tests/test_dflash_export.py",)  # needs the speculators venv for the logits check
@@ -472,7 +472,7 @@ DISTILL_TOKENS: List[Mutation] = [
 ]
 
 # Serving conventions (issue 19): what a server computes from our files equals what we trained
-E3_EXPORT = "specdraft/drafts/eagle3_export.py"
+E3_EXPORT = "specdraft/drafts/eagle3/export.py"
 CONV = "tests/test_serving_conventions.py"
 E3_TEACHER = ("tests/test_eagle3.py", "-k", "objectives_read")
 
@@ -495,7 +495,7 @@ CONVENTIONS: List[Mutation] = [
              (f"{CONV}::test_a_layer_no_server_captures_is_refused_in_one_line",
               "tests/test_dflash.py::test_a_speculators_export_of_the_last_layers_output_is_refused_and_not_a_default"),
              "layer L exported (EAGLE-3 and DFlash), which no server captures"),
-    Mutation("conventions/dflash-shallow-default-takes-the-last-output", "specdraft/drafts/dflash_options.py",
+    Mutation("conventions/dflash-shallow-default-takes-the-last-output", "specdraft/drafts/dflash/options.py",
              "start, end = min(1, num_target_layers - 1), num_target_layers - 1",
              "start, end = 1, num_target_layers",
              ("tests/test_dflash.py::test_default_target_layers_are_five_evenly_spaced_inputs_of_layers",),
@@ -531,9 +531,9 @@ CONVENTIONS: List[Mutation] = [
 ]
 
 # The checkpoint's frozen draft state (buffers, frozen parameters; issue 19, defects 10 and 11)
-CHECKPOINT_PY = "specdraft/train/checkpoint.py"
-FROZEN_STATE_PY = "specdraft/train/frozen_state.py"
-UNIVERSAL_PY = "specdraft/train/universal.py"
+CHECKPOINT_PY = "specdraft/checkpoint/manager.py"
+FROZEN_STATE_PY = "specdraft/checkpoint/frozen_state.py"
+UNIVERSAL_PY = "specdraft/checkpoint/universal.py"
 FROZEN_TRAVELS = ("tests/test_dflash_train.py::"
                   "test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export",)
 OFFLINE_EAGLE3 = ("tests/test_offline_commands.py", "-k", "eagle3")
@@ -541,10 +541,10 @@ CHECKPOINT = [
     Mutation("checkpoint/frozen-state-not-restored", FROZEN_STATE_PY,
              "tensor.copy_(state[name].to(tensor.device))", "pass", FROZEN_TRAVELS,
              "a resumed draft keeps its fresh build's buffers / frozen parameters"),
-    Mutation("checkpoint/frozen-state-not-saved", "specdraft/train/draft_parts.py",
+    Mutation("checkpoint/frozen-state-not-saved", "specdraft/checkpoint/draft_parts.py",
              "write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))",
              "write_frozen_state(draft_part(slot_dir, part.name), {})", FROZEN_TRAVELS, "the slot lacks the frozen state"),
-    Mutation("checkpoint/export-without-frozen-state", "specdraft/train/export.py",
+    Mutation("checkpoint/export-without-frozen-state", "specdraft/commands/export.py",
              "return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}",
              "return _trained_fp32(slot_dir, record)", FROZEN_TRAVELS,
              "`specdraft export` of a DFlash run: Missing key mask_delta"),
@@ -695,7 +695,7 @@ MTP: List[Mutation] = [
              "a hybrid target decodes with rejected tokens left in its recurrent state"),
 ]
 
-IMPORTS_PY = "specdraft/train/imports.py"
+IMPORTS_PY = "specdraft/export/init_from.py"
 IMPORTS_TESTS = ("tests/test_imports.py",)
 IMPORTS_TRAIN = ("tests/test_imports_train.py",)
 
@@ -706,17 +706,17 @@ IMPORTS = [
              'RENAMED = {"cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n'
              '           "post_attention_layernorm.weight": "post_self_attention_layernorm.weight"}',
              IMPORTS_TESTS, "LongSpec's layer gets the cross-attention's norm before its MLP and the reverse"),
-    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/speculators-flags-swapped", "specdraft/drafts/eagle3/export.py",
              '"norm_before_fc": "norm_before_fc",\n                        "fc_norm": "fc_norm"',
              '"norm_before_fc": "fc_norm",\n                        "fc_norm": "norm_before_fc"',
              IMPORTS_TESTS, "an import reads speculators' fc_norm as norm_before_fc"),
-    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/sglang-layer-ids-not-shifted", "specdraft/drafts/eagle3/export.py",
              '{"target_layers": [int(i) + 1 for i in ids]}', '{"target_layers": [int(i) for i in ids]}',
              IMPORTS_TESTS, "SGLang's ids (the output of layer i) read as ours (its input)"),
-    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3_export.py",
+    Mutation("imports/identity-maps-dropped", "specdraft/drafts/eagle3/export.py",
              '    if d.draft_vocab_size != d.vocab_size:\n        return {}',
              '    if True:\n        return {}', IMPORTS_TESTS, "a whole-vocab speculators EAGLE-3 has no maps to load"),
-    Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash_speculators.py",
+    Mutation("imports/mask-delta-not-zero", "specdraft/drafts/dflash/speculators.py",
              'return {"mask_delta": torch.zeros(draft.dims.hidden_size)}',
              'return {"mask_delta": torch.ones(draft.dims.hidden_size)}', IMPORTS_TESTS,
              "MASK embedded unlike speculators after an import"),
@@ -739,7 +739,7 @@ IMPORTS = [
              "    draft.load_state_dict(imported.state, strict=True)\n",
              "    draft.load_state_dict(imported.state, strict=True)\n"
              "    if data is not None and hasattr(draft, 'set_vocab_maps'):\n"
-             "        from specdraft.drafts.vocab import count_target_tokens, vocab_maps\n"
+             "        from specdraft.drafts.eagle3.vocab import count_target_tokens, vocab_maps\n"
              "        draft.set_vocab_maps(*vocab_maps(count_target_tokens(data, draft.dims.vocab_size), "
              "draft.dims.draft_vocab_size))\n",
              IMPORTS_TRAIN, "EAGLE-3's d2t/t2d recounted from the run's data instead of the imported ones"),
@@ -757,7 +757,7 @@ PEAGLE_PY = "specdraft/drafts/peagle/model.py"
 PEAGLE_COD = "specdraft/drafts/peagle/cod.py"
 PEAGLE_DECODE = "specdraft/drafts/peagle/decode.py"
 PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
-COD_ATTENTION = "specdraft/drafts/cod_attention.py"
+COD_ATTENTION = "specdraft/drafts/peagle/cod_attention.py"
 PE_UNIT = ("tests/test_peagle.py", "-k", "not trains")
 PE_SPEC = ("tests/test_peagle_export.py", "-k", "vocab100 or vllm")
 PE_SP = ("tests/test_sequence_parallel.py", "-k", "peagle and equals_one_rank")
@@ -955,11 +955,11 @@ LOSS_FORMULAS: List[Mutation] = [
              "scale = keep(torch.where(positive, 1.0 / alpha.clamp_min(1e-30), 0.0))",
              ("tests/test_loss_formulas.py", "tests/test_lk_train.py"),
              "lk_alpha climbs -log alpha instead of descending it"),
-    Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash_backbone.py",
+    Mutation("losses/dpace-weighting-ignored", "specdraft/drafts/dflash/backbone.py",
              'if self.dims.loss_weighting == "dpace" else None', "if False else None",
              ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
              "draft.loss_weighting: dpace trains with the exp(-j / gamma) decay"),
-    Mutation("losses/dpace-weights-on-the-decay", "specdraft/drafts/dflash_backbone.py",
+    Mutation("losses/dpace-weights-on-the-decay", "specdraft/drafts/dflash/backbone.py",
              "total = total + out.loss + weights[j] * extra",
              "total = total + weights[j] * (out.loss + extra)",
              ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),

@@ -22,7 +22,7 @@ from specdraft.decode.cache import cache_length
 from specdraft.decode.drafters import grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import DraftTree, chain, empty_tree
-from specdraft.drafts.dflash_decode import DFlashDrafter
+from specdraft.drafts.dflash.decode import DFlashDrafter
 
 
 def keep_nodes(tree: DraftTree, keep: torch.Tensor) -> DraftTree:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.dflash_backbone import BlockHead, DFlashBackbone, DFlashDims, DFlashOptions
+from specdraft.drafts.dflash.backbone import BlockHead, DFlashBackbone, DFlashDims, DFlashOptions
 from specdraft.drafts.dspark.decode import DSparkDrafter
 from specdraft.drafts.dspark.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.loss import default_chunk_size
@@ -134,6 +134,7 @@ def acceptance_targets(student: torch.Tensor, weight: torch.Tensor, teacher: tor
 
 class DSparkDraft(DFlashBackbone):
     family = "dspark"
+    base_family = "dflash"  # its folder imports dflash/'s
     label = "DSpark"
     architecture = "DSparkDraft"
     options = DSparkOptions

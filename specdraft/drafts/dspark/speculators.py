@@ -16,8 +16,8 @@ import functools
 
 import torch
 
-from specdraft.drafts import dflash_speculators
 from specdraft.drafts.base import FileFormat, config_fields
+from specdraft.drafts.dflash import speculators as dflash_speculators
 
 
 # speculators' config field -> the draft key it records, besides DFlash's (read back by an import)

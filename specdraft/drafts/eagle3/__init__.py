@@ -1,2 +1,4 @@
-"""EAGLE-3 (and 3.1): the model (model.py); its layer, drafter and speculators / SGLang files are the
-shared blocks drafts/eagle3_layer.py, eagle3_decode.py and eagle3_export.py (P-EAGLE builds on them)."""
+"""EAGLE-3 (and 3.1): the model (model.py) over its layer (layer.py: the fused target states, one
+decoder layer, the draft-vocab head), its training-time-test attention (ttt_attention.py), its
+draft vocabulary (vocab.py), drafter (decode.py) and speculators / SGLang files (export.py).
+P-EAGLE builds on the layer."""

@@ -34,9 +34,9 @@ from torch import nn
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where)
 from specdraft.drafts.documents import PackedDocuments
-from specdraft.drafts.eagle3_decode import Eagle3Drafter
-from specdraft.drafts.eagle3_export import FILE_FORMATS, write_sglang, write_speculators
-from specdraft.drafts.eagle3_layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
+from specdraft.drafts.eagle3.decode import Eagle3Drafter
+from specdraft.drafts.eagle3.export import FILE_FORMATS, write_sglang, write_speculators
+from specdraft.drafts.eagle3.layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
                                            default_target_layers, layer_dims, validate_layer_options)  # re-exported
 from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,

@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.run import CONFIG_NAME, PTH_NAME
+from specdraft.rundir.layout import CONFIG_NAME, PTH_NAME
 
 # ours -> LongSpec's; every other name is the same in both
 RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",

@@ -1,4 +1,4 @@
-"""P-EAGLE at inference: EAGLE-3's drafter (drafts/eagle3_decode.py: the draft's cache of depth-0
+"""P-EAGLE at inference: EAGLE-3's drafter (drafts/eagle3/decode.py: the draft's cache of depth-0
 entries, fed with the target's states of verified tokens) proposing every token of a round in
 ONE draft forward.
 
@@ -23,7 +23,7 @@ from specdraft.decode.cache import cache_length
 from specdraft.decode.drafters import grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
-from specdraft.drafts.eagle3_decode import Eagle3Drafter
+from specdraft.drafts.eagle3.decode import Eagle3Drafter
 
 
 class PEagleDrafter(Eagle3Drafter):

@@ -1,5 +1,5 @@
 """P-EAGLE in speculators' format (PEagleSpeculatorConfig / PEagleDraftModel, speculators 0.9.0):
-EAGLE-3's config and keys (drafts/eagle3_export.py) with speculators_model_type "peagle",
+EAGLE-3's config and keys (drafts/eagle3/export.py) with speculators_model_type "peagle",
 architectures ["PEagleSpeculator"], algorithm "peagle", mask_token_id, embed_requires_grad true,
 speculative_tokens K, plus mask_hidden [1, 1, 3 Ht]; embed_tokens.weight is the target's with
 the mask token's row replaced by the trained mask_embedding.
@@ -23,7 +23,7 @@ from typing import Dict
 import torch
 
 from specdraft.drafts.base import FileFormat, config_fields
-from specdraft.drafts.eagle3_export import (SPECULATORS_SETTINGS, refuse_unservable, save_export, speculators_config,
+from specdraft.drafts.eagle3.export import (SPECULATORS_SETTINGS, refuse_unservable, save_export, speculators_config,
                                             speculators_implied, speculators_state_dict)
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights

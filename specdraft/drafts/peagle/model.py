@@ -1,6 +1,6 @@
 """P-EAGLE: the EAGLE-3 layer drafting K tokens in one forward (speculators' PEagleDraftModel).
 
-The layer, its fused target states and its draft vocab are EAGLE-3's (drafts/eagle3_layer.py);
+The layer, its fused target states and its draft vocab are EAGLE-3's (drafts/eagle3/layer.py);
 index t embeds x_{t+1} with the target states g_t at RoPE position t+1 and predicts x_{t+2}.
 P-EAGLE adds two learned inputs for the positions it has not seen yet:
 
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
-from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots
-from specdraft.drafts.eagle3_layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
+from specdraft.drafts.peagle.cod_attention import CODSlots, GatheredCODSlots
+from specdraft.drafts.eagle3.layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
 from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
@@ -107,6 +107,7 @@ def default_mask_token(target_config) -> int:
 
 class PEagleDraft(Eagle3Base):
     family = "peagle"
+    base_family = "eagle3"  # its folder imports eagle3/'s
     label = "P-EAGLE"
     architecture = "PEagleDraft"
     default_loss = "kl"

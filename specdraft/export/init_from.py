@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from specdraft.drafts import ARCHITECTURES, FAMILIES, Draft, build_draft
 from specdraft.errors import SpecdraftError
-from specdraft.run import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, exports
+from specdraft.rundir.layout import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, exports
 from specdraft.target.model import load_target_config
 
 WEIGHT_FILES = (SAFETENSORS_NAME, "pytorch_model.bin", PTH_NAME)  # looked for in a directory, in this order

@@ -38,16 +38,16 @@ from torch import nn
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config, uncapturable_layer)
-from specdraft.drafts.dflash_blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
+from specdraft.drafts.dflash.blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
                                            own_blocks, sample_training_blocks)
-from specdraft.drafts.dflash_decode import DFlashDrafter
-from specdraft.drafts.dflash_options import (LOSS_WEIGHTINGS, DFlashDims, DFlashOptions,  # noqa: F401 (re-exported)
+from specdraft.drafts.dflash.decode import DFlashDrafter
+from specdraft.drafts.dflash.options import (LOSS_WEIGHTINGS, DFlashDims, DFlashOptions,  # noqa: F401 (re-exported)
                                             default_target_layers)
-from specdraft.drafts.dflash_speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
+from specdraft.drafts.dflash.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.documents import attention_path
 from specdraft.drafts.layers import GatedMLP, Projections, RMSNorm, apply_rope
 from specdraft.target.rotary import rotary_refusal
-from specdraft.drafts.dpace import dpace_slot_loss, row_cross_entropy
+from specdraft.drafts.dflash.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (CE, Objective, answer_labels, chunked_objective,
                                         dpace_weights, objective_from_options, shared_head_objective, term_metrics)
 from specdraft.errors import SpecdraftError

@@ -1,6 +1,6 @@
 """Crash-safe checkpoints that resume exactly, at any world size: the policy. What a save writes and
 commits, which slot a resume takes and what it checks first, and how the run adapts to it. The files
-are elsewhere: the layout in specdraft/run.py, the manifest, removal and rollback in slots.py, each
+are elsewhere: the layout in specdraft/rundir/layout.py, the manifest, removal and rollback in slots.py, each
 draft's part of a slot in draft_parts.py (several drafts: one folder each, one commit for all), the
 draft state DeepSpeed does not save in frozen_state.py, other world sizes in universal.py.
 The checkpoint directory must be on a filesystem every node sees at the same path: rank 0 commits
@@ -19,17 +19,17 @@ from typing import Callable, List, Optional
 
 from omegaconf import DictConfig
 
-from specdraft.atomic import write_atomic
+from specdraft.rundir.atomic import write_atomic
 from specdraft.config import config_hash, config_identity, data_world, draft_names, draft_view, identity_change
 from specdraft.errors import SpecdraftError, write_failure
-from specdraft.run import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
+from specdraft.rundir.layout import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
-from specdraft.train import slots
-from specdraft.train.collectives import raise_everywhere, run_shared
-from specdraft.train.draft_parts import (DraftPart, commit_draft, files_rank_loads, frozen_files, load_draft,
+from specdraft.checkpoint import slots
+from specdraft.parallel.collectives import raise_everywhere, run_shared
+from specdraft.checkpoint.draft_parts import (DraftPart, commit_draft, files_rank_loads, frozen_files, load_draft,
                                          save_draft)
-from specdraft.train.rng import rng_state, set_rng_state
-from specdraft.train.universal import universal_copy
+from specdraft.checkpoint.rng import rng_state, set_rng_state
+from specdraft.checkpoint.universal import universal_copy
 
 CLIENT_KEY = "specdraft"
 UNIVERSAL_INFO = "universal_checkpoint_info"  # what ds_to_universal requires in every slot

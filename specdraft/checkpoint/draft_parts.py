@@ -1,7 +1,7 @@
 """One draft's part of a checkpoint slot: what a save writes for it, what COMMITTED records of it,
 what a resume loads back and checks. A one-draft run's part is the slot itself (name None); a run
 of several drafts keeps each in the slot's <name>/ folder, all under the slot's one COMMITTED
-(specdraft/run.py). The policy (when, which slot, what must match) is train/checkpoint.py's."""
+(specdraft/rundir/layout.py). The policy (when, which slot, what must match) is checkpoint/manager.py's."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.run import FROZEN_FILE, draft_part
-from specdraft.train import slots
-from specdraft.train.collectives import run_shared
-from specdraft.train.engine import gather_draft_state_dict
-from specdraft.train.frozen_state import (FINGERPRINT_KEY, check_fingerprint, draft_fingerprint, frozen_state,
+from specdraft.rundir.layout import FROZEN_FILE, draft_part
+from specdraft.checkpoint import slots
+from specdraft.parallel.collectives import run_shared
+from specdraft.parallel.zero import gather_draft_state_dict
+from specdraft.checkpoint.frozen_state import (FINGERPRINT_KEY, check_fingerprint, draft_fingerprint, frozen_state,
                                           read_frozen_state, restore_frozen_state, write_frozen_state)
 
 

@@ -18,7 +18,7 @@ run/
                              M < N), moved aside with its export step_<N>.abandoned/: kept, never
                              resumed by resume=auto, never pruned
   ckpt/latest                newest committed slot name: a hint for people and tools
-  step_<N>/                  the draft export written by training (train/export.py):
+  step_<N>/                  the draft export written by training (export/files.py):
     model.safetensors          the draft's weights (no target tensors, no `draft_model.` prefix)
     draft_model_weights.pth    the same tensors as a torch state dict (LongSpec's file name)
     config.json                what rebuilds the draft: architecture, dims, target path + config hash
@@ -33,14 +33,14 @@ run/
 What specdraft owns, and so may replace or add to, is decided here and only here (is_run_dir,
 is_export_dir, is_regenerate_dir): a directory holding our marker file `specdraft.json` of that
 kind; a run made before markers existed is one whose ckpt/ holds a committed slot. Everything else
-a user points us at is theirs (specdraft/outputs.py refuses to write over it).
+a user points us at is theirs (specdraft/rundir/ownership.py refuses to write over it).
 
 A run of several drafts (`drafts:` in its config) keeps one level more, a folder per draft name,
 under one commit: ckpt/step_<N>/<name>/ (each draft's DeepSpeed state and frozen state; the one
 COMMITTED at ckpt/step_<N>/ covers them all), ckpt/step_<N>.universal/<name>/, step_<N>/<name>/,
 export_step_<N>/<name>/, consolidated/step_<N>/<name>/.
 
-A slot without COMMITTED does not exist for resume (train/slots.py); an export directory is written
+A slot without COMMITTED does not exist for resume (checkpoint/slots.py); an export directory is written
 under a temp name and renamed, so it exists whole or not at all.
 """
 

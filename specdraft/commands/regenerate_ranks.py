@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from specdraft.atomic import write_atomic
+from specdraft.rundir.atomic import write_atomic
 
 MANIFEST = "manifest.json"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""The keys and shapes of DFlash's block backbone (drafts/dflash_backbone.py), shared by DFlash and
+"""The keys and shapes of DFlash's block backbone (drafts/dflash/backbone.py), shared by DFlash and
 DSpark: the `draft.` options a config sets, the dimensions a draft is built and exported with, and
 the default choice of target layers."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from specdraft.drafts.dflash_blocks import BlockLayout
+from specdraft.drafts.dflash.blocks import BlockLayout
 from specdraft.drafts.layers import LayerDims
 from specdraft.drafts.objectives import ObjectiveOptions
 

@@ -15,13 +15,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
-from specdraft.drafts.cod_attention import CODSlots, GatheredCODSlots, cod_attention, gathered_cod_attention
 from specdraft.drafts.documents import PackedDocuments
-from specdraft.drafts.eagle3_export import serving_refusal
+from specdraft.drafts.eagle3.export import serving_refusal
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.target.rotary import draft_rope_parameters
-from specdraft.drafts.ttt_attention import ttt_attention
-from specdraft.drafts.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
+from specdraft.drafts.eagle3.ttt_attention import ttt_attention
+from specdraft.drafts.eagle3.vocab import count_target_tokens, draft_to_target_ids, vocab_disagreement, vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
@@ -128,14 +127,8 @@ class Eagle3Attention(Projections):
         q = apply_rope(self.heads(self.q_proj(x)), cos, sin)
         k = apply_rope(self.heads(self.k_proj(x)), cos, sin)
         v = self.heads(self.v_proj(x))
-        if isinstance(visible, CODSlots):  # P-EAGLE's slots, without their (N, N) mask
-            out = cod_attention(q, k, v, visible)
-        elif isinstance(visible, GatheredCODSlots):  # ... under sequence parallelism: the gathered context
-            out = gathered_cod_attention(q, k, v, visible)
-        elif isinstance(visible, TTTVisibility):  # keys kept as the exchange left them (SP: T, heads / N)
-            shard = visible.shard or SequenceShard.whole(x.shape[1])
-            q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)
-            out = shard.to_tokens(ttt_attention(q, [*past_keys, k], [*past_values, v], visible.documents))
+        if hasattr(visible, "attention"):  # a rule without its mask: TTT's below, or a family's own
+            out, k, v = visible.attention(q, k, v, past_keys, past_values)
         else:
             keys = k if past_keys is None else torch.cat([past_keys, k], dim=2)
             values = v if past_values is None else torch.cat([past_values, v], dim=2)
@@ -167,11 +160,17 @@ class Eagle3DecoderLayer(nn.Module):
 class TTTVisibility:
     """The training-time test's rule (ttt_visibility) without its mask: step k's query t sees the
     step-0 keys <= t of its own conversation (documents (B, T), None: one per row) and the key at
-    t of each step 1..k; drafts/ttt_attention.py computes it exactly."""
+    t of each step 1..k; drafts/eagle3/ttt_attention.py computes it exactly."""
 
     documents: Optional[PackedDocuments] = None
     shard: Optional[SequenceShard] = None  # sequence parallelism: attention exchanges heads (documents: whole T)
 
+    def attention(self, q, k, v, past_keys, past_values):
+        """-> (out, k, v): k and v kept as the exchange left them (SP: T, heads / N), as the later
+        steps read them."""
+        shard = self.shard or SequenceShard.whole(q.shape[2])
+        q, k, v = shard.to_heads(q), shard.to_heads(k), shard.to_heads(v)
+        return shard.to_tokens(ttt_attention(q, [*past_keys, k], [*past_values, v], self.documents)), k, v
 
 
 class Eagle3Base(Draft):

@@ -11,7 +11,7 @@ from typing import Dict
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.run import FROZEN_FILE
+from specdraft.rundir.layout import FROZEN_FILE
 
 
 FINGERPRINT_KEY = "draft_sha256"  # in COMMITTED; slots saved before it carry LEGACY_KEY

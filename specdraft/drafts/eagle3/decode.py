@@ -22,7 +22,7 @@ from specdraft.decode.cache import cache_length
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
-from specdraft.drafts.vocab import draft_to_target_ids
+from specdraft.drafts.eagle3.vocab import draft_to_target_ids
 
 
 class Eagle3Drafter(Drafter):

@@ -20,7 +20,7 @@ import torch
 
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.layers import attend
-from specdraft.drafts.ttt_attention import ttt_attention
+from specdraft.drafts.eagle3.ttt_attention import ttt_attention
 from specdraft.parallel.sequence import SequenceShard
 from specdraft.transfer import to_device
 
@@ -57,6 +57,10 @@ class CODSlots:
             rows.append((start, start + size))
             start += size
         return cls(sizes[0], tuple(rows), tuple(anchor[:, a:b] for a, b in rows), PackedDocuments.of(documents))
+
+    def attention(self, q, k, v, past_keys, past_values):
+        """The EAGLE-3 layer's mask-free rule (eagle3/layer.py): the slots see no past."""
+        return cod_attention(q, k, v, self), k, v
 
 
 def cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: CODSlots) -> torch.Tensor:
@@ -96,6 +100,10 @@ class GatheredCODSlots:
 
     shard: SequenceShard
     visible: torch.Tensor  # (B, 1, n, T + n - T/N) bool on the device
+
+    def attention(self, q, k, v, past_keys, past_values):
+        """The EAGLE-3 layer's mask-free rule (eagle3/layer.py): the slots see no past."""
+        return gathered_cod_attention(q, k, v, self), k, v
 
 
 def gathered_cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: GatheredCODSlots) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The draft export: a self-describing directory that rebuilds the draft without the trainer,
-in files a user can ship (its layout: step_<N>/ in specdraft/run.py). Written by training on rank 0
-and by the offline commands (`specdraft export`, `consolidate`) from a run's checkpoint; read back
+in files a user can ship (its layout: step_<N>/ in specdraft/rundir/layout.py). Written by training on rank 0
+and by the offline commands (commands/export.py: `specdraft export`, `consolidate`); read back
 by `specdraft eval`, the benchmarks and tests, strictly (no key patching).
 """
 
@@ -17,18 +17,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specdraft import __version__
-from specdraft.atomic import publish_dir, temp_dir_beside, write_atomic
-from specdraft.config import config_hash, draft_view
+from specdraft.rundir.atomic import publish_dir, temp_dir_beside
+from specdraft.config import config_hash
 from specdraft.drafts import Draft, draft_from_export_config
+from specdraft.drafts.base import DRAFT_PREFIX
 from specdraft.errors import SpecdraftError, write_failure
-from specdraft.run import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,
-                           TRAINING_CONFIG_NAME, config_file, consolidated_file, draft_part, marker_text,
-                           offline_export_dir)
-from specdraft.outputs import check_export_out
-from specdraft.target.model import has_tokenizer, load_target_tokenizer
-from specdraft.train.frozen_state import read_frozen_state
-from specdraft.train.slots import choose_draft, record_names, run_slot
-from specdraft.train.model import DRAFT_PREFIX
+from specdraft.rundir.layout import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,
+                           TRAINING_CONFIG_NAME, marker_text)
 
 
 def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX) -> "OrderedDict[str, torch.Tensor]":
@@ -171,75 +166,3 @@ class BackgroundExporter:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
-
-
-# -- offline: from a run's checkpoint ---------------------------------------------------------------
-
-def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
-    """The draft's full state dict from a verified slot: its trained parameters in fp32 via
-    DeepSpeed's zero_to_fp32, and its frozen state (buffers, frozen parameters) exactly as saved."""
-    return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}  # zero_to_fp32's float copies of buffers give way
-
-
-def _trained_fp32(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
-    if record["zero_stage"] == 0:  # zero_to_fp32 does not handle stage 0: the module is saved whole
-        states = torch.load(slot_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
-        full = states["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        full = get_fp32_state_dict_from_zero_checkpoint(str(slot_dir.parent), tag=slot_dir.name,
-                                                        exclude_frozen_parameters=True)
-    return {k: v.float() for k, v in extract_and_rename(full).items()}
-
-
-def consolidate_run(run_dir, slot: Optional[str] = None, draft: Optional[str] = None) -> Path:
-    """draft: the name of a draft of a several-draft run (required there)."""
-    from safetensors.torch import save_file
-
-    slot_dir, record = run_slot(run_dir, slot=slot)
-    name = choose_draft(record_names(record), draft, "consolidate")
-    state_dict = consolidated_draft_state_dict(draft_part(slot_dir, name), record)
-    whole = consolidated_file(run_dir, slot_dir)
-    out = draft_part(whole.parent, name) / whole.name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp)))
-    return out
-
-
-EXPORT_FORMATS = ("native", "pth", "safetensors")  # plus each family's serving formats
-
-
-def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
-                    out_dir: Optional[str] = None, with_target_heads: bool = False,
-                    draft_name: Optional[str] = None) -> Path:
-    """Write a draft export from a committed slot: `native` (both weight files + config.json), one
-    native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
-    directory that engine loads). draft_name: the draft of a several-draft run (required there)."""
-    slot_dir, record = run_slot(run_dir, step=step)
-    name = choose_draft(record_names(record), draft_name, "export")
-    own = record if name is None else record["drafts"][name]
-    default = draft_part(offline_export_dir(run_dir, record["step"]), name)
-    out = Path(out_dir) if out_dir else default
-    check_export_out(out, run_dir, default)  # before the weights are consolidated
-    draft = draft_from_export_config(own["draft"])
-    if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
-        raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
-                             f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
-    draft.load_state_dict(consolidated_draft_state_dict(draft_part(slot_dir, name), record), strict=True)
-    state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    cfg = OmegaConf.load(config_file(run_dir))
-    cfg = cfg if name is None else draft_view(cfg, name)  # the config of this draft, as trained alone
-    tokenizer = load_target_tokenizer(cfg.target) if has_tokenizer(cfg.target) else None
-    heads = None
-    if with_target_heads:  # two tensors straight from the target's files: the target is never built
-        from specdraft.target.weights import load_target_head_weights
-
-        read = load_target_head_weights(cfg.target, dtype=torch.float32,
-                                        expected_hidden=own["draft"]["dims"]["hidden_size"])
-        heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
-    serving = [fmt] if fmt in draft.serving_formats else []
-    files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES
-    written = write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=files, target_heads=heads,
-                                 serving=serving, run_dir=run_dir, step=record["step"])
-    return written / fmt if serving else written

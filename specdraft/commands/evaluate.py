@@ -21,11 +21,11 @@ from specdraft.decode.prompts import read_prompts, stop_tokens
 from specdraft.decode.report import plot_acceptance, require_matplotlib
 from specdraft.drafts import draft_from_export_config
 from specdraft.errors import SpecdraftError
-from specdraft.outputs import check_plot_file
-from specdraft.run import CONFIG_NAME, draft_part, exports, step_of
+from specdraft.rundir.ownership import check_plot_file
+from specdraft.rundir.layout import CONFIG_NAME, draft_part, exports, step_of
 from specdraft.target.model import has_tokenizer, load_frozen_target, load_target_tokenizer
-from specdraft.train.export import load_exported_draft, read_export_config
-from specdraft.train.slots import choose_draft
+from specdraft.export.files import load_exported_draft, read_export_config
+from specdraft.checkpoint.slots import choose_draft
 
 
 # -- locating the export, the target and the tokenizer ---------------------------------------

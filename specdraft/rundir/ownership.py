@@ -1,5 +1,5 @@
 """Where a command may write: a new or empty directory, or one specdraft wrote for that purpose
-(what counts as ours is decided in specdraft/run.py). Nothing a user owns is replaced, deleted or
+(what counts as ours is decided in specdraft/rundir/layout.py). Nothing a user owns is replaced, deleted or
 mixed into; each refusal is one line, before anything is touched or any compute is spent.
 
     claim_run_dir(output_dir, resume)    `train`, `demo` (rank 0, before the target is loaded)
@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from specdraft.atomic import is_temp_of, temp_target, write_atomic
+from specdraft.rundir.atomic import is_temp_of, temp_target, write_atomic
 from specdraft.errors import SpecdraftError, write_error
-from specdraft.run import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
+from specdraft.rundir.layout import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
                            is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text, step_of)
 
 

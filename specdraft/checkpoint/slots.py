@@ -1,5 +1,5 @@
 """Checkpoint slots on disk: the sha256 manifest that commits a slot, its verification before
-anything is unpickled, and removal that never leaves a committed half-slot (layout: specdraft/run.py).
+anything is unpickled, and removal that never leaves a committed half-slot (layout: specdraft/rundir/layout.py).
 
 A save never overwrites a committed slot: it goes to a fresh step_<N>, and older slots are pruned
 only after it is committed, so `keep_last` committed slots survive a crash at any instant
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from specdraft.atomic import fsync_dir, fsync_file, write_atomic
+from specdraft.rundir.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX,
+from specdraft.rundir.layout import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX,
                            committed_slots, slot_name, slot_step, step_of)
-from specdraft.train import safe_load
+from specdraft.checkpoint import safe_load
 
 PICKLE_SUFFIX = ".pt"  # DeepSpeed's files; the rest of a slot is JSON, safetensors and zero_to_fp32.py
 VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)

@@ -25,7 +25,7 @@ exit 1 (so `regenerate && train` stops); skipped rows do not (a rerun would skip
 Ctrl-C (SIGINT) or SIGTERM: the rows finished so far are written, the manifest counts them, one line
 says so, and the command exits 130 (143 for SIGTERM); the same command resumes after them.
 Under torchrun (RANK / WORLD_SIZE) each rank takes the rows its ids hash to; global rank 0 alone
-writes manifest.json, its counts once every rank has finished (regenerate_ranks.py).
+writes manifest.json, its counts once every rank has finished (commands/regenerate_ranks.py).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from specdraft.atomic import is_temp_of, write_atomic
+from specdraft.rundir.atomic import is_temp_of, write_atomic
 from specdraft.config import read_yaml, resolve_data_files
 from specdraft.data.generation import Request, Sampling
 from specdraft.data.sources import iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
-from specdraft.outputs import claim_regenerate_out
-from specdraft.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
+from specdraft.rundir.ownership import claim_regenerate_out
+from specdraft.commands.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
 from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
 SHARD_GLOB = "shard-*.jsonl"

@@ -15,12 +15,12 @@ from typing import Callable, Optional
 
 import torch
 
-from specdraft.atomic import publish_dir, write_atomic
+from specdraft.rundir.atomic import publish_dir, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.run import COMMITTED, draft_part, universal_dir
-from specdraft.train import safe_load
-from specdraft.train.collectives import run_shared
-from specdraft.train.slots import file_entry, file_sha256, read_commit, remove_slot, slot_files, verify_slot
+from specdraft.rundir.layout import COMMITTED, draft_part, universal_dir
+from specdraft.checkpoint import safe_load
+from specdraft.parallel.collectives import run_shared
+from specdraft.checkpoint.slots import file_entry, file_sha256, read_commit, remove_slot, slot_files, verify_slot
 
 MODEL_STATES_BY_STAGE = {False: "mp_rank_00_model_states.pt", True: "zero_pp_rank_0_mp_rank_00_model_states.pt"}
 

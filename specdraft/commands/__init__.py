@@ -1,0 +1,1 @@
+"""The commands besides training, one module each, built on the packages below (cli.py dispatches)."""
