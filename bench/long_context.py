@@ -47,7 +47,8 @@ LIVE = os.environ.get("BENCH_LIVE") == "1"  # peak of live tensor bytes instead 
 
 
 def force_path(path: str) -> None:
-    from specdraft.drafts import dflash_blocks, documents, layers
+    from specdraft.drafts import documents, layers
+    from specdraft.drafts.dflash import blocks as dflash_blocks
 
     for module in (documents, layers, dflash_blocks):
         module.attention_path = lambda device: path
@@ -191,7 +192,8 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from specdraft.drafts import dflash_blocks, documents as docs_module, layers
+    from specdraft.drafts import documents as docs_module, layers
+    from specdraft.drafts.dflash import blocks as dflash_blocks
     from specdraft.drafts.base import document_starts
 
     documents = (torch.arange(T) // 100)[None].expand(2, T).clone()
