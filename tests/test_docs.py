@@ -2,17 +2,14 @@
 user to copy (YAML configs, commands, config files) exists and loads, the configuration reference
 names exactly the schema's keys, and the troubleshooting page quotes errors the code still raises."""
 
-import argparse
 import os
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from specdraft.cli import build_parser
 from specdraft.config import load_config
 from specdraft.drafts import FAMILIES
 
@@ -129,38 +126,6 @@ def test_every_yaml_block_is_a_valid_config(index, tmp_path):
     block.write_text(YAML_BLOCKS[index][1])
     cfg = load_config(str(block), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"])
     assert cfg.draft.type in FAMILIES
-
-
-def specdraft_command_lines():
-    """Every `specdraft SUBCOMMAND ...` line of a bash block (continuations joined), with the
-    launchers' `-m specdraft` / `--module specdraft` forms."""
-    found = []
-    for name, block in code_blocks("bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("#")[0] if not line.lstrip().startswith("#") else ""
-            match = re.search(r"(?:^|\s)(?:specdraft|-m specdraft|--module specdraft)\s+([a-z]+)(.*)", line)
-            if match:
-                found.append((name, match.group(1), match.group(2)))
-    return found
-
-
-COMMAND_LINES = specdraft_command_lines()
-
-
-def test_the_pages_show_commands():
-    assert {command for _, command, _ in COMMAND_LINES} >= {"train", "eval", "regenerate", "config"}
-
-
-@pytest.mark.parametrize("name, command, rest", COMMAND_LINES, ids=[f"{n}:{c}" for n, c, _ in COMMAND_LINES])
-def test_every_command_shown_exists_with_its_options(name, command, rest):
-    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert command in subcommands, f"{name}: `specdraft {command}` is not a command"
-    options = set(subcommands[command]._option_string_actions)
-    words = shlex.split(rest.replace("...", ""), posix=True) if rest.count("'") % 2 == 0 else rest.split()
-    for word in words:
-        flag = word.strip("[]").split("=")[0]
-        if flag.startswith("--"):
-            assert flag in options, f"{name}: `specdraft {command}` has no option {flag}"
 
 
 def test_every_config_file_the_pages_name_is_shipped():
