@@ -229,3 +229,38 @@ def test_data_strict_refuses_a_tool_turn_in_one_line(tool_rows_command, capsys):
     assert main(args + ["data_strict=true"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"specdraft: error: {path}:2: tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"]
+
+
+@pytest.mark.parametrize("rows, why", [
+    ([ROWS[0]], "only {tokens} tokens in total, fewer than max_seq_length=1024"),
+    ([ROWS[3], ROWS[4]], "only 0 tokens in total, fewer than max_seq_length=1024"),  # every row skipped
+])
+def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_line(tiny_target_dir, tmp_path,
+                                                                                    rows, why, capsys):
+    """A checking command shows what the files hold, even a sample smaller than one sequence;
+    training on the same cache still refuses, in one line, naming the same reason."""
+    from specdraft.cli import main
+
+    target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")
+    data = tmp_path / "sample.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"target={target}", f"data_files={data}", "max_seq_length=1024",
+                             f"data_cache_dir={tmp_path / 'cache'}"])
+    out, _ = report(cfg, show=1)
+    meta = json.loads(next((tmp_path / "cache").glob("*/meta.json")).read_text())
+    expected = "training would refuse this data: data_files: " + why.format(tokens=meta["tokens"])
+    assert f"rows: {len(rows)}" in out.splitlines() and expected in out.splitlines()
+    kept = [r for r in rows if r is ROWS[0]]
+    assert out.count("\n== ") == len(kept)  # --show prints the conversation it has
+    json_out, _ = report(cfg, as_json=True)
+    assert [json.loads(x).get("skipped") for x in json_out.splitlines()] == \
+        [None if r is ROWS[0] else {id(ROWS[3]): "no assistant turn", id(ROWS[4]): "empty answer"}[id(r)] for r in rows]
+    capsys.readouterr()
+    # train reads the cache the command built, and refuses in one line
+    (tmp_path / "c.yaml").write_text("max_seq_length: 1024\n")
+    for weights in Path(tiny_target_dir).iterdir():  # the template's target, with weights to train on
+        if not (target / weights.name).exists():
+            (target / weights.name).symlink_to(weights)
+    assert main(["train", str(tmp_path / "c.yaml"), f"target={target}", f"data_files={data}",
+                 f"data_cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "specdraft: error: data_files: " + why.format(tokens=meta["tokens"])

@@ -17,7 +17,7 @@ import numpy as np
 
 from specdraft.config import resolve_data_files
 from specdraft.data.packing import (ROWS_FILE, TOKEN_DTYPE, build_packed_cache, packed_cache_dir,
-                                    skipped_summary)
+                                    skipped_summary, training_refusal)
 
 HIGHLIGHT = ("\x1b[1;32m", "\x1b[0m")  # a terminal: trained text in bold green
 MARKERS = ("[[", "]]")  # otherwise
@@ -31,7 +31,7 @@ def data_report(cfg, show: int = 0, as_json: bool = False, out: TextIO = sys.std
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
     meta = build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
-                              strict=cfg.data_strict)
+                              strict=cfg.data_strict, for_training=False)  # a sample too small to train on is shown
     if as_json:
         for row in iter_rows(cache_dir):
             out.write(json.dumps(row_json(tokenizer, row)) + "\n")
@@ -57,6 +57,8 @@ def summary(meta: dict, cache_dir: Path) -> List[str]:
              f"trained tokens: {trained} ({100 * trained / max(meta['tokens'], 1):.1f}%)",
              f"packed sequences: {meta['sequences']} of {meta['max_seq_length']} tokens",
              f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})"]
+    if why := training_refusal(meta):
+        lines.append(f"training would refuse this data: {why}")
     if skipped:
         lines.append(skipped_summary(meta))
     return lines
@@ -65,8 +67,7 @@ def summary(meta: dict, cache_dir: Path) -> List[str]:
 def iter_rows(cache_dir: Path) -> Iterator[dict]:
     """Every row of the cache in order: source, its ids and mask, or the reason it was skipped."""
     cache_dir = Path(cache_dir)
-    tokens = np.memmap(cache_dir / "tokens.bin", dtype=TOKEN_DTYPE, mode="r")  # the whole stream,
-    mask = np.memmap(cache_dir / "loss_mask.bin", dtype=np.uint8, mode="r")  # tail window included
+    tokens, mask = _stream(cache_dir / "tokens.bin", TOKEN_DTYPE), _stream(cache_dir / "loss_mask.bin", np.uint8)
     at = 0
     with open(cache_dir / ROWS_FILE, encoding="utf-8") as f:
         for line in f:
@@ -76,6 +77,11 @@ def iter_rows(cache_dir: Path) -> Iterator[dict]:
                 row["ids"], row["mask"] = tokens[at:at + n], mask[at:at + n]
                 at += n
             yield row
+
+
+def _stream(path: Path, dtype) -> np.ndarray:
+    """The whole stream of a cache file, its tail window included (an empty file: no rows kept)."""
+    return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
 
 def row_json(tokenizer, row: dict) -> dict:

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -85,15 +85,19 @@ def packed_cache_dir(files: List[str], tokenizer_dir: str, max_seq_length: int, 
 
 
 def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir: Path,
-                       log: Callable[[str], None] = print, thinking=None, strict: bool = False) -> dict:
+                       log: Callable[[str], None] = print, thinking=None, strict: bool = False,
+                       for_training: bool = True) -> dict:
     """Stream every conversation into out_dir (created atomically) unless it exists; -> its meta.
 
-    A row with nothing to learn is skipped and counted by reason (strict: refused, naming it)."""
+    A row with nothing to learn is skipped and counted by reason (strict: refused, naming it).
+    for_training: data training cannot use (training_refusal) is refused; `specdraft data`, which
+    shows what the files hold, builds and reports it all the same."""
     out_dir = Path(out_dir)
     if (out_dir / "meta.json").is_file():
         meta = json.loads((out_dir / "meta.json").read_text())
         if strict and meta.get("skipped"):  # the cache was built leniently: refuse as a strict build would
             raise SpecdraftError(next(iter(meta["skipped"].values()))["first"])
+        _refuse_untrainable(meta, for_training)
         for line in summary_lines(meta):
             log(line)
         return meta
@@ -101,15 +105,9 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         stats = _stream_tokens(files, tokenizer, tmp, max_seq_length, thinking, strict)
-        sequences = stats["tokens"] // max_seq_length
-        if sequences == 0:
-            raise SpecdraftError(f"data_files: only {stats['tokens']} tokens in total, fewer than "
-                                 f"max_seq_length={max_seq_length}")
-        if stats["assistant_tokens"] == 0:
-            raise SpecdraftError("data_files: no assistant tokens found (nothing to learn from)"
-                                 + (f"; {skipped_summary(stats)}" if stats["skipped"] else ""))
-        meta = dict(stats, sequences=sequences, max_seq_length=max_seq_length, files=files,
+        meta = dict(stats, sequences=stats["tokens"] // max_seq_length, max_seq_length=max_seq_length, files=files,
                     format=CACHE_FORMAT)
+        _refuse_untrainable(meta, for_training)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, out_dir)
         for line in summary_lines(meta):
@@ -117,6 +115,22 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
         return meta
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def training_refusal(meta: dict) -> Optional[str]:
+    """Why training cannot use this packed data (None: it can)."""
+    if meta["sequences"] == 0:
+        return (f"data_files: only {meta['tokens']} tokens in total, fewer than "
+                f"max_seq_length={meta['max_seq_length']}")
+    if meta["assistant_tokens"] == 0:
+        return ("data_files: no assistant tokens found (nothing to learn from)"
+                + (f"; {skipped_summary(meta)}" if meta["skipped"] else ""))
+    return None
+
+
+def _refuse_untrainable(meta: dict, for_training: bool) -> None:
+    if for_training and (why := training_refusal(meta)):
+        raise SpecdraftError(why)
 
 
 def summary_lines(meta: dict) -> List[str]:
