@@ -567,3 +567,45 @@ def test_rank_0_waits_for_this_launch_s_ranks_never_for_files_an_earlier_launch_
 
     launch("zero")
     launch("one")
+
+
+def test_the_progress_bar_counts_answers_as_each_batch_lands(tiny_target_dir, tmp_path, monkeypatch):
+    """Single- and multi-turn rows in one wave: the bar moves per answer as each batch of 2 comes
+    back (not once per wave of 4 batches, or per finished row), totals every answer asked for, and
+    shows no time left before the first answer lands."""
+    from specdraft.commands import regenerate as module
+    from specdraft.data.generation import Answer
+
+    seen = []
+
+    class Batches:  # 2 answers per batch, as HFBackend calls progress: once per answer
+        name = "hf"
+
+        def generate(self, requests, progress=lambda n: None):
+            out = []
+            for b in range(0, len(requests), 2):
+                seen.append(("batch", bars[0].n))
+                for r in requests[b:b + 2]:
+                    fail = r.messages[-1]["content"] == "fail"
+                    out.append(Answer(error="boom", server_error=True) if fail else Answer(text="ok", tokens=3))
+                    progress(0 if fail else 3)
+            return out
+
+    bars = []
+    real = module._progress
+    monkeypatch.setattr(module, "_progress", lambda total, enabled: bars.append(real(total, True)) or bars[-1])
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    rows = [{"id": 0, "messages": [user("a")]},
+            {"id": 1, "messages": [user("b"), {"role": "assistant", "content": "old"}, user("c")]},  # 2 answers
+            {"id": 2, "messages": [user("fail"), {"role": "assistant", "content": "x"}, user("d")]},  # fails at once
+            {"id": 3, "messages": [user("e")]}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = RegenerateConfig(target=str(tiny_target_dir), data=[str(data)], out=str(tmp_path / "o"), batch_size=2)
+    assert "<?" in str(real(6, True))  # before any answer: no time left is guessed
+    summary = regenerate(cfg, Batches(), log=lambda m: None)
+    bar = bars[0]
+    assert bar.total == 6 and bar.n == 6 and summary["rows"] == 3 and summary["failed"] == 1
+    # turn 0: 4 prompts in 2 batches, the bar at 0 then 2; turn 1: row 1's second answer, the bar
+    # settled at 5 (3 answers + row 2's 2 that will not be asked)
+    assert seen == [("batch", 0), ("batch", 2), ("batch", 5)]

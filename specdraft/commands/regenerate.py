@@ -143,6 +143,12 @@ class Item:
             return list(self.done)
         return None
 
+    def answers(self) -> int:
+        """The answers this row asks for: one per assistant turn of its source, one more after a
+        last user turn (advance's rule)."""
+        ask_last = bool(self.source) and self.source[-1]["role"] != "assistant"
+        return sum(m["role"] == "assistant" for m in self.source) + ask_last
+
     def answer(self, text: str, token_ids, finish: str = "stop") -> None:
         message = {"role": "assistant", "content": text}
         if token_ids is not None:
@@ -260,7 +266,7 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
     writer = ShardWriter(out, rank, cfg.rows_per_shard, ready=sync.manifest_ready)
     stats = {"rows": 0, "tokens": 0, "truncated": 0, "t0": time.perf_counter()}
     with stop.installed():
-        bar = _progress(len(items), progress_bar)
+        bar = _progress(sum(item.answers() for item in items), progress_bar)
         try:
             _generate(cfg, backend, items, writer, errors, stats, bar, stop)
         except Interrupted:
@@ -302,10 +308,17 @@ def _generate(cfg: RegenerateConfig, backend, items: List[Item], writer: ShardWr
     """Every item through its turns, in waves of whole batches; complete rows go to the writer. A
     signal ends it out of a generate call (Interrupted): the answers of that call are lost, never
     a row half recorded."""
-    def on_tokens(n: int) -> None:
+    def on_tokens(n: int) -> None:  # both backends call it once per answer, as each batch lands
         stats["tokens"] += n
         bar.set_postfix_str(f"{stats['tokens'] / max(time.perf_counter() - stats['t0'], 1e-9):.0f} tok/s",
                             refresh=False)
+        bar.update(1)
+
+    answered = 0  # answers written, plus every answer a failed row will not ask for
+
+    def settle() -> None:  # the bar exact again after a call (an answer that failed counts once)
+        bar.n = answered
+        bar.refresh()
 
     def ask(requests: List[Request]):
         answers = backend.generate(requests, on_tokens)
@@ -328,17 +341,18 @@ def _generate(cfg: RegenerateConfig, backend, items: List[Item], writer: ShardWr
                     answer.error = "empty answer"
                 if answer.error is not None:
                     item.error, item.failed = f"turn {item.turn}: {answer.error}", answer.server_error
+                    answered += item.answers() - item.turn  # the turns it will not ask for
                 else:
                     item.answer(answer.text, answer.token_ids, answer.finish)
+                    answered += 1
             for item in finished:
                 writer.add(item.row())
                 stats["rows"] += 1
                 stats["truncated"] += item.truncated
-                bar.update(1)
             for item in active:
                 if item.error is not None:
                     errors.append(item.error_row())
-                    bar.update(1)
+            settle()
             complete = {id(item) for item in finished}
             active = [item for item in active if item.error is None and id(item) not in complete]
 
@@ -433,7 +447,11 @@ def _build_backend(cfg: RegenerateConfig):
     return HFBackend.load(cfg.target, cfg.sampling(), cfg.batch_size, device)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(answers: int, enabled: bool):
+    """Counted in answers, each as its batch lands (a row of several turns, or a wave of several
+    batches, would hold the count back and the rate with it); no time left is shown before the
+    first answer, when there is no rate to tell it from."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=answers, unit="answer", disable=not enabled, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} answers [{elapsed}<{remaining}{postfix}]")
