@@ -106,6 +106,7 @@ def _cmd_eval(args) -> int:
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     thinking = None if args.thinking is None else args.thinking == "on"
     names = run_draft_names(args.path, args.draft)
+    common = dict(baseline=not args.no_baseline, progress=_prompt_bars)
     if len(names) > 1:  # every draft of a several-draft run, side by side
         if args.plot:
             raise SpecdraftError("--plot: one draft at a time; add --draft NAME")
@@ -113,7 +114,7 @@ def _cmd_eval(args) -> int:
                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   thinking=thinking, max_prompts=args.max_prompts, record_tv=args.tv,
                                   device=args.device, dtype=args.dtype, target=args.target,
-                                  confidence_threshold=args.confidence_threshold, draft_name=name)
+                                  confidence_threshold=args.confidence_threshold, draft_name=name, **common)
                    for name in names}
         print(json.dumps(reports, indent=2) if args.json else format_comparison(reports))
         return 0
@@ -121,9 +122,16 @@ def _cmd_eval(args) -> int:
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
                       max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
                       device=args.device, dtype=args.dtype, target=args.target,
-                      confidence_threshold=args.confidence_threshold)
+                      confidence_threshold=args.confidence_threshold, **common)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
+
+
+def _prompt_bars(what: str, prompts: int):
+    """eval's progress on stderr: one bar per phase (the target alone, then speculative decoding)."""
+    from tqdm import tqdm
+
+    return tqdm(total=prompts, desc=what, unit="prompt", dynamic_ncols=True, leave=False)
 
 
 def _cmd_regenerate(args) -> int:
@@ -251,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tv", action="store_true",
                    help="also report TV(target p, draft q) averaged over the checked chain positions")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="do not time the target alone: tau and acceptance only, no speedup and no lossless "
+                        "check (about half the time)")
     p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
     p.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
                    help="drafts with a confidence head (DSpark): a block stops at the first slot whose "

@@ -518,6 +518,50 @@ def test_evaluate_reports_tau_acceptance_and_speedup(run_dir, tmp_path):
     assert self_report["tau"] >= 3.0  # the last round may stop early at the tokenizer's eos
 
 
+def test_eval_shows_a_bar_per_phase_and_skips_the_target_alone_when_asked(run_dir, monkeypatch, capsys):
+    """Each phase moves its own bar once per prompt (target alone, then speculative); with
+    --no-baseline the target alone never runs, tau and acceptance are the same numbers, and the
+    table says the speedup was not measured."""
+    from specdraft import cli
+    from specdraft.decode import measure
+
+    root, _ = run_dir
+    bars = []
+
+    class Bar:
+        def __init__(self, what, total):
+            self.what, self.total, self.n, self.closed = what, total, 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    args = dict(gamma=3, max_new_tokens=8)
+    full = evaluate(root / "run", root / "prompts.jsonl", progress=Bar, **args)
+    assert [(b.what, b.total, b.n, b.closed) for b in bars] == [
+        ("target alone", 2, 2, True), (f"speculative ({full['drafter']})", 2, 2, True)]
+
+    def no_target_alone(*a, **k):
+        raise AssertionError("the target alone was timed")
+
+    monkeypatch.setattr(measure, "run_plain", no_target_alone)
+    bars.clear()
+    quick = evaluate(root / "run", root / "prompts.jsonl", baseline=False, progress=Bar, **args)
+    assert [b.what for b in bars] == [f"speculative ({full['drafter']})"]
+    same = ("tau", "accepted_tokens", "target_forwards", "acceptance_per_position", "generated_tokens")
+    assert {k: quick[k] for k in same} == {k: full[k] for k in same}
+    assert quick["speedup"] is None and quick["baseline_tokens_per_second"] is None
+    assert quick["matches_target"] is None  # nothing to compare with
+    assert cli.main(["eval", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--gamma", "3",
+                     "--max-new-tokens", "8", "--no-baseline"]) == 0
+    table = capsys.readouterr().out
+    assert "speedup                           not measured (--no-baseline)" in table
+    assert "target alone" not in table and "output == target greedy" not in table
+
+
 def test_evaluate_names_the_bad_line_of_a_prompt_file(run_dir, tmp_path):
     root, _ = run_dir
     bad = tmp_path / "bad.jsonl"

@@ -118,7 +118,7 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
              max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
              record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
              target: Optional[str] = None, confidence_threshold: Optional[float] = None,
-             draft_name: Optional[str] = None) -> Dict[str, Any]:
+             draft_name: Optional[str] = None, baseline: bool = True, progress=None) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
     target: the target model dir (default: the path the export records).
@@ -128,7 +128,9 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     without native bf16, AVX2 only, runs a bf16 matmul ~47x slower); target and draft both run in it.
     thinking: the template's enable_thinking for the prompts, as the training data used (None: its default).
     confidence_threshold: a draft with a confidence head stops a block at the first slot below it
-    (None: the draft's own default, draft.confidence_threshold).
+    (None: the draft's own default, draft.confidence_threshold). baseline False: the target alone
+    is not timed (no speedup, no lossless check). progress: decode.measure's Progress (a bar per
+    phase, moved per prompt).
     """
 
     if method not in METHODS:
@@ -175,7 +177,8 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
         report["confidence_threshold"] = confidence_threshold
     report.update(compare(target, drafter, prompts, gamma=gamma, tree=tree,
                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                          stop=stop_tokens(target, tokenizer), record_tv=record_tv))
+                          stop=stop_tokens(target, tokenizer), record_tv=record_tv,
+                          measure_baseline=baseline, progress=progress))
     report["plot"] = None
     if plot_path is not None:
         drafter_label = getattr(draft, "label", None) or method.replace("_", " ")

@@ -5,7 +5,7 @@ Drafts arrive as objects with `make_drafter(target)`; this module never imports 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -34,46 +34,73 @@ def make_drafter(method: str, target: nn.Module, draft: Optional[nn.Module] = No
     raise SpecdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
+# progress(what, prompts) -> a bar with update(n) and close(): `specdraft eval` passes tqdm's
+Progress = Callable[[str, int], Any]
+
+
+class _Silent:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _each(prompts: Sequence[Sequence[int]], progress: Optional[Progress], what: str):
+    """The prompts, one at a time, the bar moved as each is done."""
+    bar = progress(what, len(prompts)) if progress is not None else _Silent()
+    try:
+        for prompt in prompts:
+            yield prompt
+            bar.update(1)
+    finally:
+        bar.close()
+
+
 def run_plain(target: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-              temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = ()) -> List[Generation]:
+              temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
+              progress: Optional[Progress] = None) -> List[Generation]:
     """Plain target decoding of every prompt (after one untimed warm-up)."""
     generate_plain(target, prompts[0], max_new_tokens=2)
     generator = torch.Generator().manual_seed(seed)
     return [generate_plain(target, p, max_new_tokens=max_new_tokens, temperature=temperature,
-                           generator=generator, stop_tokens=stop) for p in prompts]
+                           generator=generator, stop_tokens=stop) for p in _each(prompts, progress, "target alone")]
 
 
 def run_speculative(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
                     gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
                     temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
-                    record_tv: bool = False) -> List[Generation]:
+                    record_tv: bool = False, progress: Optional[Progress] = None) -> List[Generation]:
     speculative_generate(target, drafter, prompts[0], max_new_tokens=2, gamma=gamma, tree=tree)  # warm-up
     generator = torch.Generator().manual_seed(seed)
     return [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,
                                  tree=tree, temperature=temperature, generator=generator, stop_tokens=stop,
                                  record_tv=record_tv)
-            for p in prompts]
+            for p in _each(prompts, progress, f"speculative ({drafter.name})")]
 
 
 def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *, gamma: Optional[int] = None,
             tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
             seed: int = 0, stop: Sequence[int] = (),
-            baseline: Optional[List[Generation]] = None, record_tv: bool = False) -> Dict[str, Any]:
+            baseline: Optional[List[Generation]] = None, record_tv: bool = False,
+            measure_baseline: bool = True, progress: Optional[Progress] = None) -> Dict[str, Any]:
     """Speculative decoding vs plain decoding on the same prompts -> the report's numbers.
 
-    Pass `baseline` (from run_plain) to reuse one baseline measurement for several drafters.
-    record_tv: also report mean TV(p, q) over the checked chain positions (one (gamma, V)
-    reduction per round inside the timed loop: well under 1% of a verification pass).
+    Pass `baseline` (from run_plain) to reuse one baseline measurement for several drafters;
+    measure_baseline False: none at all (tau and acceptance only: speedup and the lossless check
+    are None). record_tv: also report mean TV(p, q) over the checked chain positions (one
+    (gamma, V) reduction per round inside the timed loop: well under 1% of a verification pass).
+    progress: a bar per phase, moved per prompt.
     """
     gamma = drafter.default_depth if gamma is None else gamma
     check_shape(gamma, tree)
     _warn_if_deeper_than_trained(drafter, len(tree) if tree else gamma, "tree depth" if tree else "gamma")
-    if baseline is None:
+    if baseline is None and measure_baseline:
         baseline = run_plain(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                             seed=seed, stop=stop)
+                             seed=seed, stop=stop, progress=progress)
     generations = run_speculative(target, drafter, prompts, gamma=gamma, tree=tree,
                                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                  stop=stop, record_tv=record_tv)
+                                  stop=stop, record_tv=record_tv, progress=progress)
     report: Dict[str, Any] = {
         "drafter": drafter.name, "gamma": None if tree else gamma, "tree": list(tree) if tree else None,
         "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
@@ -82,7 +109,7 @@ def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]
     report.update(timing_stats(generations, baseline))
     # greedy decoding is deterministic, so lossless means token-identical output
     report["matches_target"] = (all(g.tokens == b.tokens for g, b in zip(generations, baseline))
-                                if temperature <= 0 else None)
+                                if temperature <= 0 and baseline is not None else None)
     return report
 
 

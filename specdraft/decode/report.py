@@ -45,12 +45,16 @@ def tv_stats(generations: Sequence[Generation]) -> Dict[str, Any]:
     return {"mean_tv": sum(tv) / len(tv) if tv else None, "tv_positions": len(tv)}
 
 
-def timing_stats(generations: Sequence[Generation], baseline: Sequence[Generation]) -> Dict[str, Any]:
+def timing_stats(generations: Sequence[Generation], baseline: Optional[Sequence[Generation]]) -> Dict[str, Any]:
+    """Tokens per second, and beside the target alone (baseline None: not measured)."""
     tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(g.seconds for g in generations)
+    speed = tokens / seconds if seconds else 0.0
+    if baseline is None:
+        return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_second": speed,
+                "baseline_tokens_per_second": None, "speedup": None}
     base_tokens = sum(len(g.tokens) for g in baseline)
     base_seconds = sum(g.seconds for g in baseline)
-    speed = tokens / seconds if seconds else 0.0
     base_speed = base_tokens / base_seconds if base_seconds else 0.0
     return {
         "generated_tokens": tokens,
@@ -78,9 +82,12 @@ def format_report(report: Dict[str, Any]) -> str:
         f"  {'accepted / proposed':<34}{report['accepted_per_proposed']:>10.3f}",
         f"  {'generated tokens':<34}{report['generated_tokens']:>10d}",
         f"  {'tokens/s (speculative)':<34}{report['tokens_per_second']:>10.1f}",
-        f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
-        f"  {'speedup':<34}{report['speedup']:>9.2f}x",
     ]
+    if report.get("speedup") is None:
+        lines.append(f"  {'speedup':<34}{'not measured (--no-baseline)':>10}")
+    else:
+        lines += [f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
+                  f"  {'speedup':<34}{report['speedup']:>9.2f}x"]
     if report.get("mean_tv") is not None:
         lines.append(f"  {'mean TV(p, q), checked positions':<34}{report['mean_tv']:>10.3f}")
     if report.get("matches_target") is not None:
@@ -104,7 +111,8 @@ def format_comparison(reports: Dict[str, Dict[str, Any]]) -> str:
     for name, report in reports.items():
         shape = f"tree {report['tree']}" if report.get("tree") else f"gamma={report.get('gamma')}"
         lines.append(f"  {name:<16}{str(report.get('drafter')):<22}{shape:<18}{report['tau']:>8.3f}"
-                     f"{report['accepted_per_proposed']:>19.3f}{report['speedup']:>8.2f}x")
+                     f"{report['accepted_per_proposed']:>19.3f}"
+                     + (f"{'-':>9}" if report.get("speedup") is None else f"{report['speedup']:>8.2f}x"))
     return "\n".join(lines)
 
 
