@@ -83,7 +83,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
     parser.add_argument("--device", default="cpu",
-                        help="where target and drafts decode (cuda, cuda:1; the tables of docs/benchmarks.md: cpu)")
+                        help="where target and drafts decode (cuda, cuda:1; the tables of docs/benchmarks/: cpu)")
     parser.add_argument("--context", type=int, default=0, metavar="N",
                         help="pad each prompt to N tokens with earlier conversations of --data (long-context tau)")
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")

@@ -1,6 +1,6 @@
 """bench/acceptance.py end to end on the tiny demo: it trains one GLIDE per --objectives entry with
 that entry's keys, measures every drafter greedy and sampled, and writes its results. A small run
-keeps the script from rotting between the long runs whose figures docs/benchmarks.md quotes."""
+keeps the script from rotting between the long runs whose figures docs/benchmarks/ quotes."""
 
 import importlib.util
 import json
