@@ -29,6 +29,47 @@ def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path, capsys
     assert capsys.readouterr().out == (tmp_path / "long" / "config.yaml").read_text()
 
 
+def test_the_summary_line_names_the_progress_bars_loss_windows(tiny_target_dir, data_dir, tmp_path, monkeypatch):
+    """`loss=` on the bar is the token-weighted loss of a logging window; the summary's `loss A -> B`
+    shows the first and last of those same numbers, each with its steps (not two single steps
+    under the same name)."""
+    from specdraft.config import load_config
+    from specdraft.train import loop
+
+    from helpers import run_overrides
+
+    postfixes, lines = [], []
+
+    class Bar:  # the loop's tqdm, recording what the bar shows
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            pass
+
+        def set_postfix(self, values=None, **kwargs):
+            postfixes.append(dict(values or {}, **kwargs))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, tmp_path / "w", tmp_path / "cache",
+                                          max_steps=7, save_steps=7, logging_steps=3))
+    result = loop.train(cfg, log=lines.append)
+    windows = result.window_losses[None]
+    assert [(a, b) for a, b, _ in windows] == [(1, 3), (4, 6), (7, 7)]
+    assert [p["loss"] for p in postfixes] == [f"{loss:.3f}" for _, _, loss in windows]
+    (done,) = [line for line in lines if line.startswith("done: ")]
+    assert f"loss {windows[0][2]:.3f} (steps 1-3) -> {windows[-1][2]:.3f} (step 7), " in done
+
+
 def test_zero_stages_0_to_3_run_and_agree_on_the_first_loss(tiny_target_dir, data_dir, tmp_path):
     losses = {stage: train_run(tiny_target_dir, data_dir, tmp_path, f"z{stage}", zero_stage=stage, max_steps=3,
                          save_steps=3).losses for stage in (0, 1, 2, 3)}

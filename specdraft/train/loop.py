@@ -58,6 +58,9 @@ class TrainResult:
     steps: int
     losses: List[float] = field(default_factory=list)  # per optimizer step, mean over ranks (read at log time)
     draft_losses: Dict[str, List[float]] = field(default_factory=dict)  # the same per draft of a `drafts:` run
+    # per draft (None: a one-draft run): (first step, last step, loss) of each logging window, the
+    # progress bar's `loss=`, token-weighted over the window; the summary line reads the same ones
+    window_losses: Dict[Optional[str], List[Tuple[int, int, float]]] = field(default_factory=dict)
     tokens_per_second: float = 0.0
     export_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
@@ -173,6 +176,8 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
             for t in trainees:
                 step_losses, own = t.window.reduce()  # the loop's one host sync per draft and log interval
                 (result.losses if t.name is None else result.draft_losses.setdefault(t.name, [])).extend(step_losses)
+                result.window_losses.setdefault(t.name, []).append(
+                    (state.step - len(step_losses) + 1, state.step, own["loss"]))
                 own.update(lr=t.engine.get_lr()[0])
                 values.update(t.prefixed(own))
             values.update(tokens_per_s=_rate(state, start_step, cfg, data_world, elapsed),
@@ -216,10 +221,10 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     elapsed = time.perf_counter() - started
     result.tokens_per_second = _rate(state, start_step, cfg, data_world, elapsed)
     if result.losses:
-        log(f"done: {state.step} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
+        log(f"done: {state.step} steps, loss {_first_and_last(result.window_losses[None])}, "
             f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
     elif result.draft_losses:
-        losses = ", ".join(f"{name} {v[0]:.3f} -> {v[-1]:.3f}" for name, v in result.draft_losses.items())
+        losses = ", ".join(f"{name} {_first_and_last(result.window_losses[name])}" for name in result.draft_losses)
         log(f"done: {state.step} steps, loss {losses}, {result.tokens_per_second:,.0f} tokens/s, drafts written "
             f"to {result.export_dir}/<name>/")
     else:  # resumed a finished run: say so instead of silently doing nothing
@@ -415,6 +420,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _first_and_last(windows: List[Tuple[int, int, float]]) -> str:
+    """`5.123 (steps 1-10) -> 2.400 (steps 291-300)`: the progress bar's first and last `loss=`."""
+    def one(first: int, last: int, loss: float) -> str:
+        return f"{loss:.3f} (step{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''})"
+    return f"{one(*windows[0])} -> {one(*windows[-1])}"
 
 
 def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, elapsed: float) -> float:
