@@ -181,3 +181,65 @@ def test_every_file_of_ours_the_pages_name_exists():
              for m in re.findall(rf"(?<![\w/.-])({ours})\b", path.read_text())}
     missing = sorted((page, m) for page, m in named if not any(f == m or f.endswith("/" + m) for f in files))
     assert len(named) >= 30 and not missing, missing
+
+
+# -- pages that speak of the product, not of how it was made -----------------------------------------
+
+PROCESS_WORDS = re.compile(
+    r"\bissues?\s*#?\d+"  # issue 4, issues 12
+    r"|(?<![\w/&])(?<!\]\()#\d+\b"  # #45 (a link's anchor, a URL's fragment, &#8212; are not)
+    r"|\b(?:the|this|that|our|an?)\s+issues?\b|\bissue's"  # "the issue's goals"
+    r"|\bbranch\b|\bsessions?\b|\bworktrees?\b"  # (a tree's "branches" are the product's)
+    r"|\bhelpers?\b(?!\.py)|\bagents?\b|\breviewers?\b|\bengineers?\b"  # who ran what
+    r"|\b(?:reached|into|onto|on|after)\s+main\b",  # a branch by its name
+    flags=re.I)
+
+
+def process_words(text: str):
+    return [m.group(0) for m in PROCESS_WORDS.finditer(text)]
+
+
+def test_no_page_names_an_issue_a_branch_a_session_or_who_ran_what():
+    found = {path.relative_to(REPO).as_posix(): words for path in USER_TEXT
+             for words in [process_words(path.read_text())] if words}
+    assert not found, found
+
+
+@pytest.mark.parametrize("text", [
+    "as issue 4 asked", "fixed in #45.", "(#45)", "The issue's goals hold", "(sppeagle branch; every other row)",
+    "load average 1.7 from an editor session", "beside three other helpers' jobs", "other agents' tests",
+    "LK had not reached main", "merged after main"])
+def test_the_process_words_test_finds_a_planted_one(text):
+    assert process_words(text)
+
+
+@pytest.mark.parametrize("text", [
+    "[the main table](acceptance.md#acceptance-on-the-bench-target)", "tests/helpers.py builds it",
+    "https://github.com/sgl-project/SpecForge/pull/271", "a tree's branches", "&#8212;", "[x](#45-steps)"])
+def test_the_process_words_test_passes_product_text(text):
+    assert process_words(text) == []
+
+
+def test_every_code_fence_closes_at_its_own_indentation():
+    """An unclosed or mis-indented fence turns the prose after it into code (and the next block's
+    code into prose)."""
+    for path in USER_TEXT:
+        opened = None
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            fence = re.match(r"([ \t]*)```(\w*)\s*$", line)
+            if not fence:
+                continue
+            if opened is None:
+                opened = (number, fence.group(1))
+            else:
+                assert fence.group(1) == opened[1] and not fence.group(2), \
+                    f"{path.relative_to(REPO)}:{opened[0]}: the fence opened here closes at line {number} as {line!r}"
+                opened = None
+        assert opened is None, f"{path.relative_to(REPO)}:{opened[0]}: a fence that never closes"
+
+
+def test_pages_stay_short_enough_to_read():
+    """A page of the site is at most ~300 lines (the benchmarks were one page of 1,286)."""
+    long = {path.relative_to(REPO).as_posix(): n for path in PAGES
+            for n in [len(path.read_text().splitlines())] if n > (300 if "benchmarks" in path.parts else 320)}
+    assert not long, long
