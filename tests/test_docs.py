@@ -243,3 +243,25 @@ def test_pages_stay_short_enough_to_read():
     long = {path.relative_to(REPO).as_posix(): n for path in PAGES
             for n in [len(path.read_text().splitlines())] if n > (300 if "benchmarks" in path.parts else 320)}
     assert not long, long
+
+
+def test_requires_python_is_the_floor_our_dependencies_set():
+    """pyproject's requires-python is the highest floor of the dependencies at their pinned versions
+    (what pip would refuse anyway), and the README says the same version."""
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for requirement in project["dependencies"]:
+        name = re.match(r"[\w-]+", requirement).group(0)
+        try:
+            needs = metadata(name).get("Requires-Python") or ""
+        except PackageNotFoundError:
+            continue
+        match = re.search(r">=\s*(\d+)\.(\d+)", needs)
+        if match:
+            floors[name] = (int(match.group(1)), int(match.group(2)))
+    ours = tuple(int(n) for n in re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"]).groups())
+    assert len(floors) >= 5 and ours == max(floors.values()), (project["requires-python"], floors)
+    assert f"Python {ours[0]}.{ours[1]}" in (REPO / "README.md").read_text()
