@@ -395,7 +395,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
     the path, exit 2, the committed slot and its export byte-identical, and the run resumes after."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    import specdraft.config
+    import specdraft.config.identity
     import specdraft.export.files
     import specdraft.train.metrics
 
@@ -427,7 +427,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     cases = [
-        ("config", specdraft.config, "write_atomic", fail_on_write,
+        ("config", specdraft.config.identity, "write_atomic", fail_on_write,
          f"{run / 'config.yaml'}: No space left on device"),
         ("metrics", specdraft.train.metrics, "open", FullFile,
          f"{run / 'metrics.jsonl'}: writing metrics failed: No space left on device"),
@@ -439,7 +439,7 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
     ]
     for name, owner, attr, replacement, line in cases:
         with monkeypatch.context() as m:
-            m.setattr(owner, attr, replacement, raising=False)
+            m.setattr(owner, attr, replacement, raising=attr != "open")  # a module's open is the builtin
             refused(capsys, ["train", cfg], line, *kept)
         if name == "export":  # the slot was committed before its export failed: the rerun trains it again
             assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
