@@ -11,11 +11,11 @@ import torch.distributed as dist  # noqa: E402
 
 from specdraft.cli import main  # noqa: E402
 from specdraft.checkpoint import slots  # noqa: E402
-from specdraft.train import loop  # noqa: E402
+from specdraft.train import data  # noqa: E402
 
 target, data_dir, work = sys.argv[1:4]
 slots.VISIBLE_WAIT_S = 1.0  # how long a rank looks for a file another rank wrote
-real = loop.packed_cache_dir
+real = data.packed_cache_dir
 
 
 def node_local(files, *args):
@@ -23,7 +23,7 @@ def node_local(files, *args):
     return path if dist.get_rank() == 0 else path.with_name(path.name + "-node1")  # rank 1's own disk
 
 
-loop.packed_cache_dir = node_local
+data.packed_cache_dir = node_local
 sys.exit(main(["train", f"{work}/train.yaml", f"target={target}", f"data_files={data_dir}/*.jsonl",
                f"data_cache_dir={work}/cache", f"output_dir={work}/run", "max_seq_length=64",
                "per_device_batch_size=2", "max_steps=1"]))

@@ -28,7 +28,7 @@ from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target
 from specdraft.parallel import collectives
-from specdraft.train.loop import LossWindow
+from specdraft.train.metrics import LossWindow
 from specdraft.train.model import TargetWithDraft
 
 META = torch.device("meta")
@@ -572,7 +572,7 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
     draft = build_family(family, cpu_target.config, loss=loss, distill_tokens=tokens)
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
     window = LossWindow()
-    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
+    monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
     batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
                for i in range(4)]
     options = [draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for i in range(4)]
@@ -700,7 +700,7 @@ def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_
     drafts = shared_drafts(cpu_target.config, "cpu")
     engines = [CPUEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
     windows = [LossWindow() for _ in drafts]
-    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone(), raising=False)  # a world of one
+    monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
     batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
                for i in range(4)]
     options = [[draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for draft in drafts] for i in range(4)]

@@ -24,7 +24,8 @@ from specdraft.drafts import HostBatch
 from specdraft.target.model import load_frozen_target
 from specdraft.export.files import load_exported_draft, write_draft_export
 from specdraft.export.init_from import read_init_from
-from specdraft.train.loop import batch_generator, model_inputs, prepare_data, train
+from specdraft.train.data import prepare_data
+from specdraft.train.loop import batch_generator, model_inputs, train
 from specdraft.train.model import TargetWithDraft
 from test_imports import RunsCode, export_in, rewrite, weights_file
 

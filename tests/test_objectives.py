@@ -387,9 +387,9 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
 def test_perplexity_is_exp_of_a_cross_entropy_or_absent(monkeypatch, metrics, perplexity):
     from types import SimpleNamespace
 
-    from specdraft.train.loop import LossWindow
+    from specdraft.train.metrics import LossWindow
 
-    monkeypatch.setattr("specdraft.train.loop.all_reduce", lambda t: t.clone())  # a world of one
+    monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
     window = LossWindow()
     window.add(SimpleNamespace(loss=torch.tensor(2.0), tokens=torch.tensor(4), correct=torch.tensor(1),
                                metrics=metrics))

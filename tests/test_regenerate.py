@@ -19,7 +19,8 @@ from specdraft.data.chat import tokenize_conversation
 from specdraft.data.generation import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
-from specdraft.commands.regenerate import RegenerateConfig, regenerate, written_keys
+from specdraft.commands.regenerate import RegenerateConfig, regenerate
+from specdraft.commands.regenerate_rows import written_keys
 from specdraft.rundir.layout import MARKER, REGENERATE, marker_text
 
 ROWS = [

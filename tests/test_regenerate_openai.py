@@ -17,7 +17,8 @@ from specdraft import cli
 from specdraft.data import openai_backend
 from specdraft.data.generation import Request, Sampling
 from specdraft.data.openai_backend import OpenAIBackend
-from specdraft.commands.regenerate import RegenerateConfig, _build_backend, regenerate, row_seed
+from specdraft.commands.regenerate import RegenerateConfig, _build_backend, regenerate
+from specdraft.commands.regenerate_rows import row_seed
 
 
 class Stub:

@@ -87,6 +87,7 @@ def test_gradient_accumulation_and_bf16_train(tiny_target_dir, data_dir, tmp_pat
 
 def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(tiny_target_dir, tiny_data,
                                                                              data_dir, tmp_path, monkeypatch):
+    import specdraft.train.evals as evals
     import specdraft.train.loop as loop
 
     engines, gathered = [], []
@@ -97,11 +98,11 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
 
     def spy_gathered(params):
         gathered.append(params)
-        return loop.gathered.__wrapped__(params)
+        return evals.gathered.__wrapped__(params)
 
-    build_engine.__wrapped__, spy_gathered.__wrapped__ = loop.build_engine, loop.gathered
+    build_engine.__wrapped__, spy_gathered.__wrapped__ = loop.build_engine, evals.gathered
     monkeypatch.setattr(loop, "build_engine", build_engine)
-    monkeypatch.setattr(loop, "gathered", spy_gathered)
+    monkeypatch.setattr(evals, "gathered", spy_gathered)
     # module fetches per ZeRO-3 step (between two resets of its trace): decoding must not pile
     # thousands of calls into one step, which ZeRO-3 then records and matches quadratically
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator

@@ -30,26 +30,23 @@ writes manifest.json, its counts once every rank has finished (commands/regenera
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from specdraft.rundir.atomic import is_temp_of, write_atomic
+from specdraft.rundir.atomic import write_atomic
 from specdraft.config import read_yaml, resolve_data_files
 from specdraft.data.generation import Request, Sampling
-from specdraft.data.sources import iter_records, normalise_conversation
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.ownership import claim_regenerate_out
+from specdraft.commands.regenerate_rows import SHARD_GLOB, Item, ShardWriter, read_rows, row_seed, written_keys
 from specdraft.commands.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
 from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
-SHARD_GLOB = "shard-*.jsonl"
 # Test hook: seconds to sleep after each generate call, so a test can signal a run whose rows land
 # wave after wave.
 PAUSE_ENV = "SPECDRAFT_REGENERATE_PAUSE_S"
@@ -100,144 +97,6 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
         raise SpecdraftError(f"timeout must be > 0 seconds, got {cfg.timeout}")
     cfg.sampling().check()
     return cfg
-
-
-def row_key(record, messages) -> str:
-    """The row's own id when it has one, else a hash of its content (stable across runs)."""
-    if isinstance(record, dict) and record.get("id") not in (None, ""):
-        return str(record["id"])
-    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
-
-
-def row_seed(seed: int, key: str, sample: int, turn: int) -> int:
-    digest = hashlib.sha256(f"{seed}|{key}|{sample}|{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
-def row_owner(row: str, sample: int, world: int) -> int:
-    """The rank that writes (row id, sample)."""
-    return int(hashlib.sha256(f"{row}#{sample}".encode()).hexdigest(), 16) % world
-
-
-@dataclass
-class Item:
-    """One output row in the making: the source's turns are consumed left to right."""
-    file: str  # the source file (absolute): rows are keyed by (file, id, sample)
-    key: str  # the row's id
-    sample: int
-    where: str
-    source: list
-    done: list = field(default_factory=list)  # output messages so far
-    next: int = 0  # index into source
-    turn: int = 0
-    error: Optional[str] = None
-    failed: bool = False  # the error is the server's (a rerun asks again), else the row's own
-    truncated: int = 0  # answers cut at their token budget
-
-    def advance(self) -> Optional[list]:
-        """Copy source turns up to the next answer to write; the prompt for it, or None when complete."""
-        while self.next < len(self.source) and self.source[self.next]["role"] != "assistant":
-            self.done.append({"role": self.source[self.next]["role"], "content": self.source[self.next]["content"]})
-            self.next += 1
-        if self.next < len(self.source) or (self.done and self.done[-1]["role"] != "assistant"):
-            return list(self.done)
-        return None
-
-    def answers(self) -> int:
-        """The answers this row asks for: one per assistant turn of its source, one more after a
-        last user turn (advance's rule)."""
-        ask_last = bool(self.source) and self.source[-1]["role"] != "assistant"
-        return sum(m["role"] == "assistant" for m in self.source) + ask_last
-
-    def answer(self, text: str, token_ids, finish: str = "stop") -> None:
-        message = {"role": "assistant", "content": text}
-        if token_ids is not None:
-            message["token_ids"] = token_ids
-        if finish == "length":  # cut at its budget: training must not learn an end-of-turn after it
-            message["truncated"] = True
-            self.truncated += 1
-        self.done.append(message)
-        self.next += 1  # past the source's assistant turn (or the end, for a trailing prompt)
-        self.turn += 1
-
-    def row(self) -> dict:
-        return {"id": self.key, "sample": self.sample, "file": self.file, "source": self.where,
-                "conversations": self.done}
-
-    def error_row(self) -> dict:
-        return {"id": self.key, "sample": self.sample, "source": self.where,
-                "kind": "failed" if self.failed else "skipped", "reason": self.error}
-
-
-class ShardWriter:
-    """Completed rows -> atomically written shards, named per rank and run (never overwritten)."""
-
-    def __init__(self, out: Path, rank: int, rows_per_shard: int, ready: Callable[[], bool] = lambda: True):
-        self.out, self.rows_per_shard, self.ready = out, rows_per_shard, ready
-        # a run killed mid-write (SIGKILL, power loss) leaves its shard's temp file: never a
-        # shard, so this rank's rerun removes it (each rank only its own: they run at once)
-        for stale in out.glob(f".shard-r{rank:03d}-*.jsonl.*.tmp"):  # atomic.fresh_name's form
-            if is_temp_of(stale.name, stale.name[1:].rsplit(".", 2)[0]):
-                stale.unlink(missing_ok=True)
-        self.prefix = f"shard-r{rank:03d}-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
-        self.pending: List[dict] = []
-        self.count = 0
-
-    def add(self, row: dict) -> None:
-        self.pending.append(row)
-        if len(self.pending) >= self.rows_per_shard:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending or not self.ready():  # not ready: no manifest, so no shard (a rerun redoes them)
-            return
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.pending)
-        write_atomic(self.out / f"{self.prefix}-{self.count:05d}.jsonl", text)
-        self.count += 1
-        self.pending.clear()
-
-
-def written_keys(out: Path) -> Dict[Tuple[str, str, int], Tuple[int, int]]:
-    """(file, id, sample) -> (answer tokens, truncated answers) of every row in the committed shards."""
-    keys = {}
-    for path in sorted(out.glob(SHARD_GLOB)):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                answers = [m for m in row["conversations"] if m["role"] == "assistant"]
-                keys[(row.get("file", ""), str(row["id"]), row["sample"])] = (
-                    sum(len(m.get("token_ids") or ()) for m in answers), sum(bool(m.get("truncated")) for m in answers))
-    return keys
-
-
-def read_rows(files: List[str], samples: int, rank: int, world: int, done) -> Tuple[List[Item], List[dict], int]:
-    """(items to generate, error rows, rows owned) of this rank: rows keyed by (file, id); a row whose
-    shape is wrong, or a second row with an id (or content) already seen in its file, is an error row."""
-    items, errors, total = [], [], 0
-    for file in files:
-        path, first = os.path.abspath(file), {}
-        for where, record in iter_records([file]):
-            try:
-                messages = normalise_conversation(record, where, require_answer=False)
-            except SpecdraftError as err:
-                errors.append({"id": None, "sample": None, "source": where, "kind": "skipped",
-                               "reason": str(err)[len(where) + 2:] if str(err).startswith(where) else str(err)})
-                continue
-            key = row_key(record, messages)
-            if key in first:
-                if row_owner(key, 0, world) == rank:
-                    what = f"duplicate id {key!r}" if record.get("id") not in (None, "") else "duplicate row"
-                    errors.append({"id": key, "sample": None, "source": where, "kind": "skipped",
-                                   "reason": f"{what}: {first[key]} has it (the first is kept)"})
-                continue
-            first[key] = where
-            for sample in range(samples):
-                if row_owner(key, sample, world) != rank:
-                    continue
-                total += 1
-                if (path, key, sample) not in done:
-                    items.append(Item(path, key, sample, where, messages))
-    return items, errors, total
 
 
 def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] = print,

@@ -126,7 +126,7 @@ def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_
     temperature 0 greedy, else sampled per prompt from a generator seeded by (seed, prompt index),
     so an answer does not depend on its batch and the caller's RNG is left as it was."""
     from specdraft.data.generation import HFBackend, Request, Sampling
-    from specdraft.commands.regenerate import row_seed
+    from specdraft.commands.regenerate_rows import row_seed
 
     backend = HFBackend(model, tokenizer, Sampling(temperature, 1.0, max_new_tokens, 1 << 30), batch_size)
     requests = [Request([{"role": "user", "content": q}], row_seed(seed, str(i), 0, 0), f"prompt {i}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,25 +21,24 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from specdraft.config import draft_names, draft_view, resolve_data_files, save_config
-from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
+from specdraft.config import draft_names, draft_view, save_config
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.drafts import CaptureRequest, DraftLoss, HostBatch, build_draft
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch
+from specdraft.drafts.registry import build_draft
 from specdraft.rundir.ownership import claim_run_dir, start_run_dir
 from specdraft.parallel.sequence import SequenceParallel, sequence_parallel_groups
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.rundir.layout import config_file, draft_part, export_dir
 from specdraft.checkpoint.manager import CheckpointManager, DraftPart
-from specdraft.parallel.collectives import all_reduce, any_rank, run_shared
-from specdraft.parallel.zero import gather_draft_state_dict, gathered
-from specdraft.train.engine import (build_engine, draft_parameter_count, init_distributed, resolve_target_placement,
-                                    steps_of_their_own)
+from specdraft.parallel.collectives import run_shared
+from specdraft.parallel.zero import gather_draft_state_dict
+from specdraft.train.engine import (build_engine, draft_parameter_count, init_distributed, resolve_target_placement)
 from specdraft.export.files import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.export.init_from import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
-from specdraft.checkpoint.slots import wait_visible
-from specdraft.train.metrics import MetricsLogger
+from specdraft.train.data import prepare_data
+from specdraft.train.evals import load_eval_prompts, measure_draft_tau
+from specdraft.train.metrics import LossWindow, MetricsLogger
 from specdraft.train.memory import estimate_run_peak
 from specdraft.train.model import DraftWithLoss, TargetWithDraft, target_features
 from specdraft.transfer import to_device
@@ -240,7 +238,7 @@ class Trainee:
     name: Optional[str]
     cfg: DictConfig  # the run as this draft alone would be configured (config.draft_view)
     engine: Any
-    window: "LossWindow" = field(default_factory=lambda: LossWindow())
+    window: LossWindow = field(default_factory=LossWindow)
 
     @property
     def draft(self):
@@ -333,76 +331,6 @@ def model_inputs(batch: dict, document_mask: bool) -> dict:
     return inputs
 
 
-EVAL_PROMPTS = 8  # held-out prompts per in-training tau measurement
-EVAL_NEW_TOKENS = 32
-
-
-def load_eval_prompts(cfg: DictConfig, tokenizer) -> list:
-    if cfg.eval_steps <= 0 or not cfg.eval_prompts:
-        return []
-    from specdraft.decode.prompts import read_prompts
-
-    return read_prompts(cfg.eval_prompts, tokenizer, max_prompts=EVAL_PROMPTS, thinking=cfg.thinking)
-
-
-def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: float = 0.0, seed: int = 0) -> dict:
-    """Chain tau of the current draft on held-out prompts, logged beside the loss: greedy, or
-    sampled at `temperature` (then also eval/tv, TV(target p, draft q) at the checked positions).
-
-    Every rank runs it in lockstep (identical work: the sampler is seeded alike). Under ZeRO-3 only
-    the draft and the lm_head it reads as a tensor are gathered for the whole measurement; the
-    target's layers are gathered one module at a time by ZeRO-3's own hooks as decoding calls them,
-    so no rank ever holds the whole target. Each target / draft forward is a ZeRO-3 step of its
-    own, so decoding never lands in the trace ZeRO-3 prefetches training along.
-    `target` is the causal LM whose decoder stack and lm_head the engine's module holds.
-    """
-    from specdraft.decode.measure import measure_tau
-
-    module = engine.module
-    with gathered(module.decoding_parameters()), steps_of_their_own(engine, [target, module.draft_model]):
-        stats = measure_tau(target, module.draft_model, tokenizer, prompts,
-                            max_new_tokens=EVAL_NEW_TOKENS, temperature=temperature, seed=seed)
-    values = {"eval/tau": stats["tau"]}
-    if stats.get("mean_tv") is not None:
-        values["eval/tv"] = stats["mean_tv"]
-    values.update({f"eval/accept_{i + 1}": a for i, a in enumerate(stats.get("acceptance_per_position", []))})
-    return values
-
-
-def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
-    """Rank 0 tokenises and packs into the cache (once per inputs); every rank memory-maps it. A
-    rank that cannot read the data files or see the cache (another node's disk) stops every rank
-    in one line instead of leaving them waiting."""
-    # each rank names the cache from its own view of the files (their sizes and times)
-    files, cache_dir = run_shared(lambda: _data_and_cache(cfg), on_rank=None)
-    error = None
-    if rank == 0:
-        try:
-            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
-                               strict=cfg.data_strict)
-        except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
-            error = err
-    failed = any_rank(error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise SystemExit(2)  # rank 0 reports the data error
-    run_shared(lambda: _expect_cache(cache_dir, rank), on_rank=None)
-    return open_packed_cache(cache_dir)
-
-
-def _data_and_cache(cfg: DictConfig):
-    files = resolve_data_files(cfg.data_files)
-    return files, packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
-
-
-def _expect_cache(cache_dir: Path, rank: int) -> None:
-    if not wait_visible(Path(cache_dir) / "meta.json"):
-        raise SpecdraftError(f"{cache_dir}: rank {rank} cannot see the packed data rank 0 built there: set "
-                             f"data_cache_dir to a directory every node shares, or run `specdraft data CONFIG` "
-                             f"on every node first")
-
-
 def planned_steps(cfg: DictConfig, sampler: ShardedBatchSampler) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps
@@ -435,51 +363,3 @@ def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, 
     return tokens / max(elapsed, 1e-9)
 
 
-class LossWindow:
-    """Token-weighted loss / accuracy sums and the draft's own metrics, kept as tensors on the
-    loss's device as they come and reduced across ranks once per logging interval: one all-reduce
-    and one host read per log, none per micro-batch (reading a CUDA value stalls the host)."""
-
-    def __init__(self):
-        self._open: Optional[torch.Tensor] = None  # (3,) float64: loss sum, tokens, correct of this step
-        self._steps: List[torch.Tensor] = []  # one (3,) per optimizer step since the last reduce
-        self.metrics = {}  # name -> [numerator, denominator], 0-dim tensors
-
-    def add(self, out: DraftLoss) -> None:
-        tokens = out.tokens.double()
-        sums = torch.stack([out.loss.detach().double() * tokens, tokens, out.correct.double()])
-        self._open = sums if self._open is None else self._open + sums
-        for name, (numerator, denominator) in out.metrics.items():
-            pair = self.metrics.setdefault(name, [0.0, 0.0])
-            pair[0] = pair[0] + numerator.detach().double()
-            pair[1] = pair[1] + denominator.detach().double()
-
-    def end_step(self) -> None:
-        self._steps.append(self._open)
-        self._open = None
-
-    def reduce(self) -> Tuple[List[float], dict]:
-        """Every rank: (the mean loss of each step since the last reduce, the window's metrics)."""
-        names = sorted(self.metrics)  # the same names on every rank: one family, one loss
-        steps = torch.stack(self._steps)  # (steps, 3)
-        extra = [torch.as_tensor(v, dtype=torch.float64, device=steps.device).reshape(())
-                 for name in names for v in self.metrics[name]]
-        flat = torch.cat([steps.flatten(), torch.stack(extra)]) if extra else steps.flatten()
-        flat = all_reduce(flat).tolist()  # the one host sync
-        n = steps.shape[0]
-        totals = [flat[3 * i:3 * i + 3] for i in range(n)]
-        rest = flat[3 * n:]
-        self._steps, self.metrics = [], {}
-        loss_sum = sum(row[0] for row in totals)
-        tokens = max(sum(row[1] for row in totals), 1.0)
-        correct = sum(row[2] for row in totals)
-        values = {"loss": loss_sum / tokens, "accuracy": correct / tokens}
-        for i, name in enumerate(names):
-            values[name] = rest[2 * i] / max(rest[2 * i + 1], 1.0)
-        # perplexity is exp(CE): the loss itself when it is CE, its CE term under a distillation
-        # objective (none without one)
-        distilled = any(name.startswith("objective/") for name in names)
-        ce = values.get("objective/ce") if distilled else values["loss"]
-        if ce is not None:
-            values["perplexity"] = math.exp(min(ce, 50.0))
-        return [s / max(t, 1.0) for s, t, _ in totals], values

@@ -40,7 +40,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdraft.config import draft_names, draft_view
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.base import MemoryShape, target_text_config
 from specdraft.target.capture import CaptureRequest
 from specdraft.target.moe import moe_shape

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdraft.drafts import Draft, DraftLoss, HostBatch
+from specdraft.drafts.base import Draft, DraftLoss, HostBatch
 from specdraft.drafts.documents import document_attention
 from specdraft.parallel.sequence import SequenceParallel, SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures, capture
