@@ -52,7 +52,7 @@ from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.config import family_demo_configs  # noqa: E402
-from specdraft.drafts import FAMILIES, draft_from_export_config  # noqa: E402
+from specdraft.drafts.registry import FAMILIES, draft_from_export_config  # noqa: E402
 from specdraft.export.files import load_exported_draft, read_export_config  # noqa: E402
 from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402

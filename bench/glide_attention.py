@@ -25,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
 from specdraft.config import DraftConfig  # noqa: E402
-from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.drafts.registry import build_draft  # noqa: E402
 
 
 def cpu_seconds(fn, rounds: int = 3) -> float:

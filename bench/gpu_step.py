@@ -131,7 +131,7 @@ class Skip(Exception):
 def target_config(shape: Shape, family: str):
     """The transformers config of the case's target: a Qwen3 of the shape, or, for a family that
     drafts only for qwen3_next (MTP), a Qwen3-Next of the same dims."""
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
     common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -329,7 +329,7 @@ class Case:
 
     def build(self, result: Result) -> None:
         from specdraft.data.sampler import ShardedBatchSampler
-        from specdraft.drafts import build_draft
+        from specdraft.drafts.registry import build_draft
         from specdraft.train.engine import build_engine
         from specdraft.train.model import TargetWithDraft
 
@@ -361,7 +361,7 @@ class Case:
     def fixed_batch(self):
         """One batch on the device for (a) and (b), its options and its host copy."""
         from specdraft.data.sampler import ShardedBatchSampler
-        from specdraft.drafts import HostBatch
+        from specdraft.drafts.base import HostBatch
         from specdraft.train import loop
         from specdraft.transfer import to_device
 

@@ -61,7 +61,8 @@ def measure_one(family: str, T: int) -> dict:
 
     from specdraft.config import TrainConfig
     from specdraft.demo.presets import get_preset
-    from specdraft.drafts import HostBatch, build_draft
+    from specdraft.drafts.base import HostBatch
+    from specdraft.drafts.registry import build_draft
     from specdraft.train.model import TargetWithDraft
 
     torch.manual_seed(0)

@@ -127,7 +127,7 @@ def train_steps(spec: dict, steps: int) -> None:
     """Build the target, the draft and the DeepSpeed engine of `spec` and train `steps` steps."""
     from transformers import LlamaForCausalLM
 
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.train import loop
     from specdraft.train.engine import build_engine, resolve_target_placement
     from specdraft.train.model import TargetWithDraft
@@ -191,7 +191,7 @@ def check_families(seqs, only=None) -> None:
     """Each (family, T) measured twice, each in a fresh process: cold (the first step's one-off
     host costs included, as before) and warm (after a warm-up step; see measure_child). The goal
     is read on warm: the model predicts tensors, not the process's code pages."""
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     worst = {"warm": 0.0, "cold": 0.0}
     print("CPU check per family (fp32, 1 rank, batch 1, no document borders; 4 x 256 target, vocab 8000):")
@@ -217,7 +217,7 @@ def check_families(seqs, only=None) -> None:
 def qwen3_8b_table(seqs=(4096, 32768, 65536)) -> None:
     """Per family, the predicted per-GPU peak for Qwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed
     documents, and the longest context (a power of two from 4k) that fits."""
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     config = Qwen3Config(**QWEN3["Qwen3-8B"])
     print(f"\nQwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed documents: predicted GB per GPU "
@@ -255,7 +255,7 @@ def moe_target_rows(seqs=(4096, 32768, 65536)) -> None:
     per-GPU peak on 8 x 80 GB, bf16, batch 1, packed documents, at ZeRO-2 (the target replicated:
     every expert's weights on every GPU) and ZeRO-3 with the target partitioned, and the longest
     context (a power of two from 4k) that fits."""
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
     from specdraft.train.memory import attention_tile_bytes, mlp_working_bytes
     from specdraft.target.moe import moe_shape
 
@@ -297,7 +297,8 @@ def moe_target_rows(seqs=(4096, 32768, 65536)) -> None:
 def qwen3_8b_sequence_parallel_table(sizes=(1, 2, 4, 8)) -> None:
     """Per family, the longest context (a power of two from 4k to 1M) predicted to fit on 8 x 80 GB
     at each sequence_parallel_size: Qwen3-8B, ZeRO-2, bf16, batch 1, packed documents."""
-    from specdraft.drafts import FAMILIES, family_keys
+    from specdraft.drafts import family_keys
+    from specdraft.drafts.registry import FAMILIES
 
     config = Qwen3Config(**QWEN3["Qwen3-8B"])
     print(f"\nQwen3-8B, ZeRO-2, 8 x 80 GB, bf16, batch 1, packed documents: longest context that fits "

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from step_efficiency import (FAMILY_SETTINGS, SHAPES as STEP_SHAPES, model_capture, packed_data,  # noqa: E402
                              preset_shape, random_target, run_config, timed)
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
-from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.drafts.registry import build_draft  # noqa: E402
 from specdraft.drafts.documents import document_attention  # noqa: E402
 from specdraft.target.capture import CaptureRequest, capture  # noqa: E402
 from specdraft.train import loop  # noqa: E402

@@ -33,7 +33,7 @@ def worker(args) -> None:
     import torch
 
     from memory_model import _status
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.train import loop
     from specdraft.train.engine import build_engine, init_distributed
     from specdraft.train.model import TargetWithDraft

@@ -255,7 +255,7 @@ def random_qwen3_next(*, vocab: int, hidden: int = 64, layers: int = 2, heads: i
 
 def random_target_for(family: str, **kwargs):
     """random_llama, or for a family that drafts only for other model types its own target."""
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     if FAMILIES[family].drafts_for("llama"):
         return random_llama(**kwargs)

@@ -4,7 +4,7 @@ script): global batch 4 = 2 ranks x 2 (or 1 rank x 2 x 2 accumulation after an e
 import json
 
 from specdraft.config import load_config
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 
 # Only what makes a family's draft small enough for a CPU test; a family missing here trains
 # with its defaults (and is still tested).

@@ -11,7 +11,7 @@ import warnings
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collective renames, every step
 
 from offline_runs import SEVERAL, run_config, target_of  # noqa: E402
-from specdraft.drafts import FAMILIES  # noqa: E402
+from specdraft.drafts.registry import FAMILIES  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 
 target, mtp_target, data_dir, work, out_json = sys.argv[1:6]

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from helpers import random_llama  # noqa: E402
 from specdraft.config import DraftConfig  # noqa: E402
-from specdraft.drafts import build_draft  # noqa: E402
+from specdraft.drafts.registry import build_draft  # noqa: E402
 from specdraft.drafts.eagle3.vocab import vocab_maps  # noqa: E402
 from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from helpers import random_target_for
 from specdraft.config import DraftConfig
-from specdraft.drafts import FAMILIES, build_draft, family_keys
+from specdraft.drafts import family_keys
+from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.drafts.base import MemoryShape
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.train.model import TargetWithDraft

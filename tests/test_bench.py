@@ -127,7 +127,7 @@ def test_step_efficiency_bench_runs_every_family(tmp_path):
     import subprocess
     import sys
 
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     families = sorted(FAMILIES)  # a new family without bench settings fails here
     with socket.socket() as sock:
@@ -167,7 +167,7 @@ def test_gpu_step_bench_runs_every_family_on_the_cpu_preset():
     import sys
 
     from helpers import free_port
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     families = sorted(FAMILIES)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
@@ -202,7 +202,7 @@ def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
     import sys
 
     from helpers import free_port
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     # the bench's targets are Llamas: the families that draft for them (not MTP, a target's own layer)
     families = sorted(family for family, cls in FAMILIES.items() if cls.target_model_types is None)

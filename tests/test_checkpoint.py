@@ -99,7 +99,7 @@ def test_slot_holds_only_the_draft(tiny_target_dir, data_dir, work, tmp_path):
 def test_slot_size_with_frozen_parameters_for_contrast(tiny_target_dir, data_dir, tmp_path):
     """What exclude_frozen_parameters=False would cost: the frozen target lands in the slot."""
     import deepspeed  # noqa: F401
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.target.model import load_frozen_target
     from specdraft.train.engine import build_engine, init_distributed
     from specdraft.train.model import TargetWithDraft
@@ -124,7 +124,7 @@ def test_export_files_rebuild_the_draft(zero_runs, work):
     export computes what a draft holding the slot's weights computes."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from specdraft.drafts import draft_from_export_config
+    from specdraft.drafts.registry import draft_from_export_config
 
     export, slot = work / "full2" / "step_12", work / "full2" / "ckpt" / "step_12"
     pth = torch.load(export / "draft_model_weights.pth", weights_only=True)
@@ -385,7 +385,7 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
                                                                   monkeypatch, tmp_path):
     """Same world size, another ZeRO stage: through the universal format. Registered buffers are
     not in it; the draft's extra state comes back from the client state."""
-    from specdraft import drafts
+    from specdraft.drafts import registry
     from specdraft.drafts.glide.model import GlideDraft
 
     full, _ = zero_runs[2]
@@ -406,7 +406,7 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
         def load_extra_state(self, state, source="checkpoint"):
             self.vocab_map.copy_(state["vocab_map"])
 
-    monkeypatch.setitem(drafts.FAMILIES, "glide", MarkedGlide)
+    monkeypatch.setitem(registry.FAMILIES, "glide", MarkedGlide)
     run(tiny_target_dir, data_dir, tmp_path, "marked", zero_stage=2, max_steps=2, save_steps=2)
     mark["value"] = 0.0  # a fresh build no longer knows the map
     run(tiny_target_dir, data_dir, tmp_path, "marked3", zero_stage=3, max_steps=3, save_steps=3,

@@ -7,7 +7,7 @@ import pytest
 
 from specdraft.cli import main
 from specdraft.config import load_config
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tm
     from omegaconf import OmegaConf
 
     from specdraft.config import config_hash, save_config
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     cfg = load_config(str(valid_config))
     before = config_hash(cfg)
@@ -148,7 +148,7 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     older = OmegaConf.create(OmegaConf.to_container(cfg))
     del older.draft["attention_bias"]  # a config written before the key existed
     with pytest.MonkeyPatch.context() as patch:  # its hash then: the draft's keys as they were
-        patch.setattr("specdraft.drafts.glide.model.GlideDraft.identity_options", classmethod(lambda cls, o, t: o))
+        patch.setattr("specdraft.drafts.glide.options.GlideSpec.identity_options", classmethod(lambda cls, o, t: o))
         before_the_key = config_hash(older)
     assert (now == before_the_key) is not biased
     cfg.draft.attention_bias = not biased  # set against the target's default: another draft
@@ -205,7 +205,7 @@ def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
     from omegaconf import OmegaConf
 
     from specdraft.config import family_demo_configs
-    from specdraft.drafts import FAMILIES
+    from specdraft.drafts.registry import FAMILIES
 
     from specdraft.cli import _preset_of
     from specdraft.demo.presets import get_preset
@@ -279,6 +279,42 @@ def test_help_imports_neither_torch_nor_deepspeed_nor_transformers(command):
                           timeout=60)
     assert proc.returncode == 0 and "usage: specdraft" in proc.stdout, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+@pytest.mark.parametrize("command, with_target_config, heavy", [
+    ("config", True, ("deepspeed",)), ("config", False, ("torch", "deepspeed", "transformers")),
+    ("data", True, ("deepspeed",))])
+def test_config_and_data_run_without_the_training_imports(command, with_target_config, heavy, tiny_target_dir,
+                                                          data_dir, tmp_path):
+    """`specdraft config` (the resolved config, validated in full against the target) imports no
+    DeepSpeed and no module of ours that needs torch: torch comes only with transformers' config
+    classes, which read the target's config.json (a directory without one: no torch at all);
+    `specdraft data` (the token cache) imports no DeepSpeed. Run on a real config."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import run_overrides
+
+    target = tiny_target_dir
+    if not with_target_config:  # a model directory before its config.json is there
+        target = tmp_path / "target"
+        shutil.copytree(tiny_target_dir, target)
+        (target / "config.json").unlink()
+    overrides = run_overrides(target, data_dir, tmp_path / "out", tmp_path / "cache")
+    probe = ("import sys\nfrom specdraft.cli import main\ncode = main(sys.argv[1:])\n"
+             f"print(code, sorted(m for m in {heavy!r} if m in sys.modules), "
+             "sorted(m for m, module in list(sys.modules.items()) if m.startswith('specdraft') and "
+             "'torch' in vars(module)))")
+    config = tmp_path / "run.yaml"
+    config.write_text("draft:\n  type: glide\n")
+    proc = subprocess.run([sys.executable, "-c", probe, command, str(config), *overrides], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ours = "[]" if command == "config" else None  # data packs its cache with torch
+    code, imported, torch_modules = proc.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert (code, imported) == ("0", "[]"), proc.stdout[-2000:]
+    assert ours is None or torch_modules == ours, torch_modules
 
 
 def test_a_missing_eval_prompts_file_matters_only_when_tau_is_measured(tiny_target_dir, data_dir, tmp_path):

@@ -22,7 +22,8 @@ from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.decode.cache import cache_length, forward, keep_positions, new_cache
 from specdraft.decode.sampling import probabilities, sample_from
 from specdraft.decode.tree import DraftTree, accept_path, chain, chain_tv, verification_inputs
-from specdraft.drafts import FAMILIES, DraftConfig, build_draft
+from specdraft.drafts import DraftConfig
+from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.drafts.glide.model import GlideDraft
 from specdraft.drafts.glide.decode import GlideDrafter, SlidingWindowCache
 from specdraft.errors import SpecdraftError
@@ -622,7 +623,8 @@ def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     """A random draft of each registered family over an 8-token vocabulary gets tokens accepted
     (and rejected), so cache compaction and the hidden-state hand-over after an acceptance run;
     greedy output stays the target's own."""
-    from specdraft.drafts import FAMILIES, DraftConfig
+    from specdraft.drafts import DraftConfig
+    from specdraft.drafts.registry import FAMILIES
 
     small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4},
              "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 4}}

@@ -18,7 +18,8 @@ from specdraft.config import demo_config_path
 from specdraft.demo import ensure_demo_assets, presets
 from specdraft.demo.mtp_target import MTP_FILE, MTPHead
 from specdraft.demo.target import _token_stream
-from specdraft.drafts import DraftConfig, build_draft
+from specdraft.drafts import DraftConfig
+from specdraft.drafts.registry import build_draft
 from specdraft.target.model import load_target_config
 from specdraft.target.weights import SAFETENSORS_INDEX
 

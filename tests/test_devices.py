@@ -23,7 +23,10 @@ from specdraft.config import DraftConfig
 from specdraft.decode.drafters import ModelDrafter, PromptLookupDrafter
 from specdraft.drafts.glide.decode import GlideDrafter
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import FAMILIES, GlideDraft, HostBatch, build_draft, family_keys
+from specdraft.drafts import family_keys
+from specdraft.drafts.base import HostBatch
+from specdraft.drafts.registry import FAMILIES, build_draft
+from specdraft.drafts.glide.model import GlideDraft
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.target.model import load_frozen_target

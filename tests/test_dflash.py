@@ -78,7 +78,7 @@ def test_a_speculators_export_of_the_last_layers_output_is_refused_and_not_a_def
     from transformers import AutoConfig
 
     from specdraft.config import DraftConfig
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.errors import SpecdraftError
 
     config = AutoConfig.from_pretrained(tiny_target_dir)  # 2 layers

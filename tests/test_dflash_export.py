@@ -65,7 +65,7 @@ def our_logits(draft, target, ids, anchors):
 def test_native_export_round_trip(target, tmp_path):
     from safetensors.torch import save_file
 
-    from specdraft.drafts import draft_from_export_config
+    from specdraft.drafts.registry import draft_from_export_config
 
     draft = make_draft(target, train_mask_embedding=True)
     with torch.no_grad():

@@ -69,7 +69,7 @@ def test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_exp
     import torch
     from safetensors.torch import load_file
 
-    from specdraft import drafts
+    from specdraft.drafts import registry
     from specdraft.cli import main
 
     mark = {"value": 0.25}
@@ -80,8 +80,8 @@ def test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_exp
             with torch.no_grad():
                 self.mask_delta.fill_(mark["value"])
 
-    monkeypatch.setitem(drafts.FAMILIES, "dflash", MarkedDFlash)
-    monkeypatch.setitem(drafts.ARCHITECTURES, "DFlashDraft", MarkedDFlash)
+    monkeypatch.setitem(registry.FAMILIES, "dflash", MarkedDFlash)
+    monkeypatch.setitem(registry.ARCHITECTURES, "DFlashDraft", MarkedDFlash)
     native = {"export_formats": "[]"}  # speculators cannot carry a MASK row of the draft's own
     run(tiny_target_dir, data_dir, tmp_path, "marked", max_steps=2, save_steps=2, **native)
     mark["value"] = 0.0

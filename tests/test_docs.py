@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specdraft.config import load_config
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdraft.drafts import DraftConfig, build_draft, layers
+from specdraft.drafts import DraftConfig, layers
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash import blocks as dflash_blocks
 from specdraft.drafts.base import document_starts
 from specdraft.drafts.dflash.blocks import BlockVisibility, block_attention

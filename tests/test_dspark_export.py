@@ -12,7 +12,8 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from speculators_env import run_speculators_file
-from specdraft.drafts import DraftConfig, draft_from_export_config
+from specdraft.drafts import DraftConfig
+from specdraft.drafts.registry import draft_from_export_config
 from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.drafts.dspark.speculators import write_speculators_export
 from specdraft.target.capture import capture

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.eagle3 import model as eagle3_module
 from specdraft.drafts.eagle3.model import default_target_layers, ttt_visibility
 from specdraft.drafts.eagle3.vocab import count_target_tokens, draft_to_target_ids, vocab_maps

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture

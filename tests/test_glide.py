@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.config import DraftConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.glide.model import SlidingWindowCache
 from specdraft.drafts.loss import LOGITS_CHUNK_BYTES, chunked_cross_entropy, default_chunk_size
 from specdraft.target.capture import CaptureRequest, capture

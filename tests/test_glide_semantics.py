@@ -17,7 +17,7 @@ from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.decode.cache import cache_length, forward, new_cache
 from specdraft.drafts.glide.decode import GlideDrafter
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from specdraft.config import TrainConfig
-from specdraft.drafts import FAMILIES, build_draft
+from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.export.files import write_draft_export

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash.speculators import write_speculators_export
 from specdraft.export.files import write_draft_export
 from specdraft.export.init_from import read_init_from

@@ -20,7 +20,7 @@ from helpers import run_overrides
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.drafts import HostBatch
+from specdraft.drafts.base import HostBatch
 from specdraft.target.model import load_frozen_target
 from specdraft.export.files import load_exported_draft, write_draft_export
 from specdraft.export.init_from import read_init_from

@@ -12,7 +12,8 @@ from typing import Optional
 import pytest
 
 import specdraft
-from specdraft.drafts import FAMILIES
+from specdraft.drafts import SPECS
+from specdraft.drafts.registry import FAMILIES
 
 PACKAGE = Path(specdraft.__file__).resolve().parent
 DRAFTS = PACKAGE / "drafts"
@@ -109,13 +110,17 @@ def imported_modules(path: Path, source: Optional[str] = None):
             yield from (a.name for a in node.names if a.name.startswith("specdraft"))
 
 
+REGISTRIES = ("__init__.py", "registry.py")  # drafts.SPECS (every options.py) and registry.FAMILIES (every model.py)
+
+
 def family_folder_imported(module: str):
-    """specdraft.drafts.eagle3.model -> eagle3; a shared block -> None; the registry (specdraft.drafts
-    itself, or a name it defines: FAMILIES, build_draft ...) -> "drafts" (it imports every family)."""
+    """specdraft.drafts.eagle3.model -> eagle3; a shared block -> None; a registry (specdraft.drafts
+    itself or a name it defines: SPECS, DraftConfig ...; specdraft.drafts.registry: FAMILIES,
+    build_draft ...) -> "drafts" (each imports every family)."""
     parts = module.split(".")
     if parts[:2] != ["specdraft", "drafts"]:
         return None
-    if len(parts) == 2:
+    if len(parts) == 2 or parts[2] == "registry":
         return "drafts"
     if parts[2] in FAMILIES:
         return parts[2]
@@ -129,6 +134,16 @@ def test_each_family_is_one_folder_of_drafts():
     assert folders == sorted(FAMILIES)
     assert {name: cls.__module__ for name, cls in FAMILIES.items()} == {
         name: f"specdraft.drafts.{name}.model" for name in FAMILIES}
+
+
+def test_each_model_inherits_what_the_config_knows_of_its_family():
+    """drafts.SPECS (each family's options.py, no torch) and registry.FAMILIES (its model) are the
+    same families in the same order; a model inherits its family's declarations, and its serving
+    writers are the formats the config accepts by name."""
+    assert list(SPECS) == list(FAMILIES)
+    for name, cls in FAMILIES.items():
+        assert issubclass(cls, SPECS[name]) and SPECS[name].__module__ == f"specdraft.drafts.{name}.options"
+        assert tuple(cls.serving_formats) == SPECS[name].serving_format_names, name
 
 
 def wrong_family_imports(rel: Path, source: str):
@@ -146,7 +161,7 @@ def wrong_family_imports(rel: Path, source: str):
 
 
 def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only():
-    wrong = [w for path in sorted(DRAFTS.rglob("*.py")) if path != DRAFTS / "__init__.py"  # the registry
+    wrong = [w for path in sorted(DRAFTS.rglob("*.py")) if path not in [DRAFTS / name for name in REGISTRIES]
              for w in wrong_family_imports(path.relative_to(DRAFTS), path.read_text())]
     assert not wrong, wrong
     assert {name: cls.base_family for name, cls in FAMILIES.items() if cls.base_family} == {
@@ -161,7 +176,9 @@ def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only
     ("dflash/model.py", "import specdraft.drafts.dspark.model", True),
     ("glide/model.py", "from ..mtp import layer", True),  # relative
     ("documents.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
-    ("layers.py", "from specdraft.drafts import FAMILIES", True),  # the registry imports every family
+    ("layers.py", "from specdraft.drafts.registry import FAMILIES", True),  # the registry imports every family
+    ("spec.py", "from specdraft.drafts import SPECS", True),  # and so does drafts.SPECS
+    ("glide/options.py", "from specdraft.drafts.registry import build_draft", True),
     ("mtp/model.py", "from specdraft.drafts.layers import RMSNorm", False),
 ])
 def test_a_planted_import_is_judged_by_the_rule(rel, planted, refused):
@@ -191,7 +208,7 @@ def test_no_shared_module_names_a_family():
     named = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if (rel.parts[0] == "drafts" and len(rel.parts) > 2) or rel == Path("drafts/__init__.py") or \
+        if (rel.parts[0] == "drafts" and len(rel.parts) > 2) or rel in [Path("drafts", name) for name in REGISTRIES] or \
                 rel.parts[0] == "demo":
             continue
         if found := sorted(set(family_names_in(path.read_text()))):

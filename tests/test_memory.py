@@ -9,7 +9,7 @@ from helpers import loss_step_peak_against_model
 
 from specdraft.train.live_bytes import LiveTensorBytes
 from specdraft.config import TrainConfig
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 from specdraft.train import memory
 
 TARGET = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -45,7 +45,7 @@ def test_the_total_holds_exactly_the_familys_terms(family, monkeypatch):
 def test_no_familys_term_grows_faster_than_t_with_packed_documents(family):
     """Doubling T at most doubles every term a family keeps (DFlash's blocks stop growing at
     max_anchors), document borders included: no family builds a (T, T) mask on CUDA."""
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.drafts.base import MemoryShape
 
     draft = build_draft(config(family, 4096).draft, target_of(family))
@@ -61,7 +61,7 @@ def test_packed_documents_cost_no_square_term(family):
     """No family's attention builds a (T, T) document mask on CUDA (flex_attention block masks) or
     CPU (per-conversation slices; drafts/documents.py): with borders, no term is new or larger
     (GLIDE's window band is the one term borders remove: each conversation is attended alone)."""
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.drafts.base import MemoryShape
 
     draft = build_draft(config(family, 4096).draft, target_of(family))
@@ -126,7 +126,7 @@ def test_the_familys_terms_are_the_tensors_a_training_step_holds(family, precisi
     call, RMSNorm's fp32 inputs at bf16, a teacher objective's 7 chunks, EAGLE-3's teacher rows).
     DFlash's and DSpark's block mask becomes a float bias in the query dtype (2 B at bf16), which
     its term counts at 4 B: they are checked at fp32 here."""
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.train.model import TargetWithDraft
     from transformers import AutoModelForCausalLM
 
@@ -216,7 +216,7 @@ def test_sequence_parallel_terms_equal_a_hand_count(family):
     the family's per-token terms those of the half sequence, except an all-gathered context
     (DFlash, DSpark: fc's output and its norm 2H, per layer its keys/values 6 kv hd, and the block
     mask's keys), which is the whole sequence's."""
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.drafts.base import MemoryShape, target_text_config
 
     T, p = 1024, 4
@@ -345,7 +345,7 @@ def test_mtp_terms_on_moe_targets_are_the_tensors_a_training_step_holds(model_ty
     above checks on Qwen3-Next)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.train.model import TargetWithDraft
 
     common = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,

@@ -19,7 +19,8 @@ from helpers import REPO, qwen3_next_mtp_target, run_overrides, train_run
 from speculators_env import run_speculators_file
 from specdraft.cli import main
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.drafts import DraftConfig, build_draft
+from specdraft.drafts import DraftConfig
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.mtp.export import VLLM_METHOD, write_speculators, write_stitched
 from specdraft.drafts.mtp.model import step_weights
 from specdraft.errors import SpecdraftError

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from specdraft.config import DraftConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.mtp.export import speculators_refusal, write_stitched
 from specdraft.drafts.mtp.layer import layer_after_the_stack
 from specdraft.errors import SpecdraftError

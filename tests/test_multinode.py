@@ -39,7 +39,7 @@ import pytest
 from helpers import REPO, free_port, torchrun
 from offline_runs import SMALL, target_of
 from specdraft.config import load_config
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 from specdraft.train.loop import train
 
 STAGES = (2, 3)

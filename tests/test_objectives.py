@@ -335,7 +335,7 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     from omegaconf import OmegaConf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.drafts import build_draft
+    from specdraft.drafts.registry import build_draft
     from specdraft.target.capture import capture
 
     torch.manual_seed(0)

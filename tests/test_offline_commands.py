@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from helpers import REPO, torchrun, write_chat_files
 from offline_runs import SAVE_STEPS, SEVERAL, SEVERAL_FAMILIES, STEPS, run_config, target_of
 from specdraft.cli import main
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 from specdraft.export.files import load_exported_draft
 from specdraft.rundir.layout import universal_dir
 from specdraft.commands.export import EXPORT_FORMATS

@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from helpers import run_overrides, train_run
 from speculators_env import run_in_speculators
 from specdraft.config import load_config
-from specdraft.drafts import DraftConfig, build_draft
+from specdraft.drafts import DraftConfig
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.peagle.cod import cod_anchors, cod_capacity, cod_sample, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.model import PEagleDraft
 from specdraft.drafts.eagle3.vocab import vocab_maps

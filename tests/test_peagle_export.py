@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.peagle.cod import cod_anchors, slot_order
 from specdraft.target.capture import capture
 from specdraft.export.files import write_draft_export

@@ -26,7 +26,9 @@ from omegaconf import OmegaConf
 
 from helpers import random_target_for
 from specdraft.config import DraftConfig
-from specdraft.drafts import FAMILIES, HostBatch, build_draft, documents
+from specdraft.drafts import documents
+from specdraft.drafts.base import HostBatch
+from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.parallel import sequence
 from specdraft.parallel.sequence import SequenceParallel
 from specdraft.train.model import TargetWithDraft

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdraft.config import DraftConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts.documents import document_attention
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft

@@ -24,7 +24,7 @@ import torch
 
 from specdraft.cli import main
 from specdraft.config import load_config
-from specdraft.drafts import FAMILIES
+from specdraft.drafts.registry import FAMILIES
 from specdraft.commands.export import EXPORT_FORMATS
 from specdraft.train.loop import train
 from target_zoo import MODEL_TYPES, build_target

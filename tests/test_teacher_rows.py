@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from helpers import loss_step_peak_against_model, random_llama
 from specdraft.config import DraftConfig, TrainConfig
-from specdraft.drafts import build_draft
+from specdraft.drafts.registry import build_draft
 from specdraft.drafts import loss as loss_module
 from specdraft.drafts.base import MemoryShape
 from specdraft.drafts.eagle3 import model as eagle3_module

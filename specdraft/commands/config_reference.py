@@ -17,7 +17,7 @@ import typing
 from typing import Any, Dict, List, Tuple
 
 from specdraft.config import TrainConfig, WandbConfig
-from specdraft.drafts import FAMILIES, SHARED_KEYS
+from specdraft.drafts import SHARED_KEYS, SPECS
 
 
 def field_comments(cls: type) -> Dict[str, str]:
@@ -85,18 +85,18 @@ def reference_rows() -> List[Row]:
     for name, text in SHARED_KEYS.items():
         draft_rows[name] = (f"draft.{name}", type_name(draft_hints[name]), default_text(draft_fields[name]),
                             "all", text)
-    meanings = {name: field_comments(cls.options) for name, cls in FAMILIES.items()}
+    meanings = {name: field_comments(cls.options) for name, cls in SPECS.items()}
     for key in draft_fields:
         if key in SHARED_KEYS:
             continue
-        readers = [name for name in FAMILIES if key in meanings[name]]
+        readers = [name for name in SPECS if key in meanings[name]]
         # a key two families read with other meanings (target_layers' default): each family's
         by_meaning: Dict[str, List[str]] = {}
         for name in readers:
             by_meaning.setdefault(meanings[name][key], []).append(name)
         text = (next(iter(by_meaning)) if len(by_meaning) == 1 else
                 "; ".join(f"{', '.join(names)}: {m}" for m, names in by_meaning.items()))
-        families = "all" if len(readers) == len(FAMILIES) else ", ".join(readers)
+        families = "all" if len(readers) == len(SPECS) else ", ".join(readers)
         draft_rows[key] = (f"draft.{key}", type_name(draft_hints[key]), default_text(draft_fields[key]),
                            families, text)
     return rows + list(draft_rows.values())

@@ -19,7 +19,7 @@ import torch
 from specdraft.decode.measure import METHODS, NEEDS_DRAFT, check_shape, compare, make_drafter
 from specdraft.decode.prompts import read_prompts, stop_tokens
 from specdraft.decode.report import plot_acceptance, require_matplotlib
-from specdraft.drafts import draft_from_export_config
+from specdraft.drafts.registry import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.ownership import check_plot_file
 from specdraft.rundir.layout import CONFIG_NAME, draft_part, exports, step_of

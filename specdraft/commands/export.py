@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from specdraft.checkpoint.frozen_state import read_frozen_state
 from specdraft.checkpoint.slots import choose_draft, record_names, run_slot
 from specdraft.config import draft_view
-from specdraft.drafts import draft_from_export_config
+from specdraft.drafts.registry import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.export.files import NATIVE_FILES, extract_and_rename, write_draft_export
 from specdraft.rundir.atomic import write_atomic

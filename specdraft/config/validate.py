@@ -16,12 +16,12 @@ from specdraft.config.data_files import resolve_data_files
 from specdraft.config.schema import (DRAFT_NAME, PER_DRAFT_KEYS, PRECISIONS, RESERVED_NAMES, TARGET_PLACEMENTS,
                                      _unknown_key_message, _validation_message)
 from specdraft.config.several import draft_view
-from specdraft.drafts import FAMILIES, check_family_keys, draft_family
-from specdraft.drafts.objectives import validate_objective_options
+from specdraft.drafts import SPECS, check_family_keys, draft_family
+from specdraft.drafts.objective_options import validate_objective_options
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.checks import sequence_parallel_key_refusal
 from specdraft.rundir.layout import step_of
-from specdraft.target.model import check_packed_documents, check_sequence_length, check_tokenizer, load_target_config
+from specdraft.target.checks import check_packed_documents, check_sequence_length, check_tokenizer, load_target_config
 
 
 def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_of=None) -> None:
@@ -69,14 +69,14 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         check_sequence_length(target_config, cfg.max_seq_length, source)
         check_packed_documents(target_config, cfg.document_mask, source)
     refusal = sequence_parallel_key_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config, family,
-                                            cfg.draft, FAMILIES)
+                                            cfg.draft, SPECS)
     if refusal:
         fail(*refusal)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
-        if name not in family.serving_formats:
+        if name not in family.serving_format_names:
             fail("export_formats", f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
-                                   f"(it has: {', '.join(family.serving_formats) or 'none besides native'})")
+                                   f"(it has: {', '.join(family.serving_format_names) or 'none besides native'})")
     if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
         cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)

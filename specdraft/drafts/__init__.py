@@ -1,9 +1,12 @@
-"""Draft families, looked up by the `draft.type` config key or an export's `architecture`.
+"""Draft families, as the configuration knows them: looked up by the `draft.type` config key.
 
-A family is one folder here (drafts/<family>/: its Draft subclass in model.py, with its `options`
-dataclass of `draft.` keys, beside its drafter and export formats) plus one line in FAMILIES; the
+A family is one folder here (drafts/<family>/: its declarations in options.py, a DraftSpec with
+its `options` dataclass of `draft.` keys and their checks; its Draft subclass in model.py, which
+inherits them, beside its drafter and export formats) plus one line in SPECS and one in
+registry.FAMILIES (the models, looked up by `draft.type` or an export's `architecture`). The
 modules directly in drafts/ are the shared blocks a family folder imports (never another family's
-folder). The `draft:` config section is the union of every family's keys.
+folder). The `draft:` config section is the union of every family's keys. Importing this package
+imports no torch: the configuration loads without it.
 """
 
 from __future__ import annotations
@@ -12,22 +15,21 @@ import dataclasses
 import typing
 from typing import Any, Dict, Iterable, List, Optional, Type
 
-from specdraft.drafts.base import CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures
-from specdraft.drafts.dflash.model import DFlashDraft
-from specdraft.drafts.dspark.model import DSparkDraft
-from specdraft.drafts.eagle3.model import Eagle3Draft
-from specdraft.drafts.glide.model import GlideDraft
-from specdraft.drafts.mtp.model import MTPDraft
-from specdraft.drafts.peagle.model import PEagleDraft
+from specdraft.drafts.dflash.options import DFlashSpec
+from specdraft.drafts.dspark.options import DSparkSpec
+from specdraft.drafts.eagle3.options import Eagle3Spec
+from specdraft.drafts.glide.options import GlideSpec
+from specdraft.drafts.mtp.options import MTPSpec
+from specdraft.drafts.peagle.options import PEagleSpec
+from specdraft.drafts.spec import DraftSpec
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft,
-                                                                  MTPDraft, PEagleDraft)}
-ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
+SPECS: Dict[str, Type[DraftSpec]] = {cls.family: cls for cls in (GlideSpec, Eagle3Spec, DFlashSpec, DSparkSpec,
+                                                                  MTPSpec, PEagleSpec)}
 DEFAULT_FAMILY = "glide"
 # `draft.` keys of every family, with their meaning (the configuration reference prints it)
 SHARED_KEYS = {
-    "type": f"the draft family: {', '.join(FAMILIES)}",
+    "type": f"the draft family: {', '.join(SPECS)}",
     # export/init_from.py
     "init_from": "an existing draft the run starts from: an export, a run, or another tool's files (a path)",
 }
@@ -38,7 +40,7 @@ def _draft_config_schema() -> type:
     have one default)."""
     fields: Dict[str, dataclasses.Field] = {}
     types: Dict[str, Any] = {}
-    for cls in FAMILIES.values():
+    for cls in SPECS.values():
         hints = typing.get_type_hints(cls.options)  # real types: the modules use postponed annotations
         for f in dataclasses.fields(cls.options):
             types[f.name] = hints[f.name]
@@ -59,40 +61,27 @@ def _default(f: dataclasses.Field) -> Any:
 DraftConfig = _draft_config_schema()
 
 
-def draft_family(name: str, source: str = "config") -> Type[Draft]:
-    if name not in FAMILIES:
-        raise SpecdraftError(f"{source}: key 'draft.type': {name!r} is not one of {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+def draft_family(name: str, source: str = "config") -> Type[DraftSpec]:
+    """The family `draft.type` names, as the configuration knows it (registry.FAMILIES: its model)."""
+    if name not in SPECS:
+        raise SpecdraftError(f"{source}: key 'draft.type': {name!r} is not one of {', '.join(SPECS)}")
+    return SPECS[name]
 
 
-def family_keys(family: Type[Draft]) -> List[str]:
+def family_keys(family: Type[DraftSpec]) -> List[str]:
     """The `draft.` keys a family reads (besides `type`)."""
     return [f.name for f in dataclasses.fields(family.options)]
 
 
-def check_family_keys(family: Type[Draft], given: Iterable[str], source: str = "config") -> None:
+def check_family_keys(family: Type[DraftSpec], given: Iterable[str], source: str = "config") -> None:
     """A key of another family (draft.block_size on a GLIDE run) is a mistake, not a no-op."""
     own = set(family_keys(family))
     for key in given:
         if key not in SHARED_KEYS and key not in own:
-            owners = [name for name, cls in FAMILIES.items() if key in family_keys(cls)]
+            owners = [name for name, cls in SPECS.items() if key in family_keys(cls)]
             raise SpecdraftError(f"{source}: key 'draft.{key}': not a key of draft.type {family.family!r} "
                                  f"(it belongs to {', '.join(owners) or 'no family'})")
 
 
-def build_draft(draft_cfg, target_config, data=None) -> Draft:
-    draft = draft_family(draft_cfg.type).from_target_config(target_config, draft_cfg, data)
-    draft.gradient_checkpointing = bool(draft_cfg.get("gradient_checkpointing") or False)  # training only, not exported
-    return draft
-
-
-def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = None) -> Draft:
-    architecture = config.get("architecture")
-    if architecture not in ARCHITECTURES:
-        raise SpecdraftError(f"{source or 'config.json'}: unknown draft architecture {architecture!r} "
-                             f"(known: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[architecture].from_export_config(config)
-
-
-__all__ = ["CaptureRequest", "Draft", "DraftConfig", "DraftLoss", "HostBatch", "TargetFeatures", "FAMILIES",
-           "DEFAULT_FAMILY", "SHARED_KEYS", "build_draft", "check_family_keys", "draft_family", "family_keys", "draft_from_export_config"]
+__all__ = ["DEFAULT_FAMILY", "SHARED_KEYS", "SPECS", "DraftConfig", "DraftSpec", "check_family_keys", "draft_family",
+           "family_keys"]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from specdraft.drafts.loss import default_chunk_size
+from specdraft.drafts.spec import DraftSpec, target_text_config  # noqa: F401 (re-exported)
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 from specdraft.transfer import to_device
 
@@ -138,13 +139,6 @@ def uncapturable_layer(target_layers, num_target_layers: Optional[int]) -> Optio
     return None
 
 
-def target_text_config(target_config):
-    """The decoder's config, as transformers finds it: the `text_config` of a multimodal target
-    (Gemma 3), else the config itself. The one lookup for config objects (target/weights.py reads
-    config.json as a dict, without transformers)."""
-    return target_config.get_text_config()
-
-
 def target_layer_shape(target_config) -> Dict[str, Any]:
     """What a draft layer shaped like one of the target's layers takes from the target's config:
     the dims every family shares (keyword arguments of each family's dims)."""
@@ -211,20 +205,12 @@ class MemoryShape:
         return rows * 2 * hidden * self.dtype_bytes + min(chunk, rows // calls) * vocab * buffers
 
 
-class Draft(nn.Module, ABC):
-    family: ClassVar[str] = ""  # the `draft.type` value
+class Draft(DraftSpec, nn.Module, ABC):
+    """A family's model: its declarations (DraftSpec: family, options, validate_config ...) are
+    its options.py's class, which the family's Draft subclass inherits first."""
+
     architecture: ClassVar[str] = ""  # the native export's config.json "architecture"
-    label: ClassVar[str] = ""  # the family's name in tables and logs (EAGLE-3)
-    # the one family whose folder this family's folder may import (P-EAGLE builds on EAGLE-3's layer)
-    base_family: ClassVar[Optional[str]] = None
-    options: ClassVar[type]  # dataclass of this family's `draft.` keys (flat, with defaults)
     dims_type: ClassVar[type]  # dataclass of the draft's shape, as its export config records it
-    default_loss: ClassVar[str] = "ce"  # the objective when draft.loss is null
-    lk_loss: ClassVar[bool] = False  # trains draft.loss: lk_alpha | lk_lambda (a head over a draft vocab)
-    # training_loss reads features.shard: it trains on a sequence shard (sequence_parallel_size > 1)
-    sequence_parallel: ClassVar[bool] = False
-    # a family that cannot: why, after "draft.type X" in the config's refusal ("": not yet)
-    sequence_parallel_refusal: ClassVar[str] = ""
     serving_formats: ClassVar[Dict[str, ServingWriter]] = {}
     on_request_formats: ClassVar[Tuple[str, ...]] = ()  # serving formats a save writes only when named
     file_formats: ClassVar[Dict[str, FileFormat]] = {}  # the other tools' files an import reads
@@ -259,31 +245,6 @@ class Draft(nn.Module, ABC):
                         module.bias.zero_()
 
     # -- construction ----------------------------------------------------------------------
-
-    @classmethod
-    def validate_config(cls, draft_cfg, target_config: Optional[Any], source: str,
-                        max_seq_length: int) -> None:
-        """Raise a one-line SpecdraftError naming the bad `draft.` key. target_config is None when
-        the target directory has no readable config yet (checked again at training start)."""
-
-    @classmethod
-    def sequence_parallel_reach(cls, draft_cfg) -> Optional[Tuple[str, int]]:
-        """(draft key, n): under SP a rank reads the next rank's first n tokens (SequenceShard.
-        extend_right), so n must not exceed a shard; None: no such key."""
-        return None
-
-    @classmethod
-    def moves_target_positions(cls, draft_cfg) -> bool:
-        """Whether sample_batch_options gives the target other positions than the data's (a
-        "position_ids" entry): such a draft cannot share a target pass with other drafts."""
-        return False
-
-    @classmethod
-    def identity_options(cls, options: Dict[str, Any], target_config: Optional[Any]) -> Dict[str, Any]:
-        """The family's `draft.` keys as they identify a checkpoint (config_hash): a family resolves
-        here a default that depends on the target, or drops a key added later at the value that
-        checkpoints written before it had in effect (so those still resume)."""
-        return options
 
     @classmethod
     @abstractmethod

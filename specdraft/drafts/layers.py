@@ -7,7 +7,6 @@ LongSpec load them by these names."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -16,17 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from specdraft.drafts.documents import attention_path, document_segments, flex_attention, make_block_mask, per_document
-
-
-@dataclass
-class LayerDims:
-    """The shape of one Llama-style decoder layer: the first fields of every family's dims."""
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
+from specdraft.drafts.spec import LayerDims  # noqa: F401 (re-exported: declared without torch)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from specdraft import __version__
 from specdraft.rundir.atomic import publish_dir, temp_dir_beside
 from specdraft.config import config_hash
-from specdraft.drafts import Draft, draft_from_export_config
+from specdraft.drafts.base import Draft
+from specdraft.drafts.registry import draft_from_export_config
 from specdraft.drafts.base import DRAFT_PREFIX
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.rundir.layout import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,

@@ -30,7 +30,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from omegaconf import DictConfig
 
-from specdraft.drafts import ARCHITECTURES, FAMILIES, Draft, build_draft
+from specdraft.drafts.base import Draft
+from specdraft.drafts.registry import ARCHITECTURES, FAMILIES, build_draft
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.layout import CONFIG_NAME, PTH_NAME, SAFETENSORS_NAME, exports
 from specdraft.target.model import load_target_config

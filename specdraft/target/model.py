@@ -2,50 +2,19 @@
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from specdraft.errors import SpecdraftError
-
-# Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
-# drafts read, each tested with every draft family (tests/test_target_matrix.py; docs/targets.md
-# says which family trains on which, and why the others refuse). Others may work but are not tested.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "mistral", "deepseek_v3",
-                         "glm4_moe", "phi3", "qwen3_next")
+from specdraft.target.checks import (SCALING_ROPE_TYPES, SUPPORTED_MODEL_TYPES, TOKENIZER_FILES,  # noqa: F401
+                                     check_packed_documents, check_sequence_length, check_tokenizer,  # (re-exported)
+                                     has_tokenizer, load_target_config, supported_positions)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_DTYPE = "auto"  # the checkpoint's own torch_dtype (config.json)
-
-
-def load_target_config(target_dir: str):
-    if not os.path.isfile(os.path.join(target_dir, "config.json")):
-        raise SpecdraftError(f"{target_dir}: no config.json (not a Hugging Face model directory)")
-    config = AutoConfig.from_pretrained(target_dir)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SpecdraftError(f"{target_dir}/config.json: model_type '{config.model_type}' is not "
-                             f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    return config
-
-
-# What AutoTokenizer reads from a model directory: one of them must be there.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# RoPE types that stretch the positions a model was pretrained on by `factor` (transformers'
-# modeling_rope_utils); "default" and unknown types stretch nothing.
-SCALING_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
-
-
-def has_tokenizer(model_dir) -> bool:
-    return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
-
-
-def check_tokenizer(model_dir, source: str) -> None:
-    if not has_tokenizer(model_dir):
-        raise SpecdraftError(f"{source}: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                             f"copy the target model's tokenizer files into it")
 
 
 def load_target_tokenizer(model_dir):
@@ -57,41 +26,6 @@ def load_target_tokenizer(model_dir):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as err:
         raise SpecdraftError(f"target: the tokenizer in {model_dir} does not load ({str(err).splitlines()[0]})") from None
-
-
-def supported_positions(config) -> int:
-    """The longest sequence the target's positions cover: max_position_embeddings, or, with a
-    RoPE scaling of `factor` over original_max_position_embeddings (default: the former), their
-    product when larger (as transformers reads config.json's rope_scaling / rope_parameters)."""
-    limit = config.max_position_embeddings
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    factor = rope.get("factor")
-    if kind in SCALING_ROPE_TYPES and factor:
-        original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
-        limit = max(limit, int(factor * original))
-    return limit
-
-
-def check_sequence_length(config, max_seq_length: int, source: str) -> None:
-    limit = supported_positions(config)
-    if max_seq_length > limit:
-        scaled = "" if limit == config.max_position_embeddings else f" ({limit} with its rope scaling)"
-        raise SpecdraftError(f"{source}: key 'max_seq_length': {max_seq_length} is above the target's "
-                             f"max_position_embeddings {config.max_position_embeddings}{scaled}; positions past "
-                             f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
-                             f"covers it)")
-
-
-def check_packed_documents(config, document_mask: bool, source: str) -> None:
-    """Packed conversations attend each to itself through the capture's attention core; a layer
-    that carries a recurrent state along the row (Qwen3-Next's linear attention, Gated DeltaNet)
-    would hand one conversation's state to the next: refused, naming what trains as one stream."""
-    kinds = set(getattr(getattr(config, "text_config", config), "layer_types", None) or ())
-    if document_mask and "linear_attention" in kinds:
-        raise SpecdraftError(f"{source}: key 'document_mask': the target's linear-attention layers carry their "
-                             f"state across the packed conversations of a row, which the capture cannot reset at "
-                             f"their borders; set document_mask: false (each row one stream, LongSpec's packing)")
 
 
 def load_frozen_target(target_dir: str, precision: str = "fp32",

@@ -358,7 +358,7 @@ DFLASH: List[Mutation] = [
     Mutation('dflash/loss-ignores-first-slot', DFLASH_PY,
              'head.features[:, :, first + j].flatten(0, 1)[rows]',
              'head.features[:, :, j].flatten(0, 1)[rows]', DFLASH_TESTS, 'the anchor slot trained on anchor+1 when it should not'),
-    Mutation('dflash/layout-swapped', DFLASH_BLOCKS_PY,
+    Mutation('dflash/layout-swapped', "specdraft/drafts/dflash/options.py",
              'return 0 if self.sample_from_anchor else 1',
              'return 1 if self.sample_from_anchor else 0', DFLASH_TESTS),
     Mutation('dflash/anchor-needs-own-mask', DFLASH_BLOCKS_PY,
@@ -441,7 +441,7 @@ DISTILL_TOKENS_TESTS = OBJECTIVE_TESTS + ("tests/test_eagle3.py", "tests/test_df
 
 # draft.distill_tokens: all -- which rows the teacher terms and CE learn, and CE's normalisation
 DISTILL_TOKENS: List[Mutation] = [
-    Mutation("distill/ce-mean-over-all-rows", OBJECTIVES_PY,
+    Mutation("distill/ce-mean-over-all-rows", "specdraft/drafts/objective_options.py",
              'if answers in (0, rows) or "ce" not in self.names:', "if True:", DISTILL_TOKENS_TESTS,
              "CE divided by every distilled row, so its weight shrinks with the prompt share"),
     Mutation("distill/ce-on-prompt-tokens", OBJECTIVES_PY,
@@ -563,7 +563,7 @@ MEMORY = [
              "args = tuple(list(a) if isinstance(a, list) else a for a in args)", "args = tuple(args)",
              ("tests/test_activation_checkpointing.py",),
              "EAGLE-3's recomputed step reads the keys of the steps after it"),
-    Mutation("memory/checkpointing-never-on", "specdraft/drafts/__init__.py",
+    Mutation("memory/checkpointing-never-on", "specdraft/drafts/registry.py",
              'draft.gradient_checkpointing = bool(draft_cfg.get("gradient_checkpointing") or False)',
              "draft.gradient_checkpointing = False", ("tests/test_activation_checkpointing.py",),
              "draft.gradient_checkpointing is accepted and ignored"),

@@ -38,19 +38,17 @@ from torch import nn
 
 from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
                                    target_layer_shape, target_text_config, uncapturable_layer)
-from specdraft.drafts.dflash.blocks import (BlockLayout, BlockVisibility, TrainingBlocks, block_attention, loss_weights,
+from specdraft.drafts.dflash.blocks import (BlockVisibility, TrainingBlocks, block_attention, loss_weights,
                                            own_blocks, sample_training_blocks)
 from specdraft.drafts.dflash.decode import DFlashDrafter
-from specdraft.drafts.dflash.options import (LOSS_WEIGHTINGS, DFlashDims, DFlashOptions,  # noqa: F401 (re-exported)
-                                            default_target_layers)
+from specdraft.drafts.dflash.options import (LOSS_WEIGHTINGS, DFlashBackboneSpec, DFlashDims,  # noqa: F401
+                                            DFlashOptions, default_target_layers)  # (re-exported)
 from specdraft.drafts.dflash.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.documents import attention_path
 from specdraft.drafts.layers import GatedMLP, Projections, RMSNorm, apply_rope
-from specdraft.target.rotary import rotary_refusal
 from specdraft.drafts.dflash.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (CE, Objective, answer_labels, chunked_objective,
                                         dpace_weights, objective_from_options, shared_head_objective, term_metrics)
-from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
 @dataclass
@@ -106,13 +104,11 @@ class DFlashLayer(nn.Module):
 
 # -- the draft -------------------------------------------------------------------------------------
 
-class DFlashBackbone(Draft):
+class DFlashBackbone(DFlashBackboneSpec, Draft):
     """DFlash's backbone with no head of its own (the target's lm_head): the DFlash family as it is
     (drafts/dflash/), and the base of the families that add a head (drafts/dspark/)."""
 
-    options = DFlashOptions
     dims_type = DFlashDims
-    sequence_parallel = True
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
     import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")
@@ -145,65 +141,6 @@ class DFlashBackbone(Draft):
 
     # -- building ---------------------------------------------------------------------------------
 
-
-    @classmethod
-    def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
-        layers = draft_cfg.target_layers
-        if not layers:
-            return default_target_layers(target_text_config(target_config).num_hidden_layers)
-        # concatenated in increasing id order, the order vLLM collects its aux hidden states in
-        return sorted(int(x) for x in layers)
-
-    @classmethod
-    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
-
-        layers = draft_cfg.target_layers
-        if layers:
-            if len(set(layers)) != len(layers):
-                fail("target_layers", f"{list(layers)} repeats a layer")
-        if draft_cfg.num_layers < 1:
-            fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
-        smallest = 1 if draft_cfg.sample_from_anchor else 2
-        if draft_cfg.block_size < smallest:
-            fail("block_size", f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
-                               f"(a block must predict a token), got {draft_cfg.block_size}")
-        layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
-        if max_seq_length < layout.span + 2:
-            fail("block_size", f"a block spans {layout.span + 1} positions after its context; "
-                               f"max_seq_length {max_seq_length} leaves no room for one")
-        if not draft_cfg.loss_decay_gamma > 0:
-            fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
-        weighting = draft_cfg.get("loss_weighting", "decay")
-        if weighting not in LOSS_WEIGHTINGS:
-            fail("loss_weighting", f"must be one of {' | '.join(LOSS_WEIGHTINGS)}, got {weighting!r}")
-        if weighting == "dpace":
-            objective = objective_from_options(draft_cfg, default=cls.default_loss)
-            if objective != CE:  # D-PACE's confidence is exp(-CE) of the very term it weighs
-                fail("loss_weighting", f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), "
-                                       f"got {objective}")
-            alpha = draft_cfg.get("dpace_alpha", 0.5)
-            if not 0.0 < alpha <= 1.0:
-                fail("dpace_alpha", f"must be in (0, 1], got {alpha}")
-        if draft_cfg.max_anchors < 1:
-            fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
-        if target_config is None:
-            return
-        text = target_text_config(target_config)
-        rotary = rotary_refusal(target_config)
-        if rotary:
-            fail("type", f"{cls.label} rotates its own queries and keys over whole heads with one rotary table, "
-                         f"the target's (servers rebuild it from the exported transformer_layer_config); the "
-                         f"target {rotary}")
-        num_target_layers = text.num_hidden_layers
-        bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
-        if bad:
-            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
-                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
-        mask_id = draft_cfg.mask_token_id
-        if mask_id is not None and not 0 <= mask_id < text.vocab_size:
-            fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashBackbone":

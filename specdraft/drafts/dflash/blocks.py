@@ -14,28 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafts.base import document_starts
+from specdraft.drafts.dflash.options import BlockLayout  # noqa: F401 (re-exported)
 from specdraft.drafts.documents import attention_path, flex_attention, make_block_mask
 from specdraft.transfer import to_device
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """Which slot of a block predicts which token (speculators' `sample_from_anchor`)."""
-
-    block_size: int  # slots per block, the anchor's included
-    sample_from_anchor: bool  # does the anchor slot predict (the token after the anchor)?
-
-    @property
-    def first_slot(self) -> int:  # the slot predicting the token at anchor + 1
-        return 0 if self.sample_from_anchor else 1
-
-    @property
-    def predictions(self) -> int:  # tokens one block drafts
-        return self.block_size - self.first_slot
-
-    @property
-    def span(self) -> int:  # offset of the last predicted token from the anchor
-        return self.predictions
 
 
 # -- which keys a block query sees ---------------------------------------------------------------

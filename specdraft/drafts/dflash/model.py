@@ -4,9 +4,8 @@ The backbone is a shared block because DSpark (drafts/dspark/) builds on it; thi
 from __future__ import annotations
 
 from specdraft.drafts.dflash.backbone import DFlashBackbone
+from specdraft.drafts.dflash.options import DFlashSpec
 
 
-class DFlashDraft(DFlashBackbone):
-    family = "dflash"
-    label = "DFlash"
+class DFlashDraft(DFlashSpec, DFlashBackbone):
     architecture = "DFlashDraft"

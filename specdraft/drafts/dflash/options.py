@@ -1,18 +1,40 @@
 """The keys and shapes of DFlash's block backbone (drafts/dflash/backbone.py), shared by DFlash and
-DSpark: the `draft.` options a config sets, the dimensions a draft is built and exported with, and
-the default choice of target layers."""
+DSpark: the `draft.` options a config sets and their checks (DFlashBackboneSpec, which the backbone
+inherits; DFlashSpec, the family), the block layout, the dimensions a draft is built and exported
+with, and the default choice of target layers. No torch: the configuration reads it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from specdraft.drafts.dflash.blocks import BlockLayout
-from specdraft.drafts.layers import LayerDims
-from specdraft.drafts.objectives import ObjectiveOptions
+from specdraft.drafts.objective_options import CE, ObjectiveOptions, objective_from_options
+from specdraft.drafts.spec import DraftSpec, LayerDims, target_text_config
+from specdraft.errors import SpecdraftError
+from specdraft.target.rotary import rotary_refusal
 
 DEFAULT_NUM_TARGET_LAYERS = 5
 LOSS_WEIGHTINGS = ("decay", "dpace")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Which slot of a block predicts which token (speculators' `sample_from_anchor`)."""
+
+    block_size: int  # slots per block, the anchor's included
+    sample_from_anchor: bool  # does the anchor slot predict (the token after the anchor)?
+
+    @property
+    def first_slot(self) -> int:  # the slot predicting the token at anchor + 1
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def predictions(self) -> int:  # tokens one block drafts
+        return self.block_size - self.first_slot
+
+    @property
+    def span(self) -> int:  # offset of the last predicted token from the anchor
+        return self.predictions
 
 
 @dataclass
@@ -69,3 +91,75 @@ class DFlashDims(LayerDims):
     @property
     def layout(self) -> BlockLayout:
         return BlockLayout(self.block_size, self.sample_from_anchor)
+
+
+class DFlashBackboneSpec(DraftSpec):
+    """The backbone's declarations and checks; a family on it (DFlashSpec, DSpark's) names itself."""
+
+    options = DFlashOptions
+    sequence_parallel = True
+    serving_format_names = ("speculators",)
+
+    @classmethod
+    def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
+        layers = draft_cfg.target_layers
+        if not layers:
+            return default_target_layers(target_text_config(target_config).num_hidden_layers)
+        # concatenated in increasing id order, the order vLLM collects its aux hidden states in
+        return sorted(int(x) for x in layers)
+
+    @classmethod
+    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        def fail(key: str, why: str) -> None:
+            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+        layers = draft_cfg.target_layers
+        if layers:
+            if len(set(layers)) != len(layers):
+                fail("target_layers", f"{list(layers)} repeats a layer")
+        if draft_cfg.num_layers < 1:
+            fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
+        smallest = 1 if draft_cfg.sample_from_anchor else 2
+        if draft_cfg.block_size < smallest:
+            fail("block_size", f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
+                               f"(a block must predict a token), got {draft_cfg.block_size}")
+        layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
+        if max_seq_length < layout.span + 2:
+            fail("block_size", f"a block spans {layout.span + 1} positions after its context; "
+                               f"max_seq_length {max_seq_length} leaves no room for one")
+        if not draft_cfg.loss_decay_gamma > 0:
+            fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
+        weighting = draft_cfg.get("loss_weighting", "decay")
+        if weighting not in LOSS_WEIGHTINGS:
+            fail("loss_weighting", f"must be one of {' | '.join(LOSS_WEIGHTINGS)}, got {weighting!r}")
+        if weighting == "dpace":
+            objective = objective_from_options(draft_cfg, default=cls.default_loss)
+            if objective != CE:  # D-PACE's confidence is exp(-CE) of the very term it weighs
+                fail("loss_weighting", f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), "
+                                       f"got {objective}")
+            alpha = draft_cfg.get("dpace_alpha", 0.5)
+            if not 0.0 < alpha <= 1.0:
+                fail("dpace_alpha", f"must be in (0, 1], got {alpha}")
+        if draft_cfg.max_anchors < 1:
+            fail("max_anchors", f"must be >= 1, got {draft_cfg.max_anchors}")
+        if target_config is None:
+            return
+        text = target_text_config(target_config)
+        rotary = rotary_refusal(target_config)
+        if rotary:
+            fail("type", f"{cls.label} rotates its own queries and keys over whole heads with one rotary table, "
+                         f"the target's (servers rebuild it from the exported transformer_layer_config); the "
+                         f"target {rotary}")
+        num_target_layers = text.num_hidden_layers
+        bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
+        if bad:
+            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
+                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
+        mask_id = draft_cfg.mask_token_id
+        if mask_id is not None and not 0 <= mask_id < text.vocab_size:
+            fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")
+
+
+class DFlashSpec(DFlashBackboneSpec):
+    family = "dflash"
+    label = "DFlash"

@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3.export import serving_refusal
+from specdraft.drafts.eagle3.options import AUX_LAYERS, validate_layer_options  # noqa: F401 (re-exported)
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.target.rotary import draft_rope_parameters
 from specdraft.drafts.eagle3.ttt_attention import ttt_attention
@@ -27,7 +28,6 @@ from specdraft.parallel.sequence import SequenceShard
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_VOCAB = 32000
-AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 
 
 def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
@@ -43,30 +43,6 @@ def default_target_layers(num_layers: int) -> Tuple[List[int], str]:
         candidates = list(range(0, num_layers + 1))
     layers = [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
     return layers, f"[2, L//2, L-3] is not three distinct layers of a {num_layers}-layer target"
-
-
-def validate_layer_options(draft_cfg, target_config, fail) -> None:
-    """The checks of the EAGLE-3 layer's `draft.` keys (layers, vocab, norm flags); fail(key, why) raises."""
-    if draft_cfg.fc_norm and draft_cfg.norm_before_fc:
-        fail("fc_norm", "fc_norm and norm_before_fc exclude each other (speculators refuses both)")
-    layers = list(draft_cfg.target_layers or [])
-    if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
-        fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
-    if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
-        fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
-    if target_config is None:
-        return
-    text = target_text_config(target_config)
-    num_layers = text.num_hidden_layers
-    if num_layers + 1 < AUX_LAYERS:
-        fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")
-    for layer in layers:
-        if not 0 <= layer <= num_layers:
-            fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
-                                  f"of each of its {num_layers} layers, {num_layers} = the last output)")
-    if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
-        fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
-                                 f"({text.vocab_size})")
 
 
 def layer_dims(target_config, draft_cfg, family: str) -> Dict[str, Any]:

@@ -25,8 +25,7 @@ plus the entries of the tokens drafted before it, at the same positions.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,41 +35,16 @@ from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostB
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3.decode import Eagle3Drafter
 from specdraft.drafts.eagle3.export import FILE_FORMATS, write_sglang, write_speculators
+from specdraft.drafts.eagle3.options import TEACHER_ROWS, Eagle3Options, Eagle3Spec  # noqa: F401 (re-exported)
 from specdraft.drafts.eagle3.layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
                                            default_target_layers, layer_dims, validate_layer_options)  # re-exported
 from specdraft.drafts.lk import sum_over_ranks
-from specdraft.drafts.objectives import (Objective, ObjectiveOptions, ObjectiveSums, answer_labels, chunked_objective,
+from specdraft.drafts.objectives import (Objective, ObjectiveSums, answer_labels, chunked_objective,
                                         objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.loss import teacher_vocab_pass
-from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass
-class Eagle3Options(ObjectiveOptions):
-    """The `draft.` keys EAGLE-3 reads (serving flags with speculators' defaults; draft.loss
-    defaults to soft_ce against the target restricted to the draft vocab)."""
-
-    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids), any order; [] = [2, L//2, L-3]
-    draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
-    ttt_steps: int = 7  # training-time-test unroll
-    ttt_decay: float = 0.8  # weight of TTT step k: ttt_decay ** k
-    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
-    fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
-    norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
-    norm_output: bool = False  # next TTT step reads norm(out) (EAGLE-3.1)
-    # the rows the teacher terms learn: in_vocab = where the target's top-1 (over its whole vocab)
-    # is a draft token (EAGLE-3's and SpecForge's recipe); all = every counted row, the target
-    # renormalised over the draft vocab even where its top-1 lies outside it
-    teacher_rows: str = "in_vocab"
-    # recompute each TTT step's layer in the backward instead of keeping its activations
-    gradient_checkpointing: bool = False
-
-
-TEACHER_ROWS = ("in_vocab", "all")
 
 
 
@@ -90,14 +64,8 @@ def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] 
 SOFT_CE = parse_objective("soft_ce")  # EAGLE-3's own objective
 
 
-class Eagle3Draft(Eagle3Base):
-    family = "eagle3"
-    label = "EAGLE-3"
-    sequence_parallel = True
+class Eagle3Draft(Eagle3Spec, Eagle3Base):
     architecture = "Eagle3Draft"
-    default_loss = "soft_ce"  # EAGLE-3 learns the target's distribution over its draft vocab
-    lk_loss = True
-    options = Eagle3Options
     dims_type = Eagle3Dims
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
     file_formats = FILE_FORMATS
@@ -110,25 +78,6 @@ class Eagle3Draft(Eagle3Base):
         self.objective = objective  # what training_loss minimises (a training setting, not exported)
         self.teacher_rows = teacher_rows  # Eagle3Options.teacher_rows (a training setting, not exported)
 
-
-    @classmethod
-    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
-
-        if draft_cfg.ttt_steps < 1:
-            fail("ttt_steps", f"must be >= 1, got {draft_cfg.ttt_steps}")
-        if draft_cfg.ttt_steps + 2 > max_seq_length:
-            fail("ttt_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
-        if not draft_cfg.ttt_decay > 0:
-            fail("ttt_decay", f"must be > 0, got {draft_cfg.ttt_decay}")
-        if draft_cfg.teacher_rows not in TEACHER_ROWS:
-            fail("teacher_rows", f"must be one of {' | '.join(TEACHER_ROWS)}, got {draft_cfg.teacher_rows!r}")
-        validate_layer_options(draft_cfg, target_config, fail)
-
-    @classmethod
-    def sequence_parallel_reach(cls, draft_cfg):
-        return "ttt_steps", int(draft_cfg.ttt_steps)  # x_{t+1+k} and the teacher at t+1+k
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":

@@ -37,18 +37,9 @@ from specdraft.drafts.mtp.export import (FILE_FORMAT, read_target_mtp, speculato
                                          target_layout, write_speculators, write_stitched)
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
+from specdraft.drafts.mtp.options import MTPOptions, MTPSpec  # noqa: F401 (re-exported)
 from specdraft.errors import SpecdraftError
 from specdraft.target.moe import moe_shape
-
-
-@dataclass
-class MTPOptions:
-    """The `draft.` keys MTP reads (speculators' names and defaults)."""
-
-    num_speculative_steps: int = 3  # recursive steps trained (and the chain drafted by default)
-    step_weight_beta: float = 0.6  # step k's loss weight beta^k / sum_j beta^j (FastMTP, eq. 2)
-    # recompute each step's layer in the backward instead of keeping its activations
-    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -90,24 +81,13 @@ def text_config_dict(target_config) -> Dict[str, Any]:
     return dict(config, model_type=text.model_type)
 
 
-class MTPDraft(Draft):
-    family = "mtp"
-    label = "MTP"
+class MTPDraft(MTPSpec, Draft):
     architecture = "MTPDraft"
-    options = MTPOptions
     dims_type = MTPDims
-    default_loss = "ce"
     serving_formats = {"speculators": write_speculators, "stitched": write_stitched}
     on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
     file_formats = {"speculators": FILE_FORMAT}
     target_model_types = tuple(LAYER_CLASSES)
-    # Qwen3-Next's capture cannot be sharded: Gated DeltaNet's recurrence runs through the whole
-    # sequence (no head exchange makes it whole), so the layer's input h_t never exists per shard;
-    # and the layer is transformers' decoder layer class, whose attention exchanges no heads
-    sequence_parallel_refusal = ("does not train on sequence shards: its layer is the target's own decoder layer "
-                                 "class (no head exchange), and Qwen3-Next's linear-attention layers do not run "
-                                 "in the sharded capture")
-
     def __init__(self, dims: MTPDims):
         super().__init__()
         self.dims = dims
@@ -120,21 +100,6 @@ class MTPDraft(Draft):
         init_layer_weights(self, std, seed=0)
 
     # -- construction ----------------------------------------------------------------------
-
-    @classmethod
-    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
-
-        steps = int(draft_cfg.num_speculative_steps)
-        if steps < 1:
-            fail("num_speculative_steps", f"must be >= 1, got {steps}")
-        if steps + 2 > max_seq_length:
-            fail("num_speculative_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
-        if not float(draft_cfg.step_weight_beta) > 0:
-            fail("step_weight_beta", f"must be > 0, got {draft_cfg.step_weight_beta}")
-        if target_config is not None:
-            refuse_target_without_mtp(target_config, source)
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "MTPDraft":

@@ -25,7 +25,7 @@ what speculators and vLLM read.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,37 +33,19 @@ from torch import nn
 
 from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch, MemoryShape, TargetFeatures, target_text_config
 from specdraft.drafts.peagle.cod_attention import CODSlots, GatheredCODSlots
-from specdraft.drafts.eagle3.layer import Eagle3Base, Eagle3Dims, layer_dims, validate_layer_options
+from specdraft.drafts.eagle3.layer import Eagle3Base, Eagle3Dims, layer_dims
 from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.loss import teacher_vocab_pass
-from specdraft.drafts.objectives import (ObjectiveOptions, answer_labels, chunked_objective,
+from specdraft.drafts.objectives import (answer_labels, chunked_objective,
                                          objective_from_options, parse_objective, term_metrics)
 from specdraft.drafts.peagle.cod import CODBatch, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.peagle.options import PEagleOptions, PEagleSpec  # noqa: F401 (re-exported)
 from specdraft.parallel.sequence import SequenceShard
 from specdraft.transfer import to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PEagleOptions(ObjectiveOptions):
-    """The `draft.` keys P-EAGLE reads: EAGLE-3's layer keys plus the COD sampling's
-    (speculators' defaults: K = 8, r = 0.7, r_min = 0.2); draft.loss defaults to kl."""
-
-    target_layers: List[int] = field(default_factory=list)  # layer inputs (vLLM ids), any order; [] = [2, L//2, L-3]
-    draft_vocab_size: Optional[int] = None  # None: 32000, or the whole target vocab when smaller
-    norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
-    fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
-    norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
-    num_depths: int = 8  # K: tokens proposed per draft forward (depths 0..K-1)
-    down_sample_ratio: float = 0.7  # r: depth d keeps a fraction max(r^d, r_min) of the valid positions
-    down_sample_ratio_min: float = 0.2  # r_min
-    # the token whose embedding row the deeper slots read (vLLM's pard_token); null: the target
-    # config's pad_token_id, else its eos_token_id
-    mask_token_id: Optional[int] = None
 
 
 @dataclass
@@ -105,15 +87,8 @@ def default_mask_token(target_config) -> int:
     return int(text.vocab_size) - 1
 
 
-class PEagleDraft(Eagle3Base):
-    family = "peagle"
-    base_family = "eagle3"  # its folder imports eagle3/'s
-    label = "P-EAGLE"
+class PEagleDraft(PEagleSpec, Eagle3Base):
     architecture = "PEagleDraft"
-    default_loss = "kl"
-    lk_loss = True
-    options = PEagleOptions
-    sequence_parallel = True  # slots anchored in a rank's shard, against the gathered depth-0 keys
     dims_type = PEagleDims
     serving_formats = {"speculators": write_speculators}
     file_formats = FILE_FORMATS
@@ -133,31 +108,6 @@ class PEagleDraft(Eagle3Base):
         self.mask_embedding = nn.Parameter(torch.randn(dims.hidden_size, generator=generator) * dims.initializer_range)
 
     # -- construction ----------------------------------------------------------------------
-
-    @classmethod
-    def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
-
-        if draft_cfg.num_depths < 1:
-            fail("num_depths", f"must be >= 1, got {draft_cfg.num_depths}")
-        if draft_cfg.num_depths + 2 > max_seq_length:
-            fail("num_depths", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
-        if not 0 < draft_cfg.down_sample_ratio <= 1:
-            fail("down_sample_ratio", f"must be in (0, 1], got {draft_cfg.down_sample_ratio}")
-        if not 0 <= draft_cfg.down_sample_ratio_min <= 1:
-            fail("down_sample_ratio_min", f"must be in [0, 1], got {draft_cfg.down_sample_ratio_min}")
-        validate_layer_options(draft_cfg, target_config, fail)
-        if target_config is None:
-            return
-        text = target_text_config(target_config)
-        mask = draft_cfg.mask_token_id
-        if mask is not None and not 0 <= mask < text.vocab_size:
-            fail("mask_token_id", f"{mask} is outside the target vocab (0..{text.vocab_size - 1})")
-
-    @classmethod
-    def sequence_parallel_reach(cls, draft_cfg):
-        return "num_depths", int(draft_cfg.num_depths)  # the teacher of (a, d) is at a + d + 1
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "PEagleDraft":
