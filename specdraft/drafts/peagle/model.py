@@ -74,17 +74,26 @@ def _rows(index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def default_mask_token(target_config) -> int:
     """speculators asks the tokenizer (its mask token, a new <|MASK|>, then pad / eos / unk);
     the draft is built from the target's config: its pad_token_id, else eos_token_id, else the
-    last id of the vocabulary (DFlash's default)."""
+    last id of the vocabulary (DFlash's default). A pad token that is also an eos token
+    (SmolLM2's <|im_end|>: pad, eos and end of turn) is one the text holds at every turn's end,
+    where it would read the mask's embedding: then its unk_token_id, else the last id."""
     text = target_text_config(target_config)
-    for key in ("pad_token_id", "eos_token_id"):
+
+    def ids(key) -> list:
         value = getattr(text, key, None)
         if value is None:
             value = getattr(target_config, key, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return int(text.vocab_size) - 1
+        if value is None:
+            return []
+        return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+    pad, eos = ids("pad_token_id"), ids("eos_token_id")
+    if pad and pad[0] not in eos:
+        return pad[0]
+    if not pad and eos:
+        return eos[0]
+    unk = [u for u in ids("unk_token_id") if u not in eos]
+    return unk[0] if pad and unk else int(text.vocab_size) - 1
 
 
 class PEagleDraft(PEagleSpec, Eagle3Base):
@@ -114,7 +123,8 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         mask = draft_cfg.mask_token_id
         if mask is None:
             mask = default_mask_token(target_config)
-            log.info("peagle: mask token %s (the target config's pad / eos token, else its last id)", mask)
+            log.info("peagle: mask token %s (the target config's pad token, else its eos token, else its last "
+                     "id; a pad token that is also eos: its unk token, else its last id)", mask)
         draft = cls(PEagleDims(
             **layer_dims(target_config, draft_cfg, "peagle"),
             ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens

@@ -27,7 +27,8 @@ class PEagleOptions(ObjectiveOptions):
     down_sample_ratio: float = 0.7  # r: depth d keeps a fraction max(r^d, r_min) of the valid positions
     down_sample_ratio_min: float = 0.2  # r_min
     # the token whose embedding row the deeper slots read (vLLM's pard_token); null: the target
-    # config's pad_token_id, else its eos_token_id
+    # config's pad_token_id, else its eos_token_id (a pad that is also eos: its unk_token_id, else
+    # the last id of the vocabulary)
     mask_token_id: Optional[int] = None
 
 
