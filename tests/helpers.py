@@ -159,18 +159,38 @@ def state_file(run_dir, step: int) -> Path:
 
 def random_llama(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                  init: float = 0.2, seed: int = 0, max_positions: int = 512, **config):
-    """A randomly initialised, frozen Llama target built in memory. An init above the default 0.02
-    makes its next-token distributions peaked, like a trained model's: greedy ties never happen
-    and drafts are accepted some of the time."""
+    """The tests' tiny Llama target: randomly initialised from `seed`, frozen, built in memory
+    (save_target writes it out). An init above transformers' 0.02 makes its next-token
+    distributions peaked, like a trained model's: greedy ties never happen and drafts are accepted
+    some of the time. config: any other LlamaConfig key, over these (intermediate_size: 2 * hidden;
+    no bos / eos / pad ids)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=max_positions, initializer_range=init, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None, **config)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                  initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(LlamaConfig(**{**values, **config})).eval().requires_grad_(False)
+
+
+def copy_tokenizer(tokenizer_dir, directory) -> None:
+    """tokenizer_dir's tokenizer files and chat template, copied into directory."""
+    import shutil
+
+    for path in Path(tokenizer_dir).iterdir():
+        if "token" in path.name or path.name.endswith(".jinja"):
+            shutil.copy(path, Path(directory) / path.name)
+
+
+def save_target(model, directory, tokenizer_dir=None) -> Path:
+    """A target directory as a hub checkpoint holds one: model's config.json and safetensors, and
+    with tokenizer_dir its tokenizer files (copy_tokenizer)."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, directory)
+    return directory
 
 
 # -- a target with a native MTP layer (draft.type: mtp) --------------------------------------------
@@ -229,9 +249,7 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
         config["num_nextn_predict_layers"] = 1  # vLLM's hf_config_override reads it (n_predict)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     shutil.rmtree(scratch)
-    for path in Path(tokenizer_dir).iterdir():
-        if "token" in path.name or path.name.endswith(".jinja"):
-            shutil.copy(path, directory / path.name)
+    copy_tokenizer(tokenizer_dir, directory)
     return directory
 
 

@@ -14,8 +14,9 @@ greedy decoding has no near ties (lossless checks compare token ids).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
+
+from helpers import save_target
 
 VOCAB = 512
 WINDOW = 16  # the sliding window of the windowed architectures (max_seq_length 64 in the tests)
@@ -117,12 +118,6 @@ MODEL_TYPES = (*BUILDERS, "qwen3_next")
 MTP_LAYER_TYPES = ("deepseek_v3", "glm4_moe")
 
 
-def copy_tokenizer(tokenizer_dir, directory: Path) -> None:
-    for path in Path(tokenizer_dir).iterdir():
-        if "token" in path.name or path.name.endswith(".jinja"):
-            shutil.copy(path, directory / path.name)
-
-
 def build_target(model_type: str, directory, tokenizer_dir, seed: int = 0) -> Path:
     """A tiny random target of `model_type` saved in `directory` with the tokenizer of tokenizer_dir."""
     import torch
@@ -144,10 +139,9 @@ def build_target(model_type: str, directory, tokenizer_dir, seed: int = 0) -> Pa
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith("sinks"):  # gpt-oss's per-head sink logits, zeros at init
                 param.normal_(0.0, 1.0)
-    model.save_pretrained(directory)
+    save_target(model, directory, tokenizer_dir)
     if model_type in MTP_LAYER_TYPES:
         _add_mtp_modules(directory, layers, seed)
-    copy_tokenizer(tokenizer_dir, directory)
     saved = json.loads((directory / "config.json").read_text())
     assert saved["model_type"] == model_type, saved["model_type"]
     return directory

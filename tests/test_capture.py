@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
+from helpers import random_llama
 from specdraft.target.capture import CaptureRequest, capture
 
 T = 12
@@ -12,10 +13,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=128, layers=LAYERS, init=0.02)
 
 
 def reference(target, ids, positions):

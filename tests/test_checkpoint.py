@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, run_overrides, train_run
+from helpers import REPO, random_llama, run_overrides, save_target, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.export.files import load_exported_draft
@@ -76,20 +76,14 @@ def test_keep_last_prunes_old_slots(tiny_target_dir, data_dir, work):
 
 def test_slot_holds_only_the_draft(tiny_target_dir, data_dir, work, tmp_path):
     """slot bytes / (trainable params x 16 B) <= 1.1 with a target >= 20x the draft."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    big = tmp_path / "big_target"
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=172, num_hidden_layers=24,
-                         num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(big)
-    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(big)
+    big_target = random_llama(vocab=4096, layers=24, intermediate_size=172, init=0.02)
+    big = save_target(big_target, tmp_path / "big_target", tiny_target_dir)
     cfg = load_config(None, overrides(big, data_dir, tmp_path, "size", max_steps=1, save_steps=1))
     result = train(cfg, **quiet)
     slot = tmp_path / "size" / "ckpt" / "step_1"
     slot_bytes = sum(p.stat().st_size for p in slot.iterdir() if p.name != COMMITTED)
     draft_params = sum(v.numel() for v in load_file(str(result.export_dir / "model.safetensors")).values())
-    target_params = sum(v.numel() for v in LlamaForCausalLM(config).parameters())
+    target_params = sum(v.numel() for v in big_target.parameters())
     assert target_params >= 20 * draft_params
     ratio = slot_bytes / (draft_params * 16)
     print(f"slot bytes / ideal = {ratio:.3f}; target / draft params = {target_params / draft_params:.1f}")

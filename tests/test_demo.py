@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.demo import PRESETS, build_target, ensure_demo_assets
 from specdraft.demo.assets import SEED, _matches
 from specdraft.demo.cache import STAMP, building, read_stamp
@@ -240,8 +241,7 @@ def test_a_bench_target_pretrained_in_bf16_is_stale_and_other_presets_keep_their
 def test_every_preset_pretrains_in_fp32(name):
     """One recipe on every CPU: no bf16 matmul (on an AVX2-only CPU one runs ~47x slower)."""
     p = dataclasses.replace(get_preset(name), train_steps=1, batch_size=2, seq_len=16, log_every=1, warmup_steps=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfigForTest())
+    model = random_llama(vocab=256, max_positions=256, init=0.02).requires_grad_()
     dtypes = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -250,13 +250,6 @@ def test_every_preset_pretrains_in_fp32(name):
     pretrain(model, stream, p, 0, log=lambda m: None)
     assert dtypes == {torch.float32}
     assert all(w.dtype == torch.float32 for w in model.parameters())
-
-
-def LlamaConfigForTest():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def test_unknown_preset_is_a_user_error(tmp_path):

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import dflash_reference as reference
+from helpers import random_llama
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
 from specdraft.drafts.dflash.backbone import default_target_layers
@@ -27,11 +27,7 @@ VOCAB, T = 128, 24
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02)
 
 
 def make_draft(target, **overrides):

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers import random_llama, save_target
 from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
@@ -28,12 +29,8 @@ VOCAB, T = 128, 40
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = tmp_path_factory.mktemp("target")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_target(random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02),
+                       tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.drafts import DraftConfig, layers
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash import blocks as dflash_blocks
@@ -255,11 +255,7 @@ def test_dflash_flex_path_equals_the_rule_forward_without_a_dense_mask(monkeypat
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=128, layers=4, max_positions=256, init=0.02)
 
 
 @pytest.mark.parametrize("family, keys, options", [

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, check_family_keys, draft_family
 from specdraft.drafts.dflash.blocks import loss_weights, sample_training_blocks
@@ -22,11 +22,7 @@ HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02)
 
 
 def make_draft(target, **overrides):

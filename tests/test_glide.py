@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.glide.model import SlidingWindowCache
@@ -18,10 +18,7 @@ T = 24
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=128, init=0.02)
 
 
 def make_draft(target, window=6, max_lag=4):

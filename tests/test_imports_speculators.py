@@ -5,8 +5,9 @@ steps, DFlash over whole blocks)."""
 
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from helpers import random_llama, save_target
 from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
 from specdraft.drafts.registry import build_draft
@@ -54,11 +55,7 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
 
 
 def test_a_dflash_speculators_saved_imports_and_computes_its_logits(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    directory = tmp_path / "target"
-    LlamaForCausalLM(config).save_pretrained(directory)
+    directory = save_target(random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02), tmp_path / "target")
     target = LlamaForCausalLM.from_pretrained(directory).eval().requires_grad_(False)
     ours = make_draft(target, block_size=5)
     write_speculators_export(ours, ours.state_dict(), tmp_path / "spec", str(directory))

@@ -333,15 +333,12 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     with target context, prompt tokens included, while CE stays the mean over the answer tokens.
     Loss, logged terms, accuracy and every draft gradient match a whole-tensor reference."""
     from omegaconf import OmegaConf
-    from transformers import LlamaConfig, LlamaForCausalLM
 
+    from helpers import random_llama
     from specdraft.drafts.registry import build_draft
     from specdraft.target.capture import capture
 
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                          initializer_range=0.1)).eval().requires_grad_(False)
+    target = random_llama(vocab=128, init=0.1)
     cfg = OmegaConf.structured(DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7,
                                            distill_tokens=distill_tokens))
     draft = build_draft(cfg, target.config)

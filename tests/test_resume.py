@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_overrides, torchrun, train_run
+from helpers import REPO, run_overrides, save_target, torchrun, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
@@ -59,11 +59,7 @@ def wide_target(tiny_target_dir, work):
     config = LlamaConfig.from_pretrained(tiny_target_dir)
     config.intermediate_size = 640
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for path in Path(tiny_target_dir).iterdir():
-        if "token" in path.name or path.name.endswith(".jinja"):
-            shutil.copy(path, out / path.name)
-    return out
+    return save_target(LlamaForCausalLM(config), out, tiny_target_dir)
 
 
 def overrides(target, data_dir, work, name, **extra) -> list:

@@ -7,8 +7,9 @@ sequence; Anchor-Offset positions jump on purpose. These tests pin what the targ
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
+from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.documents import document_attention
@@ -23,10 +24,7 @@ def target_features(base_model, ids, positions, documents=None):
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return random_llama(vocab=128, init=0.02)
 
 
 def anchor_positions(T, sinks, offset):

@@ -259,21 +259,17 @@ def test_the_teachers_peak_is_its_term_of_the_memory_model(monkeypatch, family, 
     model adds above weights, gradients and optimizer state. loss_chunk_size 0 sizes the loss's
     chunk from the draft vocab (256 rows here, the default chunk shrunk to fit a CPU test), not the
     target's (64); the whole-vocab pass of in_vocab / LK stays within the loss chunk's term."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from specdraft.train.model import TargetWithDraft
 
     vocab, draft_vocab, seq = 4750, 400, 256
     monkeypatch.setattr(loss_module, "LOGITS_CHUNK_BYTES", 4 * vocab * 64)  # 64 rows of 4750, 704 of 400
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     cfg = OmegaConf.structured(TrainConfig)
     cfg.draft.type, cfg.max_seq_length, cfg.precision, cfg.per_device_batch_size = family, seq, "fp32", 1
     cfg.loss_chunk_size, cfg.draft.loss, cfg.draft.draft_vocab_size = chunk, loss, draft_vocab
     for key, value in {"eagle3": dict(ttt_steps=2), "peagle": dict(num_depths=3)}[family].items():
         cfg.draft[key] = value
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    target = random_llama(vocab=vocab, init=0.02, tie_word_embeddings=False)
+    config = target.config
     draft = build_draft(cfg.draft, config)
     draft.set_vocab_maps(*vocab_maps(torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(0))
                                      .numpy(), draft_vocab))
