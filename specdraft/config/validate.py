@@ -22,6 +22,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.parallel.checks import sequence_parallel_key_refusal
 from specdraft.rundir.layout import step_of
 from specdraft.target.checks import check_packed_documents, check_sequence_length, check_tokenizer, load_target_config
+from specdraft.target.config_file import has_target_config
 
 
 def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_of=None) -> None:
@@ -87,9 +88,7 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
 def _target_config_if_readable(target_dir: str):
     """The target's transformers config, for the draft's checks against it (layer ids, vocab);
     None when the directory has no config.json yet (training start fails on it with its own message)."""
-    if not os.path.isfile(os.path.join(target_dir, "config.json")):
-        return None
-    return load_target_config(target_dir)
+    return load_target_config(target_dir) if has_target_config(target_dir) else None
 
 
 def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> None:

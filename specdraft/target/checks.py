@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from specdraft.errors import SpecdraftError
+from specdraft.target.config_file import read_target_config, target_config_path
 
 # Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
 # drafts read, each tested with every draft family (tests/test_target_matrix.py; docs/targets.md
@@ -16,13 +17,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gem
                          "glm4_moe", "phi3", "qwen3_next")
 
 def load_target_config(target_dir: str):
-    if not os.path.isfile(os.path.join(target_dir, "config.json")):
-        raise SpecdraftError(f"{target_dir}: no config.json (not a Hugging Face model directory)")
+    """The target's transformers config: config.json read first (config_file: a missing or broken
+    file is one line), then a model type we support."""
+    read_target_config(target_dir)
     from transformers import AutoConfig  # here: its config classes import torch
 
     config = AutoConfig.from_pretrained(target_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SpecdraftError(f"{target_dir}/config.json: model_type '{config.model_type}' is not "
+        raise SpecdraftError(f"{target_config_path(target_dir)}: model_type '{config.model_type}' is not "
                              f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     return config
 

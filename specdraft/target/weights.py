@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdraft.errors import SpecdraftError
+from specdraft.target.config_file import read_json, read_target_config, target_config_path
 
 # Most common layout first. When several are stored, the one matching the config's shape wins.
 EMBED_KEYS = (
@@ -90,7 +91,7 @@ def load_target_head_weights(target_dir, dtype=None, expected_vocab: int | None 
     """
     target_dir = _require_directory(target_dir)
     dtype = _resolve_dtype(dtype)
-    config = _read_config(target_dir)
+    config = read_target_config(target_dir)
     checkpoint = _open_checkpoint(target_dir)
     plan = _plan_head(checkpoint, config, target_dir)
     for location in (plan.embed, plan.lm_head):
@@ -123,7 +124,7 @@ def target_weight_files(target_dir) -> dict[str, Path]:
 def describe_target(target_dir) -> dict:
     """Architecture, sizes and where the embedding and head live, from config and headers only."""
     target_dir = _require_directory(target_dir)
-    config = _read_config(target_dir)
+    config = read_target_config(target_dir)
     checkpoint = _open_checkpoint(target_dir)
     plan = _plan_head(checkpoint, config, target_dir)
     text = _text_config(config)
@@ -186,23 +187,6 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     return resolved
 
 
-def _read_config(target_dir: Path) -> dict:
-    path = target_dir / "config.json"
-    if not path.is_file():
-        raise SpecdraftError(f"{path}: missing (not a Hugging Face model directory)")
-    config = _read_json(path)
-    if not isinstance(config, dict):
-        raise SpecdraftError(f"{path}: expected a JSON object")
-    return config
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise SpecdraftError(f"{path}: not readable JSON ({_first_line(error)})") from error
-
-
 def _text_config(config: dict) -> dict:
     # config.json as a dict: this reader runs without transformers (drafts/base.target_text_config
     # is the lookup for config objects)
@@ -261,7 +245,7 @@ def _plan_head(checkpoint, config: dict, target_dir: Path) -> _HeadPlan:
         embed, lm_head = lm_head, None  # transformers ties a missing embedding to the stored head
     for location in (embed, lm_head):
         if location is not None:
-            _check_shape(location, expected, str(target_dir / "config.json"))
+            _check_shape(location, expected, str(target_config_path(target_dir)))
     return _HeadPlan(embed, lm_head, tied)
 
 
@@ -307,7 +291,7 @@ def target_identity(target_dir) -> str:
     change every block, even where shapes, headers and sizes are the same).
     """
     target_dir = _require_directory(target_dir)
-    config = target_dir / "config.json"
+    config = target_config_path(target_dir)
     if not config.is_file():
         raise SpecdraftError(f"{config}: missing (not a Hugging Face model directory)")
     digest = hashlib.sha256(config.read_bytes())
@@ -349,7 +333,7 @@ def _open_checkpoint(target_dir: Path):
 
 def _read_index(path: Path) -> dict[str, Path]:
     """{tensor key: shard path} from an index's weight_map; every shard it names must exist."""
-    index = _read_json(path)
+    index = read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SpecdraftError(f"{path}: no weight_map")

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Callable, Dict
 
 import torch
-from transformers import AutoConfig
 
 from specdraft.drafts.base import FileFormat, config_fields, uncapturable_layer
 from specdraft.errors import SpecdraftError
+from specdraft.target.checks import load_target_config
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format is written (and tested) for
 WEIGHTS_NAME = "model.safetensors"
@@ -104,7 +104,7 @@ def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir
     make_config: the config.json of the family (a family on DFlash's backbone passes its own)."""
     from safetensors.torch import save_file
 
-    target_config = AutoConfig.from_pretrained(str(target_dir))
+    target_config = load_target_config(str(target_dir))
     tensors = {k: v.detach().to("cpu").contiguous().clone()
                for k, v in speculators_state_dict(draft, state_dict).items()}
     out_dir = Path(out_dir)

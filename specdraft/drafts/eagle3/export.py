@@ -31,18 +31,12 @@ from safetensors.torch import save_file
 
 from specdraft.drafts.base import FileFormat, config_fields, uncapturable_layer
 from specdraft.errors import SpecdraftError
+from specdraft.target.config_file import read_target_config
 from specdraft.target.weights import load_target_head_weights
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-def _target_config(target_dir: str) -> Dict[str, Any]:
-    path = Path(target_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise SpecdraftError(f"{path}: not found (the verifier the export names)")
-    return json.loads(path.read_text())
 
 
 # speculators' config field -> the draft key it records: what an import (draft.init_from) reads
@@ -54,7 +48,7 @@ SPECULATORS_SETTINGS = {"eagle_aux_hidden_state_layer_ids": "target_layers",
 
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
     d = draft.dims
-    verifier = _target_config(target_dir)
+    verifier = read_target_config(target_dir)
     return {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],

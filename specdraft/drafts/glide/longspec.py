@@ -21,6 +21,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.layout import CONFIG_NAME, PTH_NAME
+from specdraft.target.config_file import read_target_config, target_config_path
 
 # ours -> LongSpec's; every other name is the same in both
 RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",
@@ -52,12 +53,10 @@ def write_longspec(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, ta
     refusal = longspec_refusal(draft.dims)
     if refusal:
         raise SpecdraftError(refusal)
-    target_config = Path(target_dir) / CONFIG_NAME
-    if not target_config.is_file():
-        raise SpecdraftError(f"{target_config}: not found (LongSpec builds the draft layer from the target's config)")
+    read_target_config(target_dir)  # LongSpec builds the draft layer from it: a readable one, copied as it is
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in longspec_state_dict(draft, state_dict).items()}
     torch.save(tensors, out_dir / PTH_NAME)
-    shutil.copyfile(target_config, out_dir / CONFIG_NAME)
+    shutil.copyfile(target_config_path(target_dir), out_dir / CONFIG_NAME)
     AutoTokenizer.from_pretrained(str(target_dir)).save_pretrained(str(out_dir))

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from specdraft.drafts.base import FileFormat
 from specdraft.drafts.mtp.layer import CheckpointLayout, checkpoint_layout, ours_from_target, target_from_ours
 from specdraft.errors import SpecdraftError
+from specdraft.target.config_file import read_target_config
 from specdraft.target.weights import load_target_tensors, target_weight_files
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this format was checked against
@@ -51,7 +52,7 @@ SPECULATORS_MODEL_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_t
 
 def target_layout(target_dir: str) -> CheckpointLayout:
     """Where the target's checkpoint keeps its MTP layer (its config.json's model type and depth)."""
-    config = _target_config(target_dir)
+    config = read_target_config(target_dir)
     text = config.get("text_config") or config
     return checkpoint_layout(text.get("model_type", config.get("model_type")), int(text["num_hidden_layers"]))
 
@@ -81,15 +82,8 @@ def read_target_mtp(target_dir: str, expected: Dict[str, torch.Tensor]) -> Dict[
     return {name: value.to(expected[name].dtype) for name, value in ours.items()}
 
 
-def _target_config(target_dir: str) -> Dict[str, Any]:
-    path = Path(target_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise SpecdraftError(f"{path}: not found (the verifier the export names)")
-    return json.loads(path.read_text())
-
-
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
-    verifier = _target_config(target_dir)
+    verifier = read_target_config(target_dir)
     return {
         "speculators_model_type": "mtp",
         "architectures": ["MTPDraftModel"],
