@@ -68,6 +68,54 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
+def append_kv(past: Optional[torch.Tensor], new: torch.Tensor) -> torch.Tensor:
+    """Keys or values (R, KV, S, D) with new entries (R, KV, N, D) after them: new when none yet."""
+    return new if past is None else torch.cat([past, new], dim=2)
+
+
+class DraftCache:
+    """A drafter's own cache over the verified positions (EAGLE-3's, MTP's): `states` (P, H), what
+    the target handed over for positions 0..P-1, and the draft's keys / values (1, KV, fed, D) of
+    indices < fed. Drafted entries live in round-local tensors only, so a rejection cuts both back
+    to the accepted length and nothing else."""
+
+    def __init__(self):
+        self.states: Optional[torch.Tensor] = None
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.fed = 0
+
+    def observe(self, states: torch.Tensor, start: int) -> None:
+        """The target's states (T, H) of positions start..start+T-1, replacing any from start on."""
+        kept = self.states[:start] if self.states is not None else states[:0]
+        self.states = torch.cat([kept, states])
+
+    def rollback(self, length: int) -> None:
+        if self.states is not None:
+            self.states = self.states[:length]
+        self.crop(length)
+
+    def crop(self, length: int) -> None:
+        if self.fed > length:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+            self.fed = length
+
+    def catch_up(self, n: int, device) -> Tuple[int, torch.Tensor]:
+        """Before feeding indices fed..n-1: (the first, visible (count, n) bool: every earlier index
+        and causal among the new). Index n-1 is fed again if it was already (a second proposal
+        this round)."""
+        self.crop(n - 1)
+        start = self.fed
+        count = n - start
+        visible = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device),
+                             torch.ones(count, count, dtype=torch.bool, device=device).tril()], dim=1)
+        return start, visible
+
+    def fed_up_to(self, n: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Indices < n fed: their keys and values (1, KV, n, D)."""
+        self.keys, self.values, self.fed = keys, values, n
+
+
 def last_layer_kv(cache: DynamicCache) -> Tuple[torch.Tensor, torch.Tensor]:
     """The last layer's (keys, values), each (B, KV, T, D); keys have RoPE applied."""
     layer = cache.layers[-1]

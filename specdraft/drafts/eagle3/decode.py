@@ -12,13 +12,13 @@ the target vocab (zero outside the draft vocab), so rejection sampling stays los
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.decode.cache import cache_length
+from specdraft.decode.cache import DraftCache, append_kv, cache_length
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
@@ -40,27 +40,16 @@ class Eagle3Drafter(Drafter):
         self.start()
 
     def start(self) -> None:
-        self.fused: Optional[torch.Tensor] = None  # (P, H) fc(target states) of positions 0..P-1
-        self.keys: Optional[torch.Tensor] = None  # (1, KV, fed, D) the draft's cache of indices < fed
-        self.values: Optional[torch.Tensor] = None
-        self.fed = 0
+        self.cache = DraftCache()  # states: fc(target states) (P, H) of positions 0..P-1
 
     def observe_target(self, hidden: Dict[int, torch.Tensor], start: int) -> None:
         aux = torch.cat([hidden[layer] for layer in self.target_layers], dim=-1).to(self.device, self.dtype)
         with torch.no_grad():
             fused = self.draft.fuse(aux)  # (T, H)
-        kept = self.fused[:start] if self.fused is not None else fused[:0]
-        self.fused = torch.cat([kept, fused])
+        self.cache.observe(fused, start)
 
     def rollback(self, length: int) -> None:
-        if self.fused is not None:
-            self.fused = self.fused[:length]
-        self._crop(length)
-
-    def _crop(self, length: int) -> None:
-        if self.fed > length:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-            self.fed = length
+        self.cache.rollback(length)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., N) draft logits -> (..., V) on the target vocab, -inf outside the draft vocab."""
@@ -74,18 +63,13 @@ class Eagle3Drafter(Drafter):
     @torch.no_grad()
     def _catch_up(self, tokens: torch.Tensor, n: int):
         """Feed indices fed..n-1 (target states, next tokens) -> (hidden, logits) of index n-1."""
-        self._crop(n - 1)  # index n-1 is fed again if it was already (a second proposal this round)
-        start = self.fed
-        count = n - start
+        cache = self.cache
+        start, visible = cache.catch_up(n, self.device)
         embeds = self._embed(tokens[start + 1:n + 1][None])  # (1, count, H) x_{t+1}
         positions = torch.arange(start + 1, n + 1, device=self.device)
-        visible = torch.cat([torch.ones(count, start, dtype=torch.bool, device=self.device),
-                             torch.ones(count, count, dtype=torch.bool, device=self.device).tril()], dim=1)
-        hidden, head_in, k, v = self.draft.step(embeds, self.fused[None, start:n], positions,
-                                                self.keys, self.values, visible)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        self.fed = n
+        hidden, head_in, k, v = self.draft.step(embeds, cache.states[None, start:n], positions,
+                                                cache.keys, cache.values, visible)
+        cache.fed_up_to(n, append_kv(cache.keys, k), append_kv(cache.values, v))
         return hidden[:, -1:], self.draft.logits(head_in[:, -1])  # (1, 1, H), (1, N)
 
     @torch.no_grad()
@@ -94,12 +78,12 @@ class Eagle3Drafter(Drafter):
         positions = torch.tensor([position], device=self.device)
         hidden, head_in, k, v = self.draft.step(self._embed(token_ids[:, None]), hidden, positions, keys, values,
                                                 visible=None)
-        return hidden, self.draft.logits(head_in[:, -1]), torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        return hidden, self.draft.logits(head_in[:, -1]), append_kv(keys, k), append_kv(values, v)
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
         n = cache_length(target_cache)
         hidden, logits = self._catch_up(tokens, n)
-        keys, values = self.keys, self.values
+        keys, values = self.cache.keys, self.cache.values
         drafted, qs = [], []
         for j in range(1, gamma + 1):
             token, q = sample(self._target_logits(logits[0]), temperature, generator)
@@ -113,7 +97,7 @@ class Eagle3Drafter(Drafter):
     def propose_tree(self, tokens, target_cache, widths):
         n = cache_length(target_cache)
         hidden, logits = self._catch_up(tokens, n)
-        rows = {"hidden": hidden, "keys": self.keys, "values": self.values}  # row r: frontier node r's path
+        rows = {"hidden": hidden, "keys": self.cache.keys, "values": self.cache.values}  # row r: frontier node r's path
 
         def expand(parent_rows, new_tokens, depth):
             parent_rows = parent_rows.to(self.device)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.decode.cache import cache_length
+from specdraft.decode.cache import DraftCache, append_kv, cache_length
 from specdraft.decode.drafters import Drafter, grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
@@ -34,9 +34,7 @@ class RoundCache:
 
     def update(self, keys, values, layer_idx, *args, **kwargs):
         self.new_keys, self.new_values = keys, values
-        if self.keys is None:
-            return keys, values
-        return torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+        return append_kv(self.keys, keys), append_kv(self.values, values)
 
 
 class MTPDrafter(Drafter):
@@ -54,28 +52,17 @@ class MTPDrafter(Drafter):
         self.start()
 
     def start(self) -> None:
-        self.hidden: Optional[torch.Tensor] = None  # (P, H) the target's final hidden states, positions 0..P-1
-        self.keys: Optional[torch.Tensor] = None  # (1, KV, fed, D) the layer's cache of indices < fed
-        self.values: Optional[torch.Tensor] = None
-        self.fed = 0
+        self.cache = DraftCache()  # states: the target's final hidden states (P, H) of positions 0..P-1
 
     def observe_target(self, hidden: Dict[int, torch.Tensor], start: int) -> None:
         # the last layer's output, through the target's own final norm: its lm_head's input
         (layer_output,) = hidden.values()
         with torch.no_grad():
             final = self.target_model.norm(layer_output).to(self.device, self.dtype)
-        kept = self.hidden[:start] if self.hidden is not None else final[:0]
-        self.hidden = torch.cat([kept, final])
+        self.cache.observe(final, start)
 
     def rollback(self, length: int) -> None:
-        if self.hidden is not None:
-            self.hidden = self.hidden[:length]
-        self._crop(length)
-
-    def _crop(self, length: int) -> None:
-        if self.fed > length:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-            self.fed = length
+        self.cache.rollback(length)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids.to(self.embed_tokens.weight.device)).to(self.device, self.dtype)
@@ -90,22 +77,16 @@ class MTPDrafter(Drafter):
         cache = RoundCache(keys, values)
         mask = None if visible is None else visible[None, None].expand(hidden.shape[0], 1, -1, -1)
         out = self.draft.step(hidden, self._embed(ids), cos, sin, mask, cache)
-        if keys is None:
-            return out, cache.new_keys, cache.new_values
-        return out, torch.cat([keys, cache.new_keys], dim=2), torch.cat([values, cache.new_values], dim=2)
+        return out, append_kv(keys, cache.new_keys), append_kv(values, cache.new_values)
 
     @torch.no_grad()
     def _catch_up(self, tokens: torch.Tensor, n: int):
         """Feed indices fed..n-1 (target hidden h_t, token x_{t+1}) -> the output at index n-1 (1, 1, H)."""
-        self._crop(n - 1)  # index n-1 is fed again if it was already (a second proposal this round)
-        start = self.fed
-        count = n - start
-        visible = torch.cat([torch.ones(count, start, dtype=torch.bool, device=self.device),
-                             torch.ones(count, count, dtype=torch.bool, device=self.device).tril()], dim=1)
-        out, self.keys, self.values = self._pass(self.hidden[None, start:n], tokens[start + 1:n + 1][None],
-                                                 torch.arange(start, n, device=self.device), self.keys, self.values,
-                                                 visible)
-        self.fed = n
+        cache = self.cache
+        start, visible = cache.catch_up(n, self.device)
+        out, keys, values = self._pass(cache.states[None, start:n], tokens[start + 1:n + 1][None],
+                                       torch.arange(start, n, device=self.device), cache.keys, cache.values, visible)
+        cache.fed_up_to(n, keys, values)
         return out[:, -1:]
 
     @torch.no_grad()
@@ -117,7 +98,7 @@ class MTPDrafter(Drafter):
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
         n = cache_length(target_cache)
         hidden = self._catch_up(tokens, n)
-        keys, values = self.keys, self.values
+        keys, values = self.cache.keys, self.cache.values
         drafted, qs = [], []
         for j in range(1, gamma + 1):
             token, q = sample(self._logits(hidden[0, -1]), temperature, generator)
@@ -131,7 +112,7 @@ class MTPDrafter(Drafter):
     def propose_tree(self, tokens, target_cache, widths):
         n = cache_length(target_cache)
         hidden = self._catch_up(tokens, n)
-        rows = {"hidden": hidden, "keys": self.keys, "values": self.values}  # row r: frontier node r's path
+        rows = {"hidden": hidden, "keys": self.cache.keys, "values": self.cache.values}  # row r: frontier node r's path
 
         def expand(parent_rows, new_tokens, depth):
             parent_rows = parent_rows.to(self.device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdraft.decode.cache import cache_length
+from specdraft.decode.cache import append_kv, cache_length
 from specdraft.decode.drafters import grow_tree
 from specdraft.decode.sampling import sample
 from specdraft.decode.tree import chain
@@ -32,8 +32,9 @@ class PEagleDrafter(Eagle3Drafter):
     @torch.no_grad()
     def _parallel(self, tokens: torch.Tensor, n: int, depths: int) -> torch.Tensor:
         """One forward -> (depths, N) draft logits of x_{n+1} .. x_{n+depths}."""
-        self._crop(n - 1)  # index n-1 is fed again if it was already (a second proposal this round)
-        start, m = self.fed, depths - 1
+        cache = self.cache
+        cache.crop(n - 1)  # index n-1 is fed again if it was already (a second proposal this round)
+        start, m = cache.fed, depths - 1
         count = n - start
         dev = self.device
         mask_embedding = self.draft.mask_embedding.to(dev, self.dtype)
@@ -42,18 +43,16 @@ class PEagleDrafter(Eagle3Drafter):
         real = torch.where((fed == self.draft.dims.mask_token_id)[:, None], mask_embedding[None], real)  # one row
         embeds = torch.cat([real, mask_embedding.expand(m, -1)])
         mask_hidden = self.draft.fuse(self.draft.mask_hidden.to(dev, self.dtype)[0])  # (1, H)
-        hidden = torch.cat([self.fused[start:n], mask_hidden.expand(m, -1)])
+        hidden = torch.cat([cache.states[start:n], mask_hidden.expand(m, -1)])
         positions = torch.cat([torch.arange(start + 1, n + 1, device=dev), n + torch.arange(1, m + 1, device=dev)])
         visible = torch.zeros(count + m, start + count + m, dtype=torch.bool, device=dev)
         visible[:, :start] = True
         visible[:count, start:start + count] = torch.ones(count, count, dtype=torch.bool, device=dev).tril()
         visible[count:, start:start + count] = True
         visible[count:, start + count:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-        _, head_in, k, v = self.draft.step(embeds[None], hidden[None], positions, self.keys, self.values, visible)
+        _, head_in, k, v = self.draft.step(embeds[None], hidden[None], positions, cache.keys, cache.values, visible)
         keep = slice(0, count)  # the cache keeps the depth-0 entries only
-        self.keys = k[:, :, keep] if self.keys is None else torch.cat([self.keys, k[:, :, keep]], dim=2)
-        self.values = v[:, :, keep] if self.values is None else torch.cat([self.values, v[:, :, keep]], dim=2)
-        self.fed = n
+        cache.fed_up_to(n, append_kv(cache.keys, k[:, :, keep]), append_kv(cache.values, v[:, :, keep]))
         return self.draft.logits(head_in[0, count - 1:])
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
