@@ -193,6 +193,18 @@ def save_target(model, directory, tokenizer_dir=None) -> Path:
     return directory
 
 
+def imported_draft(cfg, target_config):
+    """What cfg.draft.init_from names, as training starts from it: read and checked (the import),
+    then loaded strictly into a new draft of cfg.draft -> (the import, the draft)."""
+    from specdraft.drafts.registry import build_draft
+    from specdraft.export.init_from import read_init_from
+
+    imported = read_init_from(cfg, target_config)
+    draft = build_draft(cfg.draft, target_config)
+    draft.load_state_dict(imported.state, strict=True)
+    return imported, draft
+
+
 # -- a target with a native MTP layer (draft.type: mtp) --------------------------------------------
 
 MTP_TARGET_LAYERS = 2

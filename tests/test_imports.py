@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig
 
+from helpers import imported_draft
 from specdraft.config import TrainConfig
 from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.drafts.eagle3.vocab import vocab_maps
@@ -71,10 +72,7 @@ def export_in(target_dir, tmp_path, family, fmt, path, **draft):
 
 def imported_state(target_dir, family, source, **draft):
     cfg = run_cfg(target_dir, family, init_from=str(source), **draft)
-    imported = read_init_from(cfg, AutoConfig.from_pretrained(target_dir))
-    fresh = build_draft(cfg.draft, AutoConfig.from_pretrained(target_dir))
-    fresh.load_state_dict(imported.state, strict=True)
-    return imported, fresh
+    return imported_draft(cfg, AutoConfig.from_pretrained(target_dir))
 
 
 def assert_equal_states(got, want):

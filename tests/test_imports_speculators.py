@@ -7,13 +7,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from helpers import random_llama, save_target
+from helpers import imported_draft, random_llama, save_target
 from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
-from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash.speculators import write_speculators_export
 from specdraft.export.files import write_draft_export
-from specdraft.export.init_from import read_init_from
 from test_dflash_export import REPO, VOCAB, make_draft, our_logits
 from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg, target_dir  # noqa: F401
 
@@ -43,10 +41,8 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
     export = write_draft_export(tmp_path / "step_1", ours.state_dict(), ours, cfg)
     report = run_in_speculators(RESAVE, export / "speculators", tmp_path / "theirs", "eagle3")
     cfg.draft.init_from = str(tmp_path / "theirs")
-    imported = read_init_from(cfg, target.config)
+    imported, draft = imported_draft(cfg, target.config)
     assert imported.fmt == "speculators"
-    draft = build_draft(cfg.draft, target.config)
-    draft.load_state_dict(imported.state, strict=True)
     draft.eval()
     assert set(imported.state) == set(draft.state_dict()) and set(imported.state) <= set(report["saved"])
     assert not torch.equal(draft.fc.weight, ours.fc.weight)  # speculators' new weights, not ours
@@ -63,9 +59,7 @@ def test_a_dflash_speculators_saved_imports_and_computes_its_logits(tmp_path):
     cfg = OmegaConf.structured(TrainConfig(target=str(directory), data_files="unused"))
     cfg.draft = OmegaConf.merge(cfg.draft, dict(type="dflash", num_layers=2, block_size=5,
                                                 init_from=str(tmp_path / "theirs")))
-    imported = read_init_from(cfg, target.config)
-    draft = build_draft(cfg.draft, target.config)
-    draft.load_state_dict(imported.state, strict=True)
+    _, draft = imported_draft(cfg, target.config)
     draft.eval()
     assert not torch.equal(draft.fc.weight, ours.fc.weight)  # speculators' new weights
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))

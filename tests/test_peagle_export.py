@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from helpers import imported_draft
 from speculators_env import run_in_speculators
 from specdraft.config import TrainConfig
-from specdraft.drafts.registry import build_draft
 from specdraft.drafts.peagle.cod import cod_anchors, slot_order
 from specdraft.target.capture import capture
 from specdraft.export.files import write_draft_export
@@ -141,7 +141,6 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
     """init_from a PEagleDraftModel.save_pretrained: its weights, mask_hidden and the mask token's
     embedding row come in, and speculators computes the imported draft's logits."""
     from transformers import AutoModelForCausalLM
-    from specdraft.export.init_from import read_init_from
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     cfg = run_cfg(target_dir, tmp_path, draft_vocab_size=100, mask_token_id=7)
@@ -149,10 +148,8 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
     export = write_draft_export(tmp_path / "step_1", ours.state_dict(), ours, cfg) / "speculators"
     run_in_speculators(RESAVE, export, tmp_path / "theirs")
     cfg.draft.init_from = str(tmp_path / "theirs")
-    imported = read_init_from(cfg, target.config)
+    imported, draft = imported_draft(cfg, target.config)
     assert imported.fmt == "speculators"
-    draft = build_draft(cfg.draft, target.config)
-    draft.load_state_dict(imported.state, strict=True)
     draft.eval()
     assert not torch.equal(draft.mask_embedding, ours.mask_embedding) and not torch.equal(draft.mask_hidden, ours.mask_hidden)
     assert torch.equal(draft.d2t, ours.d2t)
