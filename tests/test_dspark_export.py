@@ -3,36 +3,21 @@ DSparkDraftModel (in its own venv, tests/speculators_env.py): no missing / unexp
 forward's Markov-biased logits and confidences equal ours within 1e-4, for every Markov variant."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
-from transformers import LlamaForCausalLM
 
-from helpers import random_llama, save_target
 from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.registry import draft_from_export_config
 from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.drafts.dspark.speculators import write_speculators_export
 from specdraft.target.capture import capture
+from test_dflash_export import REPO, VOCAB, T, target, target_dir  # noqa: F401 (DFlash's target, DSpark's base)
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
-VOCAB, T = 128, 40
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_target(random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02),
-                       tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return LlamaForCausalLM.from_pretrained(target_dir).eval().requires_grad_(False)
 
 
 def make_draft(target, **overrides):
