@@ -12,28 +12,15 @@ under no_grad) at the anchors given in INPUTS.pt: captured where forward hands t
 import sys
 
 import torch
-from safetensors.torch import load_file
 
-import speculators.models.dflash.core as dflash_core
 import speculators.models.dspark.core as dspark_core
-from speculators.model import SpeculatorModel
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+from speculators_block_export import inputs_at_fixed_anchors, load_export
 
 export_dir, inputs_path, out_path = sys.argv[1:4]
 
-config = DSparkSpeculatorConfig.from_pretrained(export_dir)
-_, info = super(SpeculatorModel, DSparkDraftModel).from_pretrained(export_dir, config=config,
-                                                                   output_loading_info=True)
-config = DSparkSpeculatorConfig.from_pretrained(export_dir)
-config.transformer_layer_config._attn_implementation = "eager"  # not saved: chosen at load time
-model = DSparkDraftModel.from_pretrained(export_dir, config=config).eval()  # the public path
-state = model.state_dict()
-written = load_file(f"{export_dir}/model.safetensors")
-weights_equal = all(torch.equal(state[k], v) for k, v in written.items())
-
-inputs = torch.load(inputs_path, weights_only=True)
-anchors = inputs["anchors"]  # (A,)
-dflash_core.select_anchors = lambda loss_mask, num_anchors, block_size: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+model, config, loaded = load_export(export_dir, DSparkDraftModel, DSparkSpeculatorConfig)
+inputs = inputs_at_fixed_anchors(inputs_path)
 seen = {}
 
 
@@ -47,9 +34,7 @@ ids = inputs["input_ids"]
 with torch.no_grad():
     model(inputs["hidden_states"], ids, torch.ones_like(ids),
           torch.zeros(*ids.shape, config.transformer_layer_config.hidden_size), torch.zeros_like(ids),
-          max_anchors=anchors.numel())
-torch.save({"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-            "mismatched": sorted(str(m) for m in info["mismatched_keys"]), "weights_equal": weights_equal,
-            "markov_head_type": config.markov_head_type, "markov_rank": config.markov_rank,
+          max_anchors=inputs["anchors"].numel())
+torch.save({**loaded, "markov_head_type": config.markov_head_type, "markov_rank": config.markov_rank,
             "with_markov": config.confidence_head_with_markov,
             "logits": seen["logits"], "confidence": seen["confidence"]}, out_path)
