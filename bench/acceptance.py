@@ -7,6 +7,14 @@ against prompt lookup (no model), greedy and sampled.
     python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0:all" \\
         --gamma 4 --tree ""                                     # one GLIDE per objective
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
+    python bench/acceptance.py --preset smollm2 --tokens-seen 30k,100k,300k   # a real chat model: tau
+                                                                # against tokens seen, every family
+
+--tokens-seen: each family trains once, to the largest count, on the same batches (same seed, the
+same max_seq_length x per_device_batch_size tokens a step); its exports at each count are measured
+greedy with a chain (the learning curve: what more data buys), the last one also as below. A
+preset's CPU budget (PRESET_OVERRIDES) sets what every family shares and each family's cheaper
+shape (EAGLE-3 / P-EAGLE draft vocab, DFlash / DSpark anchors and layers).
 
 Training: each family with its demo config (configs/demo.yaml, demo-eagle3.yaml, demo-dflash.yaml)
 for --train-steps on the same data with the same seed, with its default objective or once per
@@ -36,7 +44,9 @@ import re
 import sys
 import shutil
 import time
+from math import gcd
 from pathlib import Path
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,6 +70,43 @@ from specdraft.commands.evaluate import load_tokenizer, resolve_device, resolve_
 
 CONFIGS = family_demo_configs()  # every family with a packaged demo config takes part
 LABELS = {family: cls.label for family, cls in FAMILIES.items()}
+# What a preset's bench runs with on 2 CPU cores: "*" for every family (the same tokens per step),
+# then each family's cheaper shape. SmolLM2 (vocab 49,152): EAGLE-3's and P-EAGLE's heads over an
+# 8k draft vocab, DFlash / DSpark with 2 layers and 32 blocks a sequence, P-EAGLE 4 depths.
+PRESET_OVERRIDES = {
+    "smollm2": {
+        "*": ["max_seq_length=256", "per_device_batch_size=4", "learning_rate=1e-3", "warmup_proportion=0.05",
+              "logging_steps=10"],
+        "eagle3": ["draft.draft_vocab_size=8192", "draft.ttt_steps=5"],
+        "peagle": ["draft.draft_vocab_size=8192", "draft.num_depths=4"],
+        "dflash": ["draft.num_layers=2", "draft.max_anchors=32"],
+        "dspark": ["draft.num_layers=2", "draft.max_anchors=32", "draft.markov_rank=64"],
+    },
+}
+PRESET_FAMILIES = {"smollm2": "glide,eagle3,peagle,dflash,dspark"}  # no MTP layer in SmolLM2
+
+
+def parse_count(text: str) -> int:
+    """'30k' -> 30000, '1.5M' -> 1500000, '2048' -> 2048."""
+    text = text.strip()
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:].lower(), 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise SpecdraftError(f"--tokens-seen {text!r}: a count such as 30k, 0.3M or 2048") from None
+    if value < 1:
+        raise SpecdraftError(f"--tokens-seen {text!r}: must be at least one token")
+    return int(round(value))
+
+
+def steps_for_tokens(counts: List[int], tokens_per_step: int) -> List[int]:
+    """Optimizer steps that see (at least) each count of tokens, in order, each at least 1."""
+    steps = [max(1, -(-count // tokens_per_step)) for count in counts]
+    if steps != sorted(set(steps)):
+        raise SpecdraftError(f"--tokens-seen: {counts} are {steps} steps of {tokens_per_step} tokens; "
+                             f"give increasing counts at least one step apart")
+    return steps
 
 
 def parse_args(argv=None):
@@ -67,7 +114,9 @@ def parse_args(argv=None):
     parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="demo assets to use")
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
-    parser.add_argument("--families", default="glide,eagle3,dflash", help="draft families to train")
+    parser.add_argument("--families", default=None,
+                        help="draft families to train (default: glide,eagle3,dflash; the preset's own, e.g. "
+                             "smollm2: every family but MTP)")
     parser.add_argument("--objectives", nargs="+", default=[],
                         help="train each family once per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' "
                              "kl:all (default: once, with the family's default objective)")
@@ -77,6 +126,9 @@ def parse_args(argv=None):
     parser.add_argument("--answer-temperature", type=float, default=0.0,
                         help="train on the demo target's answers sampled at this temperature (default 0: greedy)")
     parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--tokens-seen", default="", metavar="N,N,...",
+                        help="train to the largest count and measure the exports at each (e.g. 30k,100k,300k): "
+                             "tau against tokens seen; overrides --train-steps")
     parser.add_argument("--gamma", type=int, default=5, help="chain length of every drafter")
     parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth ('' for chains only)")
     parser.add_argument("--temperatures", default="0,0.7", help="comma-separated sampling temperatures")
@@ -116,21 +168,34 @@ def split_objective(text: str):
     return overrides, str(objective_from_options(draft_cfg, "ce"))
 
 
-def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=()) -> Path:
-    """The family's demo config on this target and data, `steps` steps, one export at the end. A
-    run this bench left in out_dir before is trained anew (resume=no never mixes into it)."""
+def family_config(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=(),
+                  save_steps: Optional[int] = None):
+    """The family's demo config on this target and data for `steps` steps (an export every
+    save_steps, default: one at the end), the preset's overrides given in `overrides`."""
     from specdraft.config import load_config
+
+    return load_config(CONFIGS[family],
+                       [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
+                        f"output_dir={out_dir}", f"max_steps={steps}", f"save_steps={save_steps or steps}",
+                        "eval_steps=0", "logging_steps=50", "resume=no", "seed=0", *overrides])
+
+
+def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=(),
+                save_steps: Optional[int] = None) -> Path:
+    """family_config trained; its last export. A run this bench left in out_dir before is trained
+    anew (resume=no never mixes into it)."""
     from specdraft.rundir.layout import is_run_dir
     from specdraft.train.loop import train
 
     if is_run_dir(out_dir):
         shutil.rmtree(out_dir)
-
-    cfg = load_config(CONFIGS[family],
-                      [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
-                       f"output_dir={out_dir}", f"max_steps={steps}", f"save_steps={steps}", "eval_steps=0",
-                       "logging_steps=50", "resume=no", "seed=0", *overrides])
+    cfg = family_config(family, target_dir, data_glob, prompts_file, out_dir, steps, overrides, save_steps)
     return Path(train(cfg).export_dir)
+
+
+def tokens_per_step(cfg) -> int:
+    """Tokens one optimizer step reads on one rank (the bench trains on one)."""
+    return cfg.max_seq_length * cfg.per_device_batch_size * cfg.gradient_accumulation_steps
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -216,7 +281,13 @@ def main(argv=None) -> dict:
     except SpecdraftError as err:
         print(f"bench/acceptance.py: {err}", file=sys.stderr)
         sys.exit(2)
-    families = [f for f in args.families.split(",") if f]
+    families = [f for f in (args.families or PRESET_FAMILIES.get(args.preset, "glide,eagle3,dflash")).split(",") if f]
+    try:
+        counts = [parse_count(c) for c in args.tokens_seen.split(",") if c.strip()]
+    except SpecdraftError as err:
+        print(f"bench/acceptance.py: {err}", file=sys.stderr)
+        sys.exit(2)
+    budget = PRESET_OVERRIDES.get(args.preset, {})
     unknown = sorted(set(families) - set(CONFIGS))
     if unknown:
         sys.exit(f"--families: unknown {unknown}; choose from {sorted(CONFIGS)}")
@@ -240,17 +311,29 @@ def main(argv=None) -> dict:
         export = resolve_export(path)[0]
         label = label or LABELS[draft_from_export_config(read_export_config(export)).family]
         exports[label], keys[label] = export, slug(label)
+    curve, steps = {}, [args.train_steps]  # label -> {tokens seen: export}; the steps measured
     if not args.draft:
+        if counts:  # every family reads the same tokens a step: one count of steps for all
+            per_step = {tokens_per_step(family_config(f, target_dir, data_glob, prompts_file, out / f, 1,
+                                                      budget.get("*", []) + budget.get(f, []))) for f in families}
+            if len(per_step) != 1:
+                sys.exit(f"--tokens-seen: the families read {sorted(per_step)} tokens a step; give them one "
+                         f"max_seq_length x per_device_batch_size")
+            steps = steps_for_tokens(counts, per_step.pop())
         for family in families:
             variants = objectives or [([], None)]
             for i, (overrides, name) in enumerate(variants):
                 label = LABELS[family] + (f" {name}" if name else "")
                 keys[label] = family + (f"_objective{i}" if i else "")
                 t0 = time.perf_counter()
-                exports[label] = train_draft(family, target_dir, data_glob, prompts_file,
-                                             out / (family + (f"-{i}" if i else "")), args.train_steps, overrides)
+                run_dir = out / (family + (f"-{i}" if i else ""))
+                save_every = gcd(*steps) if counts else None
+                exports[label] = train_draft(family, target_dir, data_glob, prompts_file, run_dir, steps[-1],
+                                             [*budget.get("*", []), *budget.get(family, []), *overrides], save_every)
+                if counts:
+                    curve[label] = {count: run_dir / f"step_{s}" for count, s in zip(counts, steps)}
                 train_seconds[label] = time.perf_counter() - t0
-                print(f"[bench] trained {label} for {args.train_steps} steps in {train_seconds[label]:.0f}s: "
+                print(f"[bench] trained {label} for {steps[-1]} steps in {train_seconds[label]:.0f}s: "
                       f"{exports[label]}", flush=True)
 
     from specdraft.target.model import load_frozen_target
@@ -273,10 +356,10 @@ def main(argv=None) -> dict:
         drafters[f"{label} (untrained)"] = ("untrained", draft_from_export_config(read_export_config(export)).eval().to(device))
 
     # -- per temperature: one baseline, then every drafter x shape ------------------------------
-    rows, plain_speed = [], {}
+    rows, plain_speed, baselines = [], {}, {}
     for temperature in temperatures:
         settings = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, stop=stop)
-        baseline = run_plain(target, prompts, **settings)
+        baseline = baselines[temperature] = run_plain(target, prompts, **settings)
         for label, (method, draft) in drafters.items():
             shapes = [dict(gamma=args.gamma)]
             block = getattr(getattr(draft, "layout", None), "predictions", None)  # a block drafter
@@ -294,13 +377,28 @@ def main(argv=None) -> dict:
                           f"{report['accepted_per_proposed']:.3f}", flush=True)
         plain_speed[temperature] = rows[-1]["baseline_tokens_per_second"]
 
+    # -- tau against tokens seen: each earlier export, greedy chain (the last is in `rows`) ------
+    greedy = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop)
+    learning = {}  # label -> {tokens seen: report}
+    for label, by_count in curve.items():
+        learning[label] = {}
+        for count, export in by_count.items():
+            if count == counts[-1]:
+                learning[label][count] = next(r for r in rows if r["label"] == label and r["temperature"] == 0.0
+                                              and r["gamma"] == args.gamma)
+                continue
+            draft = load_exported_draft(export)[0].to(device)
+            learning[label][count] = measure(target, "draft", draft, prompts, baselines.get(0.0), dict(gamma=args.gamma),
+                                             greedy)
+            print(f"[bench] {label} at {count:,} tokens: tau {learning[label][count]['tau']:.2f}", flush=True)
+
     # -- report --------------------------------------------------------------------------------
     trained = ", ".join(f"{label} {s:.0f}s" for label, s in train_seconds.items())
     lines = [machine_line(),
              f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
              f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
              + (f"prompts padded to {args.context} tokens with earlier conversations; " if args.context else "")
-             + (f"drafts trained {args.train_steps} steps on {data_glob} ({trained}); " if trained
+             + (f"drafts trained {steps[-1]} steps on {data_glob} ({trained}); " if trained
                 else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; ")
              + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
              f"target's greedy answers: {quality.line()}",
@@ -347,6 +445,22 @@ def main(argv=None) -> dict:
             comparisons.append((f"{stopped} ÷ {label} (chain γ={args.gamma}, T={t:g})", tau(stopped, t), tau(label, t)))
             headline.append(f"stop_ratio_{keys[label]}_c{c:g}_T{t:g}".replace(".", "")
                             + f"={tau(stopped, t) / tau(label, t):.2f}")
+    if learning:  # prompt lookup does not learn: its greedy chain τ stands beside every count
+        lookup = tau("prompt lookup", 0.0) if 0.0 in temperatures else None
+        lines += ["", f"τ against tokens seen (greedy, chain γ={args.gamma}; each family's exports of one run, "
+                      f"{steps[-1]} steps in all):", "",
+                  "| drafter | " + " | ".join(f"{c:,} tokens ({s} steps)" for c, s in zip(counts, steps))
+                  + " | lossless |", "|---|" + "---|" * (len(counts) + 1)]
+        for label, reports in learning.items():
+            lossless = all(r["matches_target"] for r in reports.values())
+            lines.append(f"| {label} | " + " | ".join(f"{reports[c]['tau']:.2f}" for c in counts)
+                         + f" | {'yes' if lossless else 'NO'} |")
+            headline += [f"curve_{keys[label]}_{c}={reports[c]['tau']:.2f}" for c in counts]
+        if lookup is not None:
+            same = next(r for r in rows if r["label"] == "prompt lookup" and r["temperature"] == 0.0
+                        and r["gamma"] == args.gamma)["matches_target"]
+            lines.append("| prompt lookup | " + " | ".join(f"{lookup:.2f}" for _ in counts)
+                         + f" | {'yes' if same else 'NO'} |")
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}
@@ -355,7 +469,9 @@ def main(argv=None) -> dict:
     print(" ".join(headline))
     out.mkdir(parents=True, exist_ok=True)
     results = {"rows": rows, "ratios": ratios, "answer_quality": dataclasses.asdict(quality), "exports": {k: str(v) for k, v in exports.items()},
-               "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds}
+               "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds,
+               "tokens_seen": {label: {str(c): r["tau"] for c, r in reports.items()} for label, reports in learning.items()},
+               "steps": steps}
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
     (out / "acceptance.md").write_text(text + "\n")
     if args.plot:

@@ -59,6 +59,46 @@ def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_t
     assert "target's greedy answers: 2 answers" in (tmp_path / "demo" / "acceptance.md").read_text()
 
 
+def test_tokens_seen_are_counted_in_steps_of_the_shared_batch(capsys):
+    bench = load_bench("acceptance")
+    assert [bench.parse_count(c) for c in ("30k", "0.3M", "2048", "1.5k")] == [30_000, 300_000, 2048, 1500]
+    assert bench.steps_for_tokens([1000, 2048, 4097], 1024) == [1, 2, 5]  # each count at least seen
+    with pytest.raises(bench.SpecdraftError, match="at least one step apart"):
+        bench.steps_for_tokens([1000, 1024], 1024)  # both one step
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--tokens-seen", "30k,lots"])
+    assert exit_info.value.code == 2 and "a count such as 30k" in capsys.readouterr().err
+
+
+def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny_data, tmp_path):
+    """One run per family to the largest count, its export at each count measured greedy: the last
+    point is the main table's chain row, each earlier one the export written at its step."""
+    bench = load_bench("acceptance")
+    data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
+    per_step = 8 * 256  # the tiny demo configs' per_device_batch_size x max_seq_length
+    results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
+                          "--data", data_glob, "--families", "glide,eagle3", "--tokens-seen", f"{per_step},{3 * per_step}",
+                          "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3",
+                          "--tree", "", "--out", str(tmp_path)])
+    assert results["steps"] == [1, 3]
+    for family, label in (("glide", "GLIDE"), ("eagle3", "EAGLE-3")):
+        assert sorted(p.name for p in (tmp_path / "demo" / family).glob("step_*")) == ["step_1", "step_2", "step_3"]
+        last = next(r for r in results["rows"] if r["label"] == label and r["gamma"] == 3)
+        assert results["tokens_seen"][label][str(3 * per_step)] == last["tau"]
+        # the first point is the step-1 export's own tau, measured as eval measures it
+        first = evaluate_export(tmp_path / "demo" / family / "step_1", tiny_data.prompts_file)
+        assert results["tokens_seen"][label][str(per_step)] == first["tau"]
+    table = (tmp_path / "demo" / "acceptance.md").read_text()
+    assert f"| GLIDE | {results['tokens_seen']['GLIDE'][str(per_step)]:.2f} |" in table
+    assert "| prompt lookup |" in table.split("τ against tokens seen")[1]
+
+
+def evaluate_export(export, prompts_file):
+    from specdraft.commands.evaluate import evaluate
+
+    return evaluate(export, prompts_file, gamma=3, max_new_tokens=8, max_prompts=2, device="cpu", baseline=False)
+
+
 def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target_dir, tiny_data, tmp_path):
     """DSpark is measured without a stop and once per --confidence-threshold; c = 1 stops before
     every slot (a confidence is a sigmoid, below 1): nothing is proposed, τ is exactly 1."""
