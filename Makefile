@@ -50,6 +50,7 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) $(SPECULATORS_STAMP)
 	$(VENV)/bin/ruff check specdraft tests bench
+	$(VENV)/bin/ruff format --check specdraft tests bench
 	OMP_NUM_THREADS=1 SPECDRAFT_SPECULATORS_PYTHON=$(abspath $(SPECULATORS_VENV))/bin/python $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests
 
 mutation: $(STAMP) $(SPECULATORS_STAMP)

@@ -54,8 +54,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from specdraft.decode.measure import compare, make_drafter, run_plain  # noqa: E402
-from specdraft.decode.prompts import (encode_conversation, pad_with_earlier_conversations, read_prompts,  # noqa: E402
-                                       stop_tokens)
+from specdraft.decode.prompts import (
+    encode_conversation,
+    pad_with_earlier_conversations,
+    read_prompts,  # noqa: E402
+    stop_tokens,
+)
 from specdraft.decode.report import plot_acceptance, require_matplotlib  # noqa: E402
 from specdraft.decode.speculative import speculative_generate  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
@@ -64,7 +68,7 @@ from specdraft.demo.quality import measure_answer_quality  # noqa: E402
 from specdraft.config import family_demo_configs  # noqa: E402
 from specdraft.drafts.registry import FAMILIES, draft_from_export_config  # noqa: E402
 from specdraft.export.files import load_exported_draft, read_export_config  # noqa: E402
-from specdraft.drafts.objectives import objective_from_options, validate_objective_options  # noqa: E402
+from specdraft.drafts.objective_options import objective_from_options, validate_objective_options  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.commands.evaluate import load_tokenizer, resolve_device, resolve_export  # noqa: E402
 
@@ -75,8 +79,13 @@ LABELS = {family: cls.label for family, cls in FAMILIES.items()}
 # 8k draft vocab, DFlash / DSpark with 2 layers and 32 blocks a sequence, P-EAGLE 4 depths.
 PRESET_OVERRIDES = {
     "smollm2": {
-        "*": ["max_seq_length=256", "per_device_batch_size=4", "learning_rate=1e-3", "warmup_proportion=0.05",
-              "logging_steps=10"],
+        "*": [
+            "max_seq_length=256",
+            "per_device_batch_size=4",
+            "learning_rate=1e-3",
+            "warmup_proportion=0.05",
+            "logging_steps=10",
+        ],
         "eagle3": ["draft.draft_vocab_size=8192", "draft.ttt_steps=5"],
         "peagle": ["draft.draft_vocab_size=8192", "draft.num_depths=4"],
         "dflash": ["draft.num_layers=2", "draft.max_anchors=32"],
@@ -104,8 +113,10 @@ def steps_for_tokens(counts: List[int], tokens_per_step: int) -> List[int]:
     """Optimizer steps that see (at least) each count of tokens, in order, each at least 1."""
     steps = [max(1, -(-count // tokens_per_step)) for count in counts]
     if steps != sorted(set(steps)):
-        raise SpecdraftError(f"--tokens-seen: {counts} are {steps} steps of {tokens_per_step} tokens; "
-                             f"give increasing counts at least one step apart")
+        raise SpecdraftError(
+            f"--tokens-seen: {counts} are {steps} steps of {tokens_per_step} tokens; "
+            f"give increasing counts at least one step apart"
+        )
     return steps
 
 
@@ -114,41 +125,76 @@ def parse_args(argv=None):
     parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="demo assets to use")
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
-    parser.add_argument("--families", default=None,
-                        help="draft families to train (default: glide,eagle3,dflash; the preset's own, e.g. "
-                             "smollm2: every family but MTP)")
-    parser.add_argument("--objectives", nargs="+", default=[],
-                        help="train each family once per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' "
-                             "kl:all (default: once, with the family's default objective)")
-    parser.add_argument("--draft", action="append", default=[],
-                        help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)")
+    parser.add_argument(
+        "--families",
+        default=None,
+        help="draft families to train (default: glide,eagle3,dflash; the preset's own, e.g. "
+        "smollm2: every family but MTP)",
+    )
+    parser.add_argument(
+        "--objectives",
+        nargs="+",
+        default=[],
+        help="train each family once per objective 'SPEC[@T][:all]', e.g. ce '0.9*tv + 0.1*ce@0.7' "
+        "kl:all (default: once, with the family's default objective)",
+    )
+    parser.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)",
+    )
     parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
-    parser.add_argument("--answer-temperature", type=float, default=0.0,
-                        help="train on the demo target's answers sampled at this temperature (default 0: greedy)")
+    parser.add_argument(
+        "--answer-temperature",
+        type=float,
+        default=0.0,
+        help="train on the demo target's answers sampled at this temperature (default 0: greedy)",
+    )
     parser.add_argument("--train-steps", type=int, default=300)
-    parser.add_argument("--tokens-seen", default="", metavar="N,N,...",
-                        help="train to the largest count and measure the exports at each (e.g. 30k,100k,300k): "
-                             "tau against tokens seen; overrides --train-steps")
+    parser.add_argument(
+        "--tokens-seen",
+        default="",
+        metavar="N,N,...",
+        help="train to the largest count and measure the exports at each (e.g. 30k,100k,300k): "
+        "tau against tokens seen; overrides --train-steps",
+    )
     parser.add_argument("--gamma", type=int, default=5, help="chain length of every drafter")
     parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth ('' for chains only)")
     parser.add_argument("--temperatures", default="0,0.7", help="comma-separated sampling temperatures")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompts", type=int, default=16)
-    parser.add_argument("--device", default="cpu",
-                        help="where target and drafts decode (cuda, cuda:1; the tables of docs/benchmarks/: cpu)")
-    parser.add_argument("--context", type=int, default=0, metavar="N",
-                        help="pad each prompt to N tokens with earlier conversations of --data (long-context tau)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where target and drafts decode (cuda, cuda:1; the tables of docs/benchmarks/: cpu)",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pad each prompt to N tokens with earlier conversations of --data (long-context tau)",
+    )
     parser.add_argument("--untrained", action="store_true", help="add the first draft, untrained (a floor)")
-    parser.add_argument("--confidence-threshold", default="0.5",
-                        help="drafters with a confidence head (DSpark) are measured again with each of these "
-                             "stops (comma-separated, e.g. 0.05,0.1,0.5)")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="bar charts of acceptance per draft position and tau per drafter (specdraft[plots])")
+    parser.add_argument(
+        "--confidence-threshold",
+        default="0.5",
+        help="drafters with a confidence head (DSpark) are measured again with each of these "
+        "stops (comma-separated, e.g. 0.05,0.1,0.5)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="bar charts of acceptance per draft position and tau per drafter (specdraft[plots])",
+    )
     parser.add_argument("--out", default="runs/bench-acceptance", help="where the trained drafts and results go")
     return parser.parse_args(argv)
 
 
 # -- training ----------------------------------------------------------------------------------
+
 
 def split_objective(text: str):
     """'0.9*tv + 0.1*ce@0.7:all' -> the draft.loss, draft.distill_temperature and
@@ -158,8 +204,9 @@ def split_objective(text: str):
     body, _, tokens = text.partition(":")
     spec, _, temperature = body.partition("@")
     try:
-        keys = dict(loss=spec.strip(), distill_temperature=float(temperature or 1.0),
-                    distill_tokens=tokens.strip() or "answers")
+        keys = dict(
+            loss=spec.strip(), distill_temperature=float(temperature or 1.0), distill_tokens=tokens.strip() or "answers"
+        )
     except ValueError:
         raise SpecdraftError(f"--objectives {text!r}: the temperature after '@' must be a number") from None
     draft_cfg = OmegaConf.create(keys)
@@ -168,20 +215,48 @@ def split_objective(text: str):
     return overrides, str(objective_from_options(draft_cfg, "ce"))
 
 
-def family_config(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=(),
-                  save_steps: Optional[int] = None):
+def family_config(
+    family: str,
+    target_dir,
+    data_glob,
+    prompts_file,
+    out_dir: Path,
+    steps: int,
+    overrides=(),
+    save_steps: Optional[int] = None,
+):
     """The family's demo config on this target and data for `steps` steps (an export every
     save_steps, default: one at the end), the preset's overrides given in `overrides`."""
     from specdraft.config import load_config
 
-    return load_config(CONFIGS[family],
-                       [f"target={target_dir}", f"data_files={data_glob}", f"eval_prompts={prompts_file}",
-                        f"output_dir={out_dir}", f"max_steps={steps}", f"save_steps={save_steps or steps}",
-                        "eval_steps=0", "logging_steps=50", "resume=no", "seed=0", *overrides])
+    return load_config(
+        CONFIGS[family],
+        [
+            f"target={target_dir}",
+            f"data_files={data_glob}",
+            f"eval_prompts={prompts_file}",
+            f"output_dir={out_dir}",
+            f"max_steps={steps}",
+            f"save_steps={save_steps or steps}",
+            "eval_steps=0",
+            "logging_steps=50",
+            "resume=no",
+            "seed=0",
+            *overrides,
+        ],
+    )
 
 
-def train_draft(family: str, target_dir, data_glob, prompts_file, out_dir: Path, steps: int, overrides=(),
-                save_steps: Optional[int] = None) -> Path:
+def train_draft(
+    family: str,
+    target_dir,
+    data_glob,
+    prompts_file,
+    out_dir: Path,
+    steps: int,
+    overrides=(),
+    save_steps: Optional[int] = None,
+) -> Path:
     """family_config trained; its last export. A run this bench left in out_dir before is trained
     anew (resume=no never mixes into it)."""
     from specdraft.rundir.layout import is_run_dir
@@ -200,6 +275,7 @@ def tokens_per_step(cfg) -> int:
 
 # -- measuring ---------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def counting_forwards(draft):
     """Counts draft forward passes: calls of its first layer (`layers`, MTP's `mtp_layers`; the
@@ -207,8 +283,11 @@ def counting_forwards(draft):
     counter = {"calls": 0}
     layers = getattr(draft, "layers", None) or getattr(draft, "mtp_layers", None)  # MTP's one layer
     module = None if draft is None else (layers[0] if layers is not None else draft)
-    handle = None if module is None else module.register_forward_pre_hook(
-        lambda *_: counter.__setitem__("calls", counter["calls"] + 1))
+    handle = (
+        None
+        if module is None
+        else module.register_forward_pre_hook(lambda *_: counter.__setitem__("calls", counter["calls"] + 1))
+    )
     try:
         yield counter
     finally:
@@ -227,8 +306,15 @@ def measure(target, method, draft, prompts, baseline, shape, settings, confidenc
         speculative_generate(target, drafter, prompts[0], max_new_tokens=2, **shape)
         warmup = counter["calls"]
         # TV(p, q) of sampled chains only: greedy p and q are one-hot, their TV is just "rejected"
-        report = compare(target, drafter, prompts, baseline=baseline,
-                         record_tv="gamma" in shape and settings["temperature"] > 0, **shape, **settings)
+        report = compare(
+            target,
+            drafter,
+            prompts,
+            baseline=baseline,
+            record_tv="gamma" in shape and settings["temperature"] > 0,
+            **shape,
+            **settings,
+        )
         forwards = counter["calls"] - 2 * warmup
     produced = report["accepted_tokens"] + report["target_forwards"]
     return dict(report, draft_forwards_per_token=forwards / produced if produced else 0.0)
@@ -247,16 +333,19 @@ def padded_to_context(prompts, data_glob, tokenizer, context: int):
     for path in sorted(glob.glob(data_glob)):
         for where, record in iter_jsonl_records(Path(path)):
             messages = normalise_conversation(record, where, require_answer=False)
-            conversations.append(encode_conversation(tokenizer, [{"role": m["role"], "content": m["content"]}
-                                                                 for m in messages]))
+            conversations.append(
+                encode_conversation(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+            )
             tokens += len(conversations[-1])
             if tokens >= context:  # every prompt's rotation of them holds enough
                 break
         else:
             continue
         break
-    return [pad_with_earlier_conversations(prompt, conversations[i:] + conversations[:i], context)
-            for i, prompt in enumerate(prompts)]
+    return [
+        pad_with_earlier_conversations(prompt, conversations[i:] + conversations[:i], context)
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def slug(label: str) -> str:
@@ -265,6 +354,7 @@ def slug(label: str) -> str:
 
 
 # -- the run -----------------------------------------------------------------------------------
+
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
@@ -293,13 +383,14 @@ def main(argv=None) -> dict:
         sys.exit(f"--families: unknown {unknown}; choose from {sorted(CONFIGS)}")
     if args.data and args.answer_temperature > 0:
         sys.exit("--data and --answer-temperature: give one (the latter builds its own data set)")
-    out = Path(args.out) / (args.preset if args.answer_temperature <= 0
-                            else f"{args.preset}-answers-T{args.answer_temperature:g}")
+    out = Path(args.out) / (
+        args.preset if args.answer_temperature <= 0 else f"{args.preset}-answers-T{args.answer_temperature:g}"
+    )
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
     if target_dir is None or prompts_file is None or (not args.draft and data_glob is None):
-        from specdraft.demo import ensure_demo_assets
+        from specdraft.demo.assets import ensure_demo_assets
 
         demo_target, demo_data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
         target_dir = target_dir or str(demo_target)
@@ -314,11 +405,19 @@ def main(argv=None) -> dict:
     curve, steps = {}, [args.train_steps]  # label -> {tokens seen: export}; the steps measured
     if not args.draft:
         if counts:  # every family reads the same tokens a step: one count of steps for all
-            per_step = {tokens_per_step(family_config(f, target_dir, data_glob, prompts_file, out / f, 1,
-                                                      budget.get("*", []) + budget.get(f, []))) for f in families}
+            per_step = {
+                tokens_per_step(
+                    family_config(
+                        f, target_dir, data_glob, prompts_file, out / f, 1, budget.get("*", []) + budget.get(f, [])
+                    )
+                )
+                for f in families
+            }
             if len(per_step) != 1:
-                sys.exit(f"--tokens-seen: the families read {sorted(per_step)} tokens a step; give them one "
-                         f"max_seq_length x per_device_batch_size")
+                sys.exit(
+                    f"--tokens-seen: the families read {sorted(per_step)} tokens a step; give them one "
+                    f"max_seq_length x per_device_batch_size"
+                )
             steps = steps_for_tokens(counts, per_step.pop())
         for family in families:
             variants = objectives or [([], None)]
@@ -328,13 +427,23 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 run_dir = out / (family + (f"-{i}" if i else ""))
                 save_every = gcd(*steps) if counts else None
-                exports[label] = train_draft(family, target_dir, data_glob, prompts_file, run_dir, steps[-1],
-                                             [*budget.get("*", []), *budget.get(family, []), *overrides], save_every)
+                exports[label] = train_draft(
+                    family,
+                    target_dir,
+                    data_glob,
+                    prompts_file,
+                    run_dir,
+                    steps[-1],
+                    [*budget.get("*", []), *budget.get(family, []), *overrides],
+                    save_every,
+                )
                 if counts:
                     curve[label] = {count: run_dir / f"step_{s}" for count, s in zip(counts, steps)}
                 train_seconds[label] = time.perf_counter() - t0
-                print(f"[bench] trained {label} for {steps[-1]} steps in {train_seconds[label]:.0f}s: "
-                      f"{exports[label]}", flush=True)
+                print(
+                    f"[bench] trained {label} for {steps[-1]} steps in {train_seconds[label]:.0f}s: {exports[label]}",
+                    flush=True,
+                )
 
     from specdraft.target.model import load_frozen_target
 
@@ -353,7 +462,10 @@ def main(argv=None) -> dict:
     drafters["prompt lookup"] = ("prompt_lookup", None)
     if args.untrained and exports:
         label, export = next(iter(exports.items()))
-        drafters[f"{label} (untrained)"] = ("untrained", draft_from_export_config(read_export_config(export)).eval().to(device))
+        drafters[f"{label} (untrained)"] = (
+            "untrained",
+            draft_from_export_config(read_export_config(export)).eval().to(device),
+        )
 
     # -- per temperature: one baseline, then every drafter x shape ------------------------------
     rows, plain_speed, baselines = [], {}, {}
@@ -373,8 +485,11 @@ def main(argv=None) -> dict:
                     report = measure(target, method, draft, prompts, baseline, shape, settings, stop_at)
                     name = label if stop_at is None else f"{label} (stop c={stop_at:g})"
                     rows.append(dict(report, label=name, method=method, whole_block=shape.get("gamma") == block))
-                    print(f"[bench] T={temperature:g} {name} {shape}: tau {report['tau']:.2f}, accepted/proposed "
-                          f"{report['accepted_per_proposed']:.3f}", flush=True)
+                    print(
+                        f"[bench] T={temperature:g} {name} {shape}: tau {report['tau']:.2f}, accepted/proposed "
+                        f"{report['accepted_per_proposed']:.3f}",
+                        flush=True,
+                    )
         plain_speed[temperature] = rows[-1]["baseline_tokens_per_second"]
 
     # -- tau against tokens seen: each earlier export, greedy chain (the last is in `rows`) ------
@@ -384,53 +499,77 @@ def main(argv=None) -> dict:
         learning[label] = {}
         for count, export in by_count.items():
             if count == counts[-1]:
-                learning[label][count] = next(r for r in rows if r["label"] == label and r["temperature"] == 0.0
-                                              and r["gamma"] == args.gamma)
+                learning[label][count] = next(
+                    r for r in rows if r["label"] == label and r["temperature"] == 0.0 and r["gamma"] == args.gamma
+                )
                 continue
             draft = load_exported_draft(export)[0].to(device)
-            learning[label][count] = measure(target, "draft", draft, prompts, baselines.get(0.0), dict(gamma=args.gamma),
-                                             greedy)
+            learning[label][count] = measure(
+                target, "draft", draft, prompts, baselines.get(0.0), dict(gamma=args.gamma), greedy
+            )
             print(f"[bench] {label} at {count:,} tokens: tau {learning[label][count]['tau']:.2f}", flush=True)
 
     # -- report --------------------------------------------------------------------------------
     trained = ", ".join(f"{label} {s:.0f}s" for label, s in train_seconds.items())
-    lines = [machine_line(),
-             f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
-             f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
-             + (f"prompts padded to {args.context} tokens with earlier conversations; " if args.context else "")
-             + (f"drafts trained {steps[-1]} steps on {data_glob} ({trained}); " if trained
-                else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; ")
-             + "plain decoding " + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
-             f"target's greedy answers: {quality.line()}",
-             "",
-             "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | proposed / round "
-             "| accepted ÷ proposed | tok/s | speedup | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        machine_line(),
+        f"target {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params), "
+        f"{len(prompts)} prompts x {args.max_new_tokens} new tokens; "
+        + (f"prompts padded to {args.context} tokens with earlier conversations; " if args.context else "")
+        + (
+            f"drafts trained {steps[-1]} steps on {data_glob} ({trained}); "
+            if trained
+            else "drafts: " + ", ".join(f"{label}: {export}" for label, export in exports.items()) + "; "
+        )
+        + "plain decoding "
+        + ", ".join(f"{s:.1f} tok/s at T={t:g}" for t, s in plain_speed.items()),
+        f"target's greedy answers: {quality.line()}",
+        "",
+        "| drafter | shape | T | τ | acceptance per position | mean TV | draft fwd / token | proposed / round "
+        "| accepted ÷ proposed | tok/s | speedup | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        shape = (f"tree {','.join(map(str, r['tree']))}" if r["tree"]
-                 else f"chain γ={r['gamma']}" + (" (its whole block)" if r["whole_block"] else ""))
+        shape = (
+            f"tree {','.join(map(str, r['tree']))}"
+            if r["tree"]
+            else f"chain γ={r['gamma']}" + (" (its whole block)" if r["whole_block"] else "")
+        )
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         tv = "-" if r.get("mean_tv") is None else f"{r['mean_tv']:.3f}"
         lossless = "-" if r["matches_target"] is None else ("yes" if r["matches_target"] else "NO")
-        lines.append(f"| {r['label']} | {shape} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {tv} | "
-                     f"{r['draft_forwards_per_token']:.2f} | {r['proposed_per_round']:.2f} | "
-                     f"{r['accepted_per_proposed']:.3f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x "
-                     f"| {lossless} |")
+        lines.append(
+            f"| {r['label']} | {shape} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {tv} | "
+            f"{r['draft_forwards_per_token']:.2f} | {r['proposed_per_round']:.2f} | "
+            f"{r['accepted_per_proposed']:.3f} | {r['tokens_per_second']:.1f} | {r['speedup']:.2f}x "
+            f"| {lossless} |"
+        )
 
     def tau(label, temperature, is_tree=False):
         """τ of a drafter's chain γ (or its tree) at a temperature."""
-        return next(r["tau"] for r in rows if r["label"] == label and r["temperature"] == temperature
-                    and bool(r["tree"]) == is_tree and r["gamma"] in (args.gamma, None))
+        return next(
+            r["tau"]
+            for r in rows
+            if r["label"] == label
+            and r["temperature"] == temperature
+            and bool(r["tree"]) == is_tree
+            and r["gamma"] in (args.gamma, None)
+        )
 
     # ratios: each draft ÷ prompt lookup (greedy); each GLIDE objective ÷ the first one (per T)
     comparisons, headline = [], []  # (what, τ, reference τ); the last line's key=value pairs
     for label in exports:
         headline += [f"tau_{keys[label]}_T{t:g}".replace(".", "") + f"={tau(label, t):.2f}" for t in temperatures]
         if 0.0 in temperatures:
-            for is_tree in (False, True)[:2 if tree else 1]:
+            for is_tree in (False, True)[: 2 if tree else 1]:
                 shape = "tree" if is_tree else f"chain γ={args.gamma}"
-                comparisons.append((f"{label} ÷ prompt lookup ({shape}, T=0)", tau(label, 0.0, is_tree),
-                                    tau("prompt lookup", 0.0, is_tree)))
+                comparisons.append(
+                    (
+                        f"{label} ÷ prompt lookup ({shape}, T=0)",
+                        tau(label, 0.0, is_tree),
+                        tau("prompt lookup", 0.0, is_tree),
+                    )
+                )
             headline.append(f"lookup_ratio_{keys[label]}={tau(label, 0.0) / tau('prompt lookup', 0.0):.2f}")
     for family in families if len(objectives) > 1 else []:  # each objective ÷ the family's first
         trained = [label for label in exports if label.startswith(LABELS[family] + " ")]
@@ -443,24 +582,36 @@ def main(argv=None) -> dict:
         stopped = f"{label} (stop c={c:g})"
         for t in temperatures if any(r["label"] == stopped for r in rows) else []:
             comparisons.append((f"{stopped} ÷ {label} (chain γ={args.gamma}, T={t:g})", tau(stopped, t), tau(label, t)))
-            headline.append(f"stop_ratio_{keys[label]}_c{c:g}_T{t:g}".replace(".", "")
-                            + f"={tau(stopped, t) / tau(label, t):.2f}")
+            headline.append(
+                f"stop_ratio_{keys[label]}_c{c:g}_T{t:g}".replace(".", "") + f"={tau(stopped, t) / tau(label, t):.2f}"
+            )
     if learning:  # prompt lookup does not learn: its greedy chain τ stands beside every count
         lookup = tau("prompt lookup", 0.0) if 0.0 in temperatures else None
-        lines += ["", f"τ against tokens seen (greedy, chain γ={args.gamma}; each family's exports of one run, "
-                      f"{steps[-1]} steps in all):", "",
-                  "| drafter | " + " | ".join(f"{c:,} tokens ({s} steps)" for c, s in zip(counts, steps))
-                  + " | lossless |", "|---|" + "---|" * (len(counts) + 1)]
+        lines += [
+            "",
+            f"τ against tokens seen (greedy, chain γ={args.gamma}; each family's exports of one run, "
+            f"{steps[-1]} steps in all):",
+            "",
+            "| drafter | " + " | ".join(f"{c:,} tokens ({s} steps)" for c, s in zip(counts, steps)) + " | lossless |",
+            "|---|" + "---|" * (len(counts) + 1),
+        ]
         for label, reports in learning.items():
             lossless = all(r["matches_target"] for r in reports.values())
-            lines.append(f"| {label} | " + " | ".join(f"{reports[c]['tau']:.2f}" for c in counts)
-                         + f" | {'yes' if lossless else 'NO'} |")
+            lines.append(
+                f"| {label} | "
+                + " | ".join(f"{reports[c]['tau']:.2f}" for c in counts)
+                + f" | {'yes' if lossless else 'NO'} |"
+            )
             headline += [f"curve_{keys[label]}_{c}={reports[c]['tau']:.2f}" for c in counts]
         if lookup is not None:
-            same = next(r for r in rows if r["label"] == "prompt lookup" and r["temperature"] == 0.0
-                        and r["gamma"] == args.gamma)["matches_target"]
-            lines.append("| prompt lookup | " + " | ".join(f"{lookup:.2f}" for _ in counts)
-                         + f" | {'yes' if same else 'NO'} |")
+            same = next(
+                r
+                for r in rows
+                if r["label"] == "prompt lookup" and r["temperature"] == 0.0 and r["gamma"] == args.gamma
+            )["matches_target"]
+            lines.append(
+                "| prompt lookup | " + " | ".join(f"{lookup:.2f}" for _ in counts) + f" | {'yes' if same else 'NO'} |"
+            )
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}
@@ -468,13 +619,21 @@ def main(argv=None) -> dict:
     print(text)
     print(" ".join(headline))
     out.mkdir(parents=True, exist_ok=True)
-    results = {"rows": rows, "ratios": ratios, "answer_quality": dataclasses.asdict(quality), "exports": {k: str(v) for k, v in exports.items()},
-               "target": str(target_dir), "data": data_glob, "train_seconds": train_seconds,
-               "tokens_seen": {label: {str(c): r["tau"] for c, r in reports.items()} for label, reports in learning.items()},
-               "steps": steps}
+    results = {
+        "rows": rows,
+        "ratios": ratios,
+        "answer_quality": dataclasses.asdict(quality),
+        "exports": {k: str(v) for k, v in exports.items()},
+        "target": str(target_dir),
+        "data": data_glob,
+        "train_seconds": train_seconds,
+        "tokens_seen": {label: {str(c): r["tau"] for c, r in reports.items()} for label, reports in learning.items()},
+        "steps": steps,
+    }
     (out / "acceptance.json").write_text(json.dumps(results, indent=2))
     (out / "acceptance.md").write_text(text + "\n")
     if args.plot:
+
         def plot_label(r):
             return f"{r['label']}, {'tree' if r['tree'] else 'γ=' + str(r['gamma'])}, T={r['temperature']:g}"
 

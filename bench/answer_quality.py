@@ -53,21 +53,26 @@ def _measure(target_dir: Path, prompts, max_new_tokens: int):
 
     target = load_frozen_target(str(target_dir), "fp32")
     tokenizer = load_tokenizer(None, target_dir)
-    ids = [p if isinstance(p, list) else encode_messages(tokenizer, [{"role": "user", "content": p}])
-           for p in prompts(tokenizer)]
+    ids = [
+        p if isinstance(p, list) else encode_messages(tokenizer, [{"role": "user", "content": p}])
+        for p in prompts(tokenizer)
+    ]
     t0 = time.perf_counter()
-    quality, texts = measure_answer_quality(target, tokenizer, ids, max_new_tokens=max_new_tokens,
-                                            stop=stop_tokens(target, tokenizer))
+    quality, texts = measure_answer_quality(
+        target, tokenizer, ids, max_new_tokens=max_new_tokens, stop=stop_tokens(target, tokenizer)
+    )
     return quality, texts, time.perf_counter() - t0
 
 
 def build_figures(stamp: dict | None) -> str:
     if not stamp or "params" not in stamp:
         return "build figures not recorded" + (f"; final loss {stamp['final_loss']:.3f}" if stamp else "")
-    return (f"{stamp['params'] / 1e6:.2f}M params, {stamp['tokens_seen'] / 1e6:.2f}M tokens seen "
-            f"({stamp['tokens_seen'] / stamp['corpus_tokens']:.1f} passes), final loss {stamp['final_loss']:.3f}, "
-            f"built in {stamp['build_seconds']:.0f}s wall / {stamp['build_cpu_seconds']:.0f}s CPU"
-            + (f" on {describe(stamp['cpu'])}" if "cpu" in stamp else ""))
+    return (
+        f"{stamp['params'] / 1e6:.2f}M params, {stamp['tokens_seen'] / 1e6:.2f}M tokens seen "
+        f"({stamp['tokens_seen'] / stamp['corpus_tokens']:.1f} passes), final loss {stamp['final_loss']:.3f}, "
+        f"built in {stamp['build_seconds']:.0f}s wall / {stamp['build_cpu_seconds']:.0f}s CPU"
+        + (f" on {describe(stamp['cpu'])}" if "cpu" in stamp else "")
+    )
 
 
 def main(argv=None) -> dict:
@@ -77,9 +82,9 @@ def main(argv=None) -> dict:
     if args.target:
         if not args.prompts:
             sys.exit("bench/answer_quality.py: --target needs --prompts")
-        quality, texts, seconds = _measure(Path(args.target), lambda tok: read_prompts(args.prompts, tok,
-                                                                                       args.max_prompts),
-                                           args.max_new_tokens)
+        quality, texts, seconds = _measure(
+            Path(args.target), lambda tok: read_prompts(args.prompts, tok, args.max_prompts), args.max_new_tokens
+        )
         rows.append((args.target, Path(args.prompts).name, quality))
         print(f"[quality] {args.target}: {quality.line()} ({seconds:.0f}s)", flush=True)
     else:
@@ -94,7 +99,7 @@ def main(argv=None) -> dict:
         for name in presets:
             target_dir = ensure_demo_target(preset=name)
             print(f"[quality] {name} target: {build_figures(read_stamp(target_dir))}", flush=True)
-            sets = {"held-out": lambda tok, n=name: held_out_prompts(tok, n, SEED)[:args.max_prompts]}
+            sets = {"held-out": lambda tok, n=name: held_out_prompts(tok, n, SEED)[: args.max_prompts]}
             if args.unseen:
                 sets["unseen"] = lambda tok: unseen_prompts(tok, after, SEED, args.unseen, max_prompt_tokens)
             for which, prompts in sets.items():
@@ -104,24 +109,37 @@ def main(argv=None) -> dict:
                 sample = texts[0].splitlines()[:6]
                 print("[quality]   first answer: " + " ⏎ ".join(line.rstrip() for line in sample), flush=True)
 
-    lines = [f"greedy answers, at most {args.max_new_tokens} new tokens; prompt lookup γ=5",
-             "", "| target | prompts | answers | distinct-2 | degenerate | prompt lookup τ | mean tokens | ended turn |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"greedy answers, at most {args.max_new_tokens} new tokens; prompt lookup γ=5",
+        "",
+        "| target | prompts | answers | distinct-2 | degenerate | prompt lookup τ | mean tokens | ended turn |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, which, q in rows:
-        lines.append(f"| {name} | {which} | {q.answers} | {q.distinct_2:.2f} | {q.degenerate:.0%} | {q.lookup_tau:.2f} "
-                     f"| {q.mean_tokens:.0f} | {q.ended:.0%} |")
-    lines.append(f"| goal (bench, held-out) | | | ≥ {GOALS['distinct_2']} | ≤ {GOALS['degenerate']:.0%} "
-                 f"| ≤ {GOALS['lookup_tau']} | | |")
+        lines.append(
+            f"| {name} | {which} | {q.answers} | {q.distinct_2:.2f} | {q.degenerate:.0%} | {q.lookup_tau:.2f} "
+            f"| {q.mean_tokens:.0f} | {q.ended:.0%} |"
+        )
+    lines.append(
+        f"| goal (bench, held-out) | | | ≥ {GOALS['distinct_2']} | ≤ {GOALS['degenerate']:.0%} "
+        f"| ≤ {GOALS['lookup_tau']} | | |"
+    )
     print("\n".join(lines))
     headline = []
     for name, which, q in rows:
         key = f"{Path(name).name}_{which}".replace("-", "_")
-        headline += [f"distinct2_{key}={q.distinct_2:.2f}", f"degenerate_{key}={q.degenerate:.2f}",
-                     f"lookup_tau_{key}={q.lookup_tau:.2f}"]
+        headline += [
+            f"distinct2_{key}={q.distinct_2:.2f}",
+            f"degenerate_{key}={q.degenerate:.2f}",
+            f"lookup_tau_{key}={q.lookup_tau:.2f}",
+        ]
     goals = next((q for name, which, q in rows if name == "bench" and which == "held-out"), None)
     if goals is not None:
-        met = (goals.distinct_2 >= GOALS["distinct_2"] and goals.degenerate <= GOALS["degenerate"]
-               and goals.lookup_tau <= GOALS["lookup_tau"])
+        met = (
+            goals.distinct_2 >= GOALS["distinct_2"]
+            and goals.degenerate <= GOALS["degenerate"]
+            and goals.lookup_tau <= GOALS["lookup_tau"]
+        )
         headline.append(f"bench_goals_met={'yes' if met else 'no'}")
     print(" ".join(headline))
     return {"rows": rows}

@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
     if args.target is None:
-        from specdraft.demo import ensure_demo_assets
+        from specdraft.demo.assets import ensure_demo_assets
 
         args.target = str(ensure_demo_assets(preset="demo")[0])
 
@@ -60,9 +60,19 @@ def main() -> None:
         return original_forward_step(*a, **k)
 
     loop.forward_step = marked_forward_step
-    cfg = load_config(None, run_overrides(args.target, work / "data", work / "run", work / "cache",
-                                          max_seq_length=args.seq, max_steps=args.steps,
-                                          save_steps=args.save_steps, zero_stage=args.zero_stage))
+    cfg = load_config(
+        None,
+        run_overrides(
+            args.target,
+            work / "data",
+            work / "run",
+            work / "cache",
+            max_seq_length=args.seq,
+            max_steps=args.steps,
+            save_steps=args.save_steps,
+            zero_stage=args.zero_stage,
+        ),
+    )
     result = loop.train(cfg, log=lambda *a: None)
     marks.append(time.perf_counter())
     step_times = [b - a for a, b in zip(marks, marks[1:])]
@@ -76,14 +86,18 @@ def main() -> None:
     from safetensors.torch import load_file
 
     params = sum(t.numel() for t in load_file(str(result.export_dir / "model.safetensors")).values())
-    print(f"target {args.target}; draft {params / 1e6:.2f}M params; ZeRO-{record['zero_stage']}; "
-          f"{args.steps} steps, save every {args.save_steps}")
+    print(
+        f"target {args.target}; draft {params / 1e6:.2f}M params; ZeRO-{record['zero_stage']}; "
+        f"{args.steps} steps, save every {args.save_steps}"
+    )
     print(f"slot bytes / ideal (params x 16 B)     = {slot_bytes / (params * 16):.3f}  ({slot_bytes / 2**20:.1f} MiB)")
     print(f"save wall time (slot + commit), median = {statistics.median(save_times):.3f} s")
     print(f"plain step time, median               = {plain:.3f} s")
     if stalls:
-        print(f"stall of a saving step / step time    = {statistics.median(stalls) / plain:.2f}  (goal <= 1.0; "
-              f"includes the draft export)")
+        print(
+            f"stall of a saving step / step time    = {statistics.median(stalls) / plain:.2f}  (goal <= 1.0; "
+            f"includes the draft export)"
+        )
     print(f"slot_ratio={slot_bytes / (params * 16):.3f} stall={statistics.median(stalls) / plain if stalls else 0:.2f}")
 
 

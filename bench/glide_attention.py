@@ -41,8 +41,10 @@ def cpu_seconds(fn, rounds: int = 3) -> float:
 def documents(draft, conversation: int) -> None:
     from specdraft.drafts import layers
 
-    print(f"GLIDE layer (hidden 512, 8 heads, window 512), conversations of {conversation} tokens, lag 2: "
-          f"forward + backward, CPU s")
+    print(
+        f"GLIDE layer (hidden 512, 8 heads, window 512), conversations of {conversation} tokens, lag 2: "
+        f"forward + backward, CPU s"
+    )
     print(f"{'B x T':>8} {'dense masks':>12} {'slices':>10} {'ratio':>6}")
     ratio = 0.0
     for B, T in ((8, 256), (1, 1024), (1, 4096), (1, 8192)):
@@ -54,7 +56,9 @@ def documents(draft, conversation: int) -> None:
         seconds = {}
         for path in ("dense", "slices"):
             layers.attention_path = lambda device: path
-            seconds[path] = cpu_seconds(lambda: draft.forward_sequence(x, cos, sin, keys, values, 2, ids).sum().backward())
+            seconds[path] = cpu_seconds(
+                lambda: draft.forward_sequence(x, cos, sin, keys, values, 2, ids).sum().backward()
+            )
         ratio = seconds["dense"] / seconds["slices"]
         print(f"{f'{B}x{T}':>8} {seconds['dense']:12.3f} {seconds['slices']:10.3f} {ratio:6.2f}", flush=True)
     print(f"dense_over_slices={ratio:.2f}")
@@ -64,8 +68,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=0, help="packed conversations of this many tokens")
     args = parser.parse_args()
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     draft = build_draft(OmegaConf.structured(DraftConfig(sliding_window=512, max_lag=4)), config)
     if args.documents:
         return documents(draft, args.documents)

@@ -29,8 +29,13 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = {"glide": "demo", "eagle3": "demo-eagle3", "peagle": "demo-peagle", "dflash": "demo-dflash",
-           "dspark": "demo-dspark"}
+CONFIGS = {
+    "glide": "demo",
+    "eagle3": "demo-eagle3",
+    "peagle": "demo-peagle",
+    "dflash": "demo-dflash",
+    "dspark": "demo-dspark",
+}
 
 
 def kernel_checks() -> dict:
@@ -57,14 +62,26 @@ def kernel_checks() -> dict:
         got_grads = torch.autograd.grad(got, leaves, grad)
         results[f"ttt_attention_step{step}"] = {
             "max_abs_diff": (got - expected).abs().max().item(),
-            "max_abs_grad_diff": max((a - b).abs().max().item() for a, b in zip(got_grads, expected_grads))}
+            "max_abs_grad_diff": max((a - b).abs().max().item() for a, b in zip(got_grads, expected_grads)),
+        }
     return results
 
 
 def train_command(family: str, run_dir: Path, steps: int, precision: str) -> list:
-    return [sys.executable, "-m", "specdraft", "train", str(REPO / "configs" / f"{CONFIGS[family]}.yaml"),
-            f"output_dir={run_dir}", f"data_cache_dir={run_dir}-cache", f"precision={precision}", f"max_steps={steps}",
-            "logging_steps=1", f"save_steps={steps}", "eval_steps=-1"]
+    return [
+        sys.executable,
+        "-m",
+        "specdraft",
+        "train",
+        str(REPO / "configs" / f"{CONFIGS[family]}.yaml"),
+        f"output_dir={run_dir}",
+        f"data_cache_dir={run_dir}-cache",
+        f"precision={precision}",
+        f"max_steps={steps}",
+        "logging_steps=1",
+        f"save_steps={steps}",
+        "eval_steps=-1",
+    ]
 
 
 def start(command: list, log: Path) -> subprocess.Popen:
@@ -92,9 +109,29 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def evaluate(run_dir: Path, prompts: Path, device: str, dtype: str, log: Path) -> dict:
-    done = subprocess.run([sys.executable, "-m", "specdraft", "eval", str(run_dir), "--prompts", str(prompts),
-                           "--device", device, "--dtype", dtype, "--max-prompts", "8", "--max-new-tokens", "64",
-                           "--json"], capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdraft",
+            "eval",
+            str(run_dir),
+            "--prompts",
+            str(prompts),
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--max-prompts",
+            "8",
+            "--max-new-tokens",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         return {"rc": done.returncode, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
@@ -118,7 +155,11 @@ def main() -> int:
     work = args.out / "runs"
     work.mkdir(parents=True, exist_ok=True)
     families = args.families.split(",")
-    summary = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__, "steps": args.steps}
+    summary = {
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "steps": args.steps,
+    }
     started = time.perf_counter()
     try:
         summary["kernels"] = kernel_checks() if on_gpu else {}
@@ -130,19 +171,26 @@ def main() -> int:
     for family in families:
         for variant in ("straight", "repeat", "resumed"):
             run_dir = work / f"{family}-{variant}"
-            runs[family, variant] = start(train_command(family, run_dir, args.steps, precision), work / f"{family}-{variant}.log")
+            runs[family, variant] = start(
+                train_command(family, run_dir, args.steps, precision), work / f"{family}-{variant}.log"
+            )
     interrupted, deadline = {}, started + args.timeout
     while time.perf_counter() < deadline and any(p.poll() is None for p in runs.values()):
         for family in families:
             proc = runs[family, "resumed"]
-            if family not in interrupted and proc.poll() is None and \
-                    last_logged_step(work / f"{family}-resumed") >= args.steps // 2:
+            if (
+                family not in interrupted
+                and proc.poll() is None
+                and last_logged_step(work / f"{family}-resumed") >= args.steps // 2
+            ):
                 proc.send_signal(signal.SIGTERM)
                 interrupted[family] = True
             if interrupted.get(family) is True and proc.poll() is not None:
                 interrupted[family] = {"rc": proc.returncode, "at_step": last_logged_step(work / f"{family}-resumed")}
-                runs[family, "resumed"] = start(train_command(family, work / f"{family}-resumed", args.steps, precision),
-                                                work / f"{family}-resumed-2.log")
+                runs[family, "resumed"] = start(
+                    train_command(family, work / f"{family}-resumed", args.steps, precision),
+                    work / f"{family}-resumed-2.log",
+                )
         time.sleep(0.5)
     for proc in runs.values():
         if proc.poll() is None:
@@ -150,29 +198,45 @@ def main() -> int:
 
     summary["families"] = {}
     for family in families:
-        result = {"train_rc": {v: runs[family, v].returncode for v in ("straight", "repeat", "resumed")},
-                  "interrupted": interrupted.get(family)}
+        result = {
+            "train_rc": {v: runs[family, v].returncode for v in ("straight", "repeat", "resumed")},
+            "interrupted": interrupted.get(family),
+        }
         straight = losses(work / f"{family}-straight")
         result["first_last_loss"] = [straight[min(straight)], straight[max(straight)]] if straight else None
         result["repeat_vs_straight"] = compare(straight, losses(work / f"{family}-repeat"))
         result["resumed_vs_straight"] = compare(straight, losses(work / f"{family}-resumed"))
         summary["families"][family] = result
     # the evaluations at the same time too (each its own process, target and draft on the one GPU)
-    jobs = [(family, dtype) for family in families for dtype in dtypes
-            if summary["families"][family]["train_rc"]["straight"] == 0]
+    jobs = [
+        (family, dtype)
+        for family in families
+        for dtype in dtypes
+        if summary["families"][family]["train_rc"]["straight"] == 0
+    ]
     with ThreadPoolExecutor(max_workers=len(jobs) or 1) as pool:
-        reports = pool.map(lambda job: evaluate(work / f"{job[0]}-straight", prompts, args.device, job[1],
-                                                work / f"{job[0]}-eval-{job[1]}.log"), jobs)
+        reports = pool.map(
+            lambda job: evaluate(
+                work / f"{job[0]}-straight", prompts, args.device, job[1], work / f"{job[0]}-eval-{job[1]}.log"
+            ),
+            jobs,
+        )
         for (family, dtype), report in zip(jobs, reports):
             summary["families"][family][f"eval_{dtype}"] = report
     for family in families:
         print(family, json.dumps(summary["families"][family]), flush=True)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    ok = [f for f, r in summary["families"].items() if r["train_rc"] == {"straight": 0, "repeat": 0, "resumed": 0}
-          and (r.get("eval_fp32") or {}).get("matches_target")]
-    print(f"device={summary['device'].replace(' ', '_')} families_ok={len(ok)}/{len(families)} "
-          f"seconds={summary['seconds']}")
+    ok = [
+        f
+        for f, r in summary["families"].items()
+        if r["train_rc"] == {"straight": 0, "repeat": 0, "resumed": 0}
+        and (r.get("eval_fp32") or {}).get("matches_target")
+    ]
+    print(
+        f"device={summary['device'].replace(' ', '_')} families_ok={len(ok)}/{len(families)} "
+        f"seconds={summary['seconds']}"
+    )
     return 0 if len(ok) == len(families) else 1
 
 

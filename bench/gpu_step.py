@@ -103,21 +103,66 @@ class Shape:
 
 
 def qwen3_06b(seq: int, batch: int) -> Shape:
-    return Shape(f"{seq}x{batch}", "Qwen3-0.6B-like", hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128,
-                 intermediate=3072, vocab=151_936, tied=True, seq=seq, batch=batch)
+    return Shape(
+        f"{seq}x{batch}",
+        "Qwen3-0.6B-like",
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=3072,
+        vocab=151_936,
+        tied=True,
+        seq=seq,
+        batch=batch,
+    )
 
 
 def tiny(seq: int, batch: int) -> Shape:
-    return Shape(f"{seq}x{batch}", "tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-                 vocab=256, tied=True, seq=seq, batch=batch, max_positions=1024, rope_theta=10_000.0)
+    return Shape(
+        f"{seq}x{batch}",
+        "tiny",
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        vocab=256,
+        tied=True,
+        seq=seq,
+        batch=batch,
+        max_positions=1024,
+        rope_theta=10_000.0,
+    )
 
 
-SHAPES = {shape.name: shape for shape in (
-    qwen3_06b(2048, 1), qwen3_06b(2048, 4), qwen3_06b(8192, 1), qwen3_06b(32768, 1),
-    Shape("8b_4096x1", "Qwen3-8B-like", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128,
-          intermediate=12288, vocab=151_936, tied=False, seq=4096, batch=1),
-    tiny(64, 2), tiny(128, 1),
-)}
+SHAPES = {
+    shape.name: shape
+    for shape in (
+        qwen3_06b(2048, 1),
+        qwen3_06b(2048, 4),
+        qwen3_06b(8192, 1),
+        qwen3_06b(32768, 1),
+        Shape(
+            "8b_4096x1",
+            "Qwen3-8B-like",
+            hidden=4096,
+            layers=36,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            intermediate=12288,
+            vocab=151_936,
+            tied=False,
+            seq=4096,
+            batch=1,
+        ),
+        tiny(64, 2),
+        tiny(128, 1),
+    )
+}
 DEFAULT_SHAPES = {"cuda": "2048x1,2048x4,8192x1,32768x1,8b_4096x1", "cpu": "64x2,128x1"}
 DEFAULT_STEPS = {"cuda": (10, 3), "cpu": (2, 1)}  # (--steps, --warmup)
 
@@ -128,17 +173,25 @@ class Skip(Exception):
 
 # -- targets -----------------------------------------------------------------------------------
 
+
 def target_config(shape: Shape, family: str):
     """The transformers config of the case's target: a Qwen3 of the shape, or, for a family that
     drafts only for qwen3_next (MTP), a Qwen3-Next of the same dims."""
     from specdraft.drafts.registry import FAMILIES
 
     rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                  num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                  max_position_embeddings=shape.max_positions, tie_word_embeddings=shape.tied,
-                  rope_parameters=rope)
+    common = dict(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=shape.tied,
+        rope_parameters=rope,
+    )
     types = FAMILIES[family].target_model_types
     if types is None or "qwen3" in types:
         from transformers import Qwen3Config
@@ -151,18 +204,33 @@ def target_config(shape: Shape, family: str):
 
         # MoE of the dense MLP's active width: 2 of 4 experts of intermediate / 4 plus a shared
         # expert of intermediate / 2 (multiples of 16: torch's grouped_mm needs 16-byte strides)
-        config = Qwen3NextConfig(**common, layer_types=["full_attention"] * shape.layers, num_experts=4,
-                                 num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 4 // 16 * 16,
-                                 shared_expert_intermediate_size=shape.intermediate // 2 // 16 * 16)
+        config = Qwen3NextConfig(
+            **common,
+            layer_types=["full_attention"] * shape.layers,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=shape.intermediate // 4 // 16 * 16,
+            shared_expert_intermediate_size=shape.intermediate // 2 // 16 * 16,
+        )
     except Exception as error:  # noqa: BLE001 - any refusal of the config class is the reason to print
-        raise Skip(f"transformers' Qwen3NextConfig cannot build an MTP-capable {shape.model} shape: "
-                   f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
-    built = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-             config.head_dim, config.vocab_size)
+        raise Skip(
+            f"transformers' Qwen3NextConfig cannot build an MTP-capable {shape.model} shape: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ) from None
+    built = (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+    )
     asked = (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab)
     if built != asked or set(config.layer_types) != {"full_attention"}:
-        raise Skip(f"transformers' Qwen3NextConfig built {built} (hidden, layers, heads, kv heads, head_dim, vocab) "
-                   f"for {asked}, or layers other than full attention")
+        raise Skip(
+            f"transformers' Qwen3NextConfig built {built} (hidden, layers, heads, kv heads, head_dim, vocab) "
+            f"for {asked}, or layers other than full attention"
+        )
     return config
 
 
@@ -177,6 +245,7 @@ def build_target(config, device: torch.device, dtype: torch.dtype):
 
 
 # -- data --------------------------------------------------------------------------------------
+
 
 def packed_data(shape: Shape, rows: int, out: Path):
     """A packed cache as prepare_data leaves it: random tokens in conversations of 64-512 tokens
@@ -204,6 +273,7 @@ def run_config(shape: Shape, family: str, precision: str):
 
 # -- clocks and memory ----------------------------------------------------------------------------
 
+
 class Clock:
     """Marks on the device's timeline: CUDA events on CUDA, perf_counter on CPU."""
 
@@ -228,8 +298,9 @@ class Clock:
             return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         return [b - a for a, b in zip(marks, marks[1:])]
 
-    def each(self, fn: Callable[[int], None], calls: int, start: int = 0,
-             deadline: Optional[float] = None) -> List[float]:
+    def each(
+        self, fn: Callable[[int], None], calls: int, start: int = 0, deadline: Optional[float] = None
+    ) -> List[float]:
         """Each call's seconds, the calls back to back (nothing waits between them); past
         `deadline` (perf_counter) no further call starts, the first always runs."""
         self.sync()
@@ -284,8 +355,11 @@ class PeakMemory:
 def dynamo_counts() -> Dict[str, int]:
     from torch._dynamo.utils import counters
 
-    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
-            "breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "frames": int(counters["frames"]["total"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 def is_oom(error: Optional[BaseException]) -> bool:
@@ -293,14 +367,16 @@ def is_oom(error: Optional[BaseException]) -> bool:
     CUDA runtime error), anywhere down the chain of causes."""
     seen = 0
     while error is not None and seen < 8:
-        if isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError)
-                                                         and "out of memory" in str(error).lower()):
+        if isinstance(error, torch.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+        ):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
 
 
 # -- one case ------------------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -320,8 +396,17 @@ class Result:
 class Case:
     """The target, draft, engine and data of one family at one shape; measure() fills a Result."""
 
-    def __init__(self, family: str, shape: Shape, device: torch.device, dtype: torch.dtype, work: Path,
-                 steps: int, warmup: int, budget: float = 0.0):
+    def __init__(
+        self,
+        family: str,
+        shape: Shape,
+        device: torch.device,
+        dtype: torch.dtype,
+        work: Path,
+        steps: int,
+        warmup: int,
+        budget: float = 0.0,
+    ):
         self.family, self.shape, self.device, self.dtype = family, shape, device, dtype
         self.work, self.steps, self.warmup = work, steps, warmup
         self.budget = budget  # seconds for (c), the build included; 0: no limit
@@ -338,8 +423,11 @@ class Case:
         result.target = f"{config.model_type}"
         cfg = run_config(shape, self.family, "bf16" if self.dtype == torch.bfloat16 else "fp32")
         self.cfg = cfg
-        self.data = packed_data(shape, rows=shape.batch * (self.warmup + self.steps + 1),
-                                out=self.work / f"{shape.name}-{config.model_type}")
+        self.data = packed_data(
+            shape,
+            rows=shape.batch * (self.warmup + self.steps + 1),
+            out=self.work / f"{shape.name}-{config.model_type}",
+        )
         target = build_target(config, self.device, self.dtype)
         draft = build_draft(cfg.draft, target.config, data=self.data)  # EAGLE-3's vocab maps from the data
         self.plain = copy.deepcopy(draft)  # (b) runs outside the engine (moved to the device in (b))
@@ -353,8 +441,9 @@ class Case:
         from specdraft.train import loop
 
         batch = loop.model_inputs(self.data.batch(self.sampler.next_batch()), self.cfg.document_mask)
-        options = self.engine.module.draft_model.sample_batch_options(loop.batch_generator(self.cfg.seed, step, 0),
-                                                                      self.cfg.max_seq_length)
+        options = self.engine.module.draft_model.sample_batch_options(
+            loop.batch_generator(self.cfg.seed, step, 0), self.cfg.max_seq_length
+        )
         self.tokens.append(batch["input_ids"].numel())  # as the loop counts tokens_seen
         loop.forward_step(self.engine, batch, options)
 
@@ -377,17 +466,29 @@ class Case:
         from specdraft.train.model import target_features
 
         model = self.model
-        return target_features(model.model, model.draft_model.capture_request(), inputs["input_ids"],
-                               inputs.get("document_positions"), inputs.get("document_ids"),
-                               position_ids=options.get("position_ids"),
-                               shard=model.sequence_parallel.shard(inputs["input_ids"].shape[1]))
+        return target_features(
+            model.model,
+            model.draft_model.capture_request(),
+            inputs["input_ids"],
+            inputs.get("document_positions"),
+            inputs.get("document_ids"),
+            position_ids=options.get("position_ids"),
+            shard=model.sequence_parallel.shard(inputs["input_ids"].shape[1]),
+        )
 
     def draft_step(self, inputs: dict, options: dict, host) -> None:
         """(b): the draft's loss, forward and backward, on the features captured once."""
         own = {key: value for key, value in options.items() if key != "position_ids"}  # the target's, in (a)
-        out = self.plain.training_loss(self.features, self.model.lm_head.weight, inputs["input_ids"],
-                                       inputs["loss_mask"], self.cfg.loss_chunk_size,
-                                       documents=inputs.get("document_ids"), host=host, **own)
+        out = self.plain.training_loss(
+            self.features,
+            self.model.lm_head.weight,
+            inputs["input_ids"],
+            inputs["loss_mask"],
+            self.cfg.loss_chunk_size,
+            documents=inputs.get("document_ids"),
+            host=host,
+            **own,
+        )
         out.loss.backward()
         self.plain.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
 
@@ -411,16 +512,23 @@ class Case:
         memory.reset()  # the steady state's peak: what stays allocated (weights, optimizer state) and a step's
         c_times = clock.each(self.train_step, self.steps, start=self.warmup, deadline=deadline)
         if len(result.warm) < self.warmup - 1 or len(c_times) < self.steps:
-            result.note = (f"--case-budget {self.budget:g} s reached: {len(result.warm)} of {self.warmup - 1} more "
-                           f"warm-up and {len(c_times)} of {self.steps} timed steps")
+            result.note = (
+                f"--case-budget {self.budget:g} s reached: {len(result.warm)} of {self.warmup - 1} more "
+                f"warm-up and {len(c_times)} of {self.steps} timed steps"
+            )
         peak = memory.peak()
         after_c = dynamo_counts()  # (c) only: (a) and (b) run the plain draft, which training never does
         result.breaks = after_c["breaks"] - before["breaks"]
-        tokens = self.tokens[-len(c_times):]  # the timed steps'
+        tokens = self.tokens[-len(c_times) :]  # the timed steps'
         c = statistics.median(c_times)
-        result.values.update(first_s=first, step_ms=c * 1e3, peak_gb=peak / 2**30,
-                             tokens=sum(tokens) / len(tokens), tokens_per_s=sum(tokens) / len(tokens) / c,
-                             recompiles=after_c["frames"] - after_first["frames"])
+        result.values.update(
+            first_s=first,
+            step_ms=c * 1e3,
+            peak_gb=peak / 2**30,
+            tokens=sum(tokens) / len(tokens),
+            tokens_per_s=sum(tokens) / len(tokens) / c,
+            recompiles=after_c["frames"] - after_first["frames"],
+        )
 
         result.phase = "(a)"
         inputs, options, host = self.fixed_batch()
@@ -447,8 +555,18 @@ class Case:
         self.model = self.plain = self.features = self.data = None
 
 
-def run_case(family: str, shape: Shape, device: torch.device, dtype: torch.dtype, work: Path, steps: int,
-             warmup: int, clock: Clock, memory: PeakMemory, budget: float = 0.0) -> Result:
+def run_case(
+    family: str,
+    shape: Shape,
+    device: torch.device,
+    dtype: torch.dtype,
+    work: Path,
+    steps: int,
+    warmup: int,
+    clock: Clock,
+    memory: PeakMemory,
+    budget: float = 0.0,
+) -> Result:
     result = Result(family, shape)
     result.held_before = memory.start_case()
     case = Case(family, shape, device, dtype, work, steps, warmup, budget)
@@ -475,6 +593,7 @@ def run_case(family: str, shape: Shape, device: torch.device, dtype: torch.dtype
 
 # -- report ----------------------------------------------------------------------------------------
 
+
 def header(device: torch.device, dtype: torch.dtype, steps: int, warmup: int) -> str:
     import deepspeed
     import transformers
@@ -483,17 +602,23 @@ def header(device: torch.device, dtype: torch.dtype, steps: int, warmup: int) ->
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        where = (f"device: {props.name} ({props.total_memory / 2**30:.1f} GiB), CUDA {torch.version.cuda}, "
-                 f"{os.cpu_count()} CPUs")
+        where = (
+            f"device: {props.name} ({props.total_memory / 2**30:.1f} GiB), CUDA {torch.version.cuda}, "
+            f"{os.cpu_count()} CPUs"
+        )
     else:
         where = machine_line()
-    return (f"{where}\ntorch {torch.__version__}, transformers {transformers.__version__}, deepspeed "
-            f"{deepspeed.__version__}; {str(dtype).replace('torch.', '')}; (c) first step alone, {warmup - 1} more "
-            f"warm-up step(s), {steps} timed; (a), (b) {warmup} warm-up + {steps} timed; medians")
+    return (
+        f"{where}\ntorch {torch.__version__}, transformers {transformers.__version__}, deepspeed "
+        f"{deepspeed.__version__}; {str(dtype).replace('torch.', '')}; (c) first step alone, {warmup - 1} more "
+        f"warm-up step(s), {steps} timed; (a), (b) {warmup} warm-up + {steps} timed; medians"
+    )
 
 
-COLUMNS = (f"{'family':<7} {'shape':<10} {'target':<11} {'(a) ms':>9} {'(b) ms':>9} {'(c) ms':>9} {'c/(a+b)':>8} "
-           f"{'tokens/s':>10} {'peak GB':>8} {'first s':>8} {'compiles':>8} {'recomp.':>7} {'breaks':>6}  warm-up s")
+COLUMNS = (
+    f"{'family':<7} {'shape':<10} {'target':<11} {'(a) ms':>9} {'(b) ms':>9} {'(c) ms':>9} {'c/(a+b)':>8} "
+    f"{'tokens/s':>10} {'peak GB':>8} {'first s':>8} {'compiles':>8} {'recomp.':>7} {'breaks':>6}  warm-up s"
+)
 
 
 def row(result: Result) -> str:
@@ -502,9 +627,11 @@ def row(result: Result) -> str:
     if result.status != "ok":
         measured = ", ".join(f"{key} {v[key]:.4g}" for key in ("step_ms", "tokens_per_s", "peak_gb") if key in v)
         return f"{head} {result.status}: {result.note}" + (f" (measured: {measured})" if measured else "")
-    line = (f"{head} {v['a_ms']:9.1f} {v['b_ms']:9.1f} {v['step_ms']:9.1f} {v['ratio']:8.3f} "
-            f"{v['tokens_per_s']:10.0f} {v['peak_gb']:8.2f} {v['first_s']:8.2f} {result.compiles_first:8d} "
-            f"{int(v['recompiles']):7d} {result.breaks:6d}  {' '.join(f'{s:.2f}' for s in result.warm) or '-'}")
+    line = (
+        f"{head} {v['a_ms']:9.1f} {v['b_ms']:9.1f} {v['step_ms']:9.1f} {v['ratio']:8.3f} "
+        f"{v['tokens_per_s']:10.0f} {v['peak_gb']:8.2f} {v['first_s']:8.2f} {result.compiles_first:8d} "
+        f"{int(v['recompiles']):7d} {result.breaks:6d}  {' '.join(f'{s:.2f}' for s in result.warm) or '-'}"
+    )
     if result.note:
         line += f"  ({result.note})"
     if result.held_before >= 2**20:
@@ -534,14 +661,27 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--families", default=",".join(FAMILY_ORDER))
-    parser.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
-                        f"(default: {DEFAULT_SHAPES['cuda']} on cuda, {DEFAULT_SHAPES['cpu']} on cpu)")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated, of {', '.join(SHAPES)} "
+        f"(default: {DEFAULT_SHAPES['cuda']} on cuda, {DEFAULT_SHAPES['cpu']} on cpu)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed calls per phase (default 10 cuda, 2 cpu)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls per phase, the first step among "
-                        "(c)'s (default 3 cuda, 1 cpu)")
-    parser.add_argument("--case-budget", type=float, default=0.0, help="seconds per case for its build and "
-                        "(c)'s steps: past it no further warm-up or timed step starts (the first step and one "
-                        "timed step always run); 0: no limit")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up calls per phase, the first step among (c)'s (default 3 cuda, 1 cpu)",
+    )
+    parser.add_argument(
+        "--case-budget",
+        type=float,
+        default=0.0,
+        help="seconds per case for its build and "
+        "(c)'s steps: past it no further warm-up or timed step starts (the first step and one "
+        "timed step always run); 0: no limit",
+    )
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILY_ORDER]
@@ -578,8 +718,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
     try:
         for name in shape_names:
             for family in families:
-                result = run_case(family, SHAPES[name], device, dtype, work, steps, warmup, clock, memory,
-                                  args.case_budget)
+                result = run_case(
+                    family, SHAPES[name], device, dtype, work, steps, warmup, clock, memory, args.case_budget
+                )
                 results.append(result)
                 print(row(result), flush=True)
     finally:

@@ -68,22 +68,35 @@ def measure_one(family: str, T: int) -> dict:
     torch.manual_seed(0)
     force_path(PATH)
     p = get_preset("demo")
-    config = LlamaConfig(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-                         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
-                         num_key_value_heads=p.num_key_value_heads, max_position_embeddings=2 * T,
-                         tie_word_embeddings=False, dtype="float32")
+    config = LlamaConfig(
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=2 * T,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
     cfg = OmegaConf.structured(TrainConfig).draft
     cfg.type = family
-    cfg.update({"glide": {"sliding_window": 512}, "eagle3": {"ttt_steps": 7},
-                "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512},
-                "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64},
-                "peagle": {"num_depths": 8}}[family])
+    cfg.update(
+        {
+            "glide": {"sliding_window": 512},
+            "eagle3": {"ttt_steps": 7},
+            "dflash": {"num_layers": 2, "block_size": 8, "max_anchors": 512},
+            "dspark": {"num_layers": 2, "block_size": 8, "max_anchors": 512, "markov_rank": 64},
+            "peagle": {"num_depths": 8},
+        }[family]
+    )
     sp = {}
     if SP > 1:
         import torch.distributed as dist
 
         from specdraft.parallel.sequence import sequence_parallel_groups
+
         dist.init_process_group("gloo")
         sp = {"sequence_parallel": sequence_parallel_groups(SP)}
     model = TargetWithDraft(target, build_draft(cfg, config), loss_chunk_size=0, **sp)
@@ -95,11 +108,18 @@ def measure_one(family: str, T: int) -> dict:
     options = model.draft_model.sample_batch_options(torch.Generator().manual_seed(0), T)
 
     def step():
-        out = model(ids, mask, document_positions=positions, document_ids=documents,
-                    host=HostBatch(ids, mask, documents),
-                    **options)
+        out = model(
+            ids,
+            mask,
+            document_positions=positions,
+            document_ids=documents,
+            host=HostBatch(ids, mask, documents),
+            **options,
+        )
         out.loss.backward()
-        model.draft_model.zero_grad(set_to_none=False)  # kept: the gradients are in the base, as the model's fixed terms
+        model.draft_model.zero_grad(
+            set_to_none=False
+        )  # kept: the gradients are in the base, as the model's fixed terms
 
     step()  # warm-up: lazily made buffers, allocator state
     Path("/proc/self/clear_refs").write_text("5")
@@ -115,13 +135,23 @@ def measure_one(family: str, T: int) -> dict:
         step()
         peak_gb = (rss_kib("VmHWM") - base) / 2**20
     seconds = time.perf_counter() - start
-    result = {"family": family, "T": T, "peak_gb": peak_gb, "tokens_per_s": T / seconds,
-              "model_gb": modelled_step_gb(config, cfg, T)}
+    result = {
+        "family": family,
+        "T": T,
+        "peak_gb": peak_gb,
+        "tokens_per_s": T / seconds,
+        "model_gb": modelled_step_gb(config, cfg, T),
+    }
     if SP > 1:  # the rank with the highest peak, the slowest step
         ranks = [None] * SP
         dist.all_gather_object(ranks, result)
-        result = {"family": family, "T": T, "peak_gb": max(r["peak_gb"] for r in ranks),
-                  "tokens_per_s": min(r["tokens_per_s"] for r in ranks), "model_gb": result["model_gb"]}
+        result = {
+            "family": family,
+            "T": T,
+            "peak_gb": max(r["peak_gb"] for r in ranks),
+            "tokens_per_s": min(r["tokens_per_s"] for r in ranks),
+            "model_gb": result["model_gb"],
+        }
         dist.destroy_process_group()
     return result
 
@@ -138,8 +168,9 @@ def modelled_step_gb(target_config, draft_cfg, T: int) -> float:
     cfg = OmegaConf.structured(TrainConfig)
     cfg.draft = draft_cfg
     cfg.precision, cfg.per_device_batch_size, cfg.max_seq_length, cfg.loss_chunk_size = "fp32", 1, T, 0
-    estimate = memory.estimate_peak(target_config, cfg, world_size=SP, documents=bool(ROW_CONVERSATION),
-                                    sequence_parallel=SP)
+    estimate = memory.estimate_peak(
+        target_config, cfg, world_size=SP, documents=bool(ROW_CONVERSATION), sequence_parallel=SP
+    )
     fixed = ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)")
     return (estimate.total - sum(estimate.parts.get(name, 0) for name in fixed)) / 2**30
 
@@ -161,10 +192,12 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
     starts = torch.arange(1, T - block, (T - block) // anchors)[:anchors][None]
     visibility = BlockVisibility(starts, T, block, document_starts(documents).gather(1, starts))
     blocked = -(-T // window) * window * 2 * window  # the dense path's band: blocks of (window, 2 window)
-    rows = [("GLIDE window", window_block_mask(documents, window), T * T if T <= 2 * window else blocked),
-            ("GLIDE cross", lagged_block_mask(documents, lag), (T - lag) ** 2),
-            ("EAGLE-3 causal", document_block_mask(documents), T * T),
-            ("DFlash blocks", visibility.block_mask(), visibility.query_len * (T + visibility.query_len))]
+    rows = [
+        ("GLIDE window", window_block_mask(documents, window), T * T if T <= 2 * window else blocked),
+        ("GLIDE cross", lagged_block_mask(documents, lag), (T - lag) ** 2),
+        ("EAGLE-3 causal", document_block_mask(documents), T * T),
+        ("DFlash blocks", visibility.block_mask(), visibility.query_len * (T + visibility.query_len)),
+    ]
     for name, mask, dense in rows:
         print(f"{name:<15} T={T:>6} block mask {nbytes(mask) / 2**10:10.1f} KiB   dense mask {dense / 2**20:10.1f} MiB")
 
@@ -203,10 +236,12 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
     starts = document_starts(documents).gather(1, anchors)
 
     def masks():
-        return [layers.window_block_mask(documents, 16),
-                layers.lagged_block_mask(documents, 2),
-                docs_module.document_block_mask(documents),
-                dflash_blocks.BlockVisibility(anchors, T, 4, starts).block_mask()]
+        return [
+            layers.window_block_mask(documents, 16),
+            layers.lagged_block_mask(documents, 2),
+            docs_module.document_block_mask(documents),
+            dflash_blocks.BlockVisibility(anchors, T, 4, starts).block_mask(),
+        ]
 
     eager = masks()
     compiled = torch.compile(create_block_mask)
@@ -216,8 +251,10 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
     def tensors(mask):
         return [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
 
-    return all(len(tensors(a)) == len(tensors(b)) and all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b)))
-               for a, b in zip(eager, masks()))
+    return all(
+        len(tensors(a)) == len(tensors(b)) and all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b)))
+        for a, b in zip(eager, masks())
+    )
 
 
 def rss_kib(field: str) -> int:
@@ -232,8 +269,12 @@ def main() -> None:
     parser.add_argument("--families", default="glide,eagle3,dflash")
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--no-documents", action="store_true", help="one conversation per row (no borders)")
-    parser.add_argument("--path", default="slices", choices=("slices", "dense"),
-                        help="the drafts' document attention on CPU: per conversation (its own) or dense")
+    parser.add_argument(
+        "--path",
+        default="slices",
+        choices=("slices", "dense"),
+        help="the drafts' document attention on CPU: per conversation (its own) or dense",
+    )
     parser.add_argument("--flex-sizes", action="store_true", help="bytes of the CUDA path's block masks")
     parser.add_argument("--mask-peak", action="store_true", help="peak RSS of building a block mask, eager vs compiled")
     parser.add_argument("--sp", type=int, default=1, help="also at sequence_parallel_size N on N CPU ranks")
@@ -249,8 +290,9 @@ def main() -> None:
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
         for T in (int(t) for t in args.lengths.split(",")):
             for mode in ("eager", "compiled"):
-                run = subprocess.run([sys.executable, __file__, "--one-mask", f"{mode}:{T}"], env=env,
-                                     capture_output=True, text=True)
+                run = subprocess.run(
+                    [sys.executable, __file__, "--one-mask", f"{mode}:{T}"], env=env, capture_output=True, text=True
+                )
                 out = (run.stdout if run.returncode == 0 else run.stderr).strip().splitlines()[-1]
                 print(f"T={T:>6} {mode:<8} {out}", flush=True)
         print(f"compiled_masks_equal_eager={compiled_masks_equal_eager()}")
@@ -276,26 +318,50 @@ def main() -> None:
     for family in args.families.split(","):
         for T in lengths:
             for sp in sorted({1, args.sp}):
-                launcher = [sys.executable] if sp == 1 else [
-                    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp)]
-                run = subprocess.run([*launcher, __file__, "--one", f"{family}:{T}"], env=dict(env, BENCH_SP=str(sp)),
-                                     capture_output=True, text=True)
+                launcher = (
+                    [sys.executable]
+                    if sp == 1
+                    else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp)]
+                )
+                run = subprocess.run(
+                    [*launcher, __file__, "--one", f"{family}:{T}"],
+                    env=dict(env, BENCH_SP=str(sp)),
+                    capture_output=True,
+                    text=True,
+                )
                 if run.returncode:
                     print(f"{family:<7} {T:>6} {sp:>3} failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
                     continue
                 m = json.loads(run.stdout.strip().splitlines()[-1])
                 peaks[family, T, sp], rate = m["peak_gb"], m["tokens_per_s"]
                 peaks[family, T, sp, "rate"] = rate
-                ratio = "" if sp == 1 or (family, T, 1) not in peaks else (
-                    f"  peak/rank vs SP=1 {m['peak_gb'] / peaks[family, T, 1]:.2f}, step time vs SP=1 "
-                    f"{peaks[family, T, 1, 'rate'] / rate:.2f}")
-                print(f"{family:<7} {T:>6} {sp:>3} {m['peak_gb']:12.2f} {m['model_gb']:9.2f} "
-                      f"{m['peak_gb'] / m['model_gb']:7.2f} {rate:9.0f}{ratio}", flush=True)
-    peaks = {(family, T): peaks[family, T, 1] for family in args.families.split(",") for T in lengths
-             if (family, T, 1) in peaks}
+                ratio = (
+                    ""
+                    if sp == 1 or (family, T, 1) not in peaks
+                    else (
+                        f"  peak/rank vs SP=1 {m['peak_gb'] / peaks[family, T, 1]:.2f}, step time vs SP=1 "
+                        f"{peaks[family, T, 1, 'rate'] / rate:.2f}"
+                    )
+                )
+                print(
+                    f"{family:<7} {T:>6} {sp:>3} {m['peak_gb']:12.2f} {m['model_gb']:9.2f} "
+                    f"{m['peak_gb'] / m['model_gb']:7.2f} {rate:9.0f}{ratio}",
+                    flush=True,
+                )
+    peaks = {
+        (family, T): peaks[family, T, 1]
+        for family in args.families.split(",")
+        for T in lengths
+        if (family, T, 1) in peaks
+    }
     top = max(lengths)
-    print(" ".join(f"{family}_growth={peaks[family, top] / peaks[family, top // 2]:.2f}"
-                   for family in args.families.split(",") if (family, top) in peaks and (family, top // 2) in peaks))
+    print(
+        " ".join(
+            f"{family}_growth={peaks[family, top] / peaks[family, top // 2]:.2f}"
+            for family in args.families.split(",")
+            if (family, top) in peaks and (family, top // 2) in peaks
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from step_efficiency import (FAMILY_SETTINGS, SHAPES as STEP_SHAPES, model_capture, packed_data,  # noqa: E402
-                             preset_shape, random_target, run_config, timed)
+from step_efficiency import (
+    FAMILY_SETTINGS,
+    SHAPES as STEP_SHAPES,
+    model_capture,
+    packed_data,  # noqa: E402
+    preset_shape,
+    random_target,
+    run_config,
+    timed,
+)
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.drafts.registry import build_draft  # noqa: E402
 from specdraft.drafts.documents import document_attention  # noqa: E402
@@ -54,8 +62,7 @@ from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
 from specdraft.train.model import DraftWithLoss, TargetWithDraft  # noqa: E402
 
 BENCH = preset_shape("bench", "bench", batch=1, seq=2048, window=512)
-SHAPES = {"tiny": STEP_SHAPES["tiny"], "bench": BENCH,
-          "deep": dataclasses.replace(BENCH, name="deep", layers=48)}
+SHAPES = {"tiny": STEP_SHAPES["tiny"], "bench": BENCH, "deep": dataclasses.replace(BENCH, name="deep", layers=48)}
 
 
 class SeveralBench:
@@ -79,15 +86,23 @@ class SeveralBench:
 
     def target_forward(self, ids, positions, documents) -> None:
         with torch.no_grad():  # the capture's attention: inside each document, no (T, T) mask
-            hidden = capture(self.target.model, ids, positions, CaptureRequest(final_hidden=True),
-                             document_attention(documents)).final_hidden
+            hidden = capture(
+                self.target.model, ids, positions, CaptureRequest(final_hidden=True), document_attention(documents)
+            ).final_hidden
             if self.reads_distribution:
                 self.target.lm_head(hidden)
 
     def draft_step(self, family, features, batch, options) -> None:
         draft = self.plain[family]
-        out = draft.training_loss(features, self.target.lm_head.weight, batch["input_ids"], batch["loss_mask"],
-                                  self.cfgs[family].loss_chunk_size, documents=batch.get("document_ids"), **options)
+        out = draft.training_loss(
+            features,
+            self.target.lm_head.weight,
+            batch["input_ids"],
+            batch["loss_mask"],
+            self.cfgs[family].loss_chunk_size,
+            documents=batch.get("document_ids"),
+            **options,
+        )
         out.loss.backward()
         draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
 
@@ -96,11 +111,15 @@ class SeveralBench:
         batch = loop.model_inputs(self.data.batch(self.sampler.next_batch()), True)
         ids, documents = batch["input_ids"], batch.get("document_ids")
         positions = batch.get("document_positions", torch.arange(shape.seq).expand(shape.batch, shape.seq))
-        options = {f: self.plain[f].sample_batch_options(loop.batch_generator(0, step, 0), shape.seq)
-                   for f in self.families}
-        jobs = {"together": lambda: loop.forward_drafts(self.target, list(self.together.values()), batch,
-                                                        [options[f] for f in self.families]),
-                "a": lambda: self.target_forward(ids, positions, documents)}
+        options = {
+            f: self.plain[f].sample_batch_options(loop.batch_generator(0, step, 0), shape.seq) for f in self.families
+        }
+        jobs = {
+            "together": lambda: loop.forward_drafts(
+                self.target, list(self.together.values()), batch, [options[f] for f in self.families]
+            ),
+            "a": lambda: self.target_forward(ids, positions, documents),
+        }
         for f in self.families:
             features = model_capture(self.alone[f].module, ids, positions, documents)  # (b)'s input, untimed
             jobs[f"alone_{f}"] = lambda f=f: loop.forward_step(self.alone[f], batch, options[f])
@@ -117,9 +136,13 @@ def measure(shape, families, zero_stage: int, rounds: int, warmup: int, work: Pa
     samples = [bench.round(step) for step in range(rounds + warmup)][warmup:]
     m = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
     alone = sum(m[f"alone_{f}"] for f in families)
-    return {"medians": m, "ratio": m["together"] / alone,
-            "step_ratio": m["together"] / (m["a"] + sum(m[f"b_{f}"] for f in families)),
-            "share": {f: m[f"capture_{f}"] / m[f"alone_{f}"] for f in families}, "alone": alone}
+    return {
+        "medians": m,
+        "ratio": m["together"] / alone,
+        "step_ratio": m["together"] / (m["a"] + sum(m[f"b_{f}"] for f in families)),
+        "share": {f: m[f"capture_{f}"] / m[f"alone_{f}"] for f in families},
+        "alone": alone,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -136,24 +159,35 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         parser.error(f"--families: two or more of {', '.join(FAMILY_SETTINGS)}")
     init_distributed()
     work = Path(tempfile.mkdtemp(prefix="specdraft-bench-several-"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), ZeRO-{args.zero}; CPU ms per step "
-          f"(medians of {args.rounds} rounds); drafts: {', '.join(families)}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), ZeRO-{args.zero}; CPU ms per step "
+        f"(medians of {args.rounds} rounds); drafts: {', '.join(families)}"
+    )
     result = {}
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         r = measure(shape, families, args.zero, args.rounds, args.warmup, work)
         m = r["medians"]
-        print(f"{name}: target {shape.layers} layers x hidden {shape.hidden}, vocab {shape.vocab}, "
-              f"{shape.batch} x {shape.seq} tokens")
+        print(
+            f"{name}: target {shape.layers} layers x hidden {shape.hidden}, vocab {shape.vocab}, "
+            f"{shape.batch} x {shape.seq} tokens"
+        )
         print(f"  {'draft':<8}{'alone ms':>10}{'capture ms':>12}{'target share':>14}{'(b) ms':>10}")
         for f in families:
-            print(f"  {f:<8}{m[f'alone_{f}'] * 1e3:10.1f}{m[f'capture_{f}'] * 1e3:12.1f}{r['share'][f]:14.2f}"
-                  f"{m[f'b_{f}'] * 1e3:10.1f}")
-        print(f"  together {m['together'] * 1e3:.1f} ms, sum alone {r['alone'] * 1e3:.1f} ms, (a) {m['a'] * 1e3:.1f} ms: "
-              f"ratio {r['ratio']:.3f}, step ratio {r['step_ratio']:.3f}", flush=True)
+            print(
+                f"  {f:<8}{m[f'alone_{f}'] * 1e3:10.1f}{m[f'capture_{f}'] * 1e3:12.1f}{r['share'][f]:14.2f}"
+                f"{m[f'b_{f}'] * 1e3:10.1f}"
+            )
+        print(
+            f"  together {m['together'] * 1e3:.1f} ms, sum alone {r['alone'] * 1e3:.1f} ms, (a) {m['a'] * 1e3:.1f} ms: "
+            f"ratio {r['ratio']:.3f}, step ratio {r['step_ratio']:.3f}",
+            flush=True,
+        )
         result = r
-    print(f"ratio={result['ratio']:.3f} step_ratio={result['step_ratio']:.3f} "
-          f"target_share={min(result['share'].values()):.3f}")
+    print(
+        f"ratio={result['ratio']:.3f} step_ratio={result['step_ratio']:.3f} "
+        f"target_share={min(result['share'].values()):.3f}"
+    )
     return result
 
 

@@ -74,7 +74,8 @@ from specdraft.demo.presets import get_preset  # noqa: E402
 from specdraft.drafts import family_keys  # noqa: E402
 from specdraft.drafts.registry import FAMILIES, build_draft  # noqa: E402
 from specdraft.drafts.documents import document_attention  # noqa: E402
-from specdraft.drafts.objectives import CE, parse_objective  # noqa: E402
+from specdraft.drafts.objectives import CE  # noqa: E402
+from specdraft.drafts.objective_options import parse_objective  # noqa: E402
 from specdraft.target.capture import CaptureRequest, capture  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402
@@ -97,16 +98,36 @@ class Shape:
 
 def preset_shape(name: str, preset: str, batch: int, seq: int, window: int) -> Shape:
     p = get_preset(preset)
-    return Shape(name, p.num_hidden_layers, p.hidden_size, p.num_attention_heads, p.num_key_value_heads,
-                 p.intermediate_size, p.vocab_size, batch=batch, seq=seq, window=window)
+    return Shape(
+        name,
+        p.num_hidden_layers,
+        p.hidden_size,
+        p.num_attention_heads,
+        p.num_key_value_heads,
+        p.intermediate_size,
+        p.vocab_size,
+        batch=batch,
+        seq=seq,
+        window=window,
+    )
 
 
 SHAPES = {
     "tiny": preset_shape("tiny", "tiny", batch=2, seq=64, window=32),
     "demo": preset_shape("demo", "demo", batch=8, seq=256, window=128),
     "long": preset_shape("long", "demo", batch=1, seq=4096, window=512),
-    "large": Shape("large", layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1376, vocab=32000,
-                   batch=2, seq=1024, window=512),
+    "large": Shape(
+        "large",
+        layers=8,
+        hidden=512,
+        heads=8,
+        kv_heads=4,
+        intermediate=1376,
+        vocab=32000,
+        batch=2,
+        seq=1024,
+        window=512,
+    ),
 }
 
 
@@ -116,21 +137,37 @@ def random_target(shape: Shape, family: str = "glide"):
     if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-        config = Qwen3NextConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                                 num_hidden_layers=shape.layers, layer_types=["full_attention"] * shape.layers,
-                                 num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                                 head_dim=shape.hidden // shape.heads, num_experts=8, num_experts_per_tok=2,
-                                 # multiples of 16: torch's grouped_mm (transformers' MoE default) needs
-                                 # 16-byte strides
-                                 moe_intermediate_size=shape.intermediate // 64 * 16,
-                                 shared_expert_intermediate_size=shape.intermediate // 32 * 16,
-                                 max_position_embeddings=4 * shape.seq + 64, tie_word_embeddings=False)
+        config = Qwen3NextConfig(
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            layer_types=["full_attention"] * shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.hidden // shape.heads,
+            num_experts=8,
+            num_experts_per_tok=2,
+            # multiples of 16: torch's grouped_mm (transformers' MoE default) needs
+            # 16-byte strides
+            moe_intermediate_size=shape.intermediate // 64 * 16,
+            shared_expert_intermediate_size=shape.intermediate // 32 * 16,
+            max_position_embeddings=4 * shape.seq + 64,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         return Qwen3NextForCausalLM(config).eval().requires_grad_(False)
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, max_position_embeddings=4 * shape.seq + 64,
-                         tie_word_embeddings=False, dtype="float32")
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4 * shape.seq + 64,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.eval()
@@ -151,7 +188,7 @@ def packed_data(shape: Shape, rows: int, out: Path):
     while start < count:
         length = int(rng.integers(min(64, shape.seq // 2), min(513, shape.seq + 1)))
         starts[start] = 1
-        mask[start + length // 3:start + length] = 1
+        mask[start + length // 3 : start + length] = 1
         start += length
     tokens.tofile(out / "tokens.bin")
     mask.tofile(out / "loss_mask.bin")
@@ -164,8 +201,12 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
     "glide": lambda shape: {"sliding_window": shape.window},
     "eagle3": lambda shape: {"ttt_steps": 7},
     "dflash": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4)},
-    "dspark": lambda shape: {"num_layers": 2, "block_size": 8, "max_anchors": max(1, shape.seq // 4),
-                             "markov_rank": 64},
+    "dspark": lambda shape: {
+        "num_layers": 2,
+        "block_size": 8,
+        "max_anchors": max(1, shape.seq // 4),
+        "markov_rank": 64,
+    },
     "mtp": lambda shape: {"num_speculative_steps": 3},  # configs/demo-mtp.yaml (speculators' default)
     "peagle": lambda shape: {"num_depths": 8, "mask_token_id": 0},
 }
@@ -195,8 +236,16 @@ def timed(fn) -> float:
 class StepBench:
     """One objective's target, draft, engine and batch streams; round() times (a), (b), (c) once."""
 
-    def __init__(self, shape: Shape, zero_stage: int, document_mask: bool, spec: Optional[str],
-                 temperature: float, data, family: str = "glide"):
+    def __init__(
+        self,
+        shape: Shape,
+        zero_stage: int,
+        document_mask: bool,
+        spec: Optional[str],
+        temperature: float,
+        data,
+        family: str = "glide",
+    ):
         cfg = run_config(shape, zero_stage, document_mask, family)
         self.family = family
         if spec is not None:  # None: the family's default objective (GLIDE: ce), as before
@@ -222,22 +271,29 @@ class StepBench:
         # with SDPA does not infer the borders: it runs is_causal over the whole row, which costs
         # half of the masked attention at 4k tokens and is not the forward training needs.
         with torch.no_grad():  # the capture's attention: inside each document, no (T, T) mask
-            hidden = capture(self.target.model, ids, positions, CaptureRequest(final_hidden=True),
-                             document_attention(documents)).final_hidden
+            hidden = capture(
+                self.target.model, ids, positions, CaptureRequest(final_hidden=True), document_attention(documents)
+            ).final_hidden
             if self.reads_distribution:
                 return timed(lambda: self.target.lm_head(hidden))
         return 0.0
 
     def draft_step(self, features, ids, loss_mask, documents, options):
-        out = self.plain_draft.training_loss(features, self.target.lm_head.weight, ids, loss_mask,
-                                             self.cfg.loss_chunk_size, documents=documents, **options)
+        out = self.plain_draft.training_loss(
+            features,
+            self.target.lm_head.weight,
+            ids,
+            loss_mask,
+            self.cfg.loss_chunk_size,
+            documents=documents,
+            **options,
+        )
         out.loss.backward()
         self.plain_draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
 
     def engine_step(self, step):
         batch = loop.model_inputs(self.data.batch(self.sampler.next_batch()), self.cfg.document_mask)
-        options = self.engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0),
-                                                                      self.shape.seq)
+        options = self.engine.module.draft_model.sample_batch_options(loop.batch_generator(0, step, 0), self.shape.seq)
         loop.forward_step(self.engine, batch, options)
 
     def round(self, step: int) -> dict:
@@ -259,13 +315,20 @@ class StepBench:
         return sample
 
 
-def measure(shape: Shape, zero_stage: int, rounds: int, warmup: int, work: Path, document_mask: bool,
-            objectives: Sequence[Optional[str]] = (None,), temperature: float = 1.0,
-            family: str = "glide") -> List[dict]:
+def measure(
+    shape: Shape,
+    zero_stage: int,
+    rounds: int,
+    warmup: int,
+    work: Path,
+    document_mask: bool,
+    objectives: Sequence[Optional[str]] = (None,),
+    temperature: float = 1.0,
+    family: str = "glide",
+) -> List[dict]:
     """Medians per objective (in `objectives` order; None: the family's default). The objectives'
     steps are interleaved round by round (their order rotated each round), each on the same batch."""
-    data = packed_data(shape, rows=shape.batch * (rounds + warmup),
-                       out=work / f"{shape.name}-{zero_stage}-{family}")
+    data = packed_data(shape, rows=shape.batch * (rounds + warmup), out=work / f"{shape.name}-{zero_stage}-{family}")
     if "loss" not in family_keys(FAMILIES[family]):  # its own objective only (MTP: speculators' CE)
         objectives = [None]
     benches = [StepBench(shape, zero_stage, document_mask, spec, temperature, data, family) for spec in objectives]
@@ -306,8 +369,10 @@ def objective_specs(arg: str) -> List[Optional[str]]:
         loss, _, tokens = spec.partition(":")
         objective = parse_objective(loss, where=f"--objectives {spec!r}")  # one-line error if bad
         if tokens not in ("", "all") or (tokens and not objective.needs_teacher):
-            raise SystemExit(f"--objectives {spec!r}: after ':' only 'all' (draft.distill_tokens: all), "
-                             f"for an objective with a teacher term")
+            raise SystemExit(
+                f"--objectives {spec!r}: after ':' only 'all' (draft.distill_tokens: all), "
+                f"for an objective with a teacher term"
+            )
         if objective.needs_teacher:
             specs.append(spec)
         elif objective.names != ("ce",) or objective.weight("ce") != 1.0:
@@ -322,12 +387,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--zero", default="0,2")
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per shape and stage")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--no-document-mask", dest="document_mask", action="store_false",
-                        help="windows as one stream (positions 0..T-1, no document borders)")
-    parser.add_argument("--objectives", default="ce",
-                        help="comma-separated draft.loss values, e.g. 'ce,0.9*tv + 0.1*ce' (ce always runs)")
-    parser.add_argument("--distill-temperature", type=float, default=1.0,
-                        help="draft.distill_temperature of the distillation objectives")
+    parser.add_argument(
+        "--no-document-mask",
+        dest="document_mask",
+        action="store_false",
+        help="windows as one stream (positions 0..T-1, no document borders)",
+    )
+    parser.add_argument(
+        "--objectives",
+        default="ce",
+        help="comma-separated draft.loss values, e.g. 'ce,0.9*tv + 0.1*ce' (ce always runs)",
+    )
+    parser.add_argument(
+        "--distill-temperature",
+        type=float,
+        default=1.0,
+        help="draft.distill_temperature of the distillation objectives",
+    )
     args = parser.parse_args(argv)
     families = [f.strip() for f in args.families.split(",")]
     unknown = [f for f in families if f not in FAMILY_SETTINGS]
@@ -337,47 +413,67 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     distill = len(specs) > 1
     init_distributed()
     work = Path(tempfile.mkdtemp(prefix="specdraft-bench-step-"))
-    what = ("(a) = model.model under no_grad, attending inside each document, plus lm_head where the objective "
-            "reads the target's distribution (EAGLE-3's soft_ce, DSpark's tv, distillation; not GLIDE's or "
-            "DFlash's ce)")
+    what = (
+        "(a) = model.model under no_grad, attending inside each document, plus lm_head where the objective "
+        "reads the target's distribution (EAGLE-3's soft_ce, DSpark's tv, distillation; not GLIDE's or "
+        "DFlash's ce)"
+    )
     if distill:
-        what += ("; 'lm_head ms' is that part of (a); c/c_ce, b/b_ce: (c), (b) over the default objective's on "
-                 "the same batches, interleaved round by round")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {what}; "
-          f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)")
+        what += (
+            "; 'lm_head ms' is that part of (a); c/c_ce, b/b_ce: (c), (b) over the default objective's on "
+            "the same batches, interleaved round by round"
+        )
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {what}; "
+        f"document_mask={args.document_mask} (conversations of 64-512 tokens packed)"
+    )
     extra = f" {'lm_head ms':>10} {'c/c_ce':>7} {'b/b_ce':>7}  objective" if distill else ""
-    print(f"{'family':<7}{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
-          f"{'capture ms':>10} {'(c)/(a+b)':>9}{extra}")
+    print(
+        f"{'family':<7}{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
+        f"{'capture ms':>10} {'(c)/(a+b)':>9}{extra}"
+    )
     worst = {}
     worst_family = {}  # (shape, family) -> the worst ratio of the family's default objective over stages
     worst_distill = {}  # shape -> (ratio, c/c_ce, b/b_ce), each the worst over stages and objectives
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for stage, family in ((stage, family) for stage in map(int, args.zero.split(",")) for family in families):
-            results = measure(shape, stage, args.rounds, args.warmup, work, args.document_mask, specs,
-                              args.distill_temperature, family)
+            results = measure(
+                shape,
+                stage,
+                args.rounds,
+                args.warmup,
+                work,
+                args.document_mask,
+                specs,
+                args.distill_temperature,
+                family,
+            )
             for m in results:
-                line = (f"{family:<7}{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
-                        f"{m['b'] * 1e3:8.1f} {m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}")
+                line = (
+                    f"{family:<7}{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
+                    f"{m['b'] * 1e3:8.1f} {m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}"
+                )
                 if distill:
-                    line += (f" {m['lm_head'] * 1e3:10.1f} {m['c_rel']:7.3f} {m['b_rel']:7.3f}  "
-                             f"{m['objective']}")
+                    line += f" {m['lm_head'] * 1e3:10.1f} {m['c_rel']:7.3f} {m['b_rel']:7.3f}  {m['objective']}"
                 print(line, flush=True)
                 if m["default_objective"]:
                     worst[name] = max(worst.get(name, 0.0), m["ratio"])
                     worst_family[name, family] = max(worst_family.get((name, family), 0.0), m["ratio"])
                 else:
                     old = worst_distill.get(name, (0.0, 0.0, 0.0))
-                    worst_distill[name] = tuple(max(x, y) for x, y in zip(old, (m["ratio"], m["c_rel"],
-                                                                                 m["b_rel"])))
+                    worst_distill[name] = tuple(max(x, y) for x, y in zip(old, (m["ratio"], m["c_rel"], m["b_rel"])))
     last = list(worst)[-1]
     tail = "".join(f" ratio_{family}={worst_family[last, family]:.3f}" for family in families)
     if distill:
         ratio, step, draft = worst_distill[last]
         tail += f" distill_ratio={ratio:.3f} distill_step_ratio={step:.3f} distill_draft_ratio={draft:.3f}"
     print(f"ratio={worst[last]:.3f}{tail}")
-    return {"ratio": worst[last], "families": {f: worst_family[last, f] for f in families},
-            "distill": worst_distill.get(last)}
+    return {
+        "ratio": worst[last],
+        "families": {f: worst_family[last, f] for f in families},
+        "distill": worst_distill.get(last),
+    }
 
 
 if __name__ == "__main__":

@@ -20,8 +20,17 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 from specdraft.demo.machine import machine_line  # noqa: E402
-SCRIPTS = ["target_weights", "checkpoint", "acceptance", "step_efficiency", "memory_model", "zero3_placement",
-           "glide_attention", "regenerate"]
+
+SCRIPTS = [
+    "target_weights",
+    "checkpoint",
+    "acceptance",
+    "step_efficiency",
+    "memory_model",
+    "zero3_placement",
+    "glide_attention",
+    "regenerate",
+]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")
 
 

@@ -45,10 +45,17 @@ def child_build(checkpoint: Path, args) -> dict:
     torch = _import_everything()
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-                         num_key_value_heads=max(1, args.hidden // 256), head_dim=128,
-                         tie_word_embeddings=args.tied, max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 128),
+        num_key_value_heads=max(1, args.hidden // 256),
+        head_dim=128,
+        tie_word_embeddings=args.tied,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)  # allocate bf16 from the start: no fp32 copy of 1+ GB
     model = Qwen3ForCausalLM(config)
@@ -69,8 +76,11 @@ def child_light(checkpoint: Path, args) -> dict:
     head = load_target_head_weights(checkpoint)
     tensors = [head.embed_tokens] if head.tied else [head.embed_tokens, head.lm_head]
     touch(tensors)
-    return {"seconds": time.perf_counter() - started, "tied": head.tied,
-            "tensor_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors)}
+    return {
+        "seconds": time.perf_counter() - started,
+        "tied": head.tied,
+        "tensor_bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+    }
 
 
 def child_full(checkpoint: Path, args, use_whole_model: bool = False) -> dict:
@@ -114,9 +124,22 @@ def run_child(name: str, checkpoint: Path, args) -> None:
 
 
 def spawn(name: str, checkpoint: Path, args) -> dict:
-    command = [sys.executable, __file__, "--child", name, "--checkpoint", str(checkpoint),
-               "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--layers", str(args.layers),
-               "--shard-size", args.shard_size] + (["--tied"] if args.tied else [])
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--checkpoint",
+        str(checkpoint),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--shard-size",
+        args.shard_size,
+    ] + (["--tied"] if args.tied else [])
     finished = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(finished.stdout.strip().splitlines()[-1])
 
@@ -131,11 +154,15 @@ def report(args, checkpoint: Path, runs: dict[str, dict]) -> None:
     baseline, light = runs["baseline"]["peak_rss"], runs["light"]
     above = {name: run["peak_rss"] - baseline for name, run in runs.items()}
     tensors = "embed_tokens, tied lm_head" if light["tied"] else "embed_tokens + lm_head"
-    print(f"checkpoint: {size / MIB:.0f} MiB in {files} safetensors shards; Qwen3-like bf16, "
-          f"vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
-          f"{'tied' if args.tied else 'untied'}")
-    print(f"tensors read: {light['tensor_bytes'] / MIB:.0f} MiB ({tensors}); "
-          f"checkpoint / tensors = {size / light['tensor_bytes']:.2f}")
+    print(
+        f"checkpoint: {size / MIB:.0f} MiB in {files} safetensors shards; Qwen3-like bf16, "
+        f"vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, "
+        f"{'tied' if args.tied else 'untied'}"
+    )
+    print(
+        f"tensors read: {light['tensor_bytes'] / MIB:.0f} MiB ({tensors}); "
+        f"checkpoint / tensors = {size / light['tensor_bytes']:.2f}"
+    )
     labels = {
         "baseline": "baseline (imports only)",
         "light": "light reader",
@@ -143,15 +170,21 @@ def report(args, checkpoint: Path, runs: dict[str, dict]) -> None:
         "full-used": "from_pretrained, all params read",
     }
     for name, label in labels.items():
-        print(f"{label:33s} peak RSS {runs[name]['peak_rss'] / MIB:6.0f} MiB  "
-              f"(+{above[name] / MIB:5.0f} MiB)  load+read {runs[name]['seconds']:6.2f} s")
+        print(
+            f"{label:33s} peak RSS {runs[name]['peak_rss'] / MIB:6.0f} MiB  "
+            f"(+{above[name] / MIB:5.0f} MiB)  load+read {runs[name]['seconds']:6.2f} s"
+        )
     print(f"light above baseline / tensor bytes  = {above['light'] / light['tensor_bytes']:.3f}  (goal <= 1.3)")
     for name in ("full", "full-used"):
-        print(f"{labels[name]} / light, above baseline = {above[name] / above['light']:.2f}  "
-              f"(goal >= 5); raw peaks {runs[name]['peak_rss'] / light['peak_rss']:.2f}; "
-              f"load time {runs[name]['seconds'] / light['seconds']:.1f}x")
-    print(f"light_rss_ratio={above['light'] / light['tensor_bytes']:.3f} "
-          f"full_used_over_light={above['full-used'] / above['light']:.2f}")
+        print(
+            f"{labels[name]} / light, above baseline = {above[name] / above['light']:.2f}  "
+            f"(goal >= 5); raw peaks {runs[name]['peak_rss'] / light['peak_rss']:.2f}; "
+            f"load time {runs[name]['seconds'] / light['seconds']:.1f}x"
+        )
+    print(
+        f"light_rss_ratio={above['light'] / light['tensor_bytes']:.3f} "
+        f"full_used_over_light={above['full-used'] / above['light']:.2f}"
+    )
 
 
 def parse_args():

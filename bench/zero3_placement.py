@@ -72,17 +72,40 @@ def _free_port() -> int:
 
 
 def run(placement: str, ranks: int, args) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=str(BENCH.parent))
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=str(BENCH.parent),
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    script = [str(Path(__file__)), "--worker", "--placement", placement, "--shape", args.shape,
-              "--steps", str(args.steps)]
+    script = [
+        str(Path(__file__)),
+        "--worker",
+        "--placement",
+        placement,
+        "--shape",
+        args.shape,
+        "--steps",
+        str(args.steps),
+    ]
     if ranks == 1:
         cmd = [sys.executable, *script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-               "127.0.0.1", "--master_port", str(_free_port()), *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            *script,
+        ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 

@@ -46,14 +46,18 @@ def _cmd_config(args) -> int:
 
 def _cmd_demo(args) -> int:
     from specdraft.config import demo_config_path, load_config
-    from specdraft.demo import ensure_demo_assets
+    from specdraft.demo.assets import ensure_demo_assets
     from specdraft.train.loop import train
 
     config_path = demo_config_path(args.config)
     preset = args.preset or _preset_of(config_path)
     target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
-    overrides = [f"target={target_dir}", f"data_files=[{','.join(str(f) for f in data.train_files)}]",
-                 f"eval_prompts={data.prompts_file}", *args.overrides]
+    overrides = [
+        f"target={target_dir}",
+        f"data_files=[{','.join(str(f) for f in data.train_files)}]",
+        f"eval_prompts={data.prompts_file}",
+        *args.overrides,
+    ]
     cfg = load_config(config_path, overrides)
     train(cfg)
     return 0
@@ -68,8 +72,12 @@ def _preset_of(config_path: str) -> str:
 
     target = OmegaConf.load(config_path).get("target")
     path = Path(str(target)) if target else None
-    if path is not None and path.name == "target" and path.parent.parent == specdraft_home() \
-            and path.parent.name in PRESETS:
+    if (
+        path is not None
+        and path.name == "target"
+        and path.parent.parent == specdraft_home()
+        and path.parent.name in PRESETS
+    ):
         return path.parent.name
     return "demo"
 
@@ -85,8 +93,14 @@ def _cmd_inspect(args) -> int:
 def _cmd_export(args) -> int:
     from specdraft.commands.export import export_from_run
 
-    out = export_from_run(args.run_dir, step=args.step, fmt=args.format, out_dir=args.out,
-                          with_target_heads=args.with_target_heads, draft_name=args.draft)
+    out = export_from_run(
+        args.run_dir,
+        step=args.step,
+        fmt=args.format,
+        out_dir=args.out,
+        with_target_heads=args.with_target_heads,
+        draft_name=args.draft,
+    )
     print(f"draft exported to {out}")
     return 0
 
@@ -110,19 +124,48 @@ def _cmd_eval(args) -> int:
     if len(names) > 1:  # every draft of a several-draft run, side by side
         if args.plot:
             raise SpecdraftError("--plot: one draft at a time; add --draft NAME")
-        reports = {name: evaluate(args.path, args.prompts, method=args.method, gamma=args.gamma, tree=tree,
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  thinking=thinking, max_prompts=args.max_prompts, record_tv=args.tv,
-                                  device=args.device, dtype=args.dtype, target=args.target,
-                                  confidence_threshold=args.confidence_threshold, draft_name=name, **common)
-                   for name in names}
+        reports = {
+            name: evaluate(
+                args.path,
+                args.prompts,
+                method=args.method,
+                gamma=args.gamma,
+                tree=tree,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                thinking=thinking,
+                max_prompts=args.max_prompts,
+                record_tv=args.tv,
+                device=args.device,
+                dtype=args.dtype,
+                target=args.target,
+                confidence_threshold=args.confidence_threshold,
+                draft_name=name,
+                **common,
+            )
+            for name in names
+        }
         print(json.dumps(reports, indent=2) if args.json else format_comparison(reports))
         return 0
-    report = evaluate(args.path, args.prompts, draft_name=names[0], method=args.method, gamma=args.gamma, tree=tree,
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, thinking=thinking,
-                      max_prompts=args.max_prompts, plot_path=args.plot, record_tv=args.tv,
-                      device=args.device, dtype=args.dtype, target=args.target,
-                      confidence_threshold=args.confidence_threshold, **common)
+    report = evaluate(
+        args.path,
+        args.prompts,
+        draft_name=names[0],
+        method=args.method,
+        gamma=args.gamma,
+        tree=tree,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        thinking=thinking,
+        max_prompts=args.max_prompts,
+        plot_path=args.plot,
+        record_tv=args.tv,
+        device=args.device,
+        dtype=args.dtype,
+        target=args.target,
+        confidence_threshold=args.confidence_threshold,
+        **common,
+    )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -138,12 +181,25 @@ def _cmd_regenerate(args) -> int:
     from specdraft.commands.regenerate import load_regenerate_config, regenerate
 
     thinking = None if args.thinking is None else args.thinking == "on"
-    values = dict(target=args.target, data=args.data, out=args.out, backend=args.backend,
-                  temperature=args.temperature, top_p=args.top_p, samples=args.samples,
-                  max_new_tokens=args.max_new_tokens, max_length=args.max_length, thinking=thinking,
-                  seed=args.seed, batch_size=args.batch_size, concurrency=args.concurrency, model=args.model,
-                  servers=args.servers.split(",") if args.servers else None, rows_per_shard=args.rows_per_shard,
-                  timeout=args.timeout)
+    values = dict(
+        target=args.target,
+        data=args.data,
+        out=args.out,
+        backend=args.backend,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length,
+        thinking=thinking,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        model=args.model,
+        servers=args.servers.split(",") if args.servers else None,
+        rows_per_shard=args.rows_per_shard,
+        timeout=args.timeout,
+    )
     summary = regenerate(load_regenerate_config(args.config, values))
     return EXIT_ROWS_FAILED if summary["failed"] or not summary["rows_written"] else 0  # `&& train` stops
 
@@ -176,40 +232,54 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands = Commands()
 
-    keys_help = ("Every key, its type, default and family: docs/config-reference.md. `specdraft config "
-                 "CONFIG [key=value ...]` prints the config resolved with every default, as a run records it "
-                 "in config.yaml.")
+    keys_help = (
+        "Every key, its type, default and family: docs/config-reference.md. `specdraft config "
+        "CONFIG [key=value ...]` prints the config resolved with every default, as a run records it "
+        "in config.yaml."
+    )
     p = commands.add_parser("train", help="train a draft: CONFIG.yaml [key=value ...]", epilog=keys_help)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. max_steps=10 draft.max_lag=3")
     p.set_defaults(run=_cmd_train)
 
-    p = commands.add_parser("data", help="tokenise the training data as train would and report what is "
-                                         "trained: CONFIG.yaml [key=value ...]")
+    p = commands.add_parser(
+        "data", help="tokenise the training data as train would and report what is trained: CONFIG.yaml [key=value ...]"
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--show", type=int, default=0, metavar="N",
-                   help="print N conversations with the trained tokens highlighted")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per row: source, tokens, trained, trained_text")
+    p.add_argument(
+        "--show", type=int, default=0, metavar="N", help="print N conversations with the trained tokens highlighted"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per row: source, tokens, trained, trained_text")
     p.set_defaults(run=_cmd_data)
 
-    p = commands.add_parser("config", help="print CONFIG.yaml [key=value ...] resolved with every default",
-                            epilog=keys_help)
+    p = commands.add_parser(
+        "config", help="print CONFIG.yaml [key=value ...] resolved with every default", epilog=keys_help
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
     p.set_defaults(run=_cmd_config)
 
     p = commands.add_parser("demo", help="build the offline demo target + data, then train the demo config's draft")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="the demo assets to build and train on; default: the preset whose target the config "
-                        "names (demo-mtp: mtp), else demo")
-    p.add_argument("--config", default=None,
-                   help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); "
-                        f"default: demo")
-    p.add_argument("--answer-temperature", type=float, default=0.0,
-                   help="train on the target's answers sampled at this temperature (a separate cached "
-                        "dataset); default 0: its greedy answers")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="the demo assets to build and train on; default: the preset whose target the config "
+        "names (demo-mtp: mtp), else demo",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"a config file, or a packaged one by name ({', '.join(_packaged_demo_configs())}); default: demo",
+    )
+    p.add_argument(
+        "--answer-temperature",
+        type=float,
+        default=0.0,
+        help="train on the target's answers sampled at this temperature (a separate cached "
+        "dataset); default 0: its greedy answers",
+    )
     p.add_argument("overrides", nargs="*")
     p.set_defaults(run=_cmd_demo)
 
@@ -221,12 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("export", help="write a draft-only export from a run's checkpoint")
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, default=None, help="default: the newest committed checkpoint")
-    p.add_argument("--format", default="native",
-                   help="native (pth + safetensors + config.json), pth, safetensors, or a serving format of "
-                        "the draft's family: speculators (vLLM), sglang (EAGLE-3), longspec (GLIDE)")
+    p.add_argument(
+        "--format",
+        default="native",
+        help="native (pth + safetensors + config.json), pth, safetensors, or a serving format of "
+        "the draft's family: speculators (vLLM), sglang (EAGLE-3), longspec (GLIDE)",
+    )
     p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
-    p.add_argument("--with-target-heads", action="store_true",
-                   help="also write the target's embed_tokens/lm_head (read without loading the target)")
+    p.add_argument(
+        "--with-target-heads",
+        action="store_true",
+        help="also write the target's embed_tokens/lm_head (read without loading the target)",
+    )
     p.add_argument("--draft", default=None, metavar="NAME", help="the draft of a run of several (drafts:)")
     p.set_defaults(run=_cmd_export)
 
@@ -239,33 +315,56 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("eval", help="mean accepted length (tau) and speedup of a draft")
     p.add_argument("path", help="a run directory (its newest draft) or a draft export directory")
     p.add_argument("--prompts", required=True)
-    p.add_argument("--draft", default=None, metavar="NAME",
-                   help="the draft of a run of several (drafts:); default: every draft, side by side")
-    p.add_argument("--target", default=None, metavar="DIR",
-                   help="the target model directory; default: the path the export recorded at training")
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="NAME",
+        help="the draft of a run of several (drafts:); default: every draft, side by side",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        metavar="DIR",
+        help="the target model directory; default: the path the export recorded at training",
+    )
     p.add_argument("--method", default="draft", choices=["draft", "prompt_lookup"])
-    p.add_argument("--gamma", type=int, default=None,
-                   help="chain length; default: the depth the draft was trained for")
+    p.add_argument("--gamma", type=int, default=None, help="chain length; default: the depth the draft was trained for")
     p.add_argument("--tree", default=None, help="tree widths per depth, e.g. 4,16,16,16")
     p.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu; default: cuda if available")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="target and draft dtype; auto: the target's own torch_dtype (config.json) on a GPU, "
-                        "fp32 on the CPU")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="target and draft dtype; auto: the target's own torch_dtype (config.json) on a GPU, fp32 on the CPU",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="bar charts of acceptance per draft position and tau (needs specdraft[plots])")
-    p.add_argument("--tv", action="store_true",
-                   help="also report TV(target p, draft q) averaged over the checked chain positions")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="bar charts of acceptance per draft position and tau (needs specdraft[plots])",
+    )
+    p.add_argument(
+        "--tv", action="store_true", help="also report TV(target p, draft q) averaged over the checked chain positions"
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--no-baseline", action="store_true",
-                   help="do not time the target alone: tau and acceptance only, no speedup and no lossless "
-                        "check (about half the time)")
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="do not time the target alone: tau and acceptance only, no speedup and no lossless "
+        "check (about half the time)",
+    )
     p.add_argument("--thinking", default=None, choices=["on", "off"], help="enable_thinking, as the training data")
-    p.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
-                   help="drafts with a confidence head (DSpark): a block stops at the first slot whose "
-                        "confidence is below C, in [0, 1]; default: the draft's draft.confidence_threshold")
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=None,
+        metavar="C",
+        help="drafts with a confidence head (DSpark): a block stops at the first slot whose "
+        "confidence is below C, in [0, 1]; default: the draft's draft.confidence_threshold",
+    )
     p.set_defaults(run=_cmd_eval)
 
     p = commands.add_parser("regenerate", help="the target writes the answers of a training set (resumable)")

@@ -16,8 +16,18 @@ TEMPLATES = {
     "phi4": (["<|im_start|>", "<|im_end|>", "<|im_sep|>"], "<|im_end|>"),
     "llama3_1": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),
     "llama2": (["[INST]", "[/INST]"], " " + EOS),
-    "mistral_v0_3": (["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                      "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], EOS),
+    "mistral_v0_3": (
+        [
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        EOS,
+    ),
     "gemma3": (["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
     "deepseek_r1": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"], "<｜end▁of▁sentence｜>"),
 }

@@ -7,14 +7,21 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from specdraft.demo import ensure_demo_assets
+from specdraft.demo.assets import ensure_demo_assets
 
 
 # Modules whose tests start 2-rank jobs (torchrun, the deepspeed launcher): under pytest-xdist
 # (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another, so two such jobs
 # never share the CPUs at once.
-TWO_RANK_MODULES = ("test_distributed", "test_multinode", "test_offline_commands", "test_regenerate_ranks",
-                    "test_resume", "test_sequence_parallel", "test_user_files")
+TWO_RANK_MODULES = (
+    "test_distributed",
+    "test_multinode",
+    "test_offline_commands",
+    "test_regenerate_ranks",
+    "test_resume",
+    "test_sequence_parallel",
+    "test_user_files",
+)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without it never calls this
@@ -83,8 +90,11 @@ def served_target_dir(tiny_target_dir, tmp_path_factory):
     config = tiny.config
     config.num_hidden_layers = 4
     deeper = LlamaForCausalLM(config)
-    state = {k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
-             for k, v in tiny.state_dict().items() if ".layers." in k}
+    state = {
+        k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3."): v
+        for k, v in tiny.state_dict().items()
+        if ".layers." in k
+    }
     deeper.load_state_dict({**tiny.state_dict(), **state})
     return save_target(deeper, directory, tiny_target_dir)
 

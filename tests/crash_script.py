@@ -32,8 +32,7 @@ def start_trainer(trial: int) -> int:
     pid = os.fork()
     if pid:
         return pid
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port + trial))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + trial))
     sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         with open(log_path, "a") as log:

@@ -27,8 +27,10 @@ def block_hidden(draft, hidden, input_embeds, mask_embed, rotary, anchor):
     d = draft.dims
     S, eps, D = d.block_size, d.rms_norm_eps, d.head_dim
     group = d.num_heads // d.num_kv_heads
-    context = [rms(draft.fc(torch.cat([hidden[l][t] for l in d.target_layers])), draft.hidden_norm.weight, eps)
-               for t in range(anchor)]  # positions < anchor only
+    context = [
+        rms(draft.fc(torch.cat([hidden[l][t] for l in d.target_layers])), draft.hidden_norm.weight, eps)
+        for t in range(anchor)
+    ]  # positions < anchor only
     x = [input_embeds[anchor]] + [mask_embed + draft.mask_delta for _ in range(S - 1)]
     for layer in draft.layers:
         attn = layer.self_attn
@@ -39,8 +41,11 @@ def block_hidden(draft, hidden, input_embeds, mask_embed, rotary, anchor):
             k = rope(rms(k, attn.k_norm.weight, eps), *rotary(position))
             return k, attn.v_proj(source).view(-1, D)[head]
 
-        keys = {h: [key_value(c, t, h) for t, c in enumerate(context)]
-                + [key_value(normed[u], anchor + u, h) for u in range(S)] for h in range(d.num_kv_heads)}
+        keys = {
+            h: [key_value(c, t, h) for t, c in enumerate(context)]
+            + [key_value(normed[u], anchor + u, h) for u in range(S)]
+            for h in range(d.num_kv_heads)
+        }
         new_x = []
         for s in range(S):
             heads = []
@@ -69,6 +74,8 @@ def loss(draft, hidden, input_embeds, mask_embed, rotary, lm_head, input_ids, lo
             position = anchor + 1 + j  # the token slot first + j is trained to predict
             if loss_mask[position]:
                 logits = out[first + j] @ lm_head.t()
-                total = total + math.exp(-j / d.loss_decay_gamma) * F.cross_entropy(logits[None], input_ids[position][None])
+                total = total + math.exp(-j / d.loss_decay_gamma) * F.cross_entropy(
+                    logits[None], input_ids[position][None]
+                )
                 count += 1
     return total, count

@@ -43,7 +43,7 @@ def spy_verify(slot_dir, record, names=None):
         real_verify(slot_dir, record, names)
     finally:
         verifying.pop()
-    for name in (sorted(record["files"]) if names is None else names):
+    for name in sorted(record["files"]) if names is None else names:
         events.append(("verified", os.path.abspath(os.path.join(slot_dir, name))))
 
 
@@ -53,21 +53,38 @@ keep_universal_copies(f"{work}/copies")  # the grown runs' conversions, for the 
 
 
 def base(stage, name, *extra):
-    return load_config(None, [f"target={target}", f"data_files={data_dir}/*.jsonl", f"data_cache_dir={work}/cache",
-                              "max_seq_length=64", "per_device_batch_size=2", "learning_rate=1e-2",
-                              "warmup_steps=2", "logging_steps=1", "max_steps=12", "save_steps=6", "seed=3",
-                              f"zero_stage={stage}", f"output_dir={work}/{name}", *extra])
+    return load_config(
+        None,
+        [
+            f"target={target}",
+            f"data_files={data_dir}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "learning_rate=1e-2",
+            "warmup_steps=2",
+            "logging_steps=1",
+            "max_steps=12",
+            "save_steps=6",
+            "seed=3",
+            f"zero_stage={stage}",
+            f"output_dir={work}/{name}",
+            *extra,
+        ],
+    )
 
 
 results = {}
 for stage in (1, 2, 3):
     results[f"full{stage}"] = train(base(stage, f"two{stage}"), log=lambda *a: None).losses
 for stage in (2, 3):  # same size: bit-identical
-    results[f"resumed{stage}"] = train(base(stage, f"again{stage}", f"resume={work}/two{stage}/ckpt/step_6"),
-                                       log=lambda *a: None).losses
+    results[f"resumed{stage}"] = train(
+        base(stage, f"again{stage}", f"resume={work}/two{stage}/ckpt/step_6"), log=lambda *a: None
+    ).losses
 for stage in (1, 2):  # 1 rank -> 2 ranks, through the universal format
-    results[f"grown{stage}"] = train(base(stage, f"grown{stage}", f"resume={work}/one{stage}/ckpt/step_6"),
-                                     log=lambda *a: None).losses
+    results[f"grown{stage}"] = train(
+        base(stage, f"grown{stage}", f"resume={work}/one{stage}/ckpt/step_6"), log=lambda *a: None
+    ).losses
 
 with open(f"{work}/events_rank{rank}.json", "w") as f:
     json.dump(events, f)

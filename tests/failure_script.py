@@ -22,14 +22,27 @@ slots.VISIBLE_WAIT_S = 1.0
 
 
 def config(name, *extra):
-    return load_config(None, [f"target={target}", f"data_files={data_dir}/*.jsonl", f"data_cache_dir={work}/cache",
-                              "max_seq_length=64", "per_device_batch_size=2", "logging_steps=1", "max_steps=4",
-                              "save_steps=2", f"output_dir={work}/{name}", *extra])
+    return load_config(
+        None,
+        [
+            f"target={target}",
+            f"data_files={data_dir}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "logging_steps=1",
+            "max_steps=4",
+            "save_steps=2",
+            f"output_dir={work}/{name}",
+            *extra,
+        ],
+    )
 
 
 def failing(exc):
     def fail(*args, **kwargs):
         raise exc
+
     return fail
 
 
@@ -38,6 +51,7 @@ def failing_commit(original):
         if os.path.basename(path) == COMMITTED:
             raise OSError(errno.EIO, "Input/output error")
         return original(path, content)
+
     return write
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def write_chat_files(out_dir: Path, modules=("json", "textwrap", "string", "shlex", "fnmatch", "glob",
-                                              "posixpath", "random", "calendar")) -> list:
+def write_chat_files(
+    out_dir: Path, modules=("json", "textwrap", "string", "shlex", "fnmatch", "glob", "posixpath", "random", "calendar")
+) -> list:
     """Two jsonl files of (function name -> its source) conversations; deterministic."""
     import importlib
 
@@ -23,8 +24,14 @@ def write_chat_files(out_dir: Path, modules=("json", "textwrap", "string", "shle
                 source = inspect.getsource(fn)
             except (OSError, TypeError):
                 continue
-            rows.append({"conversations": [{"role": "user", "content": f"Write {name}.{fn_name}"},
-                                           {"role": "assistant", "content": source[:400]}]})
+            rows.append(
+                {
+                    "conversations": [
+                        {"role": "user", "content": f"Write {name}.{fn_name}"},
+                        {"role": "assistant", "content": source[:400]},
+                    ]
+                }
+            )
     files = []
     for i, part in enumerate((rows[::2], rows[1::2])):
         path = out_dir / f"part{i}.jsonl"
@@ -34,9 +41,18 @@ def write_chat_files(out_dir: Path, modules=("json", "textwrap", "string", "shle
 
 
 def run_overrides(target_dir, data_dir, out_dir, cache_dir, **extra) -> list:
-    values = dict(target=target_dir, data_files=f"{data_dir}/*.jsonl", output_dir=out_dir,
-                  data_cache_dir=cache_dir, max_seq_length=64, per_device_batch_size=4,
-                  learning_rate=1e-2, warmup_steps=2, logging_steps=1, seed=3)
+    values = dict(
+        target=target_dir,
+        data_files=f"{data_dir}/*.jsonl",
+        output_dir=out_dir,
+        data_cache_dir=cache_dir,
+        max_seq_length=64,
+        per_device_batch_size=4,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        logging_steps=1,
+        seed=3,
+    )
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 
@@ -46,8 +62,10 @@ def train_run(target_dir, data_dir, root: Path, name: str, **extra):
     from specdraft.config import load_config
     from specdraft.train.loop import train
 
-    return train(load_config(None, run_overrides(target_dir, data_dir, Path(root) / name, Path(root) / "cache", **extra)),
-                 log=lambda *a: None)
+    return train(
+        load_config(None, run_overrides(target_dir, data_dir, Path(root) / name, Path(root) / "cache", **extra)),
+        log=lambda *a: None,
+    )
 
 
 def free_port() -> int:
@@ -66,8 +84,19 @@ def torchrun(script: Path, *args, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -83,9 +112,13 @@ def full_optimizer_state(engine) -> dict:
     if engine.zero_optimization_stage() == 3:  # DeepSpeed's accessors gather ZeRO-3 partitions
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        return {name: {"fp32": safe_get_full_fp32_param(p).detach().cpu().reshape(-1).clone(),
-                       **{k: safe_get_full_optimizer_state(p, k).detach().cpu().reshape(-1).clone()
-                          for k in MOMENTS[1:]}} for p, name in names.items()}
+        return {
+            name: {
+                "fp32": safe_get_full_fp32_param(p).detach().cpu().reshape(-1).clone(),
+                **{k: safe_get_full_optimizer_state(p, k).detach().cpu().reshape(-1).clone() for k in MOMENTS[1:]},
+            }
+            for p, name in names.items()
+        }
     import torch
     import torch.distributed as dist
 
@@ -99,7 +132,7 @@ def full_optimizer_state(engine) -> dict:
             dist.all_gather(parts, local.detach().contiguous())
             flat, offset = torch.cat(parts), 0
             for param in params:
-                state.setdefault(names[param], {})[key] = flat[offset:offset + param.numel()].cpu().clone()
+                state.setdefault(names[param], {})[key] = flat[offset : offset + param.numel()].cpu().clone()
                 offset += param.numel()
     return state
 
@@ -110,9 +143,10 @@ def universal_optimizer_state(universal_dir) -> dict:
 
     state = {}
     for param_dir in sorted((Path(universal_dir) / "zero").glob("draft_model.*")):
-        name = param_dir.name[len("draft_model."):]
-        state[name] = {key: torch.load(param_dir / f"{key}.pt", weights_only=True)["param"].reshape(-1)
-                       for key in MOMENTS}
+        name = param_dir.name[len("draft_model.") :]
+        state[name] = {
+            key: torch.load(param_dir / f"{key}.pt", weights_only=True)["param"].reshape(-1) for key in MOMENTS
+        }
     return state
 
 
@@ -157,8 +191,18 @@ def state_file(run_dir, step: int) -> Path:
     return Path(run_dir).parent / f"{Path(run_dir).name}.optimizer_state_{step}.pt"
 
 
-def random_llama(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                 init: float = 0.2, seed: int = 0, max_positions: int = 512, **config):
+def random_llama(
+    *,
+    vocab: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    init: float = 0.2,
+    seed: int = 0,
+    max_positions: int = 512,
+    **config,
+):
     """The tests' tiny Llama target: randomly initialised from `seed`, frozen, built in memory
     (save_target writes it out). An init above transformers' 0.02 makes its next-token
     distributions peaked, like a trained model's: greedy ties never happen and drafts are accepted
@@ -168,9 +212,19 @@ def random_llama(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    values = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                  initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    values = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return LlamaForCausalLM(LlamaConfig(**{**values, **config})).eval().requires_grad_(False)
 
 
@@ -210,8 +264,17 @@ def imported_draft(cfg, target_config):
 MTP_TARGET_LAYERS = 2
 
 
-def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp: bool = True, hidden: int = 64,
-                          seed: int = 0, init: float = 0.2, layers: int = MTP_TARGET_LAYERS) -> Path:
+def qwen3_next_mtp_target(
+    directory,
+    tokenizer_dir,
+    *,
+    hybrid: bool = False,
+    mtp: bool = True,
+    hidden: int = 64,
+    seed: int = 0,
+    init: float = 0.2,
+    layers: int = MTP_TARGET_LAYERS,
+) -> Path:
     """A tiny `qwen3_next` target shaped like Qwen3-Next (gated attention, partial RoPE, MoE with a
     shared expert), with a native MTP layer stored as Qwen's checkpoints store it (mtp.fc,
     mtp.pre_fc_norm_hidden, mtp.pre_fc_norm_embedding, mtp.norm, mtp.layers.0.* with per-expert
@@ -229,15 +292,33 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
 
     directory = Path(directory)
     types = ["linear_attention", "full_attention"] * (layers // 2) if hybrid else ["full_attention"] * layers
-    base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-                shared_expert_intermediate_size=hidden // 2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                max_position_embeddings=1024, initializer_range=init, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-                tie_word_embeddings=False)
+    base = dict(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        initializer_range=init,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(num_hidden_layers=layers + 1, layer_types=types + ["full_attention"],
-                                                 **base))
+    model = Qwen3NextForCausalLM(
+        Qwen3NextConfig(num_hidden_layers=layers + 1, layer_types=types + ["full_attention"], **base)
+    )
     with torch.no_grad():  # Qwen3-Next's norms are (1 + w) with w = 0 at init: give them values to carry
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -248,7 +329,7 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
     last = f"model.layers.{layers}."
     tensors = {k: v for k, v in saved.items() if not k.startswith(last)}
     if mtp:
-        tensors.update({"mtp.layers.0." + k[len(last):]: v for k, v in saved.items() if k.startswith(last)})
+        tensors.update({"mtp.layers.0." + k[len(last) :]: v for k, v in saved.items() if k.startswith(last)})
         generator = torch.Generator().manual_seed(seed + 1)
         tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * init
         for name in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
@@ -265,8 +346,17 @@ def qwen3_next_mtp_target(directory, tokenizer_dir, *, hybrid: bool = False, mtp
     return directory
 
 
-def random_qwen3_next(*, vocab: int, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                      init: float = 0.2, seed: int = 0, max_positions: int = 512):
+def random_qwen3_next(
+    *,
+    vocab: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    init: float = 0.2,
+    seed: int = 0,
+    max_positions: int = 512,
+):
     """A randomly initialised, frozen qwen3_next target built in memory (every layer full attention,
     MoE MLPs): the target of a family that drafts only for it (MTP; its draft then has a random
     layer of its own, there being no files to read the target's from)."""
@@ -274,12 +364,25 @@ def random_qwen3_next(*, vocab: int, hidden: int = 64, layers: int = 2, heads: i
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
-                             num_hidden_layers=layers, layer_types=["full_attention"] * layers,
-                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_positions,
-                             initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = Qwen3NextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        layer_types=["full_attention"] * layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return Qwen3NextForCausalLM(config).eval().requires_grad_(False)
 
 

@@ -91,9 +91,18 @@ from torch.utils.tensorboard import SummaryWriter  # noqa: E402,F401
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # audit event: (indices of the paths it writes, index of the dir_fd a relative path is relative to)
-WRITE_EVENTS = {"os.rename": ((0, 2), (1, 3)), "os.mkdir": ((0, 2),), "os.remove": ((0, 1),), "os.rmdir": ((0, 1),),
-                "shutil.rmtree": ((0, 1),), "shutil.copyfile": ((1, None),), "shutil.move": ((1, None),),
-                "os.truncate": ((0, None),), "os.symlink": ((1, 2),), "os.link": ((1, 3),)}
+WRITE_EVENTS = {
+    "os.rename": ((0, 2), (1, 3)),
+    "os.mkdir": ((0, 2),),
+    "os.remove": ((0, 1),),
+    "os.rmdir": ((0, 1),),
+    "shutil.rmtree": ((0, 1),),
+    "shutil.copyfile": ((1, None),),
+    "shutil.move": ((1, None),),
+    "os.truncate": ((0, None),),
+    "os.symlink": ((1, 2),),
+    "os.link": ((1, 3),),
+}
 
 
 def spy_writes(writes: list) -> None:
@@ -173,8 +182,10 @@ def wait(pid: int, timeout: float) -> dict:
 
 def slot_state(ckpt: Path, step: int) -> dict:
     slot = ckpt / f"step_{step}"
-    return {"committed": [s.name for s in committed_slots(ckpt)] if ckpt.is_dir() else [],
-            "files": sorted(str(p.relative_to(slot)) for p in slot.rglob("*") if p.is_file()) if slot.is_dir() else []}
+    return {
+        "committed": [s.name for s in committed_slots(ckpt)] if ckpt.is_dir() else [],
+        "files": sorted(str(p.relative_to(slot)) for p in slot.rglob("*") if p.is_file()) if slot.is_dir() else [],
+    }
 
 
 def kill_during_save(pid: int, ckpt: Path, step: int, timeout: float = 300.0) -> dict:

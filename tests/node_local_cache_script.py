@@ -24,6 +24,18 @@ def node_local(files, *args):
 
 
 data.packed_cache_dir = node_local
-sys.exit(main(["train", f"{work}/train.yaml", f"target={target}", f"data_files={data_dir}/*.jsonl",
-               f"data_cache_dir={work}/cache", f"output_dir={work}/run", "max_seq_length=64",
-               "per_device_batch_size=2", "max_steps=1"]))
+sys.exit(
+    main(
+        [
+            "train",
+            f"{work}/train.yaml",
+            f"target={target}",
+            f"data_files={data_dir}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            f"output_dir={work}/run",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "max_steps=1",
+        ]
+    )
+)

@@ -33,13 +33,30 @@ def run_config(target, data_dir, work, family, name, *extra):
     """family: a draft family, or SEVERAL: one run training every family's draft (each named by its
     family), configured as each family's own run."""
     if family == SEVERAL:
-        sections = {f: dict({"type": f}, **{k[len("draft."):]: v for k, v in SMALL.get(f, {}).items()})
-                    for f in SEVERAL_FAMILIES}
+        sections = {
+            f: dict({"type": f}, **{k[len("draft.") :]: v for k, v in SMALL.get(f, {}).items()})
+            for f in SEVERAL_FAMILIES
+        }
         options = [f"drafts={json.dumps(sections)}"]
     else:
         options = [f"draft.type={family}", *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]
-    return load_config(None, [f"target={target}", f"data_files={data_dir}/*.jsonl", f"data_cache_dir={work}/cache",
-                              "max_seq_length=64", "per_device_batch_size=2", "learning_rate=1e-2",
-                              "warmup_steps=2", "logging_steps=1", f"max_steps={STEPS}",
-                              f"save_steps={SAVE_STEPS}", "seed=3", "zero_stage=2", f"output_dir={work}/{name}",
-                              *options, *extra])
+    return load_config(
+        None,
+        [
+            f"target={target}",
+            f"data_files={data_dir}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "learning_rate=1e-2",
+            "warmup_steps=2",
+            "logging_steps=1",
+            f"max_steps={STEPS}",
+            f"save_steps={SAVE_STEPS}",
+            "seed=3",
+            "zero_stage=2",
+            f"output_dir={work}/{name}",
+            *options,
+            *extra,
+        ],
+    )

@@ -19,8 +19,10 @@ results = {}
 for family in [*FAMILIES, SEVERAL]:
     family_target = target_of(family, target, mtp_target)
     full = train(run_config(family_target, data_dir, work, family, family), log=lambda *a: None)
-    resumed = train(run_config(family_target, data_dir, work, family, f"{family}_resumed",
-                               f"resume={work}/{family}/ckpt/step_2"), log=lambda *a: None)
+    resumed = train(
+        run_config(family_target, data_dir, work, family, f"{family}_resumed", f"resume={work}/{family}/ckpt/step_2"),
+        log=lambda *a: None,
+    )
     results[family] = {"full": full.losses or full.draft_losses, "resumed": resumed.losses or resumed.draft_losses}
 if int(os.environ["RANK"]) == 0:
     with open(out_json, "w") as f:

@@ -45,8 +45,12 @@ for run in json.load(open(runs_file)):
     try:
         results[run["name"]] = {"losses": loop.train(cfg, log=lambda *a: None).losses}
     except TrainingInterrupted as stop:
-        results[run["name"]] = {"exit": stop.code, "step": stop.step, "signal": stop.signum,
-                                "committed": [p.name for p in committed_slots(Path(cfg.output_dir) / "ckpt")]}
+        results[run["name"]] = {
+            "exit": stop.code,
+            "step": stop.step,
+            "signal": stop.signum,
+            "committed": [p.name for p in committed_slots(Path(cfg.output_dir) / "ckpt")],
+        }
 loop.forward_step = real_forward
 
 with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as f:

@@ -85,6 +85,9 @@ for case, env in (("once", {}), ("twice", {"SPECDRAFT_SAVE_PAUSE_S": "1"})):
         time.sleep(2.0)  # past the window in which a repeat counts as the first; before the commit
         os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)
-    report[case] = {"exit": exit_code(status), "signalled_after": signalled,
-                    **{name: open(os.path.join(work, f"{case}.{name}")).read() for name in ("stdout", "stderr")}}
+    report[case] = {
+        "exit": exit_code(status),
+        "signalled_after": signalled,
+        **{name: open(os.path.join(work, f"{case}.{name}")).read() for name in ("stdout", "stderr")},
+    }
 print(json.dumps(report))

@@ -64,8 +64,12 @@ def draft_for(family, objective, target):
 
 
 def options(family):
-    return {"glide": {"lag": 2}, "dflash": {"anchor_seed": 5}, "dspark": {"anchor_seed": 5},
-            "peagle": {"cod_seed": 5}}.get(family, {})
+    return {
+        "glide": {"lag": 2},
+        "dflash": {"anchor_seed": 5},
+        "dspark": {"anchor_seed": 5},
+        "peagle": {"cod_seed": 5},
+    }.get(family, {})
 
 
 def model_part(sp):
@@ -77,12 +81,18 @@ def model_part(sp):
             runs = []
             for parallel in (None, sp):
                 draft = draft_for(family, objective, target)
-                model = TargetWithDraft(target, draft, sequence_parallel=parallel) if parallel else \
-                    TargetWithDraft(target, draft)
+                model = (
+                    TargetWithDraft(target, draft, sequence_parallel=parallel)
+                    if parallel
+                    else TargetWithDraft(target, draft)
+                )
                 out = model(ids, loss_mask, positions, documents, **options(family))
                 out.loss.backward()
-                grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                         for n, p in draft.named_parameters() if p.requires_grad}
+                grads = {
+                    n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                    for n, p in draft.named_parameters()
+                    if p.requires_grad
+                }
                 loss, weight, correct = out.loss.detach().double(), out.tokens.double(), out.correct.double()
                 if parallel is not None:  # what DeepSpeed and the loop make of the ranks' values
                     for g in grads.values():
@@ -94,10 +104,14 @@ def model_part(sp):
                 runs.append((loss, weight, correct, grads))
             (l0, w0, c0, g0), (l1, w1, c1, g1) = runs
             worst = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0)
-            report[f"{family}/{objective}"] = {"loss": [l0.item(), l1.item()], "tokens": [w0.item(), w1.item()],
-                                               "correct": [c0.item(), c1.item()], "grad_rel": worst,
-                                               "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
-                                               "params": len(g0)}
+            report[f"{family}/{objective}"] = {
+                "loss": [l0.item(), l1.item()],
+                "tokens": [w0.item(), w1.item()],
+                "correct": [c0.item(), c1.item()],
+                "grad_rel": worst,
+                "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
+                "params": len(g0),
+            }
     report["gather/permuted_gradient"] = gather_permuted_gradient(sp)
     return report
 
@@ -110,15 +124,20 @@ def gather_permuted_gradient(sp):
     grads = [torch.randn(1, 8, 2, 3, generator=g).transpose(1, 2) for _ in range(2)]  # (1, 2, 8, 3), permuted
     x = torch.randn(1, 2, 4, 3, requires_grad=True)
     (shard.gather(x, dim=2) * grads[sp.rank]).sum().backward()
-    expected = (grads[0] + grads[1])[:, :, shard.start:shard.end]
+    expected = (grads[0] + grads[1])[:, :, shard.start : shard.end]
     return (x.grad - expected).abs().max().item()
 
 
 # (family, T, draft keys, loss mask on the first half only): GLIDE longer than 2 windows (its band
 # mask spans the whole sequence at any SP size); DFlash and DSpark with every trained token in rank
 # 0's half, so that rank holds every anchor (the model's bound under SP is that case)
-MEMORY_CASES = (("glide", 2048, {"sliding_window": 512}, False), ("eagle3", 512, {}, False),
-                ("peagle", 512, {}, False), ("dflash", 256, {}, True), ("dspark", 256, {}, True))
+MEMORY_CASES = (
+    ("glide", 2048, {"sliding_window": 512}, False),
+    ("eagle3", 512, {}, False),
+    ("peagle", 512, {}, False),
+    ("dflash", 256, {}, True),
+    ("dspark", 256, {}, True),
+)
 
 
 def memory_part(sp):
@@ -141,14 +160,21 @@ def memory_part(sp):
             ids = torch.randint(0, TARGET.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
             mask = torch.ones_like(ids)
             if first_half:
-                mask[:, T // 2:] = 0
-            documents = {"document_positions": (torch.arange(T) % (T // 4))[None],
-                         "document_ids": (torch.arange(T) // (T // 4))[None]} if packed else {}
+                mask[:, T // 2 :] = 0
+            documents = (
+                {
+                    "document_positions": (torch.arange(T) % (T // 4))[None],
+                    "document_ids": (torch.arange(T) // (T // 4))[None],
+                }
+                if packed
+                else {}
+            )
             sizes = {}
             for parallel in (None, sp):
                 draft = build_draft(cfg.draft, TARGET)
-                model = TargetWithDraft(target, draft, cfg.loss_chunk_size,
-                                        **({"sequence_parallel": parallel} if parallel else {}))
+                model = TargetWithDraft(
+                    target, draft, cfg.loss_chunk_size, **({"sequence_parallel": parallel} if parallel else {})
+                )
                 for param in draft.parameters():  # the fixed terms' gradients, already there
                     param.grad = torch.zeros_like(param) if param.requires_grad else None
                 options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
@@ -158,8 +184,10 @@ def memory_part(sp):
                 estimate = memory.estimate_peak(TARGET, cfg, world_size=size, documents=packed, sequence_parallel=size)
                 ranks = [None] * sp.size
                 dist.all_gather_object(ranks, live.peak)
-                sizes[str(size)] = {"ranks": ranks,
-                                    "model": estimate.total - sum(estimate.parts[name] for name in FIXED)}
+                sizes[str(size)] = {
+                    "ranks": ranks,
+                    "model": estimate.total - sum(estimate.parts[name] for name in FIXED),
+                }
             report[f"{family}/{'packed' if packed else 'one'}"] = sizes
     return report
 
@@ -174,14 +202,26 @@ def train_part(target, data_dir, work, resume_from, only=""):
     from specdraft.train.loop import train
 
     def run(name, *extra, family="eagle3"):
-        overrides = run_overrides(target, data_dir, f"{work}/{name}", f"{work}/cache", max_steps=8, save_steps=4,
-                                  per_device_batch_size=2, sequence_parallel_size=2, **{"draft.type": family})
+        overrides = run_overrides(
+            target,
+            data_dir,
+            f"{work}/{name}",
+            f"{work}/cache",
+            max_steps=8,
+            save_steps=4,
+            per_device_batch_size=2,
+            sequence_parallel_size=2,
+            **{"draft.type": family},
+        )
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
     if only == "chain":
         return {"chain_sp2": run("chain_sp2", f"resume={resume_from}")}
-    results = {"sp2": run("sp2"), "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4"),
-               "peagle_sp2": run("peagle_sp2", family="peagle")}
+    results = {
+        "sp2": run("sp2"),
+        "sp2_resumed": run("sp2_again", f"resume={work}/sp2/ckpt/step_4"),
+        "peagle_sp2": run("peagle_sp2", family="peagle"),
+    }
     if resume_from != "-":
         results["sp1_to_sp2"] = run("sp1_to_sp2", f"resume={resume_from}")
     return results

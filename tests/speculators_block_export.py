@@ -20,14 +20,24 @@ def load_export(export_dir, model_class, config_class):
     model = model_class.from_pretrained(export_dir, config=config).eval()  # the public path
     state = model.state_dict()
     written = load_file(f"{export_dir}/model.safetensors")
-    return model, config, {"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-                           "mismatched": sorted(str(m) for m in info["mismatched_keys"]),
-                           "weights_equal": all(torch.equal(state[k], v) for k, v in written.items())}
+    return (
+        model,
+        config,
+        {
+            "missing": sorted(info["missing_keys"]),
+            "unexpected": sorted(info["unexpected_keys"]),
+            "mismatched": sorted(str(m) for m in info["mismatched_keys"]),
+            "weights_equal": all(torch.equal(state[k], v) for k, v in written.items()),
+        },
+    )
 
 
 def inputs_at_fixed_anchors(inputs_path) -> dict:
     """INPUTS.pt, with speculators' anchor selection replaced by its anchors (A,)."""
     inputs = torch.load(inputs_path, weights_only=True)
     anchors = inputs["anchors"]
-    dflash_core.select_anchors = lambda loss_mask, num_anchors, block_size: (anchors, torch.ones_like(anchors, dtype=torch.bool))
+    dflash_core.select_anchors = lambda loss_mask, num_anchors, block_size: (
+        anchors,
+        torch.ones_like(anchors, dtype=torch.bool),
+    )
     return inputs

@@ -22,6 +22,11 @@ inputs = inputs_at_fixed_anchors(inputs_path)
 ids = inputs["input_ids"]
 with torch.no_grad():
     _, logits, _, _, _ = model._backbone_forward(
-        inputs["hidden_states"], ids, torch.ones_like(ids), torch.zeros(*ids.shape, config.transformer_layer_config.hidden_size),
-        torch.zeros_like(ids), max_anchors=inputs["anchors"].numel())
+        inputs["hidden_states"],
+        ids,
+        torch.ones_like(ids),
+        torch.zeros(*ids.shape, config.transformer_layer_config.hidden_size),
+        torch.zeros_like(ids),
+        max_anchors=inputs["anchors"].numel(),
+    )
 torch.save({**loaded, "mask_token_id": model.mask_token_id, "logits": logits[0]}, out_path)

@@ -32,9 +32,22 @@ def capture(logits, targets, confidence_logits, *args, **kwargs):
 dspark_core.compute_metrics = capture
 ids = inputs["input_ids"]
 with torch.no_grad():
-    model(inputs["hidden_states"], ids, torch.ones_like(ids),
-          torch.zeros(*ids.shape, config.transformer_layer_config.hidden_size), torch.zeros_like(ids),
-          max_anchors=inputs["anchors"].numel())
-torch.save({**loaded, "markov_head_type": config.markov_head_type, "markov_rank": config.markov_rank,
-            "with_markov": config.confidence_head_with_markov,
-            "logits": seen["logits"], "confidence": seen["confidence"]}, out_path)
+    model(
+        inputs["hidden_states"],
+        ids,
+        torch.ones_like(ids),
+        torch.zeros(*ids.shape, config.transformer_layer_config.hidden_size),
+        torch.zeros_like(ids),
+        max_anchors=inputs["anchors"].numel(),
+    )
+torch.save(
+    {
+        **loaded,
+        "markov_head_type": config.markov_head_type,
+        "markov_rank": config.markov_rank,
+        "with_markov": config.confidence_head_with_markov,
+        "logits": seen["logits"],
+        "confidence": seen["confidence"],
+    },
+    out_path,
+)

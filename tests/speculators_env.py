@@ -35,8 +35,10 @@ def require_speculators_python() -> Path:
     python = speculators_python()
     if python.is_file():
         return python
-    reason = (f"no speculators venv at {python} (build it with `make speculators-venv`, "
-              f"or point {PYTHON_ENV_VAR} at a python with speculators==0.9.0)")
+    reason = (
+        f"no speculators venv at {python} (build it with `make speculators-venv`, "
+        f"or point {PYTHON_ENV_VAR} at a python with speculators==0.9.0)"
+    )
     if in_ci():
         pytest.fail(reason, pytrace=False)
     pytest.skip(reason)
@@ -97,11 +99,18 @@ def _start_server(python: Path) -> subprocess.Popen:
     # Our PYTHONPATH points at specdraft, built for another transformers; the hub stays offline
     # because every test hands it local directories.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     log = tempfile.TemporaryFile()  # the server's own stderr (an import that failed)
-    proc = subprocess.Popen([str(python), "-c", SERVER], env=env, cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(python), "-c", SERVER],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
     proc.log = log
     atexit.register(_stop_server, proc)
     return proc
@@ -128,7 +137,9 @@ def _run(path, source, args, timeout: float) -> subprocess.CompletedProcess:
         _server = None
         proc.log.seek(0)
         why = "ran past its timeout" if line is None else "lost its server"
-        raise AssertionError(f"speculators script {why} ({timeout}s):\n{proc.log.read().decode(errors='replace')[-4000:]}")
+        raise AssertionError(
+            f"speculators script {why} ({timeout}s):\n{proc.log.read().decode(errors='replace')[-4000:]}"
+        )
     result = json.loads(line)
     return subprocess.CompletedProcess(path or "-c", result["returncode"], result["stdout"], result["stderr"])
 

@@ -30,14 +30,29 @@ weights_equal = all(torch.equal(state[k], v) for k, v in written.items())
 inputs = torch.load(inputs_path, weights_only=True)
 steps = model.config.num_speculative_steps
 with torch.no_grad():
-    logits, loss, metrics = model(inputs["input_ids"], inputs["hidden_states"], loss_mask=inputs["loss_mask"],
-                                  step_weights=compute_step_weights(0.6, steps))
+    logits, loss, metrics = model(
+        inputs["input_ids"],
+        inputs["hidden_states"],
+        loss_mask=inputs["loss_mask"],
+        step_weights=compute_step_weights(0.6, steps),
+    )
 converted = MTPConverter().convert_to_state_dict(target_dir)
-torch.save({"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-            "mismatched": sorted(str(m) for m in info["mismatched_keys"]), "weights_equal": weights_equal,
-            "model_type": config.speculators_model_type, "num_nextn_predict_layers": config.num_nextn_predict_layers,
-            "steps": steps, "logits": [x[0] for x in logits], "loss": loss,
-            "step_losses": [metrics[f"loss_step_{k}"] for k in range(len(logits))],
-            "embed_equal_verifier": torch.equal(model.embed_tokens.weight,
-                                                load_file(f"{target_dir}/model.safetensors")["model.embed_tokens.weight"]),
-            "converted": converted}, out_path)
+torch.save(
+    {
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "mismatched": sorted(str(m) for m in info["mismatched_keys"]),
+        "weights_equal": weights_equal,
+        "model_type": config.speculators_model_type,
+        "num_nextn_predict_layers": config.num_nextn_predict_layers,
+        "steps": steps,
+        "logits": [x[0] for x in logits],
+        "loss": loss,
+        "step_losses": [metrics[f"loss_step_{k}"] for k in range(len(logits))],
+        "embed_equal_verifier": torch.equal(
+            model.embed_tokens.weight, load_file(f"{target_dir}/model.safetensors")["model.embed_tokens.weight"]
+        ),
+        "converted": converted,
+    },
+    out_path,
+)

@@ -20,9 +20,18 @@ from helpers import save_target
 
 VOCAB = 512
 WINDOW = 16  # the sliding window of the windowed architectures (max_seq_length 64 in the tests)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=1024, initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-              tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    tie_word_embeddings=False,
+)
 
 
 def _llama():
@@ -46,18 +55,32 @@ def _qwen3():  # q/k norms
 def _qwen3_moe():  # every layer sparse: 4 experts, top 2
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM, Qwen3MoeConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                               norm_topk_prob=True)
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
 
 
 def _gpt_oss():  # alternating windowed / full layers, attention sinks, 4 experts top 2, YaRN RoPE
     from transformers import GptOssConfig, GptOssForCausalLM
 
     config = dict(COMMON, max_position_embeddings=131072)  # YaRN: 32 x its original 4096, as released
-    return GptOssForCausalLM, GptOssConfig(**config, intermediate_size=64, num_hidden_layers=4, head_dim=16,
-                                           num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                                           layer_types=["sliding_attention", "full_attention"] * 2)
+    return GptOssForCausalLM, GptOssConfig(
+        **config,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
 
 
 def _gemma3_text():  # local (windowed, RoPE 10k) and global (RoPE 1M) layers, the last one local as in
@@ -65,17 +88,23 @@ def _gemma3_text():  # local (windowed, RoPE 10k) and global (RoPE 1M) layers, t
     # (released Gemma 3 ties them): a random tied table makes greedy decoding repeat one token
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    return Gemma3ForCausalLM, Gemma3TextConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-                                               query_pre_attn_scalar=16, sliding_window=WINDOW,
-                                               layer_types=["sliding_attention", "full_attention",
-                                                            "sliding_attention", "sliding_attention"])
+    return Gemma3ForCausalLM, Gemma3TextConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    )
 
 
 def _mistral():  # Mistral v0.1: every layer windowed
     from transformers import MistralConfig, MistralForCausalLM
 
-    return MistralForCausalLM, MistralConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-                                             sliding_window=2 * WINDOW)
+    return MistralForCausalLM, MistralConfig(
+        **COMMON, intermediate_size=128, num_hidden_layers=4, head_dim=16, sliding_window=2 * WINDOW
+    )
 
 
 def _deepseek_v3():  # MLA (q/kv low-rank, decoupled interleaved RoPE: qk 16+8, v 16), a dense first layer,
@@ -83,33 +112,61 @@ def _deepseek_v3():  # MLA (q/kv low-rank, decoupled interleaved RoPE: qk 16+8, 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = dict(COMMON, num_key_value_heads=4)
-    return DeepseekV3ForCausalLM, DeepseekV3Config(**config, intermediate_size=128, num_hidden_layers=4,
-                                                   moe_intermediate_size=32, n_routed_experts=4,
-                                                   num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-                                                   topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
-                                                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                                   v_head_dim=16)
+    return DeepseekV3ForCausalLM, DeepseekV3Config(
+        **config,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
 
 
 def _glm4_moe():  # partial rotary (half of each head), a dense first layer, then MoE (4 top 2, 1 shared),
     # one native MTP layer (MTP_LAYER_TYPES)
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    return Glm4MoeForCausalLM, Glm4MoeConfig(**COMMON, intermediate_size=128, num_hidden_layers=4, head_dim=16,
-                                             moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                                             n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True)
+    return Glm4MoeForCausalLM, Glm4MoeConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+    )
 
 
 def _phi3():  # fused qkv and gate/up projections; Phi-3-mini's every-layer window
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return Phi3ForCausalLM, Phi3Config(**COMMON, intermediate_size=128, num_hidden_layers=4,
-                                       sliding_window=2 * WINDOW)
+    return Phi3ForCausalLM, Phi3Config(**COMMON, intermediate_size=128, num_hidden_layers=4, sliding_window=2 * WINDOW)
 
 
-BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss,
-            "gemma3_text": _gemma3_text, "mistral": _mistral, "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe,
-            "phi3": _phi3}
+BUILDERS = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
+    "gemma3_text": _gemma3_text,
+    "mistral": _mistral,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe": _glm4_moe,
+    "phi3": _phi3,
+}
 # qwen3_next: tests/helpers.qwen3_next_mtp_target (gated attention, partial RoPE, MoE, a native MTP layer)
 MODEL_TYPES = (*BUILDERS, "qwen3_next")
 # targets saved with a native MTP layer as their released checkpoints hold it: layer num_hidden_layers

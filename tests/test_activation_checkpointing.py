@@ -14,8 +14,12 @@ from specdraft.drafts.base import MemoryShape
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.train.model import TargetWithDraft
 
-SMALL = {"eagle3": dict(draft_vocab_size=64, ttt_steps=3), "dflash": dict(num_layers=2, block_size=4, max_anchors=6),
-         "dspark": dict(num_layers=2, block_size=4, max_anchors=6), "mtp": dict(num_speculative_steps=3)}
+SMALL = {
+    "eagle3": dict(draft_vocab_size=64, ttt_steps=3),
+    "dflash": dict(num_layers=2, block_size=4, max_anchors=6),
+    "dspark": dict(num_layers=2, block_size=4, max_anchors=6),
+    "mtp": dict(num_speculative_steps=3),
+}
 OFFERING = sorted(f for f, cls in FAMILIES.items() if "gradient_checkpointing" in family_keys(cls))
 
 
@@ -46,8 +50,11 @@ def test_loss_and_gradients_are_those_without_it_and_the_layers_are_recomputed(f
         monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
         out = TargetWithDraft(target, draft, loss_chunk_size=16)(ids, mask, anchor_seed=3)
         out.loss.backward()
-        results[checkpointing] = (out.loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
-                                                      if p.grad is not None}, len(calls))
+        results[checkpointing] = (
+            out.loss.detach(),
+            {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None},
+            len(calls),
+        )
     (plain, plain_grads, plain_calls), (ckpt, ckpt_grads, ckpt_calls) = results[False], results[True]
     assert plain_calls == 0 and ckpt_calls > 0
     torch.testing.assert_close(ckpt, plain, rtol=0, atol=1e-6)
@@ -78,7 +85,19 @@ def test_it_trains_under_zero3_with_the_losses_of_a_run_without_it(tiny_target_d
     from helpers import train_run
 
     eagle3 = {"draft.type": "eagle3", "draft.ttt_steps": 2, "draft.draft_vocab_size": 200}
-    losses = {c: train_run(tiny_target_dir, data_dir, tmp_path, f"ckpt{c}", zero_stage=3, max_steps=3, save_steps=3,
-                           **eagle3, **{"draft.gradient_checkpointing": c}).losses for c in (False, True)}
+    losses = {
+        c: train_run(
+            tiny_target_dir,
+            data_dir,
+            tmp_path,
+            f"ckpt{c}",
+            zero_stage=3,
+            max_steps=3,
+            save_steps=3,
+            **eagle3,
+            **{"draft.gradient_checkpointing": c},
+        ).losses
+        for c in (False, True)
+    }
     assert len(losses[True]) == 3
     assert max(abs(a - b) for a, b in zip(losses[True], losses[False])) <= 1e-5, losses

@@ -10,14 +10,22 @@ from specdraft.decode.drafters import PromptLookupDrafter
 from specdraft.decode.prompts import read_prompts, stop_tokens
 from specdraft.decode.report import acceptance_stats
 from specdraft.decode.speculative import generate_plain, speculative_generate
-from specdraft.demo import PRESETS
+from specdraft.demo.presets import PRESETS
 from specdraft.demo.assets import SEED
 from specdraft.demo.corpus import extract_functions, read_corpus
-from specdraft.demo.quality import (degenerate_share, distinct_2, held_out_prompts, is_degenerate,
-                                    measure_answer_quality, quality_of_texts, unseen_prompts)
+from specdraft.demo.quality import (
+    degenerate_share,
+    distinct_2,
+    held_out_prompts,
+    is_degenerate,
+    measure_answer_quality,
+    quality_of_texts,
+    unseen_prompts,
+)
 
 
 # --- distinct-2 ------------------------------------------------------------------------------
+
 
 def test_distinct_2_counts_each_pair_once_over_all_bigrams():
     # answer 1: (1,2) (2,3) (3,1) (1,2)   answer 2: (1,2) (2,9)   -> 6 bigrams, 4 different
@@ -37,6 +45,7 @@ def test_distinct_2_of_a_loop_falls_with_its_length():
 
 
 # --- degenerate answers ----------------------------------------------------------------------
+
 
 def test_a_line_repeated_through_the_answer_is_degenerate():
     loop = "    self.get_name = self.get_name\n" * 8
@@ -65,6 +74,7 @@ def test_degenerate_share():
 
 # --- on the tiny target ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def target_and_prompts(tiny_target_dir, tiny_data):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
@@ -87,8 +97,10 @@ def test_measured_answers_are_the_greedy_answers_and_tau_is_prompt_lookups(targe
     assert texts == [tokenizer.decode(g) for g in greedy]
     assert quality.distinct_2 == pytest.approx(distinct_2(greedy))
     assert quality.degenerate == degenerate_share(texts)
-    lookup = [speculative_generate(model, PromptLookupDrafter(), p, max_new_tokens=24, gamma=5, stop_tokens=stop)
-              for p in prompts]
+    lookup = [
+        speculative_generate(model, PromptLookupDrafter(), p, max_new_tokens=24, gamma=5, stop_tokens=stop)
+        for p in prompts
+    ]
     assert quality.lookup_tau == pytest.approx(acceptance_stats(lookup, 5)["tau"])
     assert quality.lookup_tau >= 1.0 and quality.answers == len(prompts)
     assert "distinct-2" in quality.line() and "prompt lookup τ" in quality.line()
@@ -105,6 +117,7 @@ def test_quality_of_texts_tokenizes_with_the_targets_tokenizer(target_and_prompt
 
 # --- which prompts ---------------------------------------------------------------------------
 
+
 def test_held_out_prompts_are_the_datasets_without_building_it(tiny_data, target_and_prompts):
     _, tokenizer, _ = target_and_prompts
     written = [json.loads(line)["prompt"] for line in tiny_data.prompts_file.read_text().splitlines()]
@@ -117,5 +130,8 @@ def test_unseen_prompts_come_from_files_the_corpus_does_not_read(target_and_prom
     unseen = unseen_prompts(tokenizer, p.corpus_bytes, SEED, 8, p.max_prompt_tokens)
     seen = {f.prompt for f in extract_functions(read_corpus(p.corpus_bytes, SEED))}
     assert len(unseen) == 8 and len(set(unseen)) == 8 and not set(unseen) & seen
-    assert all(len(tokenizer.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True))
-               <= p.max_prompt_tokens for u in unseen)
+    assert all(
+        len(tokenizer.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True))
+        <= p.max_prompt_tokens
+        for u in unseen
+    )

@@ -22,10 +22,14 @@ def test_split_objective_gives_the_config_keys_and_refuses_in_one_line(capsys):
     bench = load_bench("acceptance")
     assert bench.split_objective("0.9*tv + 0.1*ce@0.7:all") == (
         ["draft.loss=0.9*tv + 0.1*ce", "draft.distill_temperature=0.7", "draft.distill_tokens=all"],
-        "0.1*ce + 0.9*tv (T=0.7, all tokens)")
+        "0.1*ce + 0.9*tv (T=0.7, all tokens)",
+    )
     assert bench.split_objective("ce")[1] == "ce"
-    for bad, message in (("kl@warm", "the temperature after '@' must be a number"),
-                         ("ce:all", "'all' needs a teacher term"), ("kl:prompts", "must be one of answers, all")):
+    for bad, message in (
+        ("kl@warm", "the temperature after '@' must be a number"),
+        ("ce:all", "'all' needs a teacher term"),
+        ("kl:prompts", "must be one of answers, all"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(["--objectives", bad])
         assert exit_info.value.code == 2
@@ -36,10 +40,35 @@ def test_split_objective_gives_the_config_keys_and_refuses_in_one_line(capsys):
 def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_target_dir, tiny_data, tmp_path):
     bench = load_bench("acceptance")
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
-    results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
-                          "--data", data_glob, "--families", "glide", "--objectives", "ce", "tv@0.7:all",
-                          "--train-steps", "3", "--temperatures", "0,0.7", "--max-prompts", "2",
-                          "--max-new-tokens", "8", "--gamma", "3", "--tree", "", "--out", str(tmp_path)])
+    results = bench.main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(tiny_data.prompts_file),
+            "--data",
+            data_glob,
+            "--families",
+            "glide",
+            "--objectives",
+            "ce",
+            "tv@0.7:all",
+            "--train-steps",
+            "3",
+            "--temperatures",
+            "0,0.7",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--gamma",
+            "3",
+            "--tree",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     labels = ["GLIDE ce", "GLIDE tv (T=0.7, all tokens)", "prompt lookup"]
     rows = {(row["label"], row["temperature"]): row for row in results["rows"]}
     assert set(rows) == {(label, t) for label in labels for t in (0.0, 0.7)}
@@ -76,10 +105,32 @@ def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny
     bench = load_bench("acceptance")
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
     per_step = 8 * 256  # the tiny demo configs' per_device_batch_size x max_seq_length
-    results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
-                          "--data", data_glob, "--families", "glide,eagle3", "--tokens-seen", f"{per_step},{3 * per_step}",
-                          "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3",
-                          "--tree", "", "--out", str(tmp_path)])
+    results = bench.main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(tiny_data.prompts_file),
+            "--data",
+            data_glob,
+            "--families",
+            "glide,eagle3",
+            "--tokens-seen",
+            f"{per_step},{3 * per_step}",
+            "--temperatures",
+            "0",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--gamma",
+            "3",
+            "--tree",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert results["steps"] == [1, 3]
     for family, label in (("glide", "GLIDE"), ("eagle3", "EAGLE-3")):
         assert sorted(p.name for p in (tmp_path / "demo" / family).glob("step_*")) == ["step_1", "step_2", "step_3"]
@@ -104,11 +155,36 @@ def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target
     every slot (a confidence is a sigmoid, below 1): nothing is proposed, τ is exactly 1."""
     bench = load_bench("acceptance")
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
-    results = bench.main(["--target", str(tiny_target_dir), "--prompts", str(tiny_data.prompts_file),
-                          "--data", data_glob, "--families", "dspark", "--train-steps", "2",
-                          "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3",
-                          "--tree", "", "--confidence-threshold", "0,1", "--out", str(tmp_path),
-                          "--plot", str(tmp_path / "acceptance.png")])
+    results = bench.main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(tiny_data.prompts_file),
+            "--data",
+            data_glob,
+            "--families",
+            "dspark",
+            "--train-steps",
+            "2",
+            "--temperatures",
+            "0",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--gamma",
+            "3",
+            "--tree",
+            "",
+            "--confidence-threshold",
+            "0,1",
+            "--out",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "acceptance.png"),
+        ]
+    )
     rows = {(row["label"], row["gamma"]): row for row in results["rows"]}
     assert {label for label, _ in rows} == {"DSpark", "DSpark (stop c=0)", "DSpark (stop c=1)", "prompt lookup"}
     assert all(row["matches_target"] for row in rows.values())  # lossless at every stop
@@ -129,14 +205,30 @@ def test_acceptance_bench_offers_every_preset():
         bench.parse_args(["--preset", "huge"])
 
 
-def test_regenerate_bench_times_both_backends_and_trains_on_each_answer_set(tiny_target_dir, tiny_data, tmp_path,
-                                                                              capsys):
+def test_regenerate_bench_times_both_backends_and_trains_on_each_answer_set(
+    tiny_target_dir, tiny_data, tmp_path, capsys
+):
     """bench/regenerate.py on the tiny demo: both backends regenerate the same prompts (the same
     greedy answers), and one GLIDE is trained on each of the human, greedy and sampled answers."""
     bench = load_bench("regenerate")
-    results = bench.main(["--preset", "tiny", "--home", str(Path(tiny_target_dir).parents[1]), "--train-steps", "2",
-                          "--throughput-prompts", "3", "--max-prompts", "2", "--max-new-tokens", "6",
-                          "--out", str(tmp_path)])
+    results = bench.main(
+        [
+            "--preset",
+            "tiny",
+            "--home",
+            str(Path(tiny_target_dir).parents[1]),
+            "--train-steps",
+            "2",
+            "--throughput-prompts",
+            "3",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     t = results["throughput"]
     assert t["identical_answers"] == 3 and t["hf"]["tokens"] == t["openai"]["tokens"] > 0
     assert t["hf"]["rows"] == t["openai"]["rows"] == 3 and t["hf"]["errors"] == t["openai"]["errors"] == 0
@@ -144,7 +236,8 @@ def test_regenerate_bench_times_both_backends_and_trains_on_each_answer_set(tiny
     human = [json.loads(line) for line in Path(results["value"]["data"]["human"]).read_text().splitlines()]
     greedy = [json.loads(line) for path in tiny_data.train_files for line in Path(path).read_text().splitlines()]
     assert sorted(r["conversations"][0]["content"] for r in human) == sorted(
-        r["conversations"][0]["content"] for r in greedy)
+        r["conversations"][0]["content"] for r in greedy
+    )
     answers = {r["conversations"][0]["content"]: r["conversations"][1]["content"] for r in human}
     assert answers != {r["conversations"][0]["content"]: r["conversations"][-1]["content"] for r in greedy}
     from specdraft.demo.corpus import extract_functions, read_corpus
@@ -173,25 +266,57 @@ def test_step_efficiency_bench_runs_every_family(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_efficiency.py"), "--families",
-                          ",".join(families), "--shapes", "tiny", "--zero", "2", "--rounds", "1", "--warmup", "0",
-                          "--objectives", "kl:all"], env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "step_efficiency.py"),
+            "--families",
+            ",".join(families),
+            "--shapes",
+            "tiny",
+            "--zero",
+            "2",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--objectives",
+            "kl:all",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[1:2] == ["tiny"]]
     # per family: its default objective, then kl on every token (a family without draft.loss: its own only)
     from specdraft.drafts import family_keys
 
     distilled = [family for family in families if "loss" in family_keys(FAMILIES[family])]
-    assert [r[0] for r in rows] == [family for family in families
-                                    for _ in range(2 if family in distilled else 1)]
-    assert [" ".join(r[-4:]) for r in rows if " ".join(r[-4:]) == "kl (T=1, all tokens)"] == \
-        ["kl (T=1, all tokens)"] * len(distilled)
+    assert [r[0] for r in rows] == [family for family in families for _ in range(2 if family in distilled else 1)]
+    assert [" ".join(r[-4:]) for r in rows if " ".join(r[-4:]) == "kl (T=1, all tokens)"] == [
+        "kl (T=1, all tokens)"
+    ] * len(distilled)
     assert all(float(r[8]) > 0 for r in rows)  # (c)/(a+b): every step ran and was timed
     last = dict(item.split("=") for item in run.stdout.strip().splitlines()[-1].split())
-    assert set(last) == {"ratio", "distill_ratio", "distill_step_ratio", "distill_draft_ratio",
-                         *(f"ratio_{family}" for family in families)}
+    assert set(last) == {
+        "ratio",
+        "distill_ratio",
+        "distill_step_ratio",
+        "distill_draft_ratio",
+        *(f"ratio_{family}" for family in families),
+    }
     assert all(math.isfinite(float(value)) for value in last.values())
 
 
@@ -210,10 +335,32 @@ def test_gpu_step_bench_runs_every_family_on_the_cpu_preset():
     from specdraft.drafts.registry import FAMILIES
 
     families = sorted(FAMILIES)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--device", "cpu", "--families",
-                          ",".join(families), "--steps", "1"], env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_step.py"),
+            "--device",
+            "cpu",
+            "--families",
+            ",".join(families),
+            "--steps",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     assert re.match(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$", lines[-1])  # what bench/summary.py reads
@@ -246,11 +393,34 @@ def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
 
     # the bench's targets are Llamas: the families that draft for them (not MTP, a target's own layer)
     families = sorted(family for family, cls in FAMILIES.items() if cls.target_model_types is None)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "several_drafts.py"), "--families", ",".join(families),
-                          "--shapes", "tiny", "--rounds", "1", "--warmup", "0"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "several_drafts.py"),
+            "--families",
+            ",".join(families),
+            "--shapes",
+            "tiny",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] and line.split()[0] in families]
     assert [r[0] for r in rows] == families and all(0 < float(r[3]) < 1 for r in rows)  # the target's share
@@ -272,7 +442,7 @@ def test_acceptance_context_pads_each_prompt_with_whole_earlier_conversations_of
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
     padded = bench.padded_to_context(prompts, data_glob, tokenizer, 300)
     assert [len(p) for p in padded] == [300, 300]
-    assert all(p[-len(prompt):] == prompt for p, prompt in zip(padded, prompts))
-    assert padded[0][:-len(prompts[0])] != padded[1][:-len(prompts[1])]
+    assert all(p[-len(prompt) :] == prompt for p, prompt in zip(padded, prompts))
+    assert padded[0][: -len(prompts[0])] != padded[1][: -len(prompts[1])]
     with pytest.raises(bench.SpecdraftError, match="--context needs --data"):
         bench.padded_to_context(prompts, None, tokenizer, 300)

@@ -18,16 +18,22 @@ def target():
 
 def reference(target, ids, positions):
     with torch.no_grad():
-        return target.model(ids, position_ids=positions, past_key_values=DynamicCache(config=target.config),
-                            use_cache=True, output_hidden_states=True)
+        return target.model(
+            ids,
+            position_ids=positions,
+            past_key_values=DynamicCache(config=target.config),
+            use_cache=True,
+            output_hidden_states=True,
+        )
 
 
 def test_layer_ids_are_layer_inputs_and_final_hidden_is_normed(target):
     ids = torch.randint(0, 128, (2, T))
     positions = torch.arange(T)[None].expand(2, T)
     ref = reference(target, ids, positions)
-    features = capture(target.model, ids, positions,
-                       CaptureRequest(layers=(0, 1, 3, LAYERS), last_layer_kv=True, final_hidden=True))
+    features = capture(
+        target.model, ids, positions, CaptureRequest(layers=(0, 1, 3, LAYERS), last_layer_kv=True, final_hidden=True)
+    )
     assert sorted(features.hidden) == [0, 1, 3, LAYERS]
     torch.testing.assert_close(features.hidden[0], target.model.embed_tokens(ids))  # input of layer 0
     for layer in (1, 3):  # input of layer i = output of layer i - 1
@@ -42,8 +48,9 @@ def test_layer_ids_are_layer_inputs_and_final_hidden_is_normed(target):
 
 def test_capture_stops_at_the_deepest_layer_asked_for(target):
     calls = []
-    handles = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
-               for i, layer in enumerate(target.model.layers)]
+    handles = [
+        layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i)) for i, layer in enumerate(target.model.layers)
+    ]
     try:
         ids = torch.randint(0, 128, (1, T))
         features = capture(target.model, ids, torch.arange(T)[None], CaptureRequest(layers=(1, 2)))

@@ -33,9 +33,18 @@ torch.set_num_threads(1)
 VOCAB = 512  # the tiny demo tokenizer's (demo/presets.py, "tiny")
 T = 64
 LENGTHS = [[20, 30, 14], [9, 40, 5, 10]]  # documents per row: 3 and 4, most longer than the windows
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              initializer_range=0.2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    initializer_range=0.2,
+)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 
@@ -44,45 +53,112 @@ def config_of(arch: str):
     if arch == "llama":
         return c.LlamaConfig(num_hidden_layers=2, **COMMON)
     if arch == "qwen2":  # use_sliding_window: the layers from max_window_layers on attend through it
-        return c.Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                             **COMMON)
+        return c.Qwen2Config(
+            num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1, **COMMON
+        )
     if arch == "qwen3":
-        return c.Qwen3Config(num_hidden_layers=3, head_dim=16, use_sliding_window=True, sliding_window=12,
-                             max_window_layers=1, **COMMON)
+        return c.Qwen3Config(
+            num_hidden_layers=3, head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=1, **COMMON
+        )
     if arch == "mistral":  # v0.1: every layer windowed
         return c.MistralConfig(num_hidden_layers=2, sliding_window=8, **COMMON)
     if arch == "qwen3_moe":  # its window (use_sliding_window) applies to every layer, as transformers does
-        return c.Qwen3MoeConfig(num_hidden_layers=2, head_dim=16, num_experts=4, use_sliding_window=True,
-                                sliding_window=12, **MOE, **COMMON)
+        return c.Qwen3MoeConfig(
+            num_hidden_layers=2, head_dim=16, num_experts=4, use_sliding_window=True, sliding_window=12, **MOE, **COMMON
+        )
     if arch == "gpt_oss":  # layer_types: sliding, full, sliding, full; YaRN; sinks set below
-        rope = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                    original_max_position_embeddings=128, rope_theta=150000.0)
-        return c.GptOssConfig(num_hidden_layers=4, head_dim=16, sliding_window=8, num_local_experts=4,
-                              num_experts_per_tok=2, rope_parameters=rope, **COMMON)
+        rope = dict(
+            rope_type="yarn",
+            factor=4.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=128,
+            rope_theta=150000.0,
+        )
+        return c.GptOssConfig(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=rope,
+            **COMMON,
+        )
     if arch == "gemma3_text":  # scaling query_pre_attn_scalar ** -0.5 (not head_dim's), two RoPE bases
-        return c.Gemma3TextConfig(num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-                                  layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                               "sliding_attention"], **COMMON)
+        return c.Gemma3TextConfig(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            **COMMON,
+        )
     if arch == "gemma2":  # the soft-cap transformers does pass to the attention function
-        return c.Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-                              attn_logit_softcapping=2.0, **COMMON)
+        return c.Gemma2Config(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            **COMMON,
+        )
     if arch == "deepseek_v3":  # MLA: q/kv low rank, rope on 8 of 24 qk dims, v 12 dims; layer 0 dense
-        return c.DeepseekV3Config(num_hidden_layers=3, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                                  qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, n_group=1, topk_group=1,
-                                  first_k_dense_replace=1, **MOE, **{**COMMON, "num_key_value_heads": 4})
+        return c.DeepseekV3Config(
+            num_hidden_layers=3,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            **MOE,
+            **{**COMMON, "num_key_value_heads": 4},
+        )
     if arch == "glm4_moe":  # partial rotary (half the head)
-        return c.Glm4MoeConfig(num_hidden_layers=2, head_dim=16, partial_rotary_factor=0.5, n_routed_experts=4,
-                               n_group=1, topk_group=1, first_k_dense_replace=1, **MOE, **COMMON)
+        return c.Glm4MoeConfig(
+            num_hidden_layers=2,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            **MOE,
+            **COMMON,
+        )
     if arch == "phi3":  # fused qkv, its window on every layer
         return c.Phi3Config(num_hidden_layers=2, sliding_window=8, **COMMON)
     if arch == "qwen3_next":  # full-attention layers (gated attention, partial rotary), MoE
-        return c.Qwen3NextConfig(num_hidden_layers=2, layer_types=["full_attention"] * 2, head_dim=16, num_experts=4,
-                                 shared_expert_intermediate_size=32, **MOE, **COMMON)
+        return c.Qwen3NextConfig(
+            num_hidden_layers=2,
+            layer_types=["full_attention"] * 2,
+            head_dim=16,
+            num_experts=4,
+            shared_expert_intermediate_size=32,
+            **MOE,
+            **COMMON,
+        )
     raise KeyError(arch)
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma2", "deepseek_v3",
-         "glm4_moe", "phi3", "qwen3_next"]
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "qwen3_moe",
+    "gpt_oss",
+    "gemma3_text",
+    "gemma2",
+    "deepseek_v3",
+    "glm4_moe",
+    "phi3",
+    "qwen3_next",
+]
 
 
 def build(arch: str):
@@ -113,12 +189,20 @@ def reference(model, ids):
         parts, start = [], 0
         for n in row:
             inputs = {}
-            hooks = [module.register_forward_pre_hook(
-                lambda _m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
-                with_kwargs=True) for i, module in enumerate([*base.layers, base.norm])]
+            hooks = [
+                module.register_forward_pre_hook(
+                    lambda _m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+                    with_kwargs=True,
+                )
+                for i, module in enumerate([*base.layers, base.norm])
+            ]
             try:  # a cache without the config: whole K/V for windowed layers too (no cropping)
-                out = base(ids[b:b + 1, start:start + n], position_ids=torch.arange(n)[None],
-                           past_key_values=DynamicCache(), use_cache=True)
+                out = base(
+                    ids[b : b + 1, start : start + n],
+                    position_ids=torch.arange(n)[None],
+                    past_key_values=DynamicCache(),
+                    use_cache=True,
+                )
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -127,8 +211,9 @@ def reference(model, ids):
                 keys, values = base.layers[-1].self_attn.expand_kv(keys, values)
             parts.append({**inputs, "final": out.last_hidden_state, "keys": keys, "values": values})
             start += n
-        rows.append({name: torch.cat([p[name] for p in parts], dim=2 if name in ("keys", "values") else 1)
-                     for name in parts[0]})
+        rows.append(
+            {name: torch.cat([p[name] for p in parts], dim=2 if name in ("keys", "values") else 1) for name in parts[0]}
+        )
     return {name: torch.cat([row[name] for row in rows]) for name in rows[0]}, L
 
 
@@ -201,8 +286,9 @@ def test_sequence_parallel_ranks_capture_their_shard_of_the_same_features(arch, 
     def rank(r):
         try:
             shard = SequenceShard(group=r, size=size, rank=r, length=T)
-            results[r] = target_features(copy.deepcopy(model.model), everything(L), ids, positions, document_ids,
-                                         shard=shard)
+            results[r] = target_features(
+                copy.deepcopy(model.model), everything(L), ids, positions, document_ids, shard=shard
+            )
         except BaseException as err:  # noqa: BLE001 - re-raised below
             errors.append(err)
             barrier.abort()
@@ -224,8 +310,9 @@ def test_mla_keys_and_values_are_the_decompressed_ones(cases):
     (RoPE on the last 8) and values of v_head_dim, unpadded."""
     built, (ids, positions, document_ids) = cases
     model, _, L = built["deepseek_v3"]
-    features = capture(model.model, ids, positions, CaptureRequest(last_layer_kv=True),
-                       documents.document_attention(document_ids))
+    features = capture(
+        model.model, ids, positions, CaptureRequest(last_layer_kv=True), documents.document_attention(document_ids)
+    )
     assert features.last_keys.shape == (2, 4, T, 16 + 8)
     assert features.last_values.shape == (2, 4, T, 12)
 
@@ -255,8 +342,13 @@ def test_the_rotary_tables_are_the_ones_the_last_layer_applies(cases):
         kind = [model.config.layer_types[L - 1]] if arch == "gemma3_text" else []
         native = base.rotary_emb(features.input_embeds, positions, *kind)
         x = torch.randn(2, 2, T, head_dim)
-        torch.testing.assert_close(apply_rope(x, features.cos, features.sin),
-                                   module.apply_rotary_pos_emb(x, x, *native)[0], rtol=1e-6, atol=1e-6, msg=arch)
+        torch.testing.assert_close(
+            apply_rope(x, features.cos, features.sin),
+            module.apply_rotary_pos_emb(x, x, *native)[0],
+            rtol=1e-6,
+            atol=1e-6,
+            msg=arch,
+        )
 
 
 def test_a_bidirectional_gemma3_is_refused_in_one_line():
@@ -286,8 +378,10 @@ def masked_reference(q, k, v, scale, window, sinks, softcap, ids):
 
 
 @pytest.mark.parametrize("path", ["slices", "flex", "dense"])
-@pytest.mark.parametrize("window, sinks, softcap", [(None, True, None), (24, None, None), (24, True, 3.0),
-                                                    (100, True, None), (None, None, 3.0)])
+@pytest.mark.parametrize(
+    "window, sinks, softcap",
+    [(None, True, None), (24, None, None), (24, True, 3.0), (100, True, None), (None, None, 3.0)],
+)
 def test_the_core_applies_window_sinks_and_softcap_inside_documents(path, window, sinks, softcap):
     """The core alone at T = 300 (flex's 128-token tiles crossed, windows that do not divide the
     documents, a window over 128, GQA, values narrower than the keys) equals eager attention
@@ -344,8 +438,10 @@ def test_the_flex_path_compiles_once_for_every_layer_kind(cases):
     documents._compiled_functions.clear()
     torch._dynamo.reset()
     try:
-        with documents.forced_attention_path("flex", backend=backend), \
-                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        with (
+            documents.forced_attention_path("flex", backend=backend),
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+        ):
             for arch in ("gpt_oss", "gemma2"):
                 model, expected, L = built[arch]
                 for batch in range(3):

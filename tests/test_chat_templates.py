@@ -85,12 +85,18 @@ FAMILIES = {
     # name: (template, special tokens, end-of-turn token, eos)
     "chatml-qwen2.5": (CHATML, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
     "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
-    "llama-3.1": (LLAMA31, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                  "<|eot_id|>"),
+    "llama-3.1": (
+        LLAMA31,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|eot_id|>",
+    ),
     "gemma": (GEMMA, ["<bos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>"),
     "mistral": (MISTRAL, ["<s>", "</s>", "[INST]", "[/INST]"], "</s>"),
-    "deepseek-r1": (DEEPSEEK_R1, ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
-                    "<｜end▁of▁sentence｜>"),
+    "deepseek-r1": (
+        DEEPSEEK_R1,
+        ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+        "<｜end▁of▁sentence｜>",
+    ),
 }
 
 CONVERSATION = [
@@ -173,14 +179,16 @@ def test_generated_token_ids_are_used_as_given(family):
     messages = CONVERSATION[:-1] + [{"role": "assistant", "content": answer, "token_ids": given + [end_id]}]
     ids, mask = tokenize_conversation(tokenizer, messages, "x")
     masked = [t for t, m in zip(ids, mask) if m]
-    assert masked[-len(given) - 1:] == given + [end_id]
+    assert masked[-len(given) - 1 :] == given + [end_id]
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def test_eval_prompts_render_with_the_thinking_setting(tiny_target_dir):
     tokenizer = family_tokenizer(tiny_target_dir, "qwen3")
     user = [{"role": "user", "content": "hi"}]
-    assert render_prompt(tokenizer, user, "x", thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render_prompt(tokenizer, user, "x", thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert render_prompt(tokenizer, user, "x", thinking=True).endswith("<|im_start|>assistant\n")
     from specdraft.decode.prompts import encode_messages
 
@@ -192,7 +200,7 @@ def test_a_conversation_the_template_cannot_render_names_file_and_line(tiny_targ
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     path = tmp_path / "d.jsonl"
     path.write_text('{"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
-    (where, messages), = iter_conversations([str(path)])
+    ((where, messages),) = iter_conversations([str(path)])
     with pytest.raises(SpecdraftError, match=rf"^{path}:1: the chat template cannot render .*roles must alternate$"):
         tokenize_conversation(tokenizer, messages, where)
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"  # drops the text

@@ -40,8 +40,16 @@ def zero_runs(tiny_target_dir, data_dir, work):
     runs = {}
     for stage in (0, 1, 2, 3):
         full = run(tiny_target_dir, data_dir, work, f"full{stage}", zero_stage=stage, max_steps=12, save_steps=6)
-        resumed = run(tiny_target_dir, data_dir, work, f"resumed{stage}", zero_stage=stage, max_steps=12,
-                      save_steps=6, resume=work / f"full{stage}" / "ckpt" / "step_6")
+        resumed = run(
+            tiny_target_dir,
+            data_dir,
+            work,
+            f"resumed{stage}",
+            zero_stage=stage,
+            max_steps=12,
+            save_steps=6,
+            resume=work / f"full{stage}" / "ckpt" / "step_6",
+        )
         runs[stage] = (full, resumed)
     return runs
 
@@ -126,7 +134,7 @@ def test_export_files_rebuild_the_draft(zero_runs, work):
     config = json.loads((export / "config.json").read_text())
     assert config["architecture"] == "GlideDraft" and config["target"]["path"]
     full = get_fp32_state_dict_from_zero_checkpoint(str(slot.parent), tag=slot.name, exclude_frozen_parameters=True)
-    trained = {k[len("draft_model."):]: v for k, v in full.items() if k.startswith("draft_model.")}
+    trained = {k[len("draft_model.") :]: v for k, v in full.items() if k.startswith("draft_model.")}
     assert set(trained) == set(pth)
     for key, value in trained.items():
         assert torch.equal(value, pth[key]), key
@@ -137,8 +145,12 @@ def test_export_files_rebuild_the_draft(zero_runs, work):
     cos, sin = torch.ones(1, 5, rebuilt.dims.head_dim), torch.zeros(1, 5, rebuilt.dims.head_dim)
     kv = torch.randn(1, rebuilt.dims.target_kv_heads, 5, rebuilt.dims.head_dim)
     index = torch.arange(5)
-    torch.testing.assert_close(rebuilt(x, cos, sin, kv, kv, index - 1, index),
-                               engine_draft.eval()(x, cos, sin, kv, kv, index - 1, index), rtol=0, atol=0)
+    torch.testing.assert_close(
+        rebuilt(x, cos, sin, kv, kv, index - 1, index),
+        engine_draft.eval()(x, cos, sin, kv, kv, index - 1, index),
+        rtol=0,
+        atol=0,
+    )
     assert (export / "tokenizer.json").is_file() and (export / "training_config.yaml").is_file()
 
 
@@ -164,13 +176,15 @@ def test_consolidate_and_export_commands(zero_runs, work, capsys, stage):
     heads = load_file(str(run_dir / "export_step_6" / "target_heads.safetensors"))
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(json.loads((run_dir / "step_6" / "config.json").read_text())
-                                                  ["target"]["path"])
+    target = AutoModelForCausalLM.from_pretrained(
+        json.loads((run_dir / "step_6" / "config.json").read_text())["target"]["path"]
+    )
     assert torch.equal(heads["embed_tokens.weight"], target.get_input_embeddings().weight)
     assert torch.equal(heads["lm_head.weight"], target.get_output_embeddings().weight)
 
 
 # -- bad input: one-line errors, nothing overwritten ------------------------------------------
+
 
 def _snapshot(directory):
     return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -188,8 +202,12 @@ def victim(zero_runs, work, tmp_path):
 
 def _resume_error(tiny_target_dir, data_dir, tmp_path, resume, **extra):
     out = tmp_path / "new_run"
-    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, out, tmp_path / "cache", max_steps=14,
-                                          save_steps=6, resume=resume, **extra))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, data_dir, out, tmp_path / "cache", max_steps=14, save_steps=6, resume=resume, **extra
+        ),
+    )
     with pytest.raises(SpecdraftError) as err:
         train(cfg, **quiet)
     assert "\n" not in str(err.value)
@@ -227,16 +245,19 @@ def test_manifest_mismatch_is_refused(tiny_target_dir, data_dir, tmp_path, victi
     assert "sha256 does not match" in message
 
 
-def test_a_moved_target_resumes_and_swapped_weights_at_the_same_path_do_not(tiny_target_dir, data_dir, tmp_path,
-                                                                             victim):
+def test_a_moved_target_resumes_and_swapped_weights_at_the_same_path_do_not(
+    tiny_target_dir, data_dir, tmp_path, victim
+):
     import shutil
 
     from safetensors.torch import save_file
 
     moved = tmp_path / "moved_target"
     shutil.copytree(tiny_target_dir, moved)
-    resumed = train(load_config(None, run_overrides(moved, data_dir, victim, tmp_path / "cache", max_steps=13,
-                                                    save_steps=6)), **quiet)
+    resumed = train(
+        load_config(None, run_overrides(moved, data_dir, victim, tmp_path / "cache", max_steps=13, save_steps=6)),
+        **quiet,
+    )
     assert len(resumed.losses) == 1  # step 12 -> 13 with the target at its new path
     # same path, same shapes and file size, other values (a fine-tuned target swapped in)
     weights = sorted(moved.glob("*.safetensors"))[-1]
@@ -256,8 +277,12 @@ def test_a_moved_target_resumes_and_swapped_weights_at_the_same_path_do_not(tiny
 def test_a_checkpoint_resumes_only_with_its_precision_and_seed(tiny_target_dir, data_dir, tmp_path, victim, change):
     key, value = change.split("=")
     before = _snapshot(victim)
-    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, victim, tmp_path / "cache", max_steps=14,
-                                          save_steps=6, **{key: value}))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, data_dir, victim, tmp_path / "cache", max_steps=14, save_steps=6, **{key: value}
+        ),
+    )
     with pytest.raises(SpecdraftError, match=f"this run has {key}={value}"):
         train(cfg, **quiet)
     assert _snapshot(victim) == before
@@ -265,8 +290,15 @@ def test_a_checkpoint_resumes_only_with_its_precision_and_seed(tiny_target_dir, 
 
 def test_cli_reports_resume_errors_as_one_line(tiny_target_dir, data_dir, tmp_path, capsys):
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text("\n".join(o.replace("=", ": ", 1) for o in run_overrides(
-        tiny_target_dir, data_dir, tmp_path / "r", tmp_path / "cache", resume=tmp_path / "missing")) + "\n")
+    cfg_file.write_text(
+        "\n".join(
+            o.replace("=", ": ", 1)
+            for o in run_overrides(
+                tiny_target_dir, data_dir, tmp_path / "r", tmp_path / "cache", resume=tmp_path / "missing"
+            )
+        )
+        + "\n"
+    )
     assert main(["train", str(cfg_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("specdraft: error: resume:") and "\n" not in err
@@ -274,13 +306,16 @@ def test_cli_reports_resume_errors_as_one_line(tiny_target_dir, data_dir, tmp_pa
 
 # -- crash safety -------------------------------------------------------------------------------
 
+
 def test_the_highest_committed_step_wins_over_a_stale_latest(tiny_target_dir, data_dir, work, victim):
     """A crash between step_12's marker and the `latest` rename leaves latest -> step_6."""
     (victim / "ckpt" / LATEST).write_text("step_6")
     before = _snapshot(victim / "ckpt" / "step_12")
     logs = []
-    again = train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
-                                                  save_steps=6)), log=logs.append)
+    again = train(
+        load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12, save_steps=6)),
+        log=logs.append,
+    )
     assert again.losses == [] and any("resumed from" in line and line.endswith("at step 12") for line in logs)
     assert _snapshot(victim / "ckpt" / "step_12") == before
 
@@ -293,11 +328,31 @@ def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, d
 
     removed, synced = [], []
     real_rmtree, real_fsync = shutil.rmtree, os.fsync
-    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (
-        removed.append((str(path), (Path(path) / COMMITTED).exists(), list(synced))), real_rmtree(path, *a, **k)))
+    monkeypatch.setattr(
+        shutil,
+        "rmtree",
+        lambda path, *a, **k: (
+            removed.append((str(path), (Path(path) / COMMITTED).exists(), list(synced))),
+            real_rmtree(path, *a, **k),
+        ),
+    )
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
-    train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=12,
-                                          save_steps=6, keep_last=1, resume=victim / "ckpt" / "step_6")), **quiet)
+    train(
+        load_config(
+            None,
+            run_overrides(
+                tiny_target_dir,
+                data_dir,
+                victim,
+                work / "cache",
+                max_steps=12,
+                save_steps=6,
+                keep_last=1,
+                resume=victim / "ckpt" / "step_6",
+            ),
+        ),
+        **quiet,
+    )
     slots = [entry for entry in removed if Path(entry[0]).parent == victim / "ckpt"]
     assert {Path(p).name for p, _, _ in slots} == {"step_6"}
     for path, still_committed, synced in slots:
@@ -306,15 +361,21 @@ def test_a_committed_slot_is_uncommitted_before_it_is_deleted(tiny_target_dir, d
     assert (victim / "ckpt" / "step_12.abandoned" / COMMITTED).is_file()
 
 
-def test_auto_resume_moves_a_damaged_newest_slot_aside_and_uses_the_previous(tiny_target_dir, data_dir, work,
-                                                                            zero_runs, victim):
+def test_auto_resume_moves_a_damaged_newest_slot_aside_and_uses_the_previous(
+    tiny_target_dir, data_dir, work, zero_runs, victim
+):
     full, _ = zero_runs[2]
     optim = next((victim / "ckpt" / "step_12").glob("*optim_states.pt"))
     damaged = optim.read_bytes()[:100]
     optim.write_bytes(damaged)
     logs = []
-    again = train(load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", zero_stage=2,
-                                                  max_steps=12, save_steps=6)), log=logs.append)
+    again = train(
+        load_config(
+            None,
+            run_overrides(tiny_target_dir, data_dir, victim, work / "cache", zero_stage=2, max_steps=12, save_steps=6),
+        ),
+        log=logs.append,
+    )
     assert again.losses == full.losses[6:]  # resumed from step_6, bit-identical
     rejected = victim / "ckpt" / "step_12.rejected"
     assert (rejected / optim.name).read_bytes() == damaged and (rejected / COMMITTED).is_file()  # kept, not deleted
@@ -323,8 +384,9 @@ def test_auto_resume_moves_a_damaged_newest_slot_aside_and_uses_the_previous(tin
     assert [s.name for s in committed_slots(victim / "ckpt")] == ["step_6", "step_12"]
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny_target_dir, data_dir, work,
-                                                                            victim, monkeypatch):
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(
+    tiny_target_dir, data_dir, work, victim, monkeypatch
+):
     import errno
 
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -340,7 +402,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(tiny
     monkeypatch.setattr(TorchCheckpointEngine, "save", save)
     committed = {name: _snapshot(victim / "ckpt" / name) for name in ("step_6", "step_12")}
     exports = {name: _snapshot(victim / name) for name in ("step_6", "step_12")}
-    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=18, save_steps=6))
+    cfg = load_config(
+        None, run_overrides(tiny_target_dir, data_dir, victim, work / "cache", max_steps=18, save_steps=6)
+    )
     with pytest.raises(SpecdraftError) as err:
         train(cfg, **quiet)
     message = str(err.value)
@@ -375,16 +439,25 @@ def test_layout_and_file_writes_live_in_one_place():
     assert not any(hasattr(m, name) for m in (manager, files) for name in ("export_from_run", "consolidate_run"))
 
 
-def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_dir, data_dir, work, zero_runs,
-                                                                  monkeypatch, tmp_path):
+def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(
+    tiny_target_dir, data_dir, work, zero_runs, monkeypatch, tmp_path
+):
     """Same world size, another ZeRO stage: through the universal format. Registered buffers are
     not in it; the draft's extra state comes back from the client state."""
     from specdraft.drafts import registry
     from specdraft.drafts.glide.model import GlideDraft
 
     full, _ = zero_runs[2]
-    resumed = run(tiny_target_dir, data_dir, work, "two_to_three", zero_stage=3, max_steps=12, save_steps=6,
-                  resume=work / "full2" / "ckpt" / "step_6")
+    resumed = run(
+        tiny_target_dir,
+        data_dir,
+        work,
+        "two_to_three",
+        zero_stage=3,
+        max_steps=12,
+        save_steps=6,
+        resume=work / "full2" / "ckpt" / "step_6",
+    )
     assert max(abs(a - b) for a, b in zip(resumed.losses, full.losses[6:])) <= 1e-5  # see test_distributed.py
 
     mark = {"value": 7.0}
@@ -403,11 +476,18 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(tiny_target_di
     monkeypatch.setitem(registry.FAMILIES, "glide", MarkedGlide)
     run(tiny_target_dir, data_dir, tmp_path, "marked", zero_stage=2, max_steps=2, save_steps=2)
     mark["value"] = 0.0  # a fresh build no longer knows the map
-    run(tiny_target_dir, data_dir, tmp_path, "marked3", zero_stage=3, max_steps=3, save_steps=3,
-        resume=tmp_path / "marked" / "ckpt" / "step_2")
+    run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "marked3",
+        zero_stage=3,
+        max_steps=3,
+        save_steps=3,
+        resume=tmp_path / "marked" / "ckpt" / "step_2",
+    )
     exported = load_file(str(tmp_path / "marked3" / "step_3" / "model.safetensors"))
     assert torch.equal(exported["vocab_map"], torch.full((5,), 7.0))
-
 
 
 def _free_port() -> int:
@@ -421,14 +501,27 @@ def _free_port() -> int:
 
 def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_dir, data_dir, tmp_path):
     run_dir = tmp_path / "crashy"
-    args = run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1,
-                         keep_last=2)
+    args = run_overrides(
+        tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1, keep_last=2
+    )
     (tmp_path / "overrides.json").write_text(json.dumps(args))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_script.py"), tmp_path / "overrides.json",
-                           run_dir, "10", str(_free_port())], env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "crash_script.py"),
+            tmp_path / "overrides.json",
+            run_dir,
+            "10",
+            str(_free_port()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(report["trials"]) == 10 and all(t["killed"] for t in report["trials"])

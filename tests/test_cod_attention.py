@@ -34,8 +34,9 @@ def test_slot_attention_equals_the_dense_mask_values_and_gradients(packed):
     assert slots.positions == T and slots.depth_rows[0] == (T, T + by_depth[1].numel())
     generator = torch.Generator().manual_seed(0)
     N = anchor.numel()
-    q, k, v = (torch.randn(1, h, N, D, generator=generator, dtype=torch.float64).requires_grad_()
-               for h in (Hq, Hkv, Hkv))
+    q, k, v = (
+        torch.randn(1, h, N, D, generator=generator, dtype=torch.float64).requires_grad_() for h in (Hq, Hkv, Hkv)
+    )
     ours = cod_attention(q, k, v, slots)
     theirs = dense(q, k, v, anchor, depth, documents)
     torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
@@ -59,19 +60,20 @@ def test_a_batch_of_slots_with_padding_equals_each_rows_dense_mask_values_and_gr
     assert (~slots.drawn).any(dim=1).all()  # every row has padding
     generator = torch.Generator().manual_seed(0)
     N = slots.anchor.shape[1]
-    q, k, v = (torch.randn(B, h, N, D, generator=generator, dtype=torch.float64).requires_grad_()
-               for h in (Hq, Hkv, Hkv))
+    q, k, v = (
+        torch.randn(B, h, N, D, generator=generator, dtype=torch.float64).requires_grad_() for h in (Hq, Hkv, Hkv)
+    )
     ours = cod_attention(q, k, v, CODSlots.of_batch(slots.anchor, slots.sizes, documents))
     weights = torch.randn(ours.shape, generator=generator, dtype=torch.float64) * slots.drawn[:, None, :, None]
     grads = torch.autograd.grad((ours * weights).sum(), (q, k, v))
     for b in range(B):
         drawn = slots.drawn[b]
-        rows = [x[b:b + 1, :, drawn].detach().requires_grad_() for x in (q, k, v)]
+        rows = [x[b : b + 1, :, drawn].detach().requires_grad_() for x in (q, k, v)]
         theirs = dense(*rows, slots.anchor[b, drawn], slots.depth[drawn], documents[b])
-        torch.testing.assert_close(ours[b:b + 1, :, drawn], theirs, rtol=1e-9, atol=1e-9)
-        expected = torch.autograd.grad((theirs * weights[b:b + 1, :, drawn]).sum(), rows)
+        torch.testing.assert_close(ours[b : b + 1, :, drawn], theirs, rtol=1e-9, atol=1e-9)
+        expected = torch.autograd.grad((theirs * weights[b : b + 1, :, drawn]).sum(), rows)
         for got, want in zip(grads, expected):
-            torch.testing.assert_close(got[b:b + 1, :, drawn], want, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got[b : b + 1, :, drawn], want, rtol=1e-9, atol=1e-9)
             assert not got[b, :, ~drawn].any()
 
 

@@ -15,8 +15,10 @@ def valid_config(tmp_path):
     (tmp_path / "target").mkdir()
     (tmp_path / "d.jsonl").write_text("{}\n")
     path = tmp_path / "run.yaml"
-    path.write_text(f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/*.jsonl\n"
-                    f"output_dir: {tmp_path / 'out'}\ndraft:\n  max_lag: 3\n")
+    path.write_text(
+        f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/*.jsonl\n"
+        f"output_dir: {tmp_path / 'out'}\ndraft:\n  max_lag: 3\n"
+    )
     return path
 
 
@@ -26,19 +28,28 @@ def run_cli(capsys, *argv):
     return code, err
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("max_stepz=3", "unknown key 'max_stepz' (did you mean 'max_steps'?)"),
-    ("draft.max_lagg=2", "unknown key 'draft.max_lagg' (did you mean 'draft.max_lag'?)"),
-    ("learning_rate=fast", "key 'learning_rate': value 'fast' is not a valid float"),
-    ("zero_stage=4", "key 'zero_stage': 4 is not one of 0, 1, 2, 3"),
-    ("precision=fp8", "key 'precision': 'fp8' is not one of fp32, bf16"),
-    ("precision=fp16", "key 'precision': fp16 is not supported for training (the chunked losses' gradients "
-                       "would underflow before loss scaling); use bf16"),
-    ("data_files=/no/such/file.jsonl", "key 'data_files': no file matches /no/such/file.jsonl"),
-    ("target=/no/such/dir", "key 'target': directory not found: /no/such/dir"),
-    ("max_steps", "override 'max_steps': expected key=value"),
-    ("export_formats=[speculators]", "key 'export_formats': 'speculators' is not a serving format of draft.type 'glide'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("max_stepz=3", "unknown key 'max_stepz' (did you mean 'max_steps'?)"),
+        ("draft.max_lagg=2", "unknown key 'draft.max_lagg' (did you mean 'draft.max_lag'?)"),
+        ("learning_rate=fast", "key 'learning_rate': value 'fast' is not a valid float"),
+        ("zero_stage=4", "key 'zero_stage': 4 is not one of 0, 1, 2, 3"),
+        ("precision=fp8", "key 'precision': 'fp8' is not one of fp32, bf16"),
+        (
+            "precision=fp16",
+            "key 'precision': fp16 is not supported for training (the chunked losses' gradients "
+            "would underflow before loss scaling); use bf16",
+        ),
+        ("data_files=/no/such/file.jsonl", "key 'data_files': no file matches /no/such/file.jsonl"),
+        ("target=/no/such/dir", "key 'target': directory not found: /no/such/dir"),
+        ("max_steps", "override 'max_steps': expected key=value"),
+        (
+            "export_formats=[speculators]",
+            "key 'export_formats': 'speculators' is not a serving format of draft.type 'glide'",
+        ),
+    ],
+)
 def test_bad_config_is_one_line_and_exit_2(valid_config, capsys, override, expected):
     code, err = run_cli(capsys, "train", str(valid_config), override)
     assert code == 2
@@ -73,8 +84,10 @@ def test_shipped_configs_are_valid(name, tmp_path):
 
     (tmp_path / "t").mkdir()
     (tmp_path / "d.jsonl").write_text("{}\n")
-    cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl",
-                                                     "eval_prompts=null"])
+    cfg = load_config(
+        str(REPO / "configs" / name),
+        [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"],
+    )
     family = next((f for f in ("peagle", "eagle3", "dflash", "dspark", "mtp") if f in name), "glide")
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
@@ -84,13 +97,16 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys
     assert code == 2 and "max_stepz" in err  # parsed fine; the config error is what is reported
 
 
-@pytest.mark.parametrize("given, family, owner", [
-    ("draft.block_size=4", "glide", "dflash, dspark"),
-    ("draft.ttt_steps=3", "dflash", "eagle3"),
-    ("draft.max_lag=2", "eagle3", "glide"),
-    ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle"),
-    ("draft.markov_rank=8", "dflash", "dspark"),
-])
+@pytest.mark.parametrize(
+    "given, family, owner",
+    [
+        ("draft.block_size=4", "glide", "dflash, dspark"),
+        ("draft.ttt_steps=3", "dflash", "eagle3"),
+        ("draft.max_lag=2", "eagle3", "glide"),
+        ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle"),
+        ("draft.markov_rank=8", "dflash", "dspark"),
+    ],
+)
 def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
     valid_config.write_text(valid_config.read_text().replace("draft:\n  max_lag: 3\n", ""))
     code, err = run_cli(capsys, "train", str(valid_config), f"draft.type={family}", given)
@@ -130,7 +146,8 @@ def test_config_hash_and_saved_config_hold_the_family_keys_only(valid_config, tm
 
 @pytest.mark.parametrize("model_type, biased", [("llama", False), ("qwen2", True)])
 def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_same_draft(
-        valid_config, model_type, biased):
+    valid_config, model_type, biased
+):
     """GLIDE's draft.attention_bias came after GLIDE checkpoints existed, all without biases. Its
     default resolves against the target: without biases (a Llama target) the hash is the one a
     config without the key had, so those slots resume; with biases (Qwen2) it is another draft,
@@ -140,8 +157,9 @@ def test_a_key_added_later_keeps_older_checkpoints_resumable_where_they_are_the_
     from specdraft.config import config_hash
 
     target = valid_config.parent / "target"
-    (target / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64,
-                                                    "num_attention_heads": 4, "num_hidden_layers": 2}))
+    (target / "config.json").write_text(
+        json.dumps({"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2})
+    )
     (target / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer (checked at load)
     cfg = load_config(str(valid_config))
     now = config_hash(cfg)
@@ -176,7 +194,10 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
 
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
-    assert "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-mtp, demo-peagle" in str(err.value)
+    assert (
+        "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-mtp, demo-peagle"
+        in str(err.value)
+    )
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-eagle3", "demo-dflash", "demo-dspark", "demo-peagle", "demo-mtp"])
@@ -231,8 +252,7 @@ def test_config_command_prints_the_resolved_config_as_a_run_records_it(valid_con
     code = main(["config", str(valid_config), "max_steps=7", "draft.sliding_window=64"])
     printed = capsys.readouterr().out
     assert code == 0
-    save_config(load_config(str(valid_config), ["max_steps=7", "draft.sliding_window=64"]),
-                tmp_path / "config.yaml")
+    save_config(load_config(str(valid_config), ["max_steps=7", "draft.sliding_window=64"]), tmp_path / "config.yaml")
     assert printed == (tmp_path / "config.yaml").read_text()
     shown = OmegaConf.create(printed)
     assert shown.max_steps == 7 and shown.keep_last == 2 and shown.seed == 42 and shown.eval_steps == -1
@@ -266,26 +286,36 @@ def test_demo_help_names_every_packaged_demo_config(capsys):
     assert len(names) == len(FAMILIES) and f"({','.join(names)})" in text
 
 
-@pytest.mark.parametrize("command", ["", "train", "config", "data", "demo", "inspect", "export", "consolidate", "eval",
-                                     "regenerate"])
+@pytest.mark.parametrize(
+    "command", ["", "train", "config", "data", "demo", "inspect", "export", "consolidate", "eval", "regenerate"]
+)
 def test_help_imports_neither_torch_nor_deepspeed_nor_transformers(command):
     """`specdraft [COMMAND] --help` answers at once: the heavy imports happen inside the commands."""
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom specdraft.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", probe, *command.split(), "--help"], capture_output=True, text=True,
-                          timeout=60)
+    probe = (
+        "import sys\nfrom specdraft.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *command.split(), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "usage: specdraft" in proc.stdout, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
-@pytest.mark.parametrize("command, with_target_config, heavy", [
-    ("config", True, ("deepspeed",)), ("config", False, ("torch", "deepspeed", "transformers")),
-    ("data", True, ("deepspeed",))])
-def test_config_and_data_run_without_the_training_imports(command, with_target_config, heavy, tiny_target_dir,
-                                                          data_dir, tmp_path):
+@pytest.mark.parametrize(
+    "command, with_target_config, heavy",
+    [
+        ("config", True, ("deepspeed",)),
+        ("config", False, ("torch", "deepspeed", "transformers")),
+        ("data", True, ("deepspeed",)),
+    ],
+)
+def test_config_and_data_run_without_the_training_imports(
+    command, with_target_config, heavy, tiny_target_dir, data_dir, tmp_path
+):
     """`specdraft config` (the resolved config, validated in full against the target) imports no
     DeepSpeed and no module of ours that needs torch: torch comes only with transformers' config
     classes, which read the target's config.json (a directory without one: no torch at all);
@@ -302,14 +332,17 @@ def test_config_and_data_run_without_the_training_imports(command, with_target_c
         shutil.copytree(tiny_target_dir, target)
         (target / "config.json").unlink()
     overrides = run_overrides(target, data_dir, tmp_path / "out", tmp_path / "cache")
-    probe = ("import sys\nfrom specdraft.cli import main\ncode = main(sys.argv[1:])\n"
-             f"print(code, sorted(m for m in {heavy!r} if m in sys.modules), "
-             "sorted(m for m, module in list(sys.modules.items()) if m.startswith('specdraft') and "
-             "'torch' in vars(module)))")
+    probe = (
+        "import sys\nfrom specdraft.cli import main\ncode = main(sys.argv[1:])\n"
+        f"print(code, sorted(m for m in {heavy!r} if m in sys.modules), "
+        "sorted(m for m, module in list(sys.modules.items()) if m.startswith('specdraft') and "
+        "'torch' in vars(module)))"
+    )
     config = tmp_path / "run.yaml"
     config.write_text("draft:\n  type: glide\n")
-    proc = subprocess.run([sys.executable, "-c", probe, command, str(config), *overrides], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, command, str(config), *overrides], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     ours = "[]" if command == "config" else None  # data packs its cache with torch
     code, imported, torch_modules = proc.stdout.strip().splitlines()[-1].split(" ", 2)
@@ -322,8 +355,9 @@ def test_a_missing_eval_prompts_file_matters_only_when_tau_is_measured(tiny_targ
     from helpers import run_overrides
     from specdraft.errors import SpecdraftError
 
-    base = run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache",
-                         eval_prompts=tmp_path / "missing.jsonl")
+    base = run_overrides(
+        tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache", eval_prompts=tmp_path / "missing.jsonl"
+    )
     assert load_config(None, [*base, "eval_steps=-1"]).eval_steps == -1
     with pytest.raises(SpecdraftError, match="key 'eval_prompts': file not found"):
         load_config(None, [*base, "eval_steps=10"])

@@ -23,14 +23,25 @@ def conversation(user="What is 2+2?", answer="It is four."):
 
 
 # an OpenAI tool call: the assistant's content null beside its tool_calls, then the tool's result
-TOOL_ROW = {"messages": [
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
-    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
-    {"role": "assistant", "content": "It is 18C."}]}
-NULL_ROW = {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
-                         {"role": "assistant", "content": "hello"}]}
+TOOL_ROW = {
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "assistant", "content": "It is 18C."},
+    ]
+}
+NULL_ROW = {
+    "messages": [
+        {"role": "system", "content": None},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+}
 
 
 def write_rows(path, rows):
@@ -83,7 +94,7 @@ def test_packed_cache_round_trips_and_is_memory_mapped(tokenizer, tmp_path):
     assert isinstance(data.tokens, np.memmap) or isinstance(data.tokens.base, np.memmap)
     assert data.tokens.shape == (data.meta["tokens"] // 32, 32)
     first_ids, _ = tokenize_conversation(tokenizer, conversation(answer="word ")["conversations"], "x")
-    assert data.tokens[0, :len(first_ids)].tolist() == first_ids[:32]
+    assert data.tokens[0, : len(first_ids)].tolist() == first_ids[:32]
     batch = data.batch([2, 0])
     assert batch["input_ids"].shape == (2, 32) and batch["input_ids"][1].tolist() == data.tokens[0].tolist()
 
@@ -112,8 +123,7 @@ def test_packed_batches_carry_document_ids_and_per_document_positions(tokenizer,
     path.write_text("".join(json.dumps(conversation(answer=a)) + "\n" for a in answers))
     build_packed_cache([str(path)], tokenizer, 32, tmp_path / "cache", log=lambda *_: None)
     data = open_packed_cache(tmp_path / "cache")
-    lengths = [len(tokenize_conversation(tokenizer, conversation(answer=a)["conversations"], "x")[0])
-               for a in answers]
+    lengths = [len(tokenize_conversation(tokenizer, conversation(answer=a)["conversations"], "x")[0]) for a in answers]
     flat_starts = np.cumsum([0] + lengths[:-1])  # where each conversation begins in the stream
     for row in range(len(data)):
         batch = data.batch([row])
@@ -128,6 +138,8 @@ def test_packed_batches_carry_document_ids_and_per_document_positions(tokenizer,
             expected_pos.append(pos)
             pos += 1
         assert docs == expected_docs and positions == expected_pos, row
+
+
 def _steps(samplers, accumulation, steps):
     """The sequences of each optimizer step, all ranks, in micro-batch order."""
     out = []
@@ -145,8 +157,9 @@ def test_sampler_position_carries_over_to_another_world_size(new_world, new_accu
     straight = _steps([ShardedBatchSampler(100, 3, r, 2, seed=5, accumulation=2) for r in range(2)], 2, 8)
     before_samplers = [ShardedBatchSampler(100, 3, r, 2, seed=5, accumulation=2) for r in range(2)]
     before = _steps(before_samplers, 2, 5)
-    after_samplers = [ShardedBatchSampler(100, 3, r, new_world, seed=5, accumulation=new_accumulation)
-                      for r in range(new_world)]
+    after_samplers = [
+        ShardedBatchSampler(100, 3, r, new_world, seed=5, accumulation=new_accumulation) for r in range(new_world)
+    ]
     for sampler in after_samplers:
         sampler.load_state_dict(before_samplers[0].state_dict())
     after = _steps(after_samplers, new_accumulation, 3)
@@ -158,24 +171,72 @@ def test_sampler_position_carries_over_to_another_world_size(new_world, new_accu
         mismatched.load_state_dict(before_samplers[0].state_dict())
 
 
-@pytest.mark.parametrize("turns,reason,detail", [
-    (TOOL_ROW["messages"], "tool turn", "tool turn: turn 1 carries 'tool_calls'"),
-    ([{"role": "user", "content": "q"}, {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "a"}],
-     "tool turn", "tool turn: turn 1 has role 'tool'"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "function_call": {"name": "f"}},
-      {"role": "function", "name": "f", "content": "1"}, {"role": "assistant", "content": "a"}],
-     "tool turn", "tool turn: turn 1 carries 'function_call'"),
-    ([{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}, {"from": "observation", "value": "1"},
-      {"from": "gpt", "value": "a"}], "tool turn", "tool turn: turn 1 has role 'function_call'"),
-    (NULL_ROW["messages"], "null content", "null content: turn 0 (system) has content null"),
-    ([{"from": "human", "value": None}, {"from": "gpt", "value": "a"}], "null content",
-     "null content: turn 0 (human) has value null"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], "null content",
-     "null content: turn 1 (assistant) has content null"),
-    ([{"role": "system", "content": None}, {"role": "user", "content": "q"}, {"role": "tool", "content": "1"},
-      {"role": "assistant", "content": "a"}], "tool turn", "tool turn: turn 2 has role 'tool'"),  # one reason: tool
-], ids=["openai-tool-call", "tool-role", "openai-function-call", "sharegpt-tools", "null-system", "sharegpt-null",
-        "null-answer", "tool-and-null"])
+@pytest.mark.parametrize(
+    "turns,reason,detail",
+    [
+        (TOOL_ROW["messages"], "tool turn", "tool turn: turn 1 carries 'tool_calls'"),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "tool", "content": "18C"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "tool turn",
+            "tool turn: turn 1 has role 'tool'",
+        ),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "function_call": {"name": "f"}},
+                {"role": "function", "name": "f", "content": "1"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "tool turn",
+            "tool turn: turn 1 carries 'function_call'",
+        ),
+        (
+            [
+                {"from": "human", "value": "q"},
+                {"from": "function_call", "value": "{}"},
+                {"from": "observation", "value": "1"},
+                {"from": "gpt", "value": "a"},
+            ],
+            "tool turn",
+            "tool turn: turn 1 has role 'function_call'",
+        ),
+        (NULL_ROW["messages"], "null content", "null content: turn 0 (system) has content null"),
+        (
+            [{"from": "human", "value": None}, {"from": "gpt", "value": "a"}],
+            "null content",
+            "null content: turn 0 (human) has value null",
+        ),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
+            "null content",
+            "null content: turn 1 (assistant) has content null",
+        ),
+        (
+            [
+                {"role": "system", "content": None},
+                {"role": "user", "content": "q"},
+                {"role": "tool", "content": "1"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "tool turn",
+            "tool turn: turn 2 has role 'tool'",
+        ),  # one reason: tool
+    ],
+    ids=[
+        "openai-tool-call",
+        "tool-role",
+        "openai-function-call",
+        "sharegpt-tools",
+        "null-system",
+        "sharegpt-null",
+        "null-answer",
+        "tool-and-null",
+    ],
+)
 def test_tool_and_null_content_turns_skip_their_row_with_the_reason(turns, reason, detail):
     for require_answer in (True, False):  # train's reading and regenerate's
         with pytest.raises(SkippedRow) as err:
@@ -185,19 +246,27 @@ def test_tool_and_null_content_turns_skip_their_row_with_the_reason(turns, reaso
 
 def test_only_a_real_tool_call_skips_and_a_malformed_turn_stays_an_error():
     with pytest.raises(SkippedRow, match="tool turn"):
-        normalise_conversation({"messages": [{"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]},
-                               "x")
+        normalise_conversation(
+            {"messages": [{"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]}, "x"
+        )
     # a malformed turn beside a skipped one still names the file's mistake (not counted as a skip)
-    for bad in ([{"role": "tool", "content": "1"}, "not a turn"], [{"role": "tool", "content": "1"}, {"role": "bot"}],
-                [{"role": "bot", "content": None}, {"role": "assistant", "content": "a"}]):
+    for bad in (
+        [{"role": "tool", "content": "1"}, "not a turn"],
+        [{"role": "tool", "content": "1"}, {"role": "bot"}],
+        [{"role": "bot", "content": None}, {"role": "assistant", "content": "a"}],
+    ):
         with pytest.raises(SpecdraftError) as err:
             normalise_conversation({"messages": bad}, "x")
         assert not isinstance(err.value, SkippedRow), bad
     # empty or null tool_calls / function_call (common in exports) call nothing: the row is trained
-    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": [],
-                                                 "function_call": None}]
-    assert normalise_conversation({"messages": plain}, "x") == [{"role": "user", "content": "q"},
-                                                                {"role": "assistant", "content": "a"}]
+    plain = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "tool_calls": [], "function_call": None},
+    ]
+    assert normalise_conversation({"messages": plain}, "x") == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
 
 
 def test_tool_turn_and_null_content_rows_are_skipped_counted_and_the_rest_packed(tokenizer, tmp_path):
@@ -209,10 +278,13 @@ def test_tool_turn_and_null_content_rows_are_skipped_counted_and_the_rest_packed
     expected = build_packed_cache([str(clean)], tokenizer, 8, tmp_path / "clean", log=lambda *_: None)
     for name in ("tokens.bin", "loss_mask.bin", "doc_start.bin"):  # the good rows, token for token
         assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
-    assert [meta[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")] == \
-        [expected[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")] and meta["conversations"] == 3
+    assert [meta[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")] == [
+        expected[k] for k in ("conversations", "tokens", "assistant_tokens", "sequences")
+    ] and meta["conversations"] == 3
     assert {reason: (e["count"], e["rows"]) for reason, e in meta["skipped"].items()} == {
-        "tool turn": (1, [f"{mixed}:2"]), "null content": (1, [f"{mixed}:4"])}
+        "tool turn": (1, [f"{mixed}:2"]),
+        "null content": (1, [f"{mixed}:4"]),
+    }
     assert logged[-1] == f"data: skipped 2 of 5 rows: tool turn ({mixed}:2), null content ({mixed}:4)"  # train's log
     rows = [json.loads(line) for line in (tmp_path / "mixed" / "rows.jsonl").read_text().splitlines()]
     assert [r.get("skipped") for r in rows] == [None, "tool turn", None, "null content", None]
@@ -230,11 +302,16 @@ def test_regenerate_skips_tool_and_null_content_rows_with_their_reason(tiny_targ
 
     data = write_rows(tmp_path / "in.jsonl", [{"prompt": "hi"}, TOOL_ROW, NULL_ROW])
     logged = []
-    summary = regenerate(RegenerateConfig(target=str(tiny_target_dir), data=[str(data)], out=str(tmp_path / "o")),
-                         Echo(), log=logged.append, progress_bar=False)
+    summary = regenerate(
+        RegenerateConfig(target=str(tiny_target_dir), data=[str(data)], out=str(tmp_path / "o")),
+        Echo(),
+        log=logged.append,
+        progress_bar=False,
+    )
     assert (summary["rows"], summary["skipped"], summary["failed"]) == (1, 2, 0)
     errors = [json.loads(line) for line in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
     assert [(e["source"], e["kind"], e["reason"]) for e in errors] == [
         (f"{data}:2", "skipped", "tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"),
-        (f"{data}:3", "skipped", "null content: turn 0 (system) has content null")]
+        (f"{data}:3", "skipped", "null content: turn 0 (system) has content null"),
+    ]
     assert "; 2 rows skipped (tool turn 1, null content 1)" in logged[-1]

@@ -18,13 +18,30 @@ from specdraft.data.packing import build_packed_cache, open_packed_cache, packed
 from specdraft.commands.data_report import data_report
 
 ROWS = [
-    {"conversations": [{"role": "system", "content": "assistant"}, {"role": "user", "content": "Say a letter."},
-                       {"role": "assistant", "content": "a"}, {"role": "user", "content": "user"},
-                       {"role": "assistant", "content": "  end \n"}]},
-    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nwhy\n</think>\n\nstart"},
-                  {"role": "user", "content": "again"},
-                  {"role": "assistant", "content": "<think>\nmore\n</think>\n\nassistant"}]},
-    {"conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {
+        "conversations": [
+            {"role": "system", "content": "assistant"},
+            {"role": "user", "content": "Say a letter."},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "user"},
+            {"role": "assistant", "content": "  end \n"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "<think>\nwhy\n</think>\n\nstart"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "<think>\nmore\n</think>\n\nassistant"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "gpt", "value": "hello"},
+            {"from": "human", "value": "x"},
+            {"from": "gpt", "value": "y"},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "only a question"}]},
     {"conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]},
 ]
@@ -35,30 +52,62 @@ ROWS = [
 # first token when the tokenizer merges it), history without reasoning (Qwen3: earlier turns; R1:
 # every turn, newlines after </think> kept), assistant-first rows refused by alternating templates.
 GOLDEN = {
-    "qwen2_5": [["a<|im_end|>", "  end \n<|im_end|>"],
-                ["<think>\nwhy\n</think>\n\nstart<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
-                ["hello<|im_end|>", "y<|im_end|>"], "no assistant turn", "empty answer"],
-    "qwen3": [["a<|im_end|>", "  end \n<|im_end|>"],
-              ["start<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
-              ["hello<|im_end|>", "y<|im_end|>"], "no assistant turn", "empty answer"],
-    "phi4": [["a<|im_end|>", "  end \n<|im_end|>"],
-             ["<think>\nwhy\n</think>\n\nstart<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
-             ["hello<|im_end|>", "y<|im_end|>"], "no assistant turn", "empty answer"],
-    "llama3_1": [["a<|eot_id|>", "end<|eot_id|>"],
-                 ["<think>\nwhy\n</think>\n\nstart<|eot_id|>", "<think>\nmore\n</think>\n\nassistant<|eot_id|>"],
-                 ["hello<|eot_id|>", "y<|eot_id|>"], "no assistant turn", "empty answer"],
-    "llama2": [[" a <|eos|>", "end <|eos|>"],
-               ["<think>\nwhy\n</think>\n\nstart <|eos|>", "<think>\nmore\n</think>\n\nassistant <|eos|>"],
-               "template refused", "no assistant turn", "empty answer"],
-    "mistral_v0_3": [[" a<|eos|>", "   end \n<|eos|>"],
-                     ["<think>\nwhy\n</think>\n\nstart<|eos|>", "<think>\nmore\n</think>\n\nassistant<|eos|>"],
-                     "template refused", "no assistant turn", "empty answer"],
-    "gemma3": [["a<end_of_turn>", "end<end_of_turn>"],
-               ["<think>\nwhy\n</think>\n\nstart<end_of_turn>", "<think>\nmore\n</think>\n\nassistant<end_of_turn>"],
-               "template refused", "no assistant turn", "empty answer"],
-    "deepseek_r1": [["a<｜end▁of▁sentence｜>", "  end \n<｜end▁of▁sentence｜>"],
-                    ["\n\nstart<｜end▁of▁sentence｜>", "\n\nassistant<｜end▁of▁sentence｜>"],
-                    ["hello<｜end▁of▁sentence｜>", "y<｜end▁of▁sentence｜>"], "no assistant turn", "empty answer"],
+    "qwen2_5": [
+        ["a<|im_end|>", "  end \n<|im_end|>"],
+        ["<think>\nwhy\n</think>\n\nstart<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
+        ["hello<|im_end|>", "y<|im_end|>"],
+        "no assistant turn",
+        "empty answer",
+    ],
+    "qwen3": [
+        ["a<|im_end|>", "  end \n<|im_end|>"],
+        ["start<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
+        ["hello<|im_end|>", "y<|im_end|>"],
+        "no assistant turn",
+        "empty answer",
+    ],
+    "phi4": [
+        ["a<|im_end|>", "  end \n<|im_end|>"],
+        ["<think>\nwhy\n</think>\n\nstart<|im_end|>", "<think>\nmore\n</think>\n\nassistant<|im_end|>"],
+        ["hello<|im_end|>", "y<|im_end|>"],
+        "no assistant turn",
+        "empty answer",
+    ],
+    "llama3_1": [
+        ["a<|eot_id|>", "end<|eot_id|>"],
+        ["<think>\nwhy\n</think>\n\nstart<|eot_id|>", "<think>\nmore\n</think>\n\nassistant<|eot_id|>"],
+        ["hello<|eot_id|>", "y<|eot_id|>"],
+        "no assistant turn",
+        "empty answer",
+    ],
+    "llama2": [
+        [" a <|eos|>", "end <|eos|>"],
+        ["<think>\nwhy\n</think>\n\nstart <|eos|>", "<think>\nmore\n</think>\n\nassistant <|eos|>"],
+        "template refused",
+        "no assistant turn",
+        "empty answer",
+    ],
+    "mistral_v0_3": [
+        [" a<|eos|>", "   end \n<|eos|>"],
+        ["<think>\nwhy\n</think>\n\nstart<|eos|>", "<think>\nmore\n</think>\n\nassistant<|eos|>"],
+        "template refused",
+        "no assistant turn",
+        "empty answer",
+    ],
+    "gemma3": [
+        ["a<end_of_turn>", "end<end_of_turn>"],
+        ["<think>\nwhy\n</think>\n\nstart<end_of_turn>", "<think>\nmore\n</think>\n\nassistant<end_of_turn>"],
+        "template refused",
+        "no assistant turn",
+        "empty answer",
+    ],
+    "deepseek_r1": [
+        ["a<｜end▁of▁sentence｜>", "  end \n<｜end▁of▁sentence｜>"],
+        ["\n\nstart<｜end▁of▁sentence｜>", "\n\nassistant<｜end▁of▁sentence｜>"],
+        ["hello<｜end▁of▁sentence｜>", "y<｜end▁of▁sentence｜>"],
+        "no assistant turn",
+        "empty answer",
+    ],
 }
 
 
@@ -70,8 +119,10 @@ def rows_file(tmp_path_factory):
 
 
 def config(target, data, tmp_path, *more):
-    return load_config(None, [f"target={target}", f"data_files={data}", "max_seq_length=8",
-                              f"data_cache_dir={tmp_path / 'cache'}", *more])
+    return load_config(
+        None,
+        [f"target={target}", f"data_files={data}", "max_seq_length=8", f"data_cache_dir={tmp_path / 'cache'}", *more],
+    )
 
 
 def report(cfg, **kwargs):
@@ -109,13 +160,13 @@ def test_summary_counts_rows_skipped_by_reason_tokens_trained_sequences_truncate
         f"packed sequences: {meta['tokens'] // 8} of 8 tokens",
         "truncated rows: 2 (longer than max_seq_length=8)",
         f"skipped 3 of 5 rows: template refused ({rows_file}:3), no assistant turn ({rows_file}:4), "
-        f"empty answer ({rows_file}:5)"]
+        f"empty answer ({rows_file}:5)",
+    ]
     assert logged[-1] == f"data: {lines[-1]}"  # train's start-up summary says the same
     # the cache is the one train reads: same directory, tokens = the rows' own
     data = open_packed_cache(Path(lines[0].removeprefix("cache: ")))
     assert int(data.loss_mask.sum()) <= meta["assistant_tokens"]
-    assert meta["assistant_tokens"] == sum(
-        json.loads(x)["trained"] for x in report(cfg, as_json=True)[0].splitlines())
+    assert meta["assistant_tokens"] == sum(json.loads(x)["trained"] for x in report(cfg, as_json=True)[0].splitlines())
 
 
 def test_skipped_rows_beyond_three_are_elided_in_the_summary(tiny_target_dir, tmp_path):
@@ -130,8 +181,11 @@ def test_data_strict_refuses_the_first_row_with_nothing_to_learn(tiny_target_dir
     from specdraft.errors import SpecdraftError
 
     target = template_target(tiny_target_dir, "llama2", tmp_path / "t")
-    with pytest.raises(SpecdraftError, match=rf"^{rows_file}:3: the chat template cannot render this conversation: "
-                                             r"Conversation roles must alternate"):
+    with pytest.raises(
+        SpecdraftError,
+        match=rf"^{rows_file}:3: the chat template cannot render this conversation: "
+        r"Conversation roles must alternate",
+    ):
         report(config(target, rows_file, tmp_path, "data_strict=true"))
     report(config(target, rows_file, tmp_path))  # lenient: builds the cache, skipping three rows
     with pytest.raises(SpecdraftError, match=rf"^{rows_file}:3: the chat template cannot render"):
@@ -151,25 +205,53 @@ def test_the_command_loads_only_the_tokenizer(tiny_target_dir, rows_file, tmp_pa
     target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")  # config + tokenizer: no weights there
     assert not list(target.glob("*.safetensors"))
     (tmp_path / "c.yaml").write_text("max_seq_length: 8\n")
-    code = ("import sys; from specdraft.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'deepspeed' not in sys.modules; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, "data", "--json", str(tmp_path / "c.yaml"), f"target={target}",
-                           f"data_files={rows_file}", f"data_cache_dir={tmp_path / 'c'}"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    code = (
+        "import sys; from specdraft.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'deepspeed' not in sys.modules; sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "data",
+            "--json",
+            str(tmp_path / "c.yaml"),
+            f"target={target}",
+            f"data_files={rows_file}",
+            f"data_cache_dir={tmp_path / 'c'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])),
+    )
     assert done.returncode == 0, done.stderr
     assert [json.loads(x).get("skipped") for x in done.stdout.splitlines()] == [
-        None, None, None, "no assistant turn", "empty answer"]
+        None,
+        None,
+        None,
+        "no assistant turn",
+        "empty answer",
+    ]
 
 
 def test_the_command_refuses_in_one_line_with_data_strict(tiny_target_dir, rows_file, tmp_path, capsys):
     from specdraft.cli import main
 
     target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")
-    args = ["data", str(tmp_path / "c.yaml"), f"target={target}", f"data_files={rows_file}",
-            f"data_cache_dir={tmp_path / 'c'}", "data_strict=true"]
+    args = [
+        "data",
+        str(tmp_path / "c.yaml"),
+        f"target={target}",
+        f"data_files={rows_file}",
+        f"data_cache_dir={tmp_path / 'c'}",
+        "data_strict=true",
+    ]
     (tmp_path / "c.yaml").write_text("max_seq_length: 8\n")
     assert main(args) == 2
-    assert capsys.readouterr().err.splitlines() == [f"specdraft: error: {rows_file}:4: no assistant turn (nothing to learn from)"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"specdraft: error: {rows_file}:4: no assistant turn (nothing to learn from)"
+    ]
     assert not list((tmp_path / "c").glob("*/meta.json"))  # nothing half-built left behind
 
 
@@ -191,13 +273,25 @@ def test_tokens_and_masks_in_the_cache_are_the_rows_own(tiny_target_dir, rows_fi
     assert np.fromfile(cache / "loss_mask.bin", dtype=np.uint8).tolist() == expected_mask
 
 
-TOOL_CALL = {"messages": [  # OpenAI's tool-call format: the assistant's content null beside tool_calls
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
-    {"role": "tool", "tool_call_id": "c1", "content": "18C"}, {"role": "assistant", "content": "It is 18C."}]}
-NULL_SYSTEM = {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "hello"}]}
+TOOL_CALL = {
+    "messages": [  # OpenAI's tool-call format: the assistant's content null beside tool_calls
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "assistant", "content": "It is 18C."},
+    ]
+}
+NULL_SYSTEM = {
+    "messages": [
+        {"role": "system", "content": None},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+}
 
 
 @pytest.fixture
@@ -207,14 +301,23 @@ def tool_rows_command(tiny_target_dir, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in [ROWS[0], TOOL_CALL, ROWS[1], NULL_SYSTEM]))
     (tmp_path / "c.yaml").write_text("max_seq_length: 8\n")
     target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")
-    return path, ["data", str(tmp_path / "c.yaml"), f"target={target}", f"data_files={path}",
-                  f"data_cache_dir={tmp_path / 'c'}"]
+    return path, [
+        "data",
+        str(tmp_path / "c.yaml"),
+        f"target={target}",
+        f"data_files={path}",
+        f"data_cache_dir={tmp_path / 'c'}",
+    ]
 
 
 def test_the_command_counts_tool_turn_and_null_content_rows_and_succeeds(tool_rows_command):
     path, args = tool_rows_command
-    done = subprocess.run([sys.executable, "-m", "specdraft.cli", *args], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    done = subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])),
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[1:5] == ["rows: 4", "skipped rows: 2", f"  tool turn: 1 ({path}:2)", f"  null content: 1 ({path}:4)"]
@@ -228,15 +331,20 @@ def test_data_strict_refuses_a_tool_turn_in_one_line(tool_rows_command, capsys):
     path, args = tool_rows_command
     assert main(args + ["data_strict=true"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"specdraft: error: {path}:2: tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"]
+        f"specdraft: error: {path}:2: tool turn: turn 1 carries 'tool_calls' (tool calls are not trained yet)"
+    ]
 
 
-@pytest.mark.parametrize("rows, why", [
-    ([ROWS[0]], "only {tokens} tokens in total, fewer than max_seq_length=1024"),
-    ([ROWS[3], ROWS[4]], "only 0 tokens in total, fewer than max_seq_length=1024"),  # every row skipped
-])
-def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_line(tiny_target_dir, tmp_path,
-                                                                                    rows, why, capsys):
+@pytest.mark.parametrize(
+    "rows, why",
+    [
+        ([ROWS[0]], "only {tokens} tokens in total, fewer than max_seq_length=1024"),
+        ([ROWS[3], ROWS[4]], "only 0 tokens in total, fewer than max_seq_length=1024"),  # every row skipped
+    ],
+)
+def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_line(
+    tiny_target_dir, tmp_path, rows, why, capsys
+):
     """A checking command shows what the files hold, even a sample smaller than one sequence;
     training on the same cache still refuses, in one line, naming the same reason."""
     from specdraft.cli import main
@@ -244,8 +352,9 @@ def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_
     target = template_target(tiny_target_dir, "qwen3", tmp_path / "t")
     data = tmp_path / "sample.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [f"target={target}", f"data_files={data}", "max_seq_length=1024",
-                             f"data_cache_dir={tmp_path / 'cache'}"])
+    cfg = load_config(
+        None, [f"target={target}", f"data_files={data}", "max_seq_length=1024", f"data_cache_dir={tmp_path / 'cache'}"]
+    )
     out, _ = report(cfg, show=1)
     meta = json.loads(next((tmp_path / "cache").glob("*/meta.json")).read_text())
     expected = "training would refuse this data: data_files: " + why.format(tokens=meta["tokens"])
@@ -253,14 +362,28 @@ def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_
     kept = [r for r in rows if r is ROWS[0]]
     assert out.count("\n== ") == len(kept)  # --show prints the conversation it has
     json_out, _ = report(cfg, as_json=True)
-    assert [json.loads(x).get("skipped") for x in json_out.splitlines()] == \
-        [None if r is ROWS[0] else {id(ROWS[3]): "no assistant turn", id(ROWS[4]): "empty answer"}[id(r)] for r in rows]
+    assert [json.loads(x).get("skipped") for x in json_out.splitlines()] == [
+        None if r is ROWS[0] else {id(ROWS[3]): "no assistant turn", id(ROWS[4]): "empty answer"}[id(r)] for r in rows
+    ]
     capsys.readouterr()
     # train reads the cache the command built, and refuses in one line
     (tmp_path / "c.yaml").write_text("max_seq_length: 1024\n")
     for weights in Path(tiny_target_dir).iterdir():  # the template's target, with weights to train on
         if not (target / weights.name).exists():
             (target / weights.name).symlink_to(weights)
-    assert main(["train", str(tmp_path / "c.yaml"), f"target={target}", f"data_files={data}",
-                 f"data_cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'run'}"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "specdraft: error: data_files: " + why.format(tokens=meta["tokens"])
+    assert (
+        main(
+            [
+                "train",
+                str(tmp_path / "c.yaml"),
+                f"target={target}",
+                f"data_files={data}",
+                f"data_cache_dir={tmp_path / 'cache'}",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.splitlines()[-1] == "specdraft: error: data_files: " + why.format(
+        tokens=meta["tokens"]
+    )

@@ -40,8 +40,16 @@ def tiny_llama(vocab=VOCAB, hidden=64, layers=2, init=0.2, seed=0):
 
 def glide_for(target, window=WINDOW, seed=0):
     torch.manual_seed(seed)
-    cfg = OmegaConf.create(dict(sliding_window=window, max_lag=4, final_norm=False, anchor_offset=False,
-                                max_sink_tokens=4, max_position_offset=100))
+    cfg = OmegaConf.create(
+        dict(
+            sliding_window=window,
+            max_lag=4,
+            final_norm=False,
+            anchor_offset=False,
+            max_sink_tokens=4,
+            max_position_offset=100,
+        )
+    )
     draft = GlideDraft.from_target_config(target.config, cfg).eval()
     with torch.no_grad():  # random weights of a realistic scale instead of the tiny init
         for p in draft.parameters():
@@ -77,6 +85,7 @@ def prompts():
 
 # -- the target's verification pass ----------------------------------------------------------
 
+
 def test_tree_pass_gives_each_node_the_logits_of_its_own_path(target):
     prompt = torch.arange(10, 20)
     cache = new_cache(target)
@@ -101,8 +110,11 @@ def test_cache_after_a_rejection_equals_a_fresh_prefill_of_the_accepted_tokens(t
     prompt = torch.arange(30, 42)
     probe = forward(target, new_cache(target), prompt, torch.arange(len(prompt)))
     root = int(probe[-1].argmax())
-    after_root = int(forward(target, new_cache(target), torch.cat([prompt, torch.tensor([root])]),
-                             torch.arange(len(prompt) + 1))[-1].argmax())
+    after_root = int(
+        forward(target, new_cache(target), torch.cat([prompt, torch.tensor([root])]), torch.arange(len(prompt) + 1))[
+            -1
+        ].argmax()
+    )
     wrong = (after_root + 1) % VOCAB
     drafts = [
         chain([after_root, wrong, 7]),  # accepts node 0, rejects node 1
@@ -129,20 +141,29 @@ def test_cache_after_a_rejection_equals_a_fresh_prefill_of_the_accepted_tokens(t
 
 # -- lossless greedy -------------------------------------------------------------------------
 
+
 def test_plain_greedy_loop_equals_transformers_generate(target, prompts):
     for prompt in prompts[:3]:
         ours = generate_plain(target, prompt, max_new_tokens=12).tokens
-        theirs = target.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert ours == theirs[0, len(prompt):].tolist()
+        theirs = target.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+        assert ours == theirs[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("shape", [dict(gamma=4), dict(tree=[3, 4, 4, 2])], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", ["self", "noisy", "glide", "prompt_lookup"])
 def test_speculative_greedy_is_token_identical_to_target_greedy(kind, shape, target, noisy, prompts):
-    drafter = {"self": lambda: ModelDrafter(target), "noisy": lambda: ModelDrafter(noisy),
-               "glide": lambda: GlideDrafter(glide_for(target), target),
-               "prompt_lookup": lambda: PromptLookupDrafter()}[kind]()
+    drafter = {
+        "self": lambda: ModelDrafter(target),
+        "noisy": lambda: ModelDrafter(noisy),
+        "glide": lambda: GlideDrafter(glide_for(target), target),
+        "prompt_lookup": lambda: PromptLookupDrafter(),
+    }[kind]()
     accepted = drafted = 0
     for prompt in prompts:
         reference = generate_plain(target, prompt, max_new_tokens=20).tokens
@@ -157,11 +178,10 @@ def test_speculative_stops_at_a_stop_token_like_plain_decoding(target, prompts):
     prompt = prompts[1]
     free = generate_plain(target, prompt, max_new_tokens=16).tokens
     stop = free[5]
-    expected = free[:free.index(stop) + 1]
+    expected = free[: free.index(stop) + 1]
     assert generate_plain(target, prompt, max_new_tokens=16, stop_tokens=[stop]).tokens == expected
     for shape in (dict(gamma=4), dict(tree=[2, 2, 2])):
-        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=16,
-                                   stop_tokens=[stop], **shape)
+        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=16, stop_tokens=[stop], **shape)
         assert out.tokens == expected
 
 
@@ -175,6 +195,7 @@ def test_self_drafting_accepts_every_chain_so_tau_is_gamma_plus_one(target, prom
 
 
 # -- sampling is exact -----------------------------------------------------------------------
+
 
 def chi2_critical(dof: int) -> float:
     """Upper 0.1% point of chi-square(dof), Wilson-Hilferty approximation (within ~1% for dof >= 3).
@@ -273,8 +294,9 @@ def family_drafter(family: str, target, seed: int = 5):
 # Every drafter speculative decoding can run: the model-free ones and one per registered draft
 # family (a new family is covered by registering it).
 SAMPLED_DRAFTERS = {
-    "model": lambda target: ModelDrafter(tiny_llama(vocab=target.config.vocab_size, hidden=32, layers=1,
-                                                    init=0.5, seed=4)),  # a different model
+    "model": lambda target: ModelDrafter(
+        tiny_llama(vocab=target.config.vocab_size, hidden=32, layers=1, init=0.5, seed=4)
+    ),  # a different model
     "prompt_lookup": lambda target: PromptLookupDrafter(),
     **{family: functools.partial(family_drafter, family) for family in FAMILIES},
 }
@@ -295,11 +317,12 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(drafter
     joint = three_token_joint(target, prompt, V)
 
     generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(V ** 3)
+    counts = torch.zeros(V**3)
     accepted = drafted = 0
     for _ in range(1000):
-        out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=temperature,
-                                   generator=generator, **shape)
+        out = speculative_generate(
+            target, drafter, prompt, max_new_tokens=3, temperature=temperature, generator=generator, **shape
+        )
         x1, x2, x3 = out.tokens
         counts[(x1 * V + x2) * V + x3] += 1
         accepted, drafted = accepted + sum(out.accepted), drafted + sum(out.drafted)
@@ -310,6 +333,7 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(drafter
 
 
 # -- TV(p, q) at the verified positions ------------------------------------------------------
+
 
 def test_chain_tv_covers_the_accepted_positions_and_the_first_rejected_one():
     p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0], [0.1, 0.1, 0.8]])
@@ -324,12 +348,22 @@ def test_chain_tv_covers_the_accepted_positions_and_the_first_rejected_one():
 
 def test_recorded_tv_is_zero_when_the_draft_is_the_target(target, prompts):
     for prompt in prompts[:3]:
-        out = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=16, gamma=3,
-                                   temperature=0.8, generator=torch.Generator().manual_seed(0), record_tv=True)
+        out = speculative_generate(
+            target,
+            ModelDrafter(target),
+            prompt,
+            max_new_tokens=16,
+            gamma=3,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(0),
+            record_tv=True,
+        )
         assert len(out.tv) == sum(min(a + 1, d) for a, d in zip(out.accepted, out.drafted))
         assert max(out.tv) < 1e-5
-    assert speculative_generate(target, ModelDrafter(target), prompts[0], max_new_tokens=8, gamma=3,
-                                temperature=0.8).tv == []  # only recorded when asked
+    assert (
+        speculative_generate(target, ModelDrafter(target), prompts[0], max_new_tokens=8, gamma=3, temperature=0.8).tv
+        == []
+    )  # only recorded when asked
 
 
 def test_acceptance_at_checked_positions_is_one_minus_tv_on_average(target, noisy, prompts):
@@ -340,8 +374,16 @@ def test_acceptance_at_checked_positions_is_one_minus_tv_on_average(target, nois
     tv = []
     for drafter in (ModelDrafter(noisy), GlideDrafter(glide_for(target), target)):
         for prompt in prompts:
-            out = speculative_generate(target, drafter, prompt, max_new_tokens=40, gamma=4, temperature=1.0,
-                                       generator=generator, record_tv=True)
+            out = speculative_generate(
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=40,
+                gamma=4,
+                temperature=1.0,
+                generator=generator,
+                record_tv=True,
+            )
             accepted += sum(out.accepted)
             checked += sum(min(a + 1, d) for a, d in zip(out.accepted, out.drafted))
             tv += out.tv
@@ -358,15 +400,14 @@ def test_measure_tau_at_a_temperature_reports_tv(target, noisy, run_dir):
     root, draft = run_dir
     tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
     greedy = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8)
-    sampled = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8,
-                          temperature=0.7, seed=1)
-    again = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8,
-                        temperature=0.7, seed=1)
+    sampled = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8, temperature=0.7, seed=1)
+    again = measure_tau(target, draft, tokenizer, [[5, 6, 7, 8]], gamma=3, max_new_tokens=8, temperature=0.7, seed=1)
     assert greedy["mean_tv"] is None and 0.0 <= sampled["mean_tv"] <= 1.0
     assert sampled == again  # seeded: every rank measures the same thing
 
 
 # -- GLIDE at inference ----------------------------------------------------------------------
+
 
 def glide_reference_logits(draft, target, tokens, n):
     """The draft over the whole sequence without any cache: queries at indices >= n read the
@@ -443,6 +484,7 @@ def test_glide_self_attention_cache_never_exceeds_the_sliding_window(target, pro
 
 # -- prompt lookup ---------------------------------------------------------------------------
 
+
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     drafter = PromptLookupDrafter(max_ngram=2)
     tokens = torch.tensor([7, 1, 2, 3, 4, 9, 1, 2, 5, 1, 2])
@@ -458,6 +500,7 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
 
 # -- evaluate / measure_tau ------------------------------------------------------------------
 
+
 def write_char_tokenizer(directory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -466,10 +509,13 @@ def write_char_tokenizer(directory):
     vocab = {tok: i for i, tok in enumerate(["<bos>", "<eos>", "<pad>"] + chars)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>",
-                                        pad_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     tokenizer.save_pretrained(str(directory))
     return tokenizer
 
@@ -488,13 +534,24 @@ def run_dir(tmp_path_factory, target):
         export = root / "run" / f"step_{step}"
         export.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in weights.state_dict().items()}, str(export / "model.safetensors"))
-        (export / "config.json").write_text(json.dumps(dict(weights.export_config(),
-                                                            target={"path": str(target_dir)})))
+        (export / "config.json").write_text(json.dumps(dict(weights.export_config(), target={"path": str(target_dir)})))
     (root / "run" / "step_11.tmp").mkdir()  # an unfinished export is never picked
     prompts = root / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n\n" + json.dumps(
-        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                           {"role": "user", "content": "again"}, {"role": "assistant", "content": "x"}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "def add(a, b):"})
+        + "\n\n"
+        + json.dumps(
+            {
+                "conversations": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "again"},
+                    {"role": "assistant", "content": "x"},
+                ]
+            }
+        )
+        + "\n"
+    )
     return root, draft
 
 
@@ -505,15 +562,17 @@ def test_evaluate_reports_tau_acceptance_and_speedup(run_dir, tmp_path):
     assert report["draft"].endswith("step_10")
     assert report["matches_target"] is True
     assert report["prompts"] == 2 and len(report["acceptance_per_position"]) == 3
-    assert report["tau"] == pytest.approx((report["accepted_tokens"] + report["target_forwards"])
-                                          / report["target_forwards"])
+    assert report["tau"] == pytest.approx(
+        (report["accepted_tokens"] + report["target_forwards"]) / report["target_forwards"]
+    )
     assert report["speedup"] > 0 and plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     json.dumps(report)
     table = format_report(report)
     assert "tau" in table and "speedup" in table
 
-    tree = evaluate(root / "run" / "step_3", root / "prompts.jsonl", tree=[2, 2], max_new_tokens=8,
-                    method="prompt_lookup")
+    tree = evaluate(
+        root / "run" / "step_3", root / "prompts.jsonl", tree=[2, 2], max_new_tokens=8, method="prompt_lookup"
+    )
     assert tree["tree"] == [2, 2] and tree["matches_target"] is True and tree["draft"] is None
     self_report = evaluate(root / "target", root / "prompts.jsonl", method="self", gamma=3, max_new_tokens=8)
     assert self_report["tau"] >= 3.0  # the last round may stop early at the tokenizer's eos
@@ -543,7 +602,9 @@ def test_eval_shows_a_bar_per_phase_and_skips_the_target_alone_when_asked(run_di
     args = dict(gamma=3, max_new_tokens=8)
     full = evaluate(root / "run", root / "prompts.jsonl", progress=Bar, **args)
     assert [(b.what, b.total, b.n, b.closed) for b in bars] == [
-        ("target alone", 2, 2, True), (f"speculative ({full['drafter']})", 2, 2, True)]
+        ("target alone", 2, 2, True),
+        (f"speculative ({full['drafter']})", 2, 2, True),
+    ]
 
     def no_target_alone(*a, **k):
         raise AssertionError("the target alone was timed")
@@ -556,8 +617,22 @@ def test_eval_shows_a_bar_per_phase_and_skips_the_target_alone_when_asked(run_di
     assert {k: quick[k] for k in same} == {k: full[k] for k in same}
     assert quick["speedup"] is None and quick["baseline_tokens_per_second"] is None
     assert quick["matches_target"] is None  # nothing to compare with
-    assert cli.main(["eval", str(root / "run"), "--prompts", str(root / "prompts.jsonl"), "--gamma", "3",
-                     "--max-new-tokens", "8", "--no-baseline"]) == 0
+    assert (
+        cli.main(
+            [
+                "eval",
+                str(root / "run"),
+                "--prompts",
+                str(root / "prompts.jsonl"),
+                "--gamma",
+                "3",
+                "--max-new-tokens",
+                "8",
+                "--no-baseline",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "speedup                           not measured (--no-baseline)" in table
     assert "target alone" not in table and "output == target greedy" not in table
@@ -589,20 +664,47 @@ def test_eval_renders_the_prompts_with_the_thinking_setting(run_dir, tmp_path, m
     export = tmp_path / "export"
     shutil.copytree(root / "run" / "step_10", export)
     tokenizer = write_char_tokenizer(export)  # the export's tokenizer wins over the target's
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
-                               "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+        "not enable_thinking %}<think></think>{% endif %}{% endif %}"
+    )
     tokenizer.save_pretrained(str(export))
     seen = []
     real_compare = evaluate_module.compare
-    monkeypatch.setattr(evaluate_module, "compare", lambda target, drafter, prompts, **kw: (
-        seen.append(["".join(tokenizer.convert_ids_to_tokens(p)) for p in prompts]), real_compare(target, drafter, prompts, **kw))[1])
+    monkeypatch.setattr(
+        evaluate_module,
+        "compare",
+        lambda target, drafter, prompts, **kw: (
+            seen.append(["".join(tokenizer.convert_ids_to_tokens(p)) for p in prompts]),
+            real_compare(target, drafter, prompts, **kw),
+        )[1],
+    )
     for thinking in ("off", "on", None):
-        assert main(["eval", str(export), "--prompts", str(root / "prompts.jsonl"), "--max-prompts", "1",
-                     "--max-new-tokens", "2", "--gamma", "1", "--json"]
-                    + (["--thinking", thinking] if thinking else [])) == 0
-    assert seen == [["<user>def add(a, b):\n<assistant><think></think>"], ["<user>def add(a, b):\n<assistant>"],
-                    ["<user>def add(a, b):\n<assistant>"]]
+        assert (
+            main(
+                [
+                    "eval",
+                    str(export),
+                    "--prompts",
+                    str(root / "prompts.jsonl"),
+                    "--max-prompts",
+                    "1",
+                    "--max-new-tokens",
+                    "2",
+                    "--gamma",
+                    "1",
+                    "--json",
+                ]
+                + (["--thinking", thinking] if thinking else [])
+            )
+            == 0
+        )
+    assert seen == [
+        ["<user>def add(a, b):\n<assistant><think></think>"],
+        ["<user>def add(a, b):\n<assistant>"],
+        ["<user>def add(a, b):\n<assistant>"],
+    ]
 
 
 def test_measure_tau_for_the_training_loop(run_dir, target):
@@ -618,6 +720,7 @@ def test_measure_tau_for_the_training_loop(run_dir, target):
 
 # -- every family's drafter on the accepted path ------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [dict(gamma=3), dict(tree=[3, 2, 2])], ids=["chain", "tree"])
 def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     """A random draft of each registered family over an 8-token vocabulary gets tokens accepted
@@ -626,13 +729,18 @@ def test_every_familys_drafter_gets_tokens_accepted_and_stays_lossless(shape):
     from specdraft.drafts import DraftConfig
     from specdraft.drafts.registry import FAMILIES
 
-    small = {"eagle3": {"draft_vocab_size": 8}, "dflash": {"num_layers": 1, "block_size": 4},
-             "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 4}}
+    small = {
+        "eagle3": {"draft_vocab_size": 8},
+        "dflash": {"num_layers": 1, "block_size": 4},
+        "dspark": {"num_layers": 1, "block_size": 4, "markov_rank": 4},
+    }
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8, (n,), generator=generator).tolist() for n in (1, 5, 11)]
     for family, cls in FAMILIES.items():
         target = random_target_for(family, vocab=8, hidden=32, init=0.5, max_positions=256)
-        draft = cls.from_target_config(target.config, OmegaConf.structured(DraftConfig(type=family, **small.get(family, {}))))
+        draft = cls.from_target_config(
+            target.config, OmegaConf.structured(DraftConfig(type=family, **small.get(family, {})))
+        )
         if hasattr(draft, "set_vocab_maps"):  # EAGLE-3: the whole vocabulary, identity maps
             draft.set_vocab_maps(torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool))
         with torch.no_grad():

@@ -10,7 +10,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from helpers import random_llama
-from specdraft.demo import PRESETS, build_target, ensure_demo_assets
+from specdraft.demo.presets import PRESETS
+from specdraft.demo.target import build_target
+from specdraft.demo.assets import ensure_demo_assets
 from specdraft.demo.assets import SEED, _matches
 from specdraft.demo.cache import STAMP, building, read_stamp
 from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
@@ -36,6 +38,7 @@ def _rows(path):
 
 
 # --- the target directory ---------------------------------------------------------------------
+
 
 def test_target_loads_with_plain_transformers(model, tokenizer):
     p = PRESETS["tiny"]
@@ -73,14 +76,19 @@ def test_target_was_trained(tiny_target_dir):
 
 # --- tokenizer and chat template -------------------------------------------------------------
 
+
 def test_chat_template_renders_and_round_trips(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "def f(x):\n    \"\"\"Return x, é ✓.\"\"\""},
-                {"role": "assistant", "content": "    return x"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def f(x):\n    \"\"\"Return x, é ✓.\"\"\""},
+        {"role": "assistant", "content": "    return x"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    assert text == ("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\ndef f(x):\n    \"\"\"Return x, é ✓.\"\"\"<|im_end|>\n"
-                    "<|im_start|>assistant\n    return x<|im_end|>\n")
+    assert text == (
+        "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\ndef f(x):\n    \"\"\"Return x, é ✓.\"\"\"<|im_end|>\n"
+        "<|im_start|>assistant\n    return x<|im_end|>\n"
+    )
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert tokenizer.decode(ids) == text
     # every special marker is one token, never spelled out in bytes
@@ -103,6 +111,7 @@ def test_generation_stops_at_end_of_turn(model, tokenizer):
 
 
 # --- the dataset -----------------------------------------------------------------------------
+
 
 def test_dataset_files_are_chat_jsonl(tiny_data):
     assert len(tiny_data.train_files) >= 2
@@ -129,10 +138,9 @@ def test_answers_are_the_targets_own_greedy_continuation(tiny_data, model, token
     special = set(tokenizer.all_special_ids)
     for row in rows:
         user, assistant = (turn["content"] for turn in row["conversations"])
-        ids = tokenizer(chat_prompt(tokenizer, user), return_tensors="pt",
-                        add_special_tokens=False).input_ids
+        ids = tokenizer(chat_prompt(tokenizer, user), return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, max_new_tokens=PRESETS["tiny"].max_new_tokens, do_sample=False)
-        new = out[0, ids.shape[1]:].tolist()
+        new = out[0, ids.shape[1] :].tolist()
         cut = next((k for k, t in enumerate(new) if t in special), len(new))
         assert tokenizer.decode(new[:cut]) == assistant
 
@@ -142,8 +150,16 @@ def test_sampled_answers_are_seeded_and_differ_from_greedy(tiny_data, model, tok
     p = PRESETS["tiny"]
 
     def answers(temperature, seed=SEED):
-        return regenerate(model, tokenizer, prompts, p.max_new_tokens, p.generate_batch, log=lambda m: None,
-                          temperature=temperature, seed=seed)
+        return regenerate(
+            model,
+            tokenizer,
+            prompts,
+            p.max_new_tokens,
+            p.generate_batch,
+            log=lambda m: None,
+            temperature=temperature,
+            seed=seed,
+        )
 
     rng = torch.get_rng_state()
     sampled = answers(0.7)
@@ -181,12 +197,12 @@ def test_sampled_answers_are_a_dataset_of_their_own(tiny_target_dir, tiny_data, 
 
 # --- caching ---------------------------------------------------------------------------------
 
+
 def test_second_ensure_reuses_the_cache(tiny_target_dir, tiny_data):
     files = [p for p in tiny_target_dir.parent.rglob("*") if p.is_file()]
     before = {p: os.stat(p).st_mtime_ns for p in files}
     messages = []
-    target_dir, data = ensure_demo_assets(tiny_target_dir.parents[1], preset="tiny",
-                                          log=messages.append)
+    target_dir, data = ensure_demo_assets(tiny_target_dir.parents[1], preset="tiny", log=messages.append)
     assert (target_dir, data) == (tiny_target_dir, tiny_data)
     assert {p: os.stat(p).st_mtime_ns for p in files} == before
     assert sum("reusing" in m for m in messages) == 2
@@ -259,8 +275,11 @@ def test_unknown_preset_is_a_user_error(tmp_path):
 
 # --- prompts from source ---------------------------------------------------------------------
 
+
 def test_functions_split_into_signature_docstring_and_body():
-    source = SourceFile("m.py", '''
+    source = SourceFile(
+        "m.py",
+        '''
 class C:
     def method(self, a,
                b=1):
@@ -279,11 +298,13 @@ def one_line(x): "Doc."; return x
 async def coro():
     "Doc."
     await thing()
-''')
+''',
+    )
     found = {f.qualname: f for f in extract_functions([source])}
     assert sorted(found) == ["m.py:C.method", "m.py:coro"]
     method = found["m.py:C.method"]
-    assert method.prompt == (PROMPT_PREFIX + 'def method(self, a,\n           b=1):\n'
-                             '    """Add.\n\n    Longer text.\n    """')
+    assert method.prompt == (
+        PROMPT_PREFIX + 'def method(self, a,\n           b=1):\n    """Add.\n\n    Longer text.\n    """'
+    )
     assert method.answer == "    # a comment\n    return a + b"
     assert found["m.py:coro"].answer == "    await thing()"

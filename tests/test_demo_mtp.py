@@ -15,19 +15,35 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextForCausal
 
 from specdraft.cli import _preset_of, main
 from specdraft.config import demo_config_path
-from specdraft.demo import ensure_demo_assets, presets
+from specdraft.demo import presets
+from specdraft.demo.assets import ensure_demo_assets
 from specdraft.demo.mtp_target import MTP_FILE, MTPHead
 from specdraft.demo.target import _token_stream
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.target.model import load_target_config
-from specdraft.target.weights import SAFETENSORS_INDEX
+from specdraft.target.checkpoint_files import SAFETENSORS_INDEX
 
 SMALL = dataclasses.replace(
-    presets.get_preset("mtp"), name="mtp-small", corpus_bytes=300_000, vocab_size=512, hidden_size=64,
-    intermediate_size=128, max_position_embeddings=256, train_steps=60, batch_size=4, seq_len=64, warmup_steps=5,
-    log_every=10, train_rows=48, prompt_rows=4, train_files=2, max_prompt_tokens=96, max_new_tokens=16,
-    generate_batch=16)
+    presets.get_preset("mtp"),
+    name="mtp-small",
+    corpus_bytes=300_000,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    train_steps=60,
+    batch_size=4,
+    seq_len=64,
+    warmup_steps=5,
+    log_every=10,
+    train_rows=48,
+    prompt_rows=4,
+    train_files=2,
+    max_prompt_tokens=96,
+    max_new_tokens=16,
+    generate_batch=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +78,15 @@ def test_the_target_is_a_qwen3_next_checkpoint_holding_its_mtp_layer(target_dir)
     with safe_open(str(target_dir / MTP_FILE), "pt") as f:
         assert set(f.keys()) == mtp_keys
     # Qwen3-Next's names (vLLM qwen3_next_mtp.py), experts one by one as its checkpoints hold them
-    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
-            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.experts.3.down_proj.weight",
-            "mtp.layers.0.mlp.shared_expert.gate_proj.weight"} <= mtp_keys
+    assert {
+        "mtp.fc.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.layers.0.mlp.experts.3.down_proj.weight",
+        "mtp.layers.0.mlp.shared_expert.gate_proj.weight",
+    } <= mtp_keys
     assert all(k.startswith("mtp.") for k in mtp_keys) and not any(k.startswith("mtp.") for k in set(index) - mtp_keys)
 
 
@@ -75,7 +97,7 @@ def windows(target_dir, count=4, length=64, seed=5):
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stream = _token_stream(extract_functions(read_corpus(SMALL.corpus_bytes, 0)), tokenizer, 0)
     starts = torch.randint(0, stream.numel() - length, (count,), generator=torch.Generator().manual_seed(seed))
-    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
 def mtp_cross_entropy(draft, model, batch):
@@ -108,8 +130,22 @@ def test_demo_mtp_trains_the_targets_layer_through_the_demo_command(home, tmp_pa
     monkeypatch.setenv("SPECDRAFT_HOME", str(home))
     monkeypatch.setitem(presets.PRESETS, SMALL.name, SMALL)
     out = tmp_path / "run"
-    code = main(["demo", "--config", "demo-mtp", "--preset", SMALL.name, f"output_dir={out}", "max_steps=4",
-                 "save_steps=4", "eval_steps=0", "logging_steps=1", "per_device_batch_size=2", "max_seq_length=64"])
+    code = main(
+        [
+            "demo",
+            "--config",
+            "demo-mtp",
+            "--preset",
+            SMALL.name,
+            f"output_dir={out}",
+            "max_steps=4",
+            "save_steps=4",
+            "eval_steps=0",
+            "logging_steps=1",
+            "per_device_batch_size=2",
+            "max_seq_length=64",
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
@@ -124,11 +160,32 @@ def test_the_acceptance_bench_trains_and_measures_mtp_on_its_target(home, tmp_pa
 
     monkeypatch.setitem(presets.PRESETS, SMALL.name, SMALL)
     data = home / SMALL.name / "data"
-    results = load_bench("acceptance").main([
-        "--target", str(home / SMALL.name / "target"), "--prompts", str(data / "prompts.jsonl"),
-        "--data", str(data / "answers" / "shard-*.jsonl"), "--families", "mtp", "--train-steps", "2",
-        "--temperatures", "0", "--max-prompts", "2", "--max-new-tokens", "8", "--gamma", "3", "--tree", "",
-        "--out", str(tmp_path)])
+    results = load_bench("acceptance").main(
+        [
+            "--target",
+            str(home / SMALL.name / "target"),
+            "--prompts",
+            str(data / "prompts.jsonl"),
+            "--data",
+            str(data / "answers" / "shard-*.jsonl"),
+            "--families",
+            "mtp",
+            "--train-steps",
+            "2",
+            "--temperatures",
+            "0",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--gamma",
+            "3",
+            "--tree",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = {row["label"]: row for row in results["rows"]}
     assert set(rows) == {"MTP", "prompt lookup"}
     assert rows["MTP"]["matches_target"] and rows["prompt lookup"]["matches_target"]

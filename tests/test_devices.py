@@ -59,9 +59,12 @@ FAMILY_NAMES = sorted(FAMILIES)
 # each family once more with a distillation objective (the teacher's final hidden state on the
 # device too), on answer tokens and on every token (CE labels masked on the device); a family
 # without draft.loss (MTP: speculators' CE only) at its own objective
-OBJECTIVE_CASES = [(family, loss, tokens) for family in FAMILY_NAMES
-                   for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))
-                   if loss is None or "loss" in family_keys(FAMILIES[family])]
+OBJECTIVE_CASES = [
+    (family, loss, tokens)
+    for family in FAMILY_NAMES
+    for loss, tokens in ((None, "answers"), ("0.5*tv + 0.5*ce", "answers"), ("0.5*tv + 0.5*ce", "all"))
+    if loss is None or "loss" in family_keys(FAMILIES[family])
+]
 
 
 def prompt_then_answer(B: int, T: int, prompt: int = 6) -> torch.Tensor:
@@ -116,8 +119,9 @@ def dense_experts(monkeypatch):
     from transformers.models.qwen3_next import modeling_qwen3_next
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        weights = torch.zeros(*hidden_states.shape[:-1], self.num_experts, dtype=top_k_weights.dtype,
-                              device=hidden_states.device).scatter_add(-1, top_k_index, top_k_weights)
+        weights = torch.zeros(
+            *hidden_states.shape[:-1], self.num_experts, dtype=top_k_weights.dtype, device=hidden_states.device
+        ).scatter_add(-1, top_k_index, top_k_weights)
         gate, up = torch.einsum("th,eih->tei", hidden_states, self.gate_up_proj).chunk(2, dim=-1)
         out = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
         return (out * weights[..., None].to(out.dtype)).sum(dim=1)
@@ -159,6 +163,7 @@ def meta_nonzero():
 def meta_host_reads(monkeypatch):
     """Decoding picks tokens on the host: a meta value read there answers 0 (True for a
     condition), so the loop's control flow runs while every tensor op stays on meta."""
+
     def patch(name, fake):
         original = getattr(torch.Tensor, name)
 
@@ -177,6 +182,7 @@ def meta_host_reads(monkeypatch):
 
 
 # -- the harness: training, capture, decoding on meta ------------------------------------------
+
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
 def test_training_loss_through_target_with_draft_runs_on_meta(family, loss, tokens, meta_targets):
@@ -248,21 +254,27 @@ class PageableCopyCounter:
 
         def method(tensor, *args, **kwargs):
             src, dst = source(tensor, *args, **kwargs), destination(tensor, *args, **kwargs)
-            if (isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst is not None
-                    and torch.device(dst).type != "cpu" and not src.is_pinned()):
+            if (
+                isinstance(src, torch.Tensor)
+                and src.device.type == "cpu"
+                and dst is not None
+                and torch.device(dst).type != "cpu"
+                and not src.is_pinned()
+            ):
                 self._record(f"Tensor.{name}")
             return original(tensor, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, method)
-
 
     def _wrap_indexing(self, monkeypatch, name):
         original = getattr(torch.Tensor, name)
 
         def host_indices(index):
             items = index if isinstance(index, (tuple, list)) else (index,)
-            return any(isinstance(i, torch.Tensor) and i.device.type == "cpu" and i.dim() > 0 and not i.is_pinned()
-                       for i in items)
+            return any(
+                isinstance(i, torch.Tensor) and i.device.type == "cpu" and i.dim() > 0 and not i.is_pinned()
+                for i in items
+            )
 
         def method(tensor, index, *args, **kwargs):
             if tensor.device.type != "cpu" and host_indices(index):
@@ -315,9 +327,15 @@ def packed_batch(T: int, seed: int = 0) -> dict:
     half = T // 2
     documents = torch.tensor([[0] * half + [1] * (T - half), [0] * T])
     starts = torch.tensor([[0] * half + [half] * (T - half), [0] * T])
-    return model_inputs({"input_ids": torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(seed)),
-                         "loss_mask": prompt_then_answer(2, T), "document_ids": documents,
-                         "document_positions": torch.arange(T).expand(2, T) - starts}, document_mask=True)
+    return model_inputs(
+        {
+            "input_ids": torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(seed)),
+            "loss_mask": prompt_then_answer(2, T),
+            "document_ids": documents,
+            "document_positions": torch.arange(T).expand(2, T) - starts,
+        },
+        document_mask=True,
+    )
 
 
 def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
@@ -341,12 +359,20 @@ def test_the_pageable_copy_counter_sees_host_indices_and_unpinned_host_tensors(m
     from specdraft.drafts import base
 
     counter = PageableCopyCounter(monkeypatch)
-    code = ("device_tensor[rows]; device_tensor[rows] = 1.0; torch.as_tensor(rows, device=META); "
-            "device_tensor[1]; device_tensor[rows.to(META)]; device_tensor[rows.pin_memory()]")
-    exec(compile(code, base.__file__, "exec"),
-         {"device_tensor": torch.zeros(5, 3, device=META), "rows": torch.tensor([1, 3]), "torch": torch, "META": META})
-    assert [call.split(" at ")[0] for call in counter.calls] == ["Tensor.__getitem__", "Tensor.__setitem__",
-                                                                "torch.as_tensor", "Tensor.to"]
+    code = (
+        "device_tensor[rows]; device_tensor[rows] = 1.0; torch.as_tensor(rows, device=META); "
+        "device_tensor[1]; device_tensor[rows.to(META)]; device_tensor[rows.pin_memory()]"
+    )
+    exec(
+        compile(code, base.__file__, "exec"),
+        {"device_tensor": torch.zeros(5, 3, device=META), "rows": torch.tensor([1, 3]), "torch": torch, "META": META},
+    )
+    assert [call.split(" at ")[0] for call in counter.calls] == [
+        "Tensor.__getitem__",
+        "Tensor.__setitem__",
+        "torch.as_tensor",
+        "Tensor.to",
+    ]
 
 
 def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
@@ -361,6 +387,7 @@ def test_a_device_boolean_selection_would_fail_the_meta_harness(meta_target):
 
 
 # -- the work a step launches does not grow with the batch's rows or documents -------------------
+
 
 class OpCounter(TorchDispatchMode):
     """Counts every aten operator a region runs (forward and backward, on any device: the host's
@@ -387,10 +414,15 @@ def step_operators(family, target, B: int, conversations: int, T: int, sequence_
     # loop per row or conversation), as many as the batch's counted rows fill; so does a teacher's
     # pass over the target's whole vocab beside a draft vocab (none: the draft vocab is the whole one)
     keys = family_keys(FAMILIES[family])
-    draft = build_family(family, target.config, **({"draft_vocab_size": target.config.vocab_size}
-                                                     if "draft_vocab_size" in keys else {})).to(device)
-    model = TargetWithDraft(target, draft, loss_chunk_size=1 << 20,
-                            **({} if sequence_parallel is None else {"sequence_parallel": sequence_parallel}))
+    draft = build_family(
+        family, target.config, **({"draft_vocab_size": target.config.vocab_size} if "draft_vocab_size" in keys else {})
+    ).to(device)
+    model = TargetWithDraft(
+        target,
+        draft,
+        loss_chunk_size=1 << 20,
+        **({} if sequence_parallel is None else {"sequence_parallel": sequence_parallel}),
+    )
     length = T // conversations
     documents = torch.arange(T).clamp(max=conversations * length - 1) // length  # (T,): the last one longer
     starts = torch.searchsorted(documents, documents)  # each token's conversation's first index
@@ -399,8 +431,12 @@ def step_operators(family, target, B: int, conversations: int, T: int, sequence_
     ids = torch.randint(0, target.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(B))
     host = HostBatch(ids, mask.expand(B, T).clone(), documents.expand(B, T).clone())
     options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
-    inputs = dict(input_ids=ids, loss_mask=host.loss_mask, document_positions=torch.arange(T) - starts,
-                  document_ids=host.documents)
+    inputs = dict(
+        input_ids=ids,
+        loss_mask=host.loss_mask,
+        document_positions=torch.arange(T) - starts,
+        document_ids=host.documents,
+    )
     inputs = {key: value.expand(B, T).to(device) for key, value in inputs.items()}
     if device == META:
         with OpCounter() as counter:
@@ -438,12 +474,14 @@ LAYOUT_COPIES = ("aten.clone.default", "aten._unsafe_view.default")
 def assert_same_operators(family, counts):
     """counts {(B, conversations): operators}: the same for every conversation count at a B and for
     every B >= 2; B = 1 against B = 2 but for the copies its layouts skip."""
+
     def check(a, b, normal=lambda ops: ops):
         (shape, ops), (other_shape, other) = a, b
         diff = sorted((op, ops[op], other[op]) for op in ops.keys() | other.keys() if ops[op] != other[op])[:12]
         assert normal(ops) == normal(other), (
             f"{family}: {sum(ops.values())} operators for {shape[0]} rows of {shape[1]} conversations, "
-            f"{sum(other.values())} for {other_shape[0]} rows of {other_shape[1]}: {diff}")
+            f"{sum(other.values())} for {other_shape[0]} rows of {other_shape[1]}: {diff}"
+        )
 
     by_rows = {}
     for shape, ops in counts.items():
@@ -461,8 +499,11 @@ def assert_same_operators(family, counts):
 SHAPES = ((1, 1), (1, 40), (2, 1), (4, 1), (4, 40))  # (rows, conversations per row)
 
 
-@pytest.mark.parametrize("family,sp", [(family, 1) for family in FAMILY_NAMES]
-                         + [(family, 2) for family in FAMILY_NAMES if FAMILIES[family].sequence_parallel])
+@pytest.mark.parametrize(
+    "family,sp",
+    [(family, 1) for family in FAMILY_NAMES]
+    + [(family, 2) for family in FAMILY_NAMES if FAMILIES[family].sequence_parallel],
+)
 def test_a_steps_operators_do_not_grow_with_rows_or_conversations(family, sp, meta_targets, one_rank_of_two):
     """The same operators, as many of each, for 1 conversation and for 40 packed in a row, and for
     1, 2 and 4 rows, forward and backward, on the meta device's stand-in for the GPU path: no
@@ -477,7 +518,8 @@ def test_a_steps_operators_do_not_grow_with_rows_or_conversations(family, sp, me
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_steps_forward_on_the_flex_path_runs_the_same_operators_for_any_rows_or_conversations(
-        family, cpu_target, mtp_target_dir):
+    family, cpu_target, mtp_target_dir
+):
     """The same on the CPU along the GPU's own attention (flex_attention over block masks, eager:
     the CPU has no flex backward, so the forward only)."""
     from specdraft.drafts.documents import forced_attention_path
@@ -532,6 +574,7 @@ def test_a_decoding_round_runs_on_meta(kind, shape, meta_targets, monkeypatch):
 
 # -- what meta cannot catch: 0-dim tensors and host syncs ----------------------------------------
 
+
 def test_cross_entropy_counts_its_hits_on_the_device_of_its_inputs():
     # a 0-dim CPU accumulator meeting a meta value passes silently; on CUDA it raises
     hidden = torch.zeros(6, 8, device=META, requires_grad=True)
@@ -567,8 +610,9 @@ class HostSyncCounter:
 
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
-def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, loss, tokens, cpu_target, mtp_target_dir,
-                                                                    monkeypatch):
+def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(
+    family, loss, tokens, cpu_target, mtp_target_dir, monkeypatch
+):
     if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
         cpu_target = load_frozen_target(str(mtp_target_dir))
     torch.manual_seed(0)
@@ -576,8 +620,10 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
     model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
     window = LossWindow()
     monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
-    batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
-               for i in range(4)]
+    batches = [
+        torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
+        for i in range(4)
+    ]
     options = [draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for i in range(4)]
     counter = HostSyncCounter(monkeypatch)
     outs = []
@@ -595,8 +641,10 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
     monkeypatch.undo()
     # and what it read is what the micro-batches computed, token-weighted per step
     sums = [(o.loss.item() * o.tokens.item(), o.tokens.item(), o.correct.item()) for o in outs]
-    step = [(sums[0][0] + sums[1][0]) / (sums[0][1] + sums[1][1]),
-            (sums[2][0] + sums[3][0]) / (sums[2][1] + sums[3][1])]
+    step = [
+        (sums[0][0] + sums[1][0]) / (sums[0][1] + sums[1][1]),
+        (sums[2][0] + sums[3][0]) / (sums[2][1] + sums[3][1]),
+    ]
     assert losses == pytest.approx(step, rel=1e-12)
     tokens = sum(s[1] for s in sums)
     assert values["loss"] == pytest.approx(sum(s[0] for s in sums) / tokens, rel=1e-12)
@@ -608,13 +656,18 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(family, lo
 SP_CASES = [case for case in OBJECTIVE_CASES if FAMILIES[case[0]].sequence_parallel]
 # the drafts one run may train together on one target pass (GLIDE without anchor_offset: moved
 # positions keep a draft alone in its run)
-SHARED = [family for family in FAMILY_NAMES if FAMILIES[family].target_model_types is None
-          or "llama" in FAMILIES[family].target_model_types]
+SHARED = [
+    family
+    for family in FAMILY_NAMES
+    if FAMILIES[family].target_model_types is None or "llama" in FAMILIES[family].target_model_types
+]
 
 
 def shared_drafts(target_config, device):
-    return [build_family(family, target_config, **({"anchor_offset": False} if family == "glide" else {})).to(device)
-            for family in SHARED]
+    return [
+        build_family(family, target_config, **({"anchor_offset": False} if family == "glide" else {})).to(device)
+        for family in SHARED
+    ]
 
 
 @pytest.fixture
@@ -652,7 +705,8 @@ def one_rank_of_two(monkeypatch):
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("family,loss,tokens", SP_CASES)
 def test_a_sequence_parallel_micro_batch_reads_no_device_value_and_copies_nothing_pageable(
-        family, loss, tokens, rank, meta_targets, one_rank_of_two, monkeypatch):
+    family, loss, tokens, rank, meta_targets, one_rank_of_two, monkeypatch
+):
     """Each rank of SP = 2 (its local computation in one process, collectives stood in) through
     forward_step on meta: a host read of a device value raises there (a meta tensor has none),
     what a rank counts on the host comes from the host batch (SequenceShard.host_count, DFlash's
@@ -683,8 +737,9 @@ def test_several_drafts_read_no_device_value_and_copy_nothing_pageable(sp, meta_
     engines = [MetaEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
     options = [draft.sample_batch_options(torch.Generator().manual_seed(0), 32) for draft in drafts]
     counter = PageableCopyCounter(monkeypatch)
-    outs = forward_drafts(meta_target, engines, packed_batch(32), options,
-                          one_rank_of_two(1) if sp == 2 else SequenceParallel())
+    outs = forward_drafts(
+        meta_target, engines, packed_batch(32), options, one_rank_of_two(1) if sp == 2 else SequenceParallel()
+    )
     assert len(outs) == len(drafts) >= 4 and all(out.loss.device == META for out in outs)
     assert ("all_to_all" in one_rank_of_two.calls) == (sp == 2)
     assert counter.calls == []
@@ -704,8 +759,10 @@ def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_
     engines = [CPUEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
     windows = [LossWindow() for _ in drafts]
     monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
-    batches = [torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
-               for i in range(4)]
+    batches = [
+        torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
+        for i in range(4)
+    ]
     options = [[draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for draft in drafts] for i in range(4)]
     counter = HostSyncCounter(monkeypatch)
     for i, (ids, own) in enumerate(zip(batches, options)):
@@ -722,6 +779,7 @@ def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_
 
 
 # -- collectives go where the backend needs them ------------------------------------------------
+
 
 class FakeAccelerator:
     def __init__(self, device_name="meta", count=0):
@@ -785,7 +843,9 @@ def test_any_rank_and_the_loss_window_reduce_on_the_backends_device(nccl_on_meta
         collectives.any_rank(True)
     assert nccl_on_meta == [META]
     window = LossWindow()
-    window.add(type("Out", (), dict(loss=torch.tensor(2.0), tokens=torch.tensor(3), correct=torch.tensor(1), metrics={}))())
+    window.add(
+        type("Out", (), dict(loss=torch.tensor(2.0), tokens=torch.tensor(3), correct=torch.tensor(1), metrics={}))()
+    )
     window.end_step()
     with pytest.raises(_Reduced):
         window.reduce()
@@ -793,6 +853,7 @@ def test_any_rank_and_the_loss_window_reduce_on_the_backends_device(nccl_on_meta
 
 
 # -- device RNGs in the checkpoint ----------------------------------------------------------------
+
 
 def test_rng_state_carries_every_device_generator_through_the_accelerator(monkeypatch):
     import deepspeed.accelerator
@@ -825,6 +886,7 @@ def test_rng_state_on_the_cpu_accelerator_holds_no_device_generators():
 
 # -- eval on a device and dtype ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_export(tiny_target_dir, tmp_path_factory):
     from safetensors.torch import save_file
@@ -838,15 +900,34 @@ def tiny_export(tiny_target_dir, tmp_path_factory):
     return export
 
 
-def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(tiny_target_dir, tiny_data, tiny_export,
-                                                                            capsys):
+def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(
+    tiny_target_dir, tiny_data, tiny_export, capsys
+):
     from specdraft.cli import main
     from specdraft.decode.prompts import read_prompts
     from specdraft.commands.evaluate import load_tokenizer
     from specdraft.export.files import load_exported_draft
 
-    assert main(["eval", str(tiny_export), "--prompts", str(tiny_data.prompts_file), "--dtype", "bf16",
-                 "--device", "cpu", "--max-new-tokens", "16", "--max-prompts", "3", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(tiny_export),
+                "--prompts",
+                str(tiny_data.prompts_file),
+                "--dtype",
+                "bf16",
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "16",
+                "--max-prompts",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert (report["dtype"], report["device"], report["gamma"]) == ("bfloat16", "cpu", 3)  # gamma: max_lag
     assert report["matches_target"] is True
@@ -859,13 +940,21 @@ def test_eval_in_bf16_on_cpu_is_token_identical_to_the_bf16_targets_greedy(tiny_
     for prompt in prompts:
         ours = speculative_generate(target, drafter, prompt, max_new_tokens=16).tokens
         ids = torch.tensor([prompt])
-        reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                    min_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        reference = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            min_new_tokens=16,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :]
         assert ours == reference.tolist()
 
 
-def test_eval_dtype_auto_is_fp32_on_the_cpu_and_a_missing_gpu_is_one_line(tiny_target_dir, tiny_data, tiny_export,
-                                                                          tmp_path, capsys):
+def test_eval_dtype_auto_is_fp32_on_the_cpu_and_a_missing_gpu_is_one_line(
+    tiny_target_dir, tiny_data, tiny_export, tmp_path, capsys
+):
     import shutil
 
     from specdraft.cli import main
@@ -874,8 +963,24 @@ def test_eval_dtype_auto_is_fp32_on_the_cpu_and_a_missing_gpu_is_one_line(tiny_t
     shutil.copytree(tiny_target_dir, target)
     config = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps(dict(config, dtype="bfloat16")))
-    assert main(["eval", str(target), "--method", "prompt_lookup", "--prompts", str(tiny_data.prompts_file),
-                 "--max-new-tokens", "4", "--max-prompts", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(target),
+                "--method",
+                "prompt_lookup",
+                "--prompts",
+                str(tiny_data.prompts_file),
+                "--max-new-tokens",
+                "4",
+                "--max-prompts",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["gamma"] == 5  # no draft: the untrained default
     # auto: the checkpoint's bf16 on a GPU; fp32 on the CPU (bf16 only when asked: --dtype bf16)
@@ -894,8 +999,9 @@ def test_eval_warns_once_when_asked_deeper_than_the_draft_was_trained(tiny_data,
         evaluate(tiny_export, tiny_data.prompts_file, gamma=3, max_new_tokens=4, max_prompts=1, device="cpu")
     assert not caplog.records
     with caplog.at_level("WARNING"):
-        report = evaluate(tiny_export, tiny_data.prompts_file, tree=[2, 2, 2, 2], max_new_tokens=4, max_prompts=1,
-                          device="cpu")
+        report = evaluate(
+            tiny_export, tiny_data.prompts_file, tree=[2, 2, 2, 2], max_new_tokens=4, max_prompts=1, device="cpu"
+        )
     assert report["tree"] == [2, 2, 2, 2]
     [record] = caplog.records
     assert "tree depth 4" in record.getMessage() and "3 tokens ahead" in record.getMessage()

@@ -15,7 +15,7 @@ import dflash_reference as reference
 from helpers import random_llama
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
-from specdraft.drafts.dflash.backbone import default_target_layers
+from specdraft.drafts.dflash.options import default_target_layers
 from specdraft.drafts.dflash.blocks import BlockLayout, BlockVisibility, loss_weights, sample_training_blocks
 from specdraft.drafts.dflash.decode import DFlashDrafter
 from specdraft.errors import SpecdraftError
@@ -39,8 +39,11 @@ def make_draft(target, **overrides):
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # realistic scales so every path carries signal
         for p in draft.parameters():
-            p.copy_(torch.rand(p.shape, generator=generator) + 0.5 if p.dim() == 1 and p is not draft.mask_delta
-                    else torch.randn(p.shape, generator=generator) * 0.2)
+            p.copy_(
+                torch.rand(p.shape, generator=generator) + 0.5
+                if p.dim() == 1 and p is not draft.mask_delta
+                else torch.randn(p.shape, generator=generator) * 0.2
+            )
     return draft
 
 
@@ -57,6 +60,7 @@ def hidden_at(draft, feats, anchors):
 
 
 # -- layer ids, layout ---------------------------------------------------------------------------
+
 
 def test_default_target_layers_are_five_evenly_spaced_inputs_of_layers():
     assert default_target_layers(36) == [2, 10, 18, 26, 34]  # DFlash's outputs 1..33, +1
@@ -95,9 +99,14 @@ def test_block_layout_names_the_slot_of_each_prediction(sample_from_anchor, firs
 
 def test_validate_config_names_the_bad_key(target):
     base = dict(type="dflash")
-    cases = {"target_layers": dict(target_layers=[1, 5]), "block_size": dict(block_size=1),
-             "loss_decay_gamma": dict(loss_decay_gamma=0.0), "mask_token_id": dict(mask_token_id=VOCAB),
-             "max_anchors": dict(max_anchors=0), "num_layers": dict(num_layers=0)}
+    cases = {
+        "target_layers": dict(target_layers=[1, 5]),
+        "block_size": dict(block_size=1),
+        "loss_decay_gamma": dict(loss_decay_gamma=0.0),
+        "mask_token_id": dict(mask_token_id=VOCAB),
+        "max_anchors": dict(max_anchors=0),
+        "num_layers": dict(num_layers=0),
+    }
     for key, bad in cases.items():
         cfg = OmegaConf.structured(DraftConfig(**base, **bad))
         with pytest.raises(SpecdraftError, match=f"draft.{key}"):
@@ -106,14 +115,17 @@ def test_validate_config_names_the_bad_key(target):
     with pytest.raises(SpecdraftError, match="repeats"):
         DFlashDraft.validate_config(repeated, target.config, "cfg.yaml", max_seq_length=T)
     with pytest.raises(SpecdraftError, match="draft.block_size.*max_seq_length"):
-        DFlashDraft.validate_config(OmegaConf.structured(DraftConfig(type="dflash", block_size=8)), target.config,
-                                    "cfg.yaml", max_seq_length=8)
+        DFlashDraft.validate_config(
+            OmegaConf.structured(DraftConfig(type="dflash", block_size=8)), target.config, "cfg.yaml", max_seq_length=8
+        )
     # without a readable target config, the checks that need it wait for training start
-    DFlashDraft.validate_config(OmegaConf.structured(DraftConfig(type="dflash", target_layers=[99])), None,
-                                "cfg.yaml", max_seq_length=T)
+    DFlashDraft.validate_config(
+        OmegaConf.structured(DraftConfig(type="dflash", target_layers=[99])), None, "cfg.yaml", max_seq_length=T
+    )
 
 
 # -- what a block position sees ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
 def test_no_block_position_sees_its_anchor_or_later_through_the_context(target, sample_from_anchor):
@@ -140,9 +152,10 @@ def test_tokens_after_the_anchor_never_reach_its_block_through_the_target(target
     base = hidden_at(draft, features(target, draft, ids), anchors)
     for i, a in enumerate(anchors[0].tolist()):
         later = ids.clone()
-        later[0, a + 1:] = (later[0, a + 1:] + 5) % VOCAB
-        torch.testing.assert_close(hidden_at(draft, features(target, draft, later), anchors)[0, i], base[0, i],
-                                   rtol=0, atol=1e-6)
+        later[0, a + 1 :] = (later[0, a + 1 :] + 5) % VOCAB
+        torch.testing.assert_close(
+            hidden_at(draft, features(target, draft, later), anchors)[0, i], base[0, i], rtol=0, atol=1e-6
+        )
         for changed in (a, a - 1):  # the anchor (through the block) and the last context token
             other = ids.clone()
             other[0, changed] = (other[0, changed] + 5) % VOCAB
@@ -186,10 +199,12 @@ def test_dense_mask_and_flex_block_mask_agree(target):
 
 # -- the vectorised training pass against the slow reference --------------------------------------
 
+
 def rotary_of(target):
     def rotary(position):
         cos, sin = target.model.rotary_emb(torch.zeros(1, 1, 64), torch.tensor([[position]]))
         return cos[0, 0], sin[0, 0]
+
     return rotary
 
 
@@ -214,12 +229,22 @@ def test_vectorised_forward_loss_and_grads_equal_the_reference(target, sample_fr
     for b in range(2):
         row_hidden = {k: h[b] for k, h in feats.hidden.items()}
         for i, (a, ok) in enumerate(zip(blocks.anchors[b].tolist(), blocks.valid[b].tolist())):
-            ref = reference.block_hidden(draft, row_hidden, feats.input_embeds[b], feats.token_embeds[0],
-                                         rotary_of(target), a)
+            ref = reference.block_hidden(
+                draft, row_hidden, feats.input_embeds[b], feats.token_embeds[0], rotary_of(target), a
+            )
             torch.testing.assert_close(hidden[b, i], ref, rtol=1e-4, atol=1e-5)
-        row_total, row_count = reference.loss(draft, row_hidden, feats.input_embeds[b], feats.token_embeds[0],
-                                              rotary_of(target), lm_head, ids[b], loss_mask[b],
-                                              blocks.anchors[b], blocks.valid[b])
+        row_total, row_count = reference.loss(
+            draft,
+            row_hidden,
+            feats.input_embeds[b],
+            feats.token_embeds[0],
+            rotary_of(target),
+            lm_head,
+            ids[b],
+            loss_mask[b],
+            blocks.anchors[b],
+            blocks.valid[b],
+        )
         total, count = total + row_total, count + row_count
     assert int(out.tokens) == count > 0
     ref_loss = total / count
@@ -231,6 +256,7 @@ def test_vectorised_forward_loss_and_grads_equal_the_reference(target, sample_fr
 
 
 # -- anchors and labels ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
 def test_anchors_are_distinct_candidates_and_labels_are_the_next_tokens(sample_from_anchor):
@@ -322,6 +348,7 @@ def test_loss_weights_decay_from_the_first_prediction():
 
 # -- training == inference ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
 def test_inference_block_equals_the_training_block_at_the_same_anchor(target, sample_from_anchor):
     """The drafter feeds [x_n, MASK...] at n.. over context < n: exactly a training block at anchor n,
@@ -341,8 +368,9 @@ def test_inference_block_equals_the_training_block_at_the_same_anchor(target, sa
         torch.testing.assert_close(block, train_logits[0, i], rtol=1e-5, atol=1e-5)
         # the drafter's j-th proposal is read from the slot training labels with ids[n + 1 + j]
         first = draft.layout.first_slot
-        torch.testing.assert_close(drafter.predictions(int(ids[0, n]), n), train_logits[0, i, first:],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            drafter.predictions(int(ids[0, n]), n), train_logits[0, i, first:], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_context_fed_in_pieces_equals_context_fed_at_once(target):
@@ -378,14 +406,15 @@ def test_one_block_gives_the_chain_and_the_tree(target, sample_from_anchor):
     drafter = DFlashDrafter(draft, target)
     drafter.observe_target({k: h[0, :n] for k, h in feats.hidden.items()}, 0)
     slots = drafter.predictions(int(ids[0, n]), n)  # (P, V)
-    greedy = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=10, temperature=0.0, generator=None)
+    greedy = drafter.propose_chain(ids[0, : n + 1], _Cache(n), gamma=10, temperature=0.0, generator=None)
     assert greedy.tokens.tolist() == slots.argmax(-1).tolist()  # gamma beyond the block: P tokens
-    short = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=2, temperature=0.0, generator=None)
+    short = drafter.propose_chain(ids[0, : n + 1], _Cache(n), gamma=2, temperature=0.0, generator=None)
     assert short.tokens.tolist() == slots.argmax(-1)[:2].tolist()
-    sampled = drafter.propose_chain(ids[0, :n + 1], _Cache(n), gamma=3, temperature=1.0,
-                                    generator=torch.Generator().manual_seed(0))
+    sampled = drafter.propose_chain(
+        ids[0, : n + 1], _Cache(n), gamma=3, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(sampled.q, torch.softmax(slots[:3], dim=-1))  # each token's own q
-    tree = drafter.propose_tree(ids[0, :n + 1], _Cache(n), widths=[3, 2, 2])
+    tree = drafter.propose_tree(ids[0, : n + 1], _Cache(n), widths=[3, 2, 2])
     logprobs = torch.log_softmax(slots, dim=-1)
     depth = tree.depth
     assert tree.tokens[depth == 1].tolist() == logprobs[0].topk(3).indices.tolist()
@@ -397,11 +426,12 @@ def test_one_block_gives_the_chain_and_the_tree(target, sample_from_anchor):
         path.reverse()
         expected = sum(float(logprobs[d, t]) for d, t in enumerate(path))
         assert float(tree.scores[node]) == pytest.approx(expected, abs=1e-5)
-    chain_tree = drafter.propose_tree(ids[0, :n + 1], _Cache(n), widths=[1] * 10)
+    chain_tree = drafter.propose_tree(ids[0, : n + 1], _Cache(n), widths=[1] * 10)
     assert chain_tree.is_chain and chain_tree.tokens.tolist() == slots.argmax(-1).tolist()
 
 
 # -- draft.loss: distillation for block drafts ------------------------------------------------------
+
 
 @pytest.mark.parametrize("distill_tokens", ["answers", "all"])
 def test_objectives_take_the_targets_distribution_at_anchor_plus_j_as_teacher(target, distill_tokens):
@@ -452,10 +482,15 @@ def packed_features(target, parts):
     conversation's own pass, its positions from 0."""
     cat = lambda name: torch.cat([getattr(p, name) for p in parts], 1)  # noqa: E731
     embeds = cat("input_embeds")
-    return TargetFeatures(input_embeds=embeds, cos=cat("cos"), sin=cat("sin"),
-                          hidden={layer: torch.cat([p.hidden[layer] for p in parts], 1) for layer in parts[0].hidden},
-                          token_embeds=parts[0].token_embeds, position_ids=cat("position_ids"),
-                          rotary=lambda positions: target.model.rotary_emb(embeds, positions))
+    return TargetFeatures(
+        input_embeds=embeds,
+        cos=cat("cos"),
+        sin=cat("sin"),
+        hidden={layer: torch.cat([p.hidden[layer] for p in parts], 1) for layer in parts[0].hidden},
+        token_embeds=parts[0].token_embeds,
+        position_ids=cat("position_ids"),
+        rotary=lambda positions: target.model.rotary_emb(embeds, positions),
+    )
 
 
 def test_a_block_crossing_into_the_next_conversation_keeps_its_own_positions(target):
@@ -465,8 +500,7 @@ def test_a_block_crossing_into_the_next_conversation_keeps_its_own_positions(tar
     draft = make_draft(target)  # block_size 4
     first, second = 10, 16
     ids = torch.randint(0, VOCAB, (1, first + second), generator=torch.Generator().manual_seed(9))
-    packed = packed_features(target, [features(target, draft, ids[:, :first]),
-                                      features(target, draft, ids[:, first:])])
+    packed = packed_features(target, [features(target, draft, ids[:, :first]), features(target, draft, ids[:, first:])])
     documents = torch.zeros_like(ids)
     documents[:, first:] = 1
     blocks = sample_training_blocks(ids, torch.ones_like(ids), draft.layout, 40, 0, documents=documents)
@@ -475,7 +509,9 @@ def test_a_block_crossing_into_the_next_conversation_keeps_its_own_positions(tar
     asked, rotary = [], packed.rotary
     packed.rotary = lambda positions: (asked.append(positions.clone()), rotary(positions))[1]
     got = draft.training_hidden(packed, blocks)[0]
-    continued = torch.cat([ids[:, :first], torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(3))], 1)
+    continued = torch.cat(
+        [ids[:, :first], torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(3))], 1
+    )
     want = hidden_at(draft, features(target, draft, continued), torch.tensor([[first - 2]]))[0, 0]
     torch.testing.assert_close(got[crossing], want, rtol=1e-5, atol=1e-5)
     slots = asked[0].view(len(anchors), 4)

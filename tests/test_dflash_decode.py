@@ -74,10 +74,11 @@ def test_dflash_sampling_matches_the_target_distribution_end_to_end():
     generator = torch.Generator().manual_seed(0)
     drafter = dflash_for(target, seed=4, target_layers=[1]).make_drafter(target)
     for shape in (dict(gamma=2), dict(tree=[2, 2])):
-        counts = torch.zeros(V ** 3)
+        counts = torch.zeros(V**3)
         for _ in range(1000):
-            out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=1.0,
-                                       generator=generator, **shape)
+            out = speculative_generate(
+                target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator, **shape
+            )
             x1, x2, x3 = out.tokens
             counts[(x1 * V + x2) * V + x3] += 1
         stat, dof = chi2_statistic(counts, joint)

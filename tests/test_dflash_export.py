@@ -29,8 +29,9 @@ VOCAB, T = 128, 40
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return save_target(random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02),
-                       tmp_path_factory.mktemp("target"))
+    return save_target(
+        random_llama(vocab=VOCAB, layers=4, max_positions=256, init=0.02), tmp_path_factory.mktemp("target")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +46,11 @@ def make_draft(target, **overrides):
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name != "mask_delta":
-                p.copy_(torch.rand(p.shape, generator=generator) + 0.5 if p.dim() == 1
-                        else torch.randn(p.shape, generator=generator) * 0.2)
+                p.copy_(
+                    torch.rand(p.shape, generator=generator) + 0.5
+                    if p.dim() == 1
+                    else torch.randn(p.shape, generator=generator) * 0.2
+                )
     return draft.eval()
 
 
@@ -76,8 +80,9 @@ def test_native_export_round_trip(target, tmp_path):
     assert loaded.dims == draft.dims and loaded.layout == draft.layout
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([3, 17, 30])
-    torch.testing.assert_close(our_logits(loaded.eval(), target, ids, anchors)[0],
-                               our_logits(draft, target, ids, anchors)[0], rtol=0, atol=0)
+    torch.testing.assert_close(
+        our_logits(loaded.eval(), target, ids, anchors)[0], our_logits(draft, target, ids, anchors)[0], rtol=0, atol=0
+    )
 
 
 def test_speculators_export_refuses_a_trained_mask_row(target, target_dir, tmp_path):
@@ -103,17 +108,29 @@ def test_speculators_export_has_its_key_set_and_config(target, target_dir, tmp_p
     assert config["transformer_layer_config"]["num_hidden_layers"] == 2
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    per_layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    per_layer = {
+        "input_layernorm",
+        "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    }
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
-        f"layers.{i}.{name}.weight" for i in range(2) for name in per_layer}
+        f"layers.{i}.{name}.weight" for i in range(2) for name in per_layer
+    }
     assert keys == expected
 
 
 @pytest.mark.parametrize("block_size, sample_from_anchor", [(8, False), (5, True)])
-def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir, tmp_path, block_size,
-                                                              sample_from_anchor):
+def test_speculators_loads_the_export_and_computes_our_logits(
+    target, target_dir, tmp_path, block_size, sample_from_anchor
+):
     draft = make_draft(target, block_size=block_size, sample_from_anchor=sample_from_anchor)
     out = write_speculators_export(draft, draft.state_dict(), tmp_path / "spec", str(target_dir))
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
@@ -127,7 +144,11 @@ def test_speculators_loads_the_export_and_computes_our_logits(target, target_dir
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == []
     # what a speculators DFlash checkpoint omits on purpose: the verifier's tensors, loaded from it
-    assert set(result["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                      "verifier_norm.weight"}
+    assert set(result["missing"]) <= {
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    }
     assert result["weights_equal"] and result["mask_token_id"] == draft.dims.mask_token_id
     torch.testing.assert_close(result["logits"], ours, rtol=1e-4, atol=1e-4)

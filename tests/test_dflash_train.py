@@ -22,8 +22,16 @@ def run(target, data_dir, tmp_path, name, **extra):
 
 
 def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data, data_dir, tmp_path):
-    result = run(tiny_target_dir, data_dir, tmp_path, "long", max_steps=30, save_steps=30, eval_steps=15,
-                 eval_prompts=tiny_data.prompts_file)
+    result = run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "long",
+        max_steps=30,
+        save_steps=30,
+        eval_steps=15,
+        eval_prompts=tiny_data.prompts_file,
+    )
     first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < first - 0.5, result.losses
     rows = [json.loads(line) for line in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
@@ -44,8 +52,18 @@ def test_dflash_trains_logs_tau_exports_and_evaluates(tiny_target_dir, tiny_data
 
 
 def test_dflash_stage3_trains_its_mask_row_and_measures_tau(tiny_target_dir, tiny_data, data_dir, tmp_path):
-    result = run(tiny_target_dir, data_dir, tmp_path, "z3", zero_stage=3, max_steps=4, save_steps=4, eval_steps=4,
-                 eval_prompts=tiny_data.prompts_file, **{"draft.train_mask_embedding": True})
+    result = run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "z3",
+        zero_stage=3,
+        max_steps=4,
+        save_steps=4,
+        eval_steps=4,
+        eval_prompts=tiny_data.prompts_file,
+        **{"draft.train_mask_embedding": True},
+    )
     rows = [json.loads(line) for line in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/tau" in r] == [4]
     draft, _ = load_exported_draft(result.export_dir)
@@ -54,15 +72,17 @@ def test_dflash_stage3_trains_its_mask_row_and_measures_tau(tiny_target_dir, tin
 
 
 def test_a_bad_dflash_key_stops_before_anything_is_written(tiny_target_dir, data_dir, tmp_path):
-    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "bad", tmp_path / "cache",
-                              **{**DFLASH, "draft.target_layers": "[1,9]"})
+    overrides = run_overrides(
+        tiny_target_dir, data_dir, tmp_path / "bad", tmp_path / "cache", **{**DFLASH, "draft.target_layers": "[1,9]"}
+    )
     with pytest.raises(SpecdraftError, match="draft.target_layers"):
         load_config(None, overrides)
     assert not (tmp_path / "bad").exists()
 
 
 def test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export(
-        tiny_target_dir, data_dir, tmp_path, monkeypatch):
+    tiny_target_dir, data_dir, tmp_path, monkeypatch
+):
     """DeepSpeed leaves frozen parameters out of a slot: the frozen mask_delta comes back from the
     slot exactly (not from a fresh build) when resumed at the same stage, through the universal
     format (ZeRO-2 -> 3), and in `specdraft export` / `consolidate`."""
@@ -86,13 +106,24 @@ def test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_exp
     run(tiny_target_dir, data_dir, tmp_path, "marked", max_steps=2, save_steps=2, **native)
     mark["value"] = 0.0
     for name, stage in (("same", 2), ("zero3", 3)):
-        run(tiny_target_dir, data_dir, tmp_path, name, max_steps=3, save_steps=3, zero_stage=stage, **native,
-            resume=tmp_path / "marked" / "ckpt" / "step_2")
+        run(
+            tiny_target_dir,
+            data_dir,
+            tmp_path,
+            name,
+            max_steps=3,
+            save_steps=3,
+            zero_stage=stage,
+            **native,
+            resume=tmp_path / "marked" / "ckpt" / "step_2",
+        )
         delta = load_file(str(tmp_path / name / "step_3" / "model.safetensors"))["mask_delta"]
         assert torch.equal(delta, torch.full_like(delta, 0.25)), name
     assert main(["export", str(tmp_path / "marked"), "--out", str(tmp_path / "x")]) == 0
     assert main(["consolidate", str(tmp_path / "marked")]) == 0
-    for path in (tmp_path / "x" / "model.safetensors",
-                 tmp_path / "marked" / "consolidated" / "step_2" / "draft_fp32.safetensors"):
+    for path in (
+        tmp_path / "x" / "model.safetensors",
+        tmp_path / "marked" / "consolidated" / "step_2" / "draft_fp32.safetensors",
+    ):
         delta = load_file(str(path))["mask_delta"]
         assert torch.equal(delta, torch.full_like(delta, 0.25)), path

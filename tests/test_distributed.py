@@ -17,8 +17,18 @@ import shutil
 import pytest
 import torch
 
-from helpers import (MOMENTS, REPO, capturing_save, free_port, keep_universal_copies, run_overrides, state_file,
-                     torchrun, universal_optimizer_state, write_chat_files)
+from helpers import (
+    MOMENTS,
+    REPO,
+    capturing_save,
+    free_port,
+    keep_universal_copies,
+    run_overrides,
+    state_file,
+    torchrun,
+    universal_optimizer_state,
+    write_chat_files,
+)
 from specdraft.config import load_config
 from specdraft.rundir.layout import universal_dir
 from specdraft.checkpoint import manager as checkpoint, slots
@@ -41,10 +51,25 @@ def dist_data(dist_work):
 
 def config(target, work, data, name, stage, *extra):
     """The dist script's run: global batch 4 = 2 ranks x 2, or 1 rank x 2 x 2 accumulation."""
-    return load_config(None, [f"target={target}", f"data_files={data}/*.jsonl", f"data_cache_dir={work}/cache",
-                              "max_seq_length=64", "per_device_batch_size=2", "learning_rate=1e-2",
-                              "warmup_steps=2", "logging_steps=1", "max_steps=12", "save_steps=6", "seed=3",
-                              f"zero_stage={stage}", f"output_dir={work}/{name}", *extra])
+    return load_config(
+        None,
+        [
+            f"target={target}",
+            f"data_files={data}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "learning_rate=1e-2",
+            "warmup_steps=2",
+            "logging_steps=1",
+            "max_steps=12",
+            "save_steps=6",
+            "seed=3",
+            f"zero_stage={stage}",
+            f"output_dir={work}/{name}",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +78,13 @@ def one_rank_runs(tiny_target_dir, dist_work, dist_data):
     original = checkpoint.CheckpointManager.save
     checkpoint.CheckpointManager.save = capturing_save(original, 6)
     try:
-        return {stage: train(config(tiny_target_dir, dist_work, dist_data, f"one{stage}", stage,
-                                    "gradient_accumulation_steps=2"), **quiet).losses for stage in (1, 2)}
+        return {
+            stage: train(
+                config(tiny_target_dir, dist_work, dist_data, f"one{stage}", stage, "gradient_accumulation_steps=2"),
+                **quiet,
+            ).losses
+            for stage in (1, 2)
+        }
     finally:
         checkpoint.CheckpointManager.save = original
 
@@ -62,8 +92,7 @@ def one_rank_runs(tiny_target_dir, dist_work, dist_data):
 @pytest.fixture(scope="module")
 def two_rank_results(tiny_target_dir, dist_work, dist_data, one_rank_runs):
     out = dist_work / "results.json"
-    proc = torchrun(REPO / "tests" / "dist_script.py", tiny_target_dir, dist_data, dist_work, out,
-                    timeout=400)
+    proc = torchrun(REPO / "tests" / "dist_script.py", tiny_target_dir, dist_data, dist_work, out, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -73,9 +102,20 @@ def shrunk_runs(tiny_target_dir, dist_work, dist_data, two_rank_results):
     """2 -> 1 rank at ZeRO 1-3 (accumulation 1 in the config: the resume makes it 2)."""
     undo = keep_universal_copies(dist_work / "copies")
     try:
-        return {stage: train(config(tiny_target_dir, dist_work, dist_data, f"shrunk{stage}", stage,
-                                    f"resume={dist_work}/two{stage}/ckpt/step_6"), **quiet).losses
-                for stage in (1, 2, 3)}
+        return {
+            stage: train(
+                config(
+                    tiny_target_dir,
+                    dist_work,
+                    dist_data,
+                    f"shrunk{stage}",
+                    stage,
+                    f"resume={dist_work}/two{stage}/ckpt/step_6",
+                ),
+                **quiet,
+            ).losses
+            for stage in (1, 2, 3)
+        }
     finally:
         undo()
 
@@ -111,8 +151,9 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(two_rank_results, one_rank_run
 
 
 @pytest.mark.parametrize("source", ["two1", "two2", "two3", "one1", "one2"])
-def test_universal_copy_holds_the_original_fp32_weights_and_adam_moments(two_rank_results, shrunk_runs, dist_work,
-                                                                         source):
+def test_universal_copy_holds_the_original_fp32_weights_and_adam_moments(
+    two_rank_results, shrunk_runs, dist_work, source
+):
     captured = torch.load(state_file(dist_work / source, 6), weights_only=True)
     converted = universal_optimizer_state(dist_work / "copies" / source)
     assert set(converted) == set(captured) and captured
@@ -158,8 +199,10 @@ def test_every_rank_fsyncs_its_own_files_before_the_commit(two_rank_results, dis
         events = json.loads((dist_work / f"events_rank{rank}.json").read_text())
         synced = {path for kind, path in events if kind == "fsync"}
         slot = dist_work / "two3" / "ckpt" / "step_6"
-        own = {str(slot / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"),
-               str(slot / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")}
+        own = {
+            str(slot / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"),
+            str(slot / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+        }
         assert own <= synced, (rank, own - synced)
         other = {str(slot / f"zero_pp_rank_{1 - rank}_mp_rank_00_optim_states.pt")}
         assert not other & synced  # nobody fsyncs (or needs to read) another rank's files
@@ -180,11 +223,13 @@ def test_every_rank_verifies_each_checkpoint_file_before_it_is_loaded(two_rank_r
         assert any("step_6.universal/zero/" in p for p in loaded)
 
 
-def test_two_rank_zero2_checkpoint_resumes_at_zero3_on_one_rank(tiny_target_dir, dist_work, dist_data,
-                                                                 two_rank_results):
+def test_two_rank_zero2_checkpoint_resumes_at_zero3_on_one_rank(
+    tiny_target_dir, dist_work, dist_data, two_rank_results
+):
     """A world size change and a stage change at once."""
-    losses = train(config(tiny_target_dir, dist_work, dist_data, "shrunk2to3", 3,
-                          f"resume={dist_work}/two2/ckpt/step_6"), **quiet).losses
+    losses = train(
+        config(tiny_target_dir, dist_work, dist_data, "shrunk2to3", 3, f"resume={dist_work}/two2/ckpt/step_6"), **quiet
+    ).losses
     _close(losses, two_rank_results["full2"][6:])
 
 
@@ -200,21 +245,36 @@ def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_w
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launcher = Path(sys.executable).parent / "deepspeed"
-    args = run_overrides(tiny_target_dir, dist_data, out, dist_work / "cache", max_steps=2, save_steps=2,
-                         per_device_batch_size=2)
-    proc = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "specdraft",
-                           "train", str(REPO / "configs" / "demo.yaml"), *args, "eval_prompts=null"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    args = run_overrides(
+        tiny_target_dir, dist_data, out, dist_work / "cache", max_steps=2, save_steps=2, per_device_batch_size=2
+    )
+    proc = subprocess.run(
+        [
+            str(launcher),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "specdraft",
+            "train",
+            str(REPO / "configs" / "demo.yaml"),
+            *args,
+            "eval_prompts=null",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stdout + proc.stderr
     assert (out / "ckpt" / "step_2" / "COMMITTED").is_file() and (out / "step_2" / "model.safetensors").is_file()
 
 
-def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused(tiny_target_dir, dist_work,
-                                                                                 dist_data):
+def test_rank0_failures_reach_every_rank_and_a_private_checkpoint_dir_is_refused(tiny_target_dir, dist_work, dist_data):
     out = dist_work / "failures.json"
-    proc = torchrun(REPO / "tests" / "failure_script.py", tiny_target_dir, dist_data, dist_work, out,
-                    timeout=300)
+    proc = torchrun(REPO / "tests" / "failure_script.py", tiny_target_dir, dist_data, dist_work, out, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     expected = {

@@ -55,7 +55,7 @@ def bash_lines(paths=USER_TEXT):
             first = text.count("\n", 0, block.start()) + 2
             pending, start, variables = "", None, {}
             for offset, raw in enumerate(body.splitlines()):
-                raw = raw[len(indent):] if raw.startswith(indent) else raw
+                raw = raw[len(indent) :] if raw.startswith(indent) else raw
                 start = first + offset if start is None else start
                 if raw.rstrip().endswith("\\"):
                     pending += raw.rstrip()[:-1] + " "
@@ -126,6 +126,7 @@ def parsed(parse, argv, what: str):
 
 # -- our commands --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """In place of the user's files (their target, data, imported draft, own config file), this
@@ -134,8 +135,13 @@ def world(tmp_path_factory):
     (root / "target").mkdir()
     (root / "d.jsonl").write_text("{}\n")
     (root / "empty.yaml").write_text("{}\n")
-    return {"target": str(root / "target"), "data_files": str(root / "d.jsonl"), "eval_prompts": "null",
-            "draft.init_from": str(root / "target"), "config": str(root / "empty.yaml")}
+    return {
+        "target": str(root / "target"),
+        "data_files": str(root / "d.jsonl"),
+        "eval_prompts": "null",
+        "draft.init_from": str(root / "target"),
+        "config": str(root / "empty.yaml"),
+    }
 
 
 def check_specdraft(argv, world):
@@ -158,8 +164,11 @@ def check_specdraft(argv, world):
             config = world["config"]
         overrides = [item for item in args.overrides if item != "..."]
         given = {item.split("=", 1)[0] for item in overrides}
-        theirs = [f"{key}={value}" for key, value in world.items()
-                  if key in ("target", "data_files", "eval_prompts") or (key in given and key != "config")]
+        theirs = [
+            f"{key}={value}"
+            for key, value in world.items()
+            if key in ("target", "data_files", "eval_prompts") or (key in given and key != "config")
+        ]
         try:
             load_config(config, [*overrides, *theirs])
         except Exception as err:  # the one-line SpecdraftError the command would print
@@ -211,8 +220,12 @@ def check_script(script: str, argv):
         raise _Parsed
 
     err = io.StringIO()
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop), \
-            mock.patch.object(sys, "argv", [str(path), *argv]), redirect_stderr(err), redirect_stdout(io.StringIO()):
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", parse_then_stop),
+        mock.patch.object(sys, "argv", [str(path), *argv]),
+        redirect_stderr(err),
+        redirect_stdout(io.StringIO()),
+    ):
         try:
             module.main()
         except _Parsed:
@@ -220,8 +233,9 @@ def check_script(script: str, argv):
         except SystemExit as exit_:
             if exit_.code in (0, None):
                 return
-            raise AssertionError(f"python {script} {shlex.join(argv)}: "
-                                 f"{err.getvalue().strip().splitlines()[-1]}") from None
+            raise AssertionError(
+                f"python {script} {shlex.join(argv)}: {err.getvalue().strip().splitlines()[-1]}"
+            ) from None
     raise AssertionError(f"python {script}: main() returned without parsing its arguments")
 
 
@@ -287,9 +301,18 @@ def check_pip(argv, world):
             assert set(match.group(1).split(",")) <= extras, f"pip: {word}: no such extra"
 
 
-PROGRAMS = {"specdraft": check_specdraft, "deepspeed": check_deepspeed, "torchrun": check_torchrun,
-            "python": check_python, "python3": check_python, "vllm": check_vllm, "make": check_make,
-            "pip": check_pip, ".": check_activate, "source": check_activate}
+PROGRAMS = {
+    "specdraft": check_specdraft,
+    "deepspeed": check_deepspeed,
+    "torchrun": check_torchrun,
+    "python": check_python,
+    "python3": check_python,
+    "vllm": check_vllm,
+    "make": check_make,
+    "pip": check_pip,
+    ".": check_activate,
+    "source": check_activate,
+}
 WRAPPERS = {"nice", "srun"}
 
 
@@ -301,8 +324,10 @@ def check_command(words, world):
     if not words:
         return None  # an assignment alone
     program = words[0] if words[0] == "." else Path(words[0]).name  # .venv/bin/specdraft is specdraft
-    assert program in PROGRAMS, (f"`{words[0]}` is not a command this test reads: prose inside a bash "
-                                 f"block (a broken fence?), or a program to teach the test")
+    assert program in PROGRAMS, (
+        f"`{words[0]}` is not a command this test reads: prose inside a bash "
+        f"block (a broken fence?), or a program to teach the test"
+    )
     PROGRAMS[program](without_placeholders(words[1:]), world)
     return program
 
@@ -312,8 +337,13 @@ LINES = bash_lines()
 
 def commands_shown():
     """Each simple command of the pages, its VAR=value prefix dropped."""
-    return [words for _, line in LINES for words in simple_commands(line)
-            for words in [[w for w in words if not ASSIGNMENT.match(w)]] if words]
+    return [
+        words
+        for _, line in LINES
+        for words in simple_commands(line)
+        for words in [[w for w in words if not ASSIGNMENT.match(w)]]
+        if words
+    ]
 
 
 def test_the_pages_show_every_kind_of_command():
@@ -338,23 +368,27 @@ def test_every_command_shown_is_read_by_its_parser(where, line, world):
 
 # -- the checks themselves, on planted commands ----------------------------------------------------
 
-@pytest.mark.parametrize("bad, says", [
-    ("deepspeed --num_gpus 8 -m specdraft train configs/qwen3-8b-eagle3.yaml", "unrecognized arguments: -m"),
-    ("torchrun --nproc_per_node 8 specdraft train configs/demo.yaml", "no such script"),
-    ("specdraft train configs/demo.yaml max_stepz=3", "max_stepz"),
-    ("specdraft train configs/demo.yaml draft.max_lag=three", "max_lag"),
-    ("specdraft train configs/demo-eagle3.yaml draft.max_lag=3", "max_lag"),  # another family's key
-    ("specdraft train configs/nowhere.yaml", "not shipped"),
-    ("specdraft train my.yaml draft.type=eagle3 draft.ttt_stepz=2", "ttt_stepz"),
-    ("specdraft eval runs/x --prompts p.jsonl --temprature 0.7", "unrecognized arguments"),
-    ("specdraft export runs/x --out runs/x/exports", "inside the run"),
-    ("python -m specdraft tran configs/demo.yaml", "invalid choice"),
-    ("OMP_NUM_THREADS=1 python bench/acceptance.py --preset bench --gama 4", "unrecognized arguments"),
-    ("python bench/nowhere.py", "no such script"),
-    ("python -c 'from specdraft.demo.assets import no_such_name'", "no_such_name"),
-    ("make dmeo", "no such target"),
-    ("Each rank takes the GPU of its LOCAL_RANK", "not a command"),
-])
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("deepspeed --num_gpus 8 -m specdraft train configs/qwen3-8b-eagle3.yaml", "unrecognized arguments: -m"),
+        ("torchrun --nproc_per_node 8 specdraft train configs/demo.yaml", "no such script"),
+        ("specdraft train configs/demo.yaml max_stepz=3", "max_stepz"),
+        ("specdraft train configs/demo.yaml draft.max_lag=three", "max_lag"),
+        ("specdraft train configs/demo-eagle3.yaml draft.max_lag=3", "max_lag"),  # another family's key
+        ("specdraft train configs/nowhere.yaml", "not shipped"),
+        ("specdraft train my.yaml draft.type=eagle3 draft.ttt_stepz=2", "ttt_stepz"),
+        ("specdraft eval runs/x --prompts p.jsonl --temprature 0.7", "unrecognized arguments"),
+        ("specdraft export runs/x --out runs/x/exports", "inside the run"),
+        ("python -m specdraft tran configs/demo.yaml", "invalid choice"),
+        ("OMP_NUM_THREADS=1 python bench/acceptance.py --preset bench --gama 4", "unrecognized arguments"),
+        ("python bench/nowhere.py", "no such script"),
+        ("python -c 'from specdraft.demo.assets import no_such_name'", "no_such_name"),
+        ("make dmeo", "no such target"),
+        ("Each rank takes the GPU of its LOCAL_RANK", "not a command"),
+    ],
+)
 def test_a_planted_bad_command_fails(bad, says, world):
     with pytest.raises(AssertionError, match=re.escape(says)):
         for words in simple_commands(bad):
@@ -363,21 +397,28 @@ def test_a_planted_bad_command_fails(bad, says, world):
 
 def test_a_good_command_passes_and_the_lines_are_read_as_a_shell_reads_them(world, tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text\n\n  ```bash\n  OMP_NUM_THREADS=1 specdraft train configs/demo.yaml \\\n"
-                    "      max_steps=3 draft.max_lag=2   # a comment\n  # or: torchrun --nproc_per_node 2 -m "
-                    "specdraft train configs/demo.yaml ...\n  # prose\n  ```\n")
+    page.write_text(
+        "text\n\n  ```bash\n  OMP_NUM_THREADS=1 specdraft train configs/demo.yaml \\\n"
+        "      max_steps=3 draft.max_lag=2   # a comment\n  # or: torchrun --nproc_per_node 2 -m "
+        "specdraft train configs/demo.yaml ...\n  # prose\n  ```\n"
+    )
     lines = bash_lines([page])
     assert [where.split(":")[1] for where, _ in lines] == ["4", "6"]
-    assert simple_commands(lines[0][1]) == [["OMP_NUM_THREADS=1", "specdraft", "train", "configs/demo.yaml",
-                                             "max_steps=3", "draft.max_lag=2"]]
+    assert simple_commands(lines[0][1]) == [
+        ["OMP_NUM_THREADS=1", "specdraft", "train", "configs/demo.yaml", "max_steps=3", "draft.max_lag=2"]
+    ]
     for _, line in lines:
         for words in simple_commands(line):
             check_command(words, world)
     assert simple_commands("EXPORT=$(ls -d runs/x/step_* | sort -V | tail -1)") == []
     assert simple_commands("python -m specdraft.commands.config_reference > docs/x.md") == [
-        ["python", "-m", "specdraft.commands.config_reference"]]
-    assert without_placeholders(["train", "CONFIG.yaml", "[key=value", "...]", "x=[1,2]"]) == \
-        ["train", "CONFIG.yaml", "x=[1,2]"]
+        ["python", "-m", "specdraft.commands.config_reference"]
+    ]
+    assert without_placeholders(["train", "CONFIG.yaml", "[key=value", "...]", "x=[1,2]"]) == [
+        "train",
+        "CONFIG.yaml",
+        "x=[1,2]",
+    ]
 
 
 def test_the_deepspeed_launcher_is_the_one_that_reads_the_command():

@@ -113,8 +113,9 @@ def test_cuda_builds_block_masks_compiled(monkeypatch):
 
     built = []
     monkeypatch.setattr(documents, "_compiled_functions", {})
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: lambda *args, **kwargs: built.append(
-        (fn.__name__, options, kwargs)))
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **options: lambda *args, **kwargs: built.append((fn.__name__, options, kwargs))
+    )
     with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # the flex path raises it
         documents.make_block_mask(lambda b, h, q, kv: q >= kv, 1, 8, 8, torch.device("cuda"))
     assert built == [("create_block_mask", {"backend": "inductor", "dynamic": False}, {"device": torch.device("cuda")})]
@@ -135,8 +136,9 @@ def test_glide_slices_equal_the_rule_with_every_gradient(kind, value):
     got = glide_attention(kind, value, SHORT)(q, k, v)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=got.dtype)
-    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad),
-                          torch.autograd.grad(expected, (q, k, v), grad)):
+    for name, a, b in zip(
+        "qkv", torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -200,8 +202,8 @@ def dflash_rule(vis):
     for b in range(B):
         for j in range(A):
             rows = slice(j * S, (j + 1) * S)
-            visible[b, 0, rows, int(vis.context_start[b, j]):int(vis.anchors[b, j])] = True
-            visible[b, 0, rows, T + j * S:T + (j + 1) * S] = True
+            visible[b, 0, rows, int(vis.context_start[b, j]) : int(vis.anchors[b, j])] = True
+            visible[b, 0, rows, T + j * S : T + (j + 1) * S] = True
     return visible
 
 
@@ -214,8 +216,9 @@ def test_dflash_slices_equal_the_rule_with_every_gradient(anchors):
     got = block_attention(q, k, v, vis)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=got.dtype)
-    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad),
-                          torch.autograd.grad(expected, (q, k, v), grad)):
+    for name, a, b in zip(
+        "qkv", torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -253,18 +256,21 @@ def test_dflash_flex_path_equals_the_rule_forward_without_a_dense_mask(monkeypat
 
 # -- whole drafts: the slices path trains exactly as the dense one ---------------------------------
 
+
 @pytest.fixture(scope="module")
 def target():
     return random_llama(vocab=128, layers=4, max_positions=256, init=0.02)
 
 
-@pytest.mark.parametrize("family, keys, options", [
-    ("glide", dict(sliding_window=4), dict(lag=2)),
-    ("dflash", dict(num_layers=2, block_size=4, max_anchors=12), dict(anchor_seed=3)),
-    ("dspark", dict(num_layers=2, block_size=4, max_anchors=12, markov_rank=8), dict(anchor_seed=3)),
-])
-def test_packed_training_on_cpu_equals_the_dense_path_with_every_gradient(monkeypatch, target, family, keys,
-                                                                         options):
+@pytest.mark.parametrize(
+    "family, keys, options",
+    [
+        ("glide", dict(sliding_window=4), dict(lag=2)),
+        ("dflash", dict(num_layers=2, block_size=4, max_anchors=12), dict(anchor_seed=3)),
+        ("dspark", dict(num_layers=2, block_size=4, max_anchors=12, markov_rank=8), dict(anchor_seed=3)),
+    ],
+)
+def test_packed_training_on_cpu_equals_the_dense_path_with_every_gradient(monkeypatch, target, family, keys, options):
     draft = build_draft(OmegaConf.structured(DraftConfig(type=family, **keys)), target.config).double()
     with torch.no_grad():
         for p in draft.parameters():
@@ -275,8 +281,9 @@ def test_packed_training_on_cpu_equals_the_dense_path_with_every_gradient(monkey
     params = [p for p in draft.parameters() if p.requires_grad]
 
     def run():
-        out = draft.training_loss(feats, target.lm_head.weight.double(), ids, torch.ones_like(ids), chunk_size=16,
-                                  documents=SHORT, **options)
+        out = draft.training_loss(
+            feats, target.lm_head.weight.double(), ids, torch.ones_like(ids), chunk_size=16, documents=SHORT, **options
+        )
         return out.loss, torch.autograd.grad(out.loss, params)
 
     loss, grads = run()

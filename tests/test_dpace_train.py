@@ -13,20 +13,30 @@ BLOCKS = {"draft.num_layers": 1, "draft.block_size": 4, "draft.max_anchors": 16}
 
 @pytest.mark.parametrize("family,extra", [("dflash", {}), ("dspark", {"draft.loss": "ce"})])
 def test_dpace_training_lowers_the_loss(family, extra, tiny_target_dir, data_dir, tmp_path):
-    result = train_run(tiny_target_dir, data_dir, tmp_path, family, max_steps=12, save_steps=12,
-                       **{"draft.type": family, **BLOCKS, "draft.loss_weighting": "dpace", **extra})
+    result = train_run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        family,
+        max_steps=12,
+        save_steps=12,
+        **{"draft.type": family, **BLOCKS, "draft.loss_weighting": "dpace", **extra},
+    )
     first, last = result.losses[0], sum(result.losses[-3:]) / 3
     assert last < first - 0.3, result.losses
 
 
-@pytest.mark.parametrize("family,extra,message", [
-    ("dspark", {}, "key 'draft.loss_weighting': 'dpace' needs draft.loss: ce"),
-    ("dflash", {"draft.loss": "0.5*kl + 0.5*ce"}, "key 'draft.loss_weighting': 'dpace' needs draft.loss: ce"),
-    ("dflash", {"draft.dpace_alpha": 0.0}, "key 'draft.dpace_alpha': must be in (0, 1], got 0.0"),
-    ("dflash", {"draft.loss_weighting": "cumprod"}, "key 'draft.loss_weighting': must be one of decay | dpace"),
-    ("glide", {}, "loss_weighting"),
-    ("eagle3", {}, "loss_weighting"),
-])
+@pytest.mark.parametrize(
+    "family,extra,message",
+    [
+        ("dspark", {}, "key 'draft.loss_weighting': 'dpace' needs draft.loss: ce"),
+        ("dflash", {"draft.loss": "0.5*kl + 0.5*ce"}, "key 'draft.loss_weighting': 'dpace' needs draft.loss: ce"),
+        ("dflash", {"draft.dpace_alpha": 0.0}, "key 'draft.dpace_alpha': must be in (0, 1], got 0.0"),
+        ("dflash", {"draft.loss_weighting": "cumprod"}, "key 'draft.loss_weighting': must be one of decay | dpace"),
+        ("glide", {}, "loss_weighting"),
+        ("eagle3", {}, "loss_weighting"),
+    ],
+)
 def test_dpace_refusals(family, extra, message, tiny_target_dir, data_dir, tmp_path):
     from specdraft.train.loop import train
 
@@ -34,8 +44,12 @@ def test_dpace_refusals(family, extra, message, tiny_target_dir, data_dir, tmp_p
     if family in ("dflash", "dspark"):
         overrides.update(BLOCKS)
     with pytest.raises(SpecdraftError) as err:
-        train(load_config(None, run_overrides(tiny_target_dir, data_dir, tmp_path / "r", tmp_path / "cache", **overrides)),
-              log=lambda *a: None)
+        train(
+            load_config(
+                None, run_overrides(tiny_target_dir, data_dir, tmp_path / "r", tmp_path / "cache", **overrides)
+            ),
+            log=lambda *a: None,
+        )
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -58,7 +72,7 @@ def test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks(target):
     blocks = draft.training_blocks(ids, loss_mask, anchor_seed=11)
     hidden = draft.training_hidden(feats, blocks)  # (B, A, S, H)
     first, P = draft.layout.first_slot, draft.layout.predictions
-    logits = hidden[:, :, first:first + P] @ lm_head.t()  # (B, A, P, V)
+    logits = hidden[:, :, first : first + P] @ lm_head.t()  # (B, A, P, V)
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
     ce, mask = ce.view(-1, P), blocks.counted.flatten(0, 1)
     w = dpace_weights(ce.detach(), mask, 0.3)

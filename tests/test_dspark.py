@@ -1,7 +1,6 @@
 """DSpark: DFlash + a Markov head (which token each slot's bias reads) + a confidence head (what it
 is trained towards, where decoding stops), exact semantics on a tiny Llama target (vocab 128)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,8 +34,11 @@ def make_draft(target, **overrides):
     with torch.no_grad():  # realistic scales so every path carries signal
         for p in draft.parameters():
             if p is not draft.mask_delta:
-                p.copy_(torch.rand(p.shape, generator=generator) + 0.5 if p.dim() == 1
-                        else torch.randn(p.shape, generator=generator) * 0.3)
+                p.copy_(
+                    torch.rand(p.shape, generator=generator) + 0.5
+                    if p.dim() == 1
+                    else torch.randn(p.shape, generator=generator) * 0.3
+                )
     return draft
 
 
@@ -84,7 +86,9 @@ def test_the_markov_bias_of_a_slot_reads_its_previous_token_only(target, head_ty
         confidence_differs = [bool((base.confidence[..., s] - other.confidence[..., s]).abs() > 1e-6) for s in range(4)]
         assert confidence_differs == [False, False, True, False]  # reads markov_w1[prev] of its own slot
         if head_type == "vanilla":
-            expected = hidden @ target.lm_head.weight.t() + draft.markov_head.markov_w2(draft.markov_head.markov_w1(previous))
+            expected = hidden @ target.lm_head.weight.t() + draft.markov_head.markov_w2(
+                draft.markov_head.markov_w1(previous)
+            )
             torch.testing.assert_close(base.logits(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -98,8 +102,12 @@ def test_the_confidence_target_is_one_minus_tv_or_greedy_agreement():
     z = student @ weight.t()
     for T_ in (1.0, 0.7):
         p, q = torch.softmax(t / T_, -1), torch.softmax(z / T_, -1)
-        torch.testing.assert_close(acceptance_targets(student, weight, teacher, teacher_weight, T_, 4),
-                                   1 - 0.5 * (p - q).abs().sum(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            acceptance_targets(student, weight, teacher, teacher_weight, T_, 4),
+            1 - 0.5 * (p - q).abs().sum(-1),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     greedy = acceptance_targets(student, weight, teacher, teacher_weight, 0.0, 4)
     assert greedy.tolist() == (z.argmax(-1) == t.argmax(-1)).float().tolist() and greedy[0] == 1.0
 
@@ -109,16 +117,22 @@ def test_the_confidence_target_is_one_minus_tv_or_greedy_agreement():
 def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, sample_from_anchor, temperature):
     """loss = (sum_j w_j [objective_j + alpha BCE(conf_j, a_j)]) / counted, a_j from the draft's
     (Markov-biased) logits at slot j and the target's distribution at anchor + j."""
-    draft = make_draft(target, sample_from_anchor=sample_from_anchor, confidence_temperature=temperature,
-                       loss="tv", confidence_loss_weight=0.5)
+    draft = make_draft(
+        target,
+        sample_from_anchor=sample_from_anchor,
+        confidence_temperature=temperature,
+        loss="tv",
+        confidence_loss_weight=0.5,
+    )
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(4))
     feats = features(target, draft, ids)
     out = draft.training_loss(feats, target.lm_head.weight, ids, torch.ones_like(ids), 0, anchor_seed=5)
     blocks = draft.training_blocks(ids, torch.ones_like(ids), 5)
     with torch.no_grad():
         hidden = draft.training_hidden(feats, blocks)
-        head = draft.block_head(hidden, blocks.previous_tokens(ids, draft.layout.first_slot),
-                                draft.head_weight(target.lm_head.weight))
+        head = draft.block_head(
+            hidden, blocks.previous_tokens(ids, draft.layout.first_slot), draft.head_weight(target.lm_head.weight)
+        )
         logits = head.logits()
     first, weights = draft.layout.first_slot, loss_weights(draft.layout, draft.dims.loss_decay_gamma)
     total, bce_total, count = 0.0, 0.0, 0
@@ -133,7 +147,9 @@ def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, 
                 p, q = torch.softmax(t, -1), torch.softmax(z, -1)
                 tv = 0.5 * float((p - q).abs().sum())
                 accepted = float(z.argmax() == t.argmax()) if temperature == 0 else 1 - tv
-                bce = float(F.binary_cross_entropy_with_logits(head.confidence[b, a, first + j], torch.tensor(accepted)))
+                bce = float(
+                    F.binary_cross_entropy_with_logits(head.confidence[b, a, first + j], torch.tensor(accepted))
+                )
                 total += weights[j] * (tv + 0.5 * bce)
                 bce_total += bce
                 count += 1
@@ -172,15 +188,18 @@ def test_the_drafter_computes_trainings_logits_and_confidences_slot_by_slot(targ
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(6))
     n = 9
     feats = features(target, draft, ids)
-    chain = drafter_at(draft, target, feats, n).propose_chain(ids[0, :n + 1], _Cache(n), 10, 0.0, None)
+    chain = drafter_at(draft, target, feats, n).propose_chain(ids[0, : n + 1], _Cache(n), 10, 0.0, None)
     assert len(chain) == draft.layout.predictions
     forced = ids.clone()
-    forced[0, n + 1:n + 1 + len(chain)] = chain.tokens
+    forced[0, n + 1 : n + 1 + len(chain)] = chain.tokens
     blocks = blocks_at(draft, forced, torch.tensor([[n]]))
     with torch.no_grad():
-        head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(forced, draft.layout.first_slot),
-                                draft.head_weight(target.lm_head.weight))
-    assert chain.tokens.tolist() == head.logits()[0, 0, draft.layout.first_slot:].argmax(-1).tolist()
+        head = draft.block_head(
+            draft.training_hidden(feats, blocks),
+            blocks.previous_tokens(forced, draft.layout.first_slot),
+            draft.head_weight(target.lm_head.weight),
+        )
+    assert chain.tokens.tolist() == head.logits()[0, 0, draft.layout.first_slot :].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
@@ -192,7 +211,7 @@ def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(10))
     n = 9
     feats = features(target, draft, ids)
-    tree = drafter_at(draft, target, feats, n).propose_tree(ids[0, :n + 1], _Cache(n), [3, 2, 2])
+    tree = drafter_at(draft, target, feats, n).propose_tree(ids[0, : n + 1], _Cache(n), [3, 2, 2])
     assert len(tree) == 7
     for node in range(len(tree)):
         path, i = [], node
@@ -201,13 +220,18 @@ def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type
             i = int(tree.parents[i])
         path.reverse()
         forced = ids.clone()
-        forced[0, n + 1:n + 1 + len(path)] = torch.tensor(path)
+        forced[0, n + 1 : n + 1 + len(path)] = torch.tensor(path)
         blocks = blocks_at(draft, forced, torch.tensor([[n]]))
         with torch.no_grad():
-            head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(forced, 1),
-                                    draft.head_weight(target.lm_head.weight))
+            head = draft.block_head(
+                draft.training_hidden(feats, blocks),
+                blocks.previous_tokens(forced, 1),
+                draft.head_weight(target.lm_head.weight),
+            )
         logprobs = torch.log_softmax(head.logits()[0, 0, 1:], dim=-1)
-        assert float(tree.scores[node].detach()) == pytest.approx(sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4)
+        assert float(tree.scores[node].detach()) == pytest.approx(
+            sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4
+        )
 
 
 def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_after(target):
@@ -215,24 +239,29 @@ def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_af
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(7))
     n = 9
     feats = features(target, draft, ids)
-    full = drafter_at(draft, target, feats, n).propose_chain(ids[0, :n + 1], _Cache(n), 10, 0.0, None)
+    full = drafter_at(draft, target, feats, n).propose_chain(ids[0, : n + 1], _Cache(n), 10, 0.0, None)
     forced = ids.clone()
-    forced[0, n + 1:n + 1 + len(full)] = full.tokens
+    forced[0, n + 1 : n + 1 + len(full)] = full.tokens
     blocks = blocks_at(draft, forced, torch.tensor([[n]]))
     with torch.no_grad():
-        head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(forced, 1),
-                                draft.head_weight(target.lm_head.weight))
+        head = draft.block_head(
+            draft.training_hidden(feats, blocks),
+            blocks.previous_tokens(forced, 1),
+            draft.head_weight(target.lm_head.weight),
+        )
     confidence = torch.sigmoid(head.confidence[0, 0, 1:]).tolist()  # of each predicting slot
     for stop in range(len(confidence) + 1):
         # a threshold just above slot `stop`'s confidence, below every earlier slot's: stop there
         earlier = min(confidence[:stop], default=1.0)
         if stop < len(confidence) and confidence[stop] < earlier:
             threshold = (confidence[stop] + earlier) / 2
-            chain = drafter_at(draft, target, feats, n, threshold).propose_chain(ids[0, :n + 1], _Cache(n), 10, 0.0, None)
+            chain = drafter_at(draft, target, feats, n, threshold).propose_chain(
+                ids[0, : n + 1], _Cache(n), 10, 0.0, None
+            )
             assert chain.tokens.tolist() == full.tokens[:stop].tolist()
-    nothing = drafter_at(draft, target, feats, n, 1.0).propose_chain(ids[0, :n + 1], _Cache(n), 10, 0.0, None)
+    nothing = drafter_at(draft, target, feats, n, 1.0).propose_chain(ids[0, : n + 1], _Cache(n), 10, 0.0, None)
     assert len(nothing) == 0 or min(confidence) >= 1.0
-    tree = drafter_at(draft, target, feats, n, 1.0).propose_tree(ids[0, :n + 1], _Cache(n), [2, 2, 2])
+    tree = drafter_at(draft, target, feats, n, 1.0).propose_tree(ids[0, : n + 1], _Cache(n), [2, 2, 2])
     assert len(tree) == 0
 
 
@@ -260,18 +289,22 @@ def test_sampling_with_the_confidence_stop_matches_the_target_distribution(shape
     ids = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(9))
     blocks = draft.training_blocks(ids, torch.ones_like(ids), 0)
     with torch.no_grad():  # confidences on both sides of the threshold: centre the logits on 0
-        head = draft.block_head(draft.training_hidden(features(target, draft, ids), blocks),
-                                blocks.previous_tokens(ids, 1), draft.head_weight(target.lm_head.weight))
+        head = draft.block_head(
+            draft.training_hidden(features(target, draft, ids), blocks),
+            blocks.previous_tokens(ids, 1),
+            draft.head_weight(target.lm_head.weight),
+        )
         draft.confidence_head.proj.bias.sub_(head.confidence.median())
     drafter = draft.make_drafter(target)
     drafter.confidence_threshold = 0.5
     prompt = [1, 5, 2, 1, 5]
     generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros(V ** 3)
+    counts = torch.zeros(V**3)
     drafted = []
     for _ in range(1000):
-        out = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator,
-                                   **shape)
+        out = speculative_generate(
+            target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator, **shape
+        )
         x1, x2, x3 = out.tokens
         counts[(x1 * V + x2) * V + x3] += 1
         drafted += out.drafted
@@ -281,10 +314,13 @@ def test_sampling_with_the_confidence_stop_matches_the_target_distribution(shape
 
 
 def test_bad_dspark_input_is_a_one_line_error(target):
-    for key, value, match in (("markov_rank", 0, "markov_rank.*> 0"), ("markov_rank", -3, "markov_rank"),
-                              ("confidence_threshold", 1.5, r"confidence_threshold.*\[0, 1\]"),
-                              ("confidence_threshold", -0.1, "confidence_threshold"),
-                              ("markov_head_type", "joint", "markov_head_type")):
+    for key, value, match in (
+        ("markov_rank", 0, "markov_rank.*> 0"),
+        ("markov_rank", -3, "markov_rank"),
+        ("confidence_threshold", 1.5, r"confidence_threshold.*\[0, 1\]"),
+        ("confidence_threshold", -0.1, "confidence_threshold"),
+        ("markov_head_type", "joint", "markov_head_type"),
+    ):
         cfg = OmegaConf.structured(DraftConfig(type="dspark", **{key: value}))
         with pytest.raises(SpecdraftError, match=match) as err:
             DSparkDraft.validate_config(cfg, target.config, "cfg.yaml", max_seq_length=T)

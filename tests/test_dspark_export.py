@@ -27,8 +27,11 @@ def make_draft(target, **overrides):
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name != "mask_delta":
-                p.copy_(torch.rand(p.shape, generator=generator) + 0.5 if p.dim() == 1 and "norm" in name
-                        else torch.randn(p.shape, generator=generator) * 0.2)
+                p.copy_(
+                    torch.rand(p.shape, generator=generator) + 0.5
+                    if p.dim() == 1 and "norm" in name
+                    else torch.randn(p.shape, generator=generator) * 0.2
+                )
     return draft.eval()
 
 
@@ -38,8 +41,11 @@ def our_outputs(draft, target, ids, anchors):
     blocks = draft.training_blocks(ids, torch.ones_like(ids), 0)
     blocks.anchors, blocks.valid = anchors[None], torch.ones_like(anchors[None], dtype=torch.bool)
     with torch.no_grad():
-        head = draft.block_head(draft.training_hidden(feats, blocks), blocks.previous_tokens(ids, draft.layout.first_slot),
-                                draft.head_weight(target.lm_head.weight))
+        head = draft.block_head(
+            draft.training_hidden(feats, blocks),
+            blocks.previous_tokens(ids, draft.layout.first_slot),
+            draft.head_weight(target.lm_head.weight),
+        )
         return head.logits()[0].flatten(0, 1), head.confidence[0].flatten(), feats
 
 
@@ -55,7 +61,9 @@ def test_native_export_round_trip(target, tmp_path):
     assert loaded.make_drafter(target).confidence_threshold == 0.3  # the config's default travels with it
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([3, 17, 30])
-    for ours, theirs in zip(our_outputs(loaded.eval(), target, ids, anchors)[:2], our_outputs(draft, target, ids, anchors)[:2]):
+    for ours, theirs in zip(
+        our_outputs(loaded.eval(), target, ids, anchors)[:2], our_outputs(draft, target, ids, anchors)[:2]
+    ):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
@@ -69,19 +77,36 @@ def test_speculators_export_has_the_heads_keys_and_config(target, target_dir, tm
     assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is with_markov
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         heads = {k for k in f.keys() if k.startswith(("markov_head.", "confidence_head."))}
-    extra = {"gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
-             "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"}}.get(head_type, set())
-    assert heads == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
-                     "confidence_head.proj.bias"} | extra
+    extra = {
+        "gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
+        "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"},
+    }.get(head_type, set())
+    assert (
+        heads
+        == {
+            "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight",
+            "confidence_head.proj.bias",
+        }
+        | extra
+    )
 
 
-@pytest.mark.parametrize("head_type, with_markov, block_size, sample_from_anchor",
-                         [("vanilla", True, 8, False), ("gated", True, 5, True), ("rnn", True, 6, False),
-                          ("rnn", False, 5, True)])
+@pytest.mark.parametrize(
+    "head_type, with_markov, block_size, sample_from_anchor",
+    [("vanilla", True, 8, False), ("gated", True, 5, True), ("rnn", True, 6, False), ("rnn", False, 5, True)],
+)
 def test_speculators_loads_the_export_and_computes_our_logits_and_confidences(
-        target, target_dir, tmp_path, head_type, with_markov, block_size, sample_from_anchor):
-    draft = make_draft(target, markov_head_type=head_type, confidence_with_markov=with_markov, block_size=block_size,
-                       sample_from_anchor=sample_from_anchor)
+    target, target_dir, tmp_path, head_type, with_markov, block_size, sample_from_anchor
+):
+    draft = make_draft(
+        target,
+        markov_head_type=head_type,
+        confidence_with_markov=with_markov,
+        block_size=block_size,
+        sample_from_anchor=sample_from_anchor,
+    )
     out = write_speculators_export(draft, draft.state_dict(), tmp_path / "spec", str(target_dir))
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(3))
     anchors = torch.tensor([2, 10, 21, 30])
@@ -92,8 +117,12 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_confidences(
     run_speculators_file(REPO / "tests" / "speculators_dspark_check.py", out, tmp_path / "in.pt", tmp_path / "out.pt")
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == []
-    assert set(result["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                      "verifier_norm.weight"}
+    assert set(result["missing"]) <= {
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    }
     assert result["weights_equal"] and result["markov_head_type"] == head_type and result["with_markov"] is with_markov
     torch.testing.assert_close(result["logits"], logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(result["confidence"], confidence, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,8 @@ from specdraft.config import DraftConfig
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.eagle3 import model as eagle3_module
-from specdraft.drafts.eagle3.model import default_target_layers, ttt_visibility
+from specdraft.drafts.eagle3.layer import default_target_layers
+from specdraft.drafts.eagle3.model import ttt_visibility
 from specdraft.drafts.eagle3.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
@@ -31,8 +32,7 @@ def llama(layers=4, vocab=VOCAB, hidden=64, init=0.2, seed=0):
 
 
 def eagle3_for(target, seed=0, draft_vocab=DRAFT_VOCAB, ttt_steps=3, **options):
-    cfg = OmegaConf.structured(DraftConfig(type="eagle3", draft_vocab_size=draft_vocab, ttt_steps=ttt_steps,
-                                           **options))
+    cfg = OmegaConf.structured(DraftConfig(type="eagle3", draft_vocab_size=draft_vocab, ttt_steps=ttt_steps, **options))
     draft = build_draft(cfg, target.config)
     generator = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 1000, (target.config.vocab_size,), generator=generator).numpy()
@@ -57,6 +57,7 @@ def features_of(target, draft, ids):
 
 # -- the slow reference -------------------------------------------------------------------------
 
+
 def reference_unroll(draft, aux, embeds, steps):
     """Position by position, step by step: query (k, t) embeds x_{t+1+k} at position t+1+k and
     attends to step-0 keys at s <= t plus the key of each step 1..k at t (itself last)."""
@@ -78,14 +79,14 @@ def reference_unroll(draft, aux, embeds, steps):
             x = torch.cat([layer.input_layernorm(token), normed])
             q = attn.q_proj(x).view(d.num_heads, d.head_dim)
             key = attn.k_proj(x).view(d.num_kv_heads, d.head_dim)
-            rot = lambda v: v * cos[0] + torch.cat([-v[..., d.head_dim // 2:], v[..., :d.head_dim // 2]], -1) * sin[0]
+            rot = lambda v: v * cos[0] + torch.cat([-v[..., d.head_dim // 2 :], v[..., : d.head_dim // 2]], -1) * sin[0]
             q, key = rot(q), rot(key)
             keys[k, t], values[k, t] = key, attn.v_proj(x).view(d.num_kv_heads, d.head_dim)
             visible = [(0, s) for s in range(t + 1)] + [(j, t) for j in range(1, k + 1)]
             K = torch.stack([keys[v] for v in visible], dim=1)  # (KV, S, D)
             V = torch.stack([values[v] for v in visible], dim=1)
             K, V = K.repeat_interleave(group, 0), V.repeat_interleave(group, 0)
-            weights = torch.softmax((q[:, None] * K).sum(-1) / d.head_dim ** 0.5, dim=-1)  # (heads, S)
+            weights = torch.softmax((q[:, None] * K).sum(-1) / d.head_dim**0.5, dim=-1)  # (heads, S)
             out = residual + attn.o_proj((weights[..., None] * V).sum(1).flatten())
             out = out + layer.mlp(layer.post_attention_layernorm(out))
             outs.append(out)
@@ -107,13 +108,15 @@ def reference_loss(draft, feats, lm_head_weight, ids, mask, steps, decay):
                 full = feats.final_hidden[0, t + 1 + k] @ lm_head_weight.t()  # the full target logits
                 p = torch.softmax(full[used], -1)  # restricted and renormalised
                 terms.append(-(p * torch.log_softmax(draft.lm_head(head[t]), -1)).sum())
-        total = total + decay ** k * torch.stack(terms).mean()
+        total = total + decay**k * torch.stack(terms).mean()
     return total, heads
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "norm_output": True},
-                                   {"fc_norm": True}, {"norm_before_fc": True}],
-                         ids=["default", "residual+output", "fc_norm", "norm_before_fc"])
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"norm_before_residual": True, "norm_output": True}, {"fc_norm": True}, {"norm_before_fc": True}],
+    ids=["default", "residual+output", "fc_norm", "norm_before_fc"],
+)
 def test_vectorised_ttt_equals_the_per_position_reference(target, flags):
     draft = eagle3_for(target, **flags)
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(1))
@@ -151,14 +154,14 @@ def test_what_a_ttt_step_query_may_see(target, k):
     base = draft.unroll(aux, embeds, 3)[k][0]
     t = 6
     later_aux = aux.clone()
-    later_aux[0, t + 1:] += torch.randn_like(later_aux[0, t + 1:])
+    later_aux[0, t + 1 :] += torch.randn_like(later_aux[0, t + 1 :])
     out = draft.unroll(later_aux, embeds, 3)[k][0]
-    torch.testing.assert_close(out[:t + 1], base[:t + 1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[: t + 1], base[: t + 1], rtol=0, atol=1e-6)
     assert not torch.allclose(out[t + 1], base[t + 1])
     later_tokens = embeds.clone()
-    later_tokens[0, t + 2 + k:] += 1.0
+    later_tokens[0, t + 2 + k :] += 1.0
     out = draft.unroll(aux, later_tokens, 3)[k][0]
-    torch.testing.assert_close(out[:t + 1], base[:t + 1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[: t + 1], base[: t + 1], rtol=0, atol=1e-6)
     own_token = embeds.clone()
     own_token[0, t + 1 + k] += 1.0  # the token step k embeds at index t
     out = draft.unroll(aux, own_token, 3)[k][0]
@@ -224,7 +227,7 @@ def test_a_conversation_packed_after_another_computes_what_it_computes_alone(tar
     alone = [draft.unroll(draft.aux_hidden(p), p.input_embeds, 3) for p in parts]
     for k in range(3):
         torch.testing.assert_close(packed[k][0, first:], alone[1][k][0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(packed[k][0, :first - 1 - k], alone[0][k][0, :first - 1 - k], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[k][0, : first - 1 - k], alone[0][k][0, : first - 1 - k], rtol=1e-5, atol=1e-5)
     mixed = draft.unroll(aux, embeds, 3)  # without documents the second reads the first
     assert not torch.allclose(mixed[0][0, first:], alone[1][0][0], atol=1e-3)
 
@@ -238,7 +241,7 @@ def test_loss_weights_steps_by_decay(target):
         out = TargetWithDraft(target, draft)(ids, mask)
         per_step = [float(out.metrics[f"ttt_{k}/loss"][0] / out.metrics[f"ttt_{k}/loss"][1]) for k in range(3)]
         losses[decay] = (float(out.loss.detach()), per_step)
-        assert float(out.loss.detach()) == pytest.approx(sum(decay ** k * l for k, l in enumerate(per_step)), rel=1e-5)
+        assert float(out.loss.detach()) == pytest.approx(sum(decay**k * l for k, l in enumerate(per_step)), rel=1e-5)
     assert losses[0.8][1] == pytest.approx(losses[0.5][1], rel=1e-6)  # same draft, same steps
 
 
@@ -270,6 +273,7 @@ def test_default_layers_follow_vllm_and_shallow_targets_get_three_distinct():
 
 
 # -- the draft vocabulary -------------------------------------------------------------------------
+
 
 class FakePacked:
     def __init__(self, tokens, mask):
@@ -309,6 +313,7 @@ def test_draft_logits_map_to_target_ids_through_d2t(target):
 
 # -- train <-> inference ------------------------------------------------------------------------
 
+
 def test_drafter_logits_equal_the_training_unroll(target):
     """A chain drafted after a prompt scores the drafted tokens exactly as TTT steps 0..k-1 score
     the same sequence at index n-1 (target states of the prompt only)."""
@@ -327,8 +332,9 @@ def test_drafter_logits_equal_the_training_unroll(target):
     feats = features_of(target, draft, ids)
     heads = draft.unroll(draft.aux_hidden(feats), feats.input_embeds, 4)
     for k in range(4):
-        torch.testing.assert_close(first[k][0] if first[k].dim() > 1 else first[k],
-                                   draft.logits(heads[k][0, n - 1]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            first[k][0] if first[k].dim() > 1 else first[k], draft.logits(heads[k][0, n - 1]), rtol=1e-5, atol=1e-5
+        )
     assert out.tokens == generate_plain(target, prompt, max_new_tokens=12).tokens
 
 
@@ -353,11 +359,12 @@ def test_eagle3_sampling_follows_the_target_distribution():
     joint = three_token_joint(target, prompt, V)
     generator = torch.Generator().manual_seed(0)
     for shape in (dict(gamma=2), dict(tree=[2, 2])):
-        counts = torch.zeros(V ** 3)
+        counts = torch.zeros(V**3)
         drafter = draft.make_drafter(target)
         for _ in range(1000):
-            x1, x2, x3 = speculative_generate(target, drafter, prompt, max_new_tokens=3, temperature=1.0,
-                                              generator=generator, **shape).tokens
+            x1, x2, x3 = speculative_generate(
+                target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator, **shape
+            ).tokens
             counts[(x1 * V + x2) * V + x3] += 1
         stat, dof = chi2_statistic(counts, joint)
         assert dof >= 10 and stat < chi2_critical(dof), (shape, stat, dof)
@@ -365,12 +372,16 @@ def test_eagle3_sampling_follows_the_target_distribution():
 
 # -- bad input ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options, expected", [
-    (dict(target_layers=[1, 2, 9]), "key 'draft.target_layers': layer 9 is outside the target"),
-    (dict(target_layers=[1, 1, 2]), "key 'draft.target_layers': needs 3 distinct layer ids"),
-    (dict(draft_vocab_size=500), "key 'draft.draft_vocab_size': 500 is larger than the target vocab (96)"),
-    (dict(fc_norm=True, norm_before_fc=True), "key 'draft.fc_norm'"),
-])
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (dict(target_layers=[1, 2, 9]), "key 'draft.target_layers': layer 9 is outside the target"),
+        (dict(target_layers=[1, 1, 2]), "key 'draft.target_layers': needs 3 distinct layer ids"),
+        (dict(draft_vocab_size=500), "key 'draft.draft_vocab_size': 500 is larger than the target vocab (96)"),
+        (dict(fc_norm=True, norm_before_fc=True), "key 'draft.fc_norm'"),
+    ],
+)
 def test_bad_eagle3_config_is_one_line(target, options, expected):
     cfg = OmegaConf.structured(DraftConfig(type="eagle3", **options))
     with pytest.raises(SpecdraftError) as err:
@@ -391,6 +402,7 @@ def test_vocab_maps_that_disagree_are_refused(target):
 
 # -- draft.loss: EAGLE-3's own soft CE is one objective among the others ---------------------------
 
+
 @pytest.mark.parametrize("teacher_rows", ["in_vocab", "all"])
 @pytest.mark.parametrize("distill_tokens", ["answers", "all"])
 def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, distill_tokens, teacher_rows):
@@ -400,8 +412,13 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, d
     (x_{t+2+k} a prompt token too), CE still the mean over the answer rows. teacher_rows in_vocab
     (SpecForge's position_mask = t2d[target argmax] * loss_mask): TV only on the rows whose target
     top-1 over the whole vocab is a draft token, still divided by all counted rows."""
-    draft = eagle3_for(target, loss="0.5*tv + 0.5*ce", distill_temperature=0.7, distill_tokens=distill_tokens,
-                       teacher_rows=teacher_rows)
+    draft = eagle3_for(
+        target,
+        loss="0.5*tv + 0.5*ce",
+        distill_temperature=0.7,
+        distill_tokens=distill_tokens,
+        teacher_rows=teacher_rows,
+    )
     assert draft.capture_request().final_hidden
     assert not eagle3_for(target, loss="ce").capture_request().final_hidden  # no teacher read, none captured
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(8))
@@ -419,21 +436,23 @@ def test_objectives_read_the_restricted_teacher_and_draft_vocab_labels(target, d
     ref, kept_per_step = 0.0, []
     for k, head in enumerate(heads):
         answer = torch.zeros_like(mask, dtype=torch.bool)
-        answer[:, :T - 2 - k] = mask[:, 2 + k:].bool()
+        answer[:, : T - 2 - k] = mask[:, 2 + k :].bool()
         counted = answer.clone()
         if distill_tokens == "all":
-            counted[:, :T - 2 - k] = True
+            counted[:, : T - 2 - k] = True
         z = draft.logits(head)[counted] / 0.7
-        teacher = full[:, 1 + k:][counted[:, :T - 1 - k]]  # (rows, V) the target at t+1+k
+        teacher = full[:, 1 + k :][counted[:, : T - 1 - k]]  # (rows, V) the target at t+1+k
         p = torch.softmax(teacher[:, used] / 0.7, dim=-1)
-        keep = torch.isin(teacher.argmax(-1), used) if teacher_rows == "in_vocab" else torch.ones(len(p), dtype=torch.bool)
+        keep = (
+            torch.isin(teacher.argmax(-1), used) if teacher_rows == "in_vocab" else torch.ones(len(p), dtype=torch.bool)
+        )
         if teacher_rows == "in_vocab":
             kept_per_step.append(int(keep.sum()))
         tv = 0.5 * (p - torch.softmax(z, -1)).abs().sum(-1)[keep].sum()
-        labels = ids[:, 2 + k:][answer[:, :T - 2 - k]]
+        labels = ids[:, 2 + k :][answer[:, : T - 2 - k]]
         inside = [(r, to_draft[int(y)]) for r, y in enumerate(labels) if int(y) in to_draft]
         ce = sum(F.cross_entropy(draft.logits(head)[answer][r], torch.tensor(y)) for r, y in inside)
-        ref = ref + 0.8 ** k * (0.5 * tv / counted.sum() + 0.5 * ce / answer.sum())
+        ref = ref + 0.8**k * (0.5 * tv / counted.sum() + 0.5 * ce / answer.sum())
         assert int(out.metrics[f"ttt_{k}/loss"][1]) == int(counted.sum())
         assert (distill_tokens == "all") == bool(counted.sum() > answer.sum())
     ref_grads = torch.autograd.grad(ref, list(draft.parameters()), allow_unused=True)

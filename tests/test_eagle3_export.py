@@ -67,16 +67,24 @@ def random_eagle3(target, cfg, seed=0):
     draft.set_vocab_maps(*vocab_maps(counts, draft.dims.draft_vocab_size))
     with torch.no_grad():
         for p in draft.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.15 if p.dim() == 2
-                    else torch.rand(p.shape, generator=generator) + 0.5)
+            p.copy_(
+                torch.randn(p.shape, generator=generator) * 0.15
+                if p.dim() == 2
+                else torch.rand(p.shape, generator=generator) + 0.5
+            )
     return draft.eval()
 
 
-@pytest.mark.parametrize("draft_options", [dict(draft_vocab_size=100), dict(target_layers=[5, 0, 3]),
-                                           dict(draft_vocab_size=100, norm_before_residual=True,
-                                                fc_norm=True, norm_output=True),
-                                           dict(draft_vocab_size=100, norm_before_fc=True)],
-                         ids=["vocab100", "whole-vocab-unsorted-layers", "eagle3.1-flags", "norm_before_fc"])
+@pytest.mark.parametrize(
+    "draft_options",
+    [
+        dict(draft_vocab_size=100),
+        dict(target_layers=[5, 0, 3]),
+        dict(draft_vocab_size=100, norm_before_residual=True, fc_norm=True, norm_output=True),
+        dict(draft_vocab_size=100, norm_before_fc=True),
+    ],
+    ids=["vocab100", "whole-vocab-unsorted-layers", "eagle3.1-flags", "norm_before_fc"],
+)
 def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, tmp_path, draft_options):
     from transformers import AutoModelForCausalLM
 
@@ -88,7 +96,9 @@ def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, t
     expected = sorted(draft.state_dict())
     if draft.dims.draft_vocab_size == draft.dims.vocab_size:
         expected = [k for k in expected if k not in ("d2t", "t2d")]
-    assert report["saved"] == sorted(expected + ["embed_tokens.weight"]) and report["has_vocab_maps"] == (draft.dims.draft_vocab_size < 160)
+    assert report["saved"] == sorted(expected + ["embed_tokens.weight"]) and report["has_vocab_maps"] == (
+        draft.dims.draft_vocab_size < 160
+    )
     assert report["layer_ids"] == draft.dims.target_layers
 
 
@@ -106,7 +116,7 @@ def assert_speculators_computes_our_logits(target, draft, export_dir, tmp_path) 
     assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
     theirs = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"][:, 0]  # (steps, T, N)
     for k in range(STEPS):  # the last k positions embed padding (their token 0, our zeros): not compared
-        torch.testing.assert_close(ours[k, :T - k], theirs[k, :T - k], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours[k, : T - k], theirs[k, : T - k], rtol=1e-4, atol=1e-4)
     return report
 
 
@@ -141,12 +151,24 @@ def test_sglang_export_has_exactly_its_keys_and_config(target_dir, tmp_path):
     export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg)
     with safe_open(str(export / "sglang" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-        assert torch.equal(f.get_tensor("midlayer.self_attn.q_proj.weight"),
-                           draft.state_dict()["layers.0.self_attn.q_proj.weight"])
-    layer = {f"midlayer.{name}" for name in (
-        "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        assert torch.equal(
+            f.get_tensor("midlayer.self_attn.q_proj.weight"), draft.state_dict()["layers.0.self_attn.q_proj.weight"]
+        )
+    layer = {
+        f"midlayer.{name}"
+        for name in (
+            "input_layernorm.weight",
+            "hidden_norm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    }
     assert keys == layer | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}  # no embed_tokens
     config = json.loads((export / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
@@ -177,6 +199,7 @@ def test_a_glide_draft_has_no_speculators_format(target_dir, tmp_path):
     glide = build_draft(cfg.draft, target.config)
     with pytest.raises(SpecdraftError) as err:
         write_draft_export(tmp_path / "step_1", glide.state_dict(), glide, cfg, serving=["speculators"])
-    assert str(err.value) == ("export format 'speculators': a glide draft has no such serving format "
-                              "(it has: native, longspec)")
+    assert str(err.value) == (
+        "export format 'speculators': a glide draft has no such serving format (it has: native, longspec)"
+    )
     assert not (tmp_path / "step_1").exists() and not (tmp_path / "step_1.tmp").exists()

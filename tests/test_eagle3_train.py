@@ -22,10 +22,19 @@ def overrides(target, data_dir, tmp_path, name, **extra):
 
 
 def test_eagle3_trains_logs_ttt_steps_saves_maps_and_resumes_without_recounting(
-        served_target_dir, tiny_data, data_dir, tmp_path, monkeypatch, capsys):
+    served_target_dir, tiny_data, data_dir, tmp_path, monkeypatch, capsys
+):
     tiny_target_dir = served_target_dir
-    args = overrides(tiny_target_dir, data_dir, tmp_path, "run", max_steps=20, save_steps=10, eval_steps=10,
-                     eval_prompts=tiny_data.prompts_file)
+    args = overrides(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "run",
+        max_steps=20,
+        save_steps=10,
+        eval_steps=10,
+        eval_prompts=tiny_data.prompts_file,
+    )
     result = train(load_config(None, args), log=lambda *a: None)
     assert sum(result.losses[-3:]) / 3 < result.losses[0] - 0.5, result.losses
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -104,13 +113,14 @@ def test_a_run_on_layers_no_server_captures_exports_native_only(tiny_target_dir,
 
 
 def test_exporting_a_glide_run_to_speculators_is_one_line(tiny_target_dir, data_dir, tmp_path, capsys):
-    args = run_overrides(tiny_target_dir, data_dir, tmp_path / "glide", tmp_path / "cache", max_steps=1,
-                         save_steps=1)
+    args = run_overrides(tiny_target_dir, data_dir, tmp_path / "glide", tmp_path / "cache", max_steps=1, save_steps=1)
     train(load_config(None, args), log=lambda *a: None)
     capsys.readouterr()
     assert main(["export", str(tmp_path / "glide"), "--format", "speculators"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("specdraft: error: --format speculators: a glide draft exports as native, pth, safetensors, longspec")
+    assert err == (
+        "specdraft: error: --format speculators: a glide draft exports as native, pth, safetensors, longspec"
+    )
     assert not (tmp_path / "glide" / "export_step_1").exists()
 
 
@@ -120,19 +130,29 @@ def test_eagle3_trains_at_zero3_with_the_losses_of_zero2(tiny_target_dir, data_d
     parameters of a module whose output it can see into (DraftLoss is a NamedTuple for that)."""
     losses = {}
     for stage in (2, 3):
-        args = overrides(tiny_target_dir, data_dir, tmp_path, f"zero{stage}", max_steps=4, save_steps=100,
-                         zero_stage=stage, eval_steps=0)
+        args = overrides(
+            tiny_target_dir,
+            data_dir,
+            tmp_path,
+            f"zero{stage}",
+            max_steps=4,
+            save_steps=100,
+            zero_stage=stage,
+            eval_steps=0,
+        )
         losses[stage] = train(load_config(None, args), log=lambda *a: None).losses
     assert len(losses[3]) == 4 and losses[3][-1] < losses[3][0]
     assert losses[3] == pytest.approx(losses[2], rel=1e-5)
 
 
 def test_an_unservable_export_format_named_in_the_config_is_refused_before_training(
-        tiny_target_dir, data_dir, tmp_path, capsys):
+    tiny_target_dir, data_dir, tmp_path, capsys
+):
     """The 2-layer target's default layers include its last output: naming speculators stops the
     run at start-up in one line (not at the first save), with nothing written."""
-    args = overrides(tiny_target_dir, data_dir, tmp_path, "unservable", max_steps=2, save_steps=2,
-                     export_formats="[speculators]")
+    args = overrides(
+        tiny_target_dir, data_dir, tmp_path, "unservable", max_steps=2, save_steps=2, export_formats="[speculators]"
+    )
     (tmp_path / "run.yaml").write_text("seed: 3\n")
     code = main(["train", str(tmp_path / "run.yaml"), *args])
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the target's loading bar

@@ -11,8 +11,10 @@ from specdraft.checkpoint.frozen_state import FINGERPRINT_KEY, check_fingerprint
 
 
 def test_the_fingerprint_is_the_bytes_one_changed_bit_differs_and_threads_do_not_matter(tmp_path):
-    weights = {"w": torch.randn(513, 257, generator=torch.Generator().manual_seed(0)),
-               "b": torch.randn(257, generator=torch.Generator().manual_seed(1)).bfloat16()}
+    weights = {
+        "w": torch.randn(513, 257, generator=torch.Generator().manual_seed(0)),
+        "b": torch.randn(257, generator=torch.Generator().manual_seed(1)).bfloat16(),
+    }
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

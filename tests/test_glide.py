@@ -33,8 +33,15 @@ def make_draft(target, window=6, max_lag=4):
 
 def draft_outputs(draft, feats, lag):
     index = torch.arange(T)
-    return draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
-                 cross_limit=index - lag, index=index)
+    return draft(
+        feats.input_embeds,
+        feats.cos,
+        feats.sin,
+        feats.last_keys,
+        feats.last_values,
+        cross_limit=index - lag,
+        index=index,
+    )
 
 
 def target_features(base_model, ids, position_ids):
@@ -52,10 +59,10 @@ def test_future_tokens_never_change_the_output(target, lag):
     base = draft_outputs(draft, features(target, ids), lag)
     for t in (5, 12, T - 2):
         changed = ids.clone()
-        changed[0, t + 1:] = (changed[0, t + 1:] + 7) % 128
+        changed[0, t + 1 :] = (changed[0, t + 1 :] + 7) % 128
         out = draft_outputs(draft, features(target, changed), lag)
-        torch.testing.assert_close(out[0, :t + 1], base[0, :t + 1], rtol=0, atol=1e-6)
-        assert not torch.allclose(out[0, t + 1:], base[0, t + 1:])  # the perturbation is real
+        torch.testing.assert_close(out[0, : t + 1], base[0, : t + 1], rtol=0, atol=1e-6)
+        assert not torch.allclose(out[0, t + 1 :], base[0, t + 1 :])  # the perturbation is real
 
 
 # Visibility at the exact boundaries (target K/V at t - lag vs t - lag + 1, the window edge) is
@@ -72,8 +79,16 @@ def test_incremental_decoding_with_sliding_cache_matches_full_pass(target):
     cache = SlidingWindowCache(window)
     for t in range(T):
         sl = slice(t, t + 1)
-        step = draft(feats.input_embeds[:, sl], feats.cos[:, sl], feats.sin[:, sl], feats.last_keys,
-                     feats.last_values, limit[sl], index[sl], cache=cache)
+        step = draft(
+            feats.input_embeds[:, sl],
+            feats.cos[:, sl],
+            feats.sin[:, sl],
+            feats.last_keys,
+            feats.last_values,
+            limit[sl],
+            index[sl],
+            cache=cache,
+        )
         torch.testing.assert_close(step[0, 0], full[0, t], rtol=1e-5, atol=1e-5)
         assert len(cache) <= window
 
@@ -131,8 +146,9 @@ def test_anchor_offset_positions_reach_target_and_draft(target):
     assert not torch.allclose(keys[:, :, 2:], plain_keys[:, :, 2:])  # the rest rotated elsewhere
 
 
-@pytest.mark.parametrize("window,length,lag", [(4, 24, 1), (6, 25, 3), (16, 24, 2), (24, 24, 2), (40, 24, 4),
-                                               (5, 24, 30)])
+@pytest.mark.parametrize(
+    "window,length,lag", [(4, 24, 1), (6, 25, 3), (16, 24, 2), (24, 24, 2), (40, 24, 4), (5, 24, 30)]
+)
 def test_training_attention_without_masks_equals_the_dense_mask_path(target, window, length, lag):
     """The training path (is_causal / blocked band, no (T, T) mask) gives what the general
     masked path gives, outputs and loss, on a batch without document borders."""
@@ -140,10 +156,16 @@ def test_training_attention_without_masks_equals_the_dense_mask_path(target, win
     ids = torch.randint(0, 128, (2, length))
     feats = target_features(target.model, ids, torch.arange(length)[None].expand(2, -1))
     index = torch.arange(length)
-    dense = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
-                  cross_limit=index - lag, index=index)
-    fast = draft.forward_sequence(feats.input_embeds, feats.cos, feats.sin, feats.last_keys,
-                                  feats.last_values, lag)
+    dense = draft(
+        feats.input_embeds,
+        feats.cos,
+        feats.sin,
+        feats.last_keys,
+        feats.last_values,
+        cross_limit=index - lag,
+        index=index,
+    )
+    fast = draft.forward_sequence(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values, lag)
     torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
     weight = target.lm_head.weight
     mask = (index[None, :-1] >= lag).expand(2, -1)
@@ -170,8 +192,9 @@ def test_documents_attend_only_inside_themselves(target, window, lag):
     keys, values = torch.randn(2, 1, 2, length, 16).unbind(0)  # any target K/V: (1, KV, T, D)
     packed = draft.forward_sequence(embeds, cos, sin, keys, values, lag, documents)
     for s, e in zip(borders, borders[1:]):
-        alone = draft.forward_sequence(embeds[:, s:e], cos[:, s:e], sin[:, s:e], keys[:, :, s:e],
-                                       values[:, :, s:e], lag)
+        alone = draft.forward_sequence(
+            embeds[:, s:e], cos[:, s:e], sin[:, s:e], keys[:, :, s:e], values[:, :, s:e], lag
+        )
         torch.testing.assert_close(packed[:, s:e], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -191,7 +214,7 @@ def test_in_place_chunked_loss_equals_the_reference(dtype):
     hidden = torch.randn(70, 32, dtype=dtype)
     weight = torch.randn(300, 32, dtype=dtype)
     labels = torch.randint(0, 300, (70,))
-    logits = (hidden.float() @ weight.float().t())
+    logits = hidden.float() @ weight.float().t()
     ref_hidden = hidden.float().clone().requires_grad_()
     reference = F.cross_entropy(ref_hidden @ weight.float().t(), labels, reduction="sum")
     reference.backward()

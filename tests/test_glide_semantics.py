@@ -30,9 +30,11 @@ HEADS = 4
 
 # -- adapters: the only place that knows how GLIDE is called ---------------------------------
 
+
 def build_target(kv_heads=2, vocab=VOCAB, seed=0, init=0.2):
-    return random_llama(vocab=vocab, hidden=HIDDEN, heads=HEADS, kv_heads=kv_heads, init=init, seed=seed,
-                        max_positions=4096)
+    return random_llama(
+        vocab=vocab, hidden=HIDDEN, heads=HEADS, kv_heads=kv_heads, init=init, seed=seed, max_positions=4096
+    )
 
 
 def build_glide(target, window, max_lag, final_norm=False, seed=0):
@@ -125,6 +127,7 @@ def record_drafter_logits(drafter):
 
 # -- the reference: one position at a time, attention by hand --------------------------------
 
+
 def _rms(x, weight, eps):
     return weight * (x / torch.sqrt((x * x).mean() + eps))
 
@@ -157,29 +160,35 @@ def reference_hidden(draft, embeds, cos, sin, target_keys, target_values, lag):
 
     def heads(weight, x, count, t, rotate=True):
         flat = weight @ x
-        out = [flat[h * D:(h + 1) * D] for h in range(count)]
+        out = [flat[h * D : (h + 1) * D] for h in range(count)]
         return [_rope(v, cos[t], sin[t]) for v in out] if rotate else out
 
     normed = [_rms(embeds[s], P["input_layernorm.weight"], d.rms_norm_eps) for s in range(T)]
     keys = [heads(P["self_attn.k_proj.weight"], normed[s], d.num_kv_heads, s) for s in range(T)]
-    values = [heads(P["self_attn.v_proj.weight"], normed[s], d.num_kv_heads, s, rotate=False)
-              for s in range(T)]
+    values = [heads(P["self_attn.v_proj.weight"], normed[s], d.num_kv_heads, s, rotate=False) for s in range(T)]
     out = []
     for t in range(T):
         x = embeds[t]
         queries = heads(P["self_attn.q_proj.weight"], normed[t], d.num_heads, t)
         seen = [s for s in range(T) if 0 <= t - s < d.sliding_window]
-        attended = [_softmax_weighted(queries[h], [keys[s][h // group] for s in seen],
-                                      [values[s][h // group] for s in seen]) for h in range(d.num_heads)]
+        attended = [
+            _softmax_weighted(queries[h], [keys[s][h // group] for s in seen], [values[s][h // group] for s in seen])
+            for h in range(d.num_heads)
+        ]
         x = x + P["self_attn.o_proj.weight"] @ torch.cat(attended)
 
         y = _rms(x, P["cross_layernorm.weight"], d.rms_norm_eps)
         queries = heads(P["cross_attn.q_proj.weight"], y, d.num_heads, t)
         seen = [s for s in range(T) if s <= t - lag]
         if seen:
-            attended = [_softmax_weighted(queries[h], [target_keys[h // target_group, s] for s in seen],
-                                          [target_values[h // target_group, s] for s in seen])
-                        for h in range(d.num_heads)]
+            attended = [
+                _softmax_weighted(
+                    queries[h],
+                    [target_keys[h // target_group, s] for s in seen],
+                    [target_values[h // target_group, s] for s in seen],
+                )
+                for h in range(d.num_heads)
+            ]
             x = x + P["cross_attn.o_proj.weight"] @ torch.cat(attended)
 
         y = _rms(x, P["post_attention_layernorm.weight"], d.rms_norm_eps)
@@ -227,7 +236,7 @@ WINDOW = 5  # shorter than T
 
 def holey_mask(B, T, generator):
     mask = (torch.rand(B, T, generator=generator) > 0.3).long()
-    mask[:, T // 2:T // 2 + 3] = 0  # a hole wider than one token
+    mask[:, T // 2 : T // 2 + 3] = 0  # a hole wider than one token
     mask[0, -1] = 1
     return mask
 
@@ -266,8 +275,9 @@ def test_loss_logits_and_gradients_equal_the_per_position_reference(case, monkey
     torch.testing.assert_close(hidden @ head.t(), ref_hidden.detach() @ head.t(), rtol=1e-4, atol=1e-4)
 
     # what the loss trains on: exactly the reference's (position, label) pairs, in order
-    rows, labels = training_predictions(monkeypatch, draft, target, ids, mask, lag,
-                                        None if case["positions"] == "plain" else positions)
+    rows, labels = training_predictions(
+        monkeypatch, draft, target, ids, mask, lag, None if case["positions"] == "plain" else positions
+    )
     assert labels.tolist() == [label for _, _, label in counted]
     expected_rows = torch.stack([ref_hidden[b, t] for b, t, _ in counted]).detach()
     torch.testing.assert_close(rows, expected_rows, rtol=1e-4, atol=1e-4)
@@ -279,8 +289,7 @@ def test_loss_logits_and_gradients_equal_the_per_position_reference(case, monkey
     torch.testing.assert_close(out.loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
     for name, p in draft.named_parameters():
         assert ref_grads[name].abs().sum() > 0, name  # every parameter is exercised
-        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_anchor_offset_positions_reach_the_draft_rope(monkeypatch):
@@ -344,11 +353,11 @@ def test_target_kv_visible_up_to_t_minus_lag_and_not_one_further(boundary_setup,
                         torch.testing.assert_close(out[0, t], base[0, t], rtol=0, atol=1e-6)
             # everything later than the limit at once: still invisible
             keys = feats.last_keys.clone()
-            keys[:, :, t - lag + 1:] += 3.0
+            keys[:, :, t - lag + 1 :] += 3.0
             values = feats.last_values.clone()
-            values[:, :, t - lag + 1:] += 3.0
+            values[:, :, t - lag + 1 :] += 3.0
             out = draft_hidden_kv(draft, feats, lag, keys, values)
-            torch.testing.assert_close(out[0, :t + 1], base[0, :t + 1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(out[0, : t + 1], base[0, : t + 1], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("lag", [1, 3])
@@ -425,8 +434,7 @@ def test_loss_is_minimal_exactly_at_the_next_token_of_each_counted_position(alig
     B, T = ids.shape
     for b in range(B):
         for t in range(T):
-            losses = torch.tensor([_loss_with_candidate(draft, feats, ids, mask, lag, b, t, k)
-                                   for k in range(ALIGN_V)])
+            losses = torch.tensor([_loss_with_candidate(draft, feats, ids, mask, lag, b, t, k) for k in range(ALIGN_V)])
             counted = t >= lag and t + 1 < T and bool(mask[b, t + 1])
             if counted:
                 assert int(losses.argmin()) == int(next_token(ids[b, t])) == int(ids[b, t + 1]), (b, t)
@@ -486,11 +494,12 @@ def test_a_trained_draft_predicts_the_next_token_not_the_current_one():
     lag = 2
     with torch.no_grad():
         logits = draft_hidden(draft, features(target, ids), lag) @ target.lm_head.weight.t()
-    predicted = logits.argmax(-1)[:, lag:T - 1]
-    assert torch.equal(predicted, next_token(ids[:, lag:T - 1]))
+    predicted = logits.argmax(-1)[:, lag : T - 1]
+    assert torch.equal(predicted, next_token(ids[:, lag : T - 1]))
 
 
 # -- 4. training logits == drafting logits, at every lag the drafter drafts at ---------------
+
 
 def training_logits_at(monkeypatch, draft, target, sequence, lag, position):
     """The training loss's logits for position `position` of `sequence` at lag `lag`."""
@@ -564,8 +573,7 @@ def test_tree_drafting_logits_equal_training_logits_at_lag_depth(decode_setup, m
                 row = int((depth[:node] == d).sum())  # frontier rows are the depth-d nodes in order
                 index, logits = calls[d]
                 assert int(index[-1]) == n + d
-                expected = training_logits_at(monkeypatch, draft, target, sequence + [0], lag=d + 1,
-                                              position=n + d)
+                expected = training_logits_at(monkeypatch, draft, target, sequence + [0], lag=d + 1, position=n + d)
                 torch.testing.assert_close(logits[row, -1], expected, rtol=1e-4, atol=1e-4)
         root = training_logits_at(monkeypatch, draft, target, tokens.tolist() + [0], lag=1, position=n)
         torch.testing.assert_close(calls[0][1][0, -1], root, rtol=1e-4, atol=1e-4)

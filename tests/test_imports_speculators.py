@@ -57,8 +57,9 @@ def test_a_dflash_speculators_saved_imports_and_computes_its_logits(tmp_path):
     write_speculators_export(ours, ours.state_dict(), tmp_path / "spec", str(directory))
     run_in_speculators(RESAVE, tmp_path / "spec", tmp_path / "theirs", "dflash")
     cfg = OmegaConf.structured(TrainConfig(target=str(directory), data_files="unused"))
-    cfg.draft = OmegaConf.merge(cfg.draft, dict(type="dflash", num_layers=2, block_size=5,
-                                                init_from=str(tmp_path / "theirs")))
+    cfg.draft = OmegaConf.merge(
+        cfg.draft, dict(type="dflash", num_layers=2, block_size=5, init_from=str(tmp_path / "theirs"))
+    )
     _, draft = imported_draft(cfg, target.config)
     draft.eval()
     assert not torch.equal(draft.fc.weight, ours.fc.weight)  # speculators' new weights
@@ -67,8 +68,9 @@ def test_a_dflash_speculators_saved_imports_and_computes_its_logits(tmp_path):
     logits, feats = our_logits(draft, target, ids, anchors)
     hidden_states = torch.cat([feats.hidden[i] for i in draft.dims.target_layers], dim=-1)
     torch.save({"anchors": anchors, "input_ids": ids, "hidden_states": hidden_states}, tmp_path / "in.pt")
-    run_speculators_file(REPO / "tests" / "speculators_dflash_check.py", tmp_path / "theirs", tmp_path / "in.pt",
-                         tmp_path / "out.pt")
+    run_speculators_file(
+        REPO / "tests" / "speculators_dflash_check.py", tmp_path / "theirs", tmp_path / "in.pt", tmp_path / "out.pt"
+    )
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["weights_equal"]
     torch.testing.assert_close(result["logits"], logits, rtol=1e-4, atol=1e-4)

@@ -49,8 +49,13 @@ def runs(served_target_dir, data_dir, tiny_data, tmp_path_factory):
     torch.save(load_file(str(release / "model.safetensors")), release / "pytorch_model.bin")
     (release / "model.safetensors").unlink()
     lines = []
-    b_cfg = config(served_target_dir, tiny_data.train_files[0].parent, root, "b",
-                   **{"draft.init_from": str(release / "pytorch_model.bin")})
+    b_cfg = config(
+        served_target_dir,
+        tiny_data.train_files[0].parent,
+        root,
+        "b",
+        **{"draft.init_from": str(release / "pytorch_model.bin")},
+    )
     b = train(b_cfg, log=lines.append)
     c = train(config(served_target_dir, tiny_data.train_files[0].parent, root, "c"), log=lambda *_: None)
     return dict(root=root, a=a, b=b, c=c, b_cfg=b_cfg, lines=lines, release=release)
@@ -76,8 +81,10 @@ def test_fine_tuning_an_imported_eagle3_starts_at_its_loss_and_trains(runs):
     assert b.losses[0] == first_batch_loss(runs["b_cfg"], imported)  # exactly: the imported draft's loss
     assert b.losses[0] < c.losses[0]  # not a random draft's: A learnt the target on the chat data
     assert b.losses[-1] < b.losses[0]  # and it trains
-    assert any(line.startswith(f"draft.init_from: sglang draft {runs['release'] / 'pytorch_model.bin'}")
-               for line in runs["lines"]), runs["lines"]
+    assert any(
+        line.startswith(f"draft.init_from: sglang draft {runs['release'] / 'pytorch_model.bin'}")
+        for line in runs["lines"]
+    ), runs["lines"]
 
 
 def test_the_imported_vocabulary_is_kept_and_the_datas_disagreement_reported(runs):
@@ -86,8 +93,14 @@ def test_the_imported_vocabulary_is_kept_and_the_datas_disagreement_reported(run
     assert torch.equal(tuned["d2t"], source["d2t"]) and torch.equal(tuned["t2d"], source["t2d"])  # never recounted
     # the tiny data's own 200 most frequent answer tokens, counted here from B's packed data
     line = next(line for line in runs["lines"] if "most frequent answer tokens" in line)
-    outside, top = map(int, re.match(r"draft.init_from: (\d+) of the data's (\d+) most frequent answer tokens are "
-                                     r"outside the imported draft vocabulary of 200 ", line).groups())
+    outside, top = map(
+        int,
+        re.match(
+            r"draft.init_from: (\d+) of the data's (\d+) most frequent answer tokens are "
+            r"outside the imported draft vocabulary of 200 ",
+            line,
+        ).groups(),
+    )
     assert (outside, top) == data_top_outside(runs["b_cfg"], source["t2d"])
     assert outside > 0  # the tiny demo data is not the chat data A's vocabulary was counted on
 
@@ -98,18 +111,27 @@ def data_top_outside(cfg, t2d) -> int:
     data = prepare_data(cfg, AutoTokenizer.from_pretrained(cfg.target), 0, lambda *_: None)
     tokens = np.asarray(data.tokens)[np.asarray(data.loss_mask).astype(bool)]
     counts = np.bincount(tokens, minlength=t2d.numel())
-    top = [i for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:200] if counts[i] > 0]  # ties: lower id
+    top = [
+        i for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:200] if counts[i] > 0
+    ]  # ties: lower id
     return sum(1 for i in top if not bool(t2d[i])), len(top)
 
 
 def test_a_resumed_run_does_not_import_again(runs, served_target_dir, tiny_data):
     lines = []
-    cfg = config(served_target_dir, tiny_data.train_files[0].parent, runs["root"], "b", max_steps=STEPS + 1,
-                 **{"draft.init_from": str(runs["release"] / "pytorch_model.bin")})
+    cfg = config(
+        served_target_dir,
+        tiny_data.train_files[0].parent,
+        runs["root"],
+        "b",
+        max_steps=STEPS + 1,
+        **{"draft.init_from": str(runs["release"] / "pytorch_model.bin")},
+    )
     result = train(cfg, log=lines.append)
     assert f"resumed from {runs['root'] / 'b' / 'ckpt' / f'step_{STEPS}'} at step {STEPS}" in lines
     assert any("is not imported again" in line for line in lines) and not any(
-        line.startswith("draft.init_from: sglang draft") for line in lines)
+        line.startswith("draft.init_from: sglang draft") for line in lines
+    )
     assert len(result.losses) == 1
 
 
@@ -126,8 +148,24 @@ def test_eval_gives_the_same_tau_before_and_after_a_round_trip(runs, served_targ
     reports = []
     for export in (before, after):
         capsys.readouterr()
-        assert main(["eval", str(export), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "4",
-                     "--max-new-tokens", "16", "--device", "cpu", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(export),
+                    "--prompts",
+                    str(tiny_data.prompts_file),
+                    "--max-prompts",
+                    "4",
+                    "--max-new-tokens",
+                    "16",
+                    "--device",
+                    "cpu",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         reports.append(json.loads(capsys.readouterr().out))
     assert reports[0]["tau"] == reports[1]["tau"] and reports[0]["tau"] > 1.0
     assert reports[0]["acceptance_per_position"] == reports[1]["acceptance_per_position"]
@@ -136,17 +174,21 @@ def test_eval_gives_the_same_tau_before_and_after_a_round_trip(runs, served_targ
 # -- bad files: one line, exit 2, nothing written ----------------------------------------------------
 
 KINDS = ("wrong_shape", "missing", "pickle_runs_code")
-FORMATS = [("glide", "native", "", "self_attn.o_proj.weight"), ("glide", "longspec", "", "mlp.up_proj.weight"),
-           ("eagle3", "speculators", "", "layers.0.mlp.down_proj.weight"),
-           ("eagle3", "sglang", "pytorch_model.bin", "midlayer.self_attn.q_proj.weight"),
-           ("dflash", "speculators", "", "layers.0.self_attn.k_proj.weight"),
-           ("dspark", "speculators", "", "confidence_head.proj.weight")]
+FORMATS = [
+    ("glide", "native", "", "self_attn.o_proj.weight"),
+    ("glide", "longspec", "", "mlp.up_proj.weight"),
+    ("eagle3", "speculators", "", "layers.0.mlp.down_proj.weight"),
+    ("eagle3", "sglang", "pytorch_model.bin", "midlayer.self_attn.q_proj.weight"),
+    ("dflash", "speculators", "", "layers.0.self_attn.k_proj.weight"),
+    ("dspark", "speculators", "", "confidence_head.proj.weight"),
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family,fmt,path,tensor", FORMATS, ids=[f"{f[0]}-{f[1]}" for f in FORMATS])
 def test_specdraft_train_refuses_a_bad_import_in_one_line_and_writes_nothing(
-        served_target_dir, data_dir, tmp_path, capsys, family, fmt, path, tensor, kind):
+    served_target_dir, data_dir, tmp_path, capsys, family, fmt, path, tensor, kind
+):
     from test_imports import SMALL
 
     _, _, source = export_in(served_target_dir, tmp_path / "bad", family, fmt, path)
@@ -161,14 +203,23 @@ def test_specdraft_train_refuses_a_bad_import_in_one_line_and_writes_nothing(
         weights = weights.with_name("draft_model_weights.pth" if weights.suffix == ".pth" else "pytorch_model.bin")
         torch.save({tensor: torch.zeros(1), "payload": RunsCode(marker)}, weights)
     options = {f"draft.{k}": str(v).replace(" ", "") for k, v in SMALL[family].items()}
-    args = run_overrides(served_target_dir, data_dir, tmp_path / "run", tmp_path / "cache", max_steps=1,
-                         **{"draft.type": family, "draft.init_from": str(source), **options})
+    args = run_overrides(
+        served_target_dir,
+        data_dir,
+        tmp_path / "run",
+        tmp_path / "cache",
+        max_steps=1,
+        **{"draft.type": family, "draft.init_from": str(source), **options},
+    )
     capsys.readouterr()
     code = main_train(args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
-    expected = {"wrong_shape": f"tensor {tensor!r} has shape (3, 5)", "missing": f"missing tensor {tensor!r}",
-                "pickle_runs_code": "refused: the pickle asks for more than tensors"}[kind]
+    expected = {
+        "wrong_shape": f"tensor {tensor!r} has shape (3, 5)",
+        "missing": f"missing tensor {tensor!r}",
+        "pickle_runs_code": "refused: the pickle asks for more than tensors",
+    }[kind]
     assert err.startswith(f"specdraft: error: {weights}: ") and expected in err, err
     assert not marker.exists() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 

@@ -19,8 +19,21 @@ PACKAGE = Path(specdraft.__file__).resolve().parent
 DRAFTS = PACKAGE / "drafts"
 MAX_LINES = 500
 # Packages that must never import these (each layer imports only the layers below it).
-ABOVE = ["cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "target",
-         "data", "parallel", "rundir"]
+ABOVE = [
+    "cli",
+    "commands",
+    "demo",
+    "train",
+    "checkpoint",
+    "export",
+    "config",
+    "drafts",
+    "decode",
+    "target",
+    "data",
+    "parallel",
+    "rundir",
+]
 NEVER = {
     "commands": {"cli"},
     "demo": {"cli"},
@@ -37,6 +50,7 @@ NEVER = {
 }
 LEAVES = ("errors", "paths", "transfer")  # modules at the package root that import nothing of ours
 
+
 def unit(module: str) -> str:
     """specdraft.train.loop -> train; specdraft.rundir.layout -> run; specdraft -> specdraft."""
     parts = module.split(".")
@@ -51,8 +65,7 @@ def imports_by_unit():
         here = rel.parts[0].removesuffix(".py") if rel != Path("__init__.py") else "specdraft"
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specdraft"):
-                names = ([f"specdraft.{a.name}" for a in node.names] if node.module == "specdraft"
-                         else [node.module])
+                names = [f"specdraft.{a.name}" for a in node.names] if node.module == "specdraft" else [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names if a.name.startswith("specdraft")]
             else:
@@ -64,20 +77,29 @@ def imports_by_unit():
 
 def test_no_package_imports_a_package_that_imports_it():
     edges = imports_by_unit()
-    cycles = [(a, b, edges[a][b][0], edges[b][a][0]) for a in edges for b in edges[a] if a in edges.get(b, {}) and a < b]
+    cycles = [
+        (a, b, edges[a][b][0], edges[b][a][0]) for a in edges for b in edges[a] if a in edges.get(b, {}) and a < b
+    ]
     assert not cycles, cycles
 
 
 def test_imports_point_from_commands_down_to_the_engine():
     edges = imports_by_unit()
-    wrong = [(here, there, files[0]) for here, forbidden in NEVER.items()
-             for there, files in edges.get(here, {}).items() if there in forbidden]
+    wrong = [
+        (here, there, files[0])
+        for here, forbidden in NEVER.items()
+        for there, files in edges.get(here, {}).items()
+        if there in forbidden
+    ]
     assert not wrong, wrong
 
 
 def test_no_module_is_over_500_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, long
 
 
@@ -103,7 +125,7 @@ def imported_modules(path: Path, source: Optional[str] = None):
             base = node.module or ""
             if node.level:  # relative: from the file's package, up level - 1
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             if base.startswith("specdraft"):
                 yield from (f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
@@ -133,7 +155,8 @@ def test_each_family_is_one_folder_of_drafts():
     folders = sorted(p.name for p in DRAFTS.iterdir() if (p / "__init__.py").is_file())
     assert folders == sorted(FAMILIES)
     assert {name: cls.__module__ for name, cls in FAMILIES.items()} == {
-        name: f"specdraft.drafts.{name}.model" for name in FAMILIES}
+        name: f"specdraft.drafts.{name}.model" for name in FAMILIES
+    }
 
 
 def test_each_model_inherits_what_the_config_knows_of_its_family():
@@ -161,26 +184,35 @@ def wrong_family_imports(rel: Path, source: str):
 
 
 def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only():
-    wrong = [w for path in sorted(DRAFTS.rglob("*.py")) if path not in [DRAFTS / name for name in REGISTRIES]
-             for w in wrong_family_imports(path.relative_to(DRAFTS), path.read_text())]
+    wrong = [
+        w
+        for path in sorted(DRAFTS.rglob("*.py"))
+        if path not in [DRAFTS / name for name in REGISTRIES]
+        for w in wrong_family_imports(path.relative_to(DRAFTS), path.read_text())
+    ]
     assert not wrong, wrong
     assert {name: cls.base_family for name, cls in FAMILIES.items() if cls.base_family} == {
-        "peagle": "eagle3", "dspark": "dflash"}
+        "peagle": "eagle3",
+        "dspark": "dflash",
+    }
 
 
-@pytest.mark.parametrize("rel, planted, refused", [
-    ("peagle/model.py", "from specdraft.drafts.eagle3.layer import Eagle3Base", False),  # its base
-    ("dspark/decode.py", "from specdraft.drafts.dflash import blocks", False),
-    ("peagle/model.py", "from specdraft.drafts.dflash.blocks import BlockShape", True),  # not its base
-    ("eagle3/layer.py", "from specdraft.drafts.peagle.cod_attention import CODSlots", True),  # base -> child
-    ("dflash/model.py", "import specdraft.drafts.dspark.model", True),
-    ("glide/model.py", "from ..mtp import layer", True),  # relative
-    ("documents.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
-    ("layers.py", "from specdraft.drafts.registry import FAMILIES", True),  # the registry imports every family
-    ("spec.py", "from specdraft.drafts import SPECS", True),  # and so does drafts.SPECS
-    ("glide/options.py", "from specdraft.drafts.registry import build_draft", True),
-    ("mtp/model.py", "from specdraft.drafts.layers import RMSNorm", False),
-])
+@pytest.mark.parametrize(
+    "rel, planted, refused",
+    [
+        ("peagle/model.py", "from specdraft.drafts.eagle3.layer import Eagle3Base", False),  # its base
+        ("dspark/decode.py", "from specdraft.drafts.dflash import blocks", False),
+        ("peagle/model.py", "from specdraft.drafts.dflash.blocks import BlockShape", True),  # not its base
+        ("eagle3/layer.py", "from specdraft.drafts.peagle.cod_attention import CODSlots", True),  # base -> child
+        ("dflash/model.py", "import specdraft.drafts.dspark.model", True),
+        ("glide/model.py", "from ..mtp import layer", True),  # relative
+        ("documents.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
+        ("layers.py", "from specdraft.drafts.registry import FAMILIES", True),  # the registry imports every family
+        ("spec.py", "from specdraft.drafts import SPECS", True),  # and so does drafts.SPECS
+        ("glide/options.py", "from specdraft.drafts.registry import build_draft", True),
+        ("mtp/model.py", "from specdraft.drafts.layers import RMSNorm", False),
+    ],
+)
 def test_a_planted_import_is_judged_by_the_rule(rel, planted, refused):
     source = (DRAFTS / rel).read_text()
     assert not wrong_family_imports(Path(rel), source)
@@ -195,8 +227,11 @@ def family_names_in(source: str):
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names:
             yield repr(node.value)
-        for ident in (getattr(node, "id", None), getattr(node, "attr", None),
-                      node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.alias)) else None):
+        for ident in (
+            getattr(node, "id", None),
+            getattr(node, "attr", None),
+            node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.alias)) else None,
+        ):
             if isinstance(ident, str) and any(name in ident.lower() for name in names):
                 yield ident
 
@@ -208,8 +243,11 @@ def test_no_shared_module_names_a_family():
     named = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE)
-        if (rel.parts[0] == "drafts" and len(rel.parts) > 2) or rel in [Path("drafts", name) for name in REGISTRIES] or \
-                rel.parts[0] == "demo":
+        if (
+            (rel.parts[0] == "drafts" and len(rel.parts) > 2)
+            or rel in [Path("drafts", name) for name in REGISTRIES]
+            or rel.parts[0] == "demo"
+        ):
             continue
         if found := sorted(set(family_names_in(path.read_text()))):
             named[str(rel)] = found

@@ -14,15 +14,26 @@ from test_eagle3 import target  # noqa: F401 (the fixture)
 
 CASES = {
     "eagle3-lk_lambda": {"draft.type": "eagle3", "draft.loss": "lk_lambda", "draft.ttt_steps": 2},
-    "peagle-lk_alpha": {"draft.type": "peagle", "draft.loss": "lk_alpha", "draft.num_depths": 3,
-                        "draft.mask_token_id": 3},
+    "peagle-lk_alpha": {
+        "draft.type": "peagle",
+        "draft.loss": "lk_alpha",
+        "draft.num_depths": 3,
+        "draft.mask_token_id": 3,
+    },
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_lk_loss_trains_and_raises_the_acceptance(case, tiny_target_dir, data_dir, tmp_path):
-    result = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=60, save_steps=60,
-                       **{"draft.draft_vocab_size": 64, **CASES[case]})
+    result = train_run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "run",
+        max_steps=60,
+        save_steps=60,
+        **{"draft.draft_vocab_size": 64, **CASES[case]},
+    )
     first, last = result.losses[0], sum(result.losses[-5:]) / 5
     assert last < 0.8 * first, result.losses
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -34,6 +45,7 @@ def test_an_lk_loss_trains_and_raises_the_acceptance(case, tiny_target_dir, data
 
 
 # -- EAGLE-3's whole loss against SpecForge's per-step formula (float64 transcription) ------------
+
 
 def specforge_step(z, p_on_draft, p_renorm, mask, mode, counted):
     """One TTT step as SpecForge computes it: alpha_r = sum min(p_on_draft, softmax z); alpha mode
@@ -75,14 +87,20 @@ def test_eagle3_lk_is_specforge_per_step_weighted_0_8_to_the_k(target, mode, tea
     ref, alpha_sum, rows = 0.0, 0.0, 0
     for k, head in enumerate(heads):
         counted = torch.zeros_like(mask, dtype=torch.bool)
-        counted[:, :T - 2 - k] = mask[:, 2 + k:].bool()
+        counted[:, : T - 2 - k] = mask[:, 2 + k :].bool()
         z = draft.logits(head)[counted]
-        teacher = full[:, 1 + k:][counted[:, :T - 1 - k]]
-        keep = torch.isin(teacher.argmax(-1), used) if teacher_rows == "in_vocab" else \
-            torch.ones(len(z), dtype=torch.bool)
-        ref = ref + 0.8 ** k * specforge_step(z.double(), torch.softmax(teacher.double(), -1)[:, used],
-                                              torch.softmax(teacher[:, used].double(), -1), keep, mode,
-                                              int(counted.sum()))
+        teacher = full[:, 1 + k :][counted[:, : T - 1 - k]]
+        keep = (
+            torch.isin(teacher.argmax(-1), used) if teacher_rows == "in_vocab" else torch.ones(len(z), dtype=torch.bool)
+        )
+        ref = ref + 0.8**k * specforge_step(
+            z.double(),
+            torch.softmax(teacher.double(), -1)[:, used],
+            torch.softmax(teacher[:, used].double(), -1),
+            keep,
+            mode,
+            int(counted.sum()),
+        )
         on_draft = torch.softmax(teacher, -1)[:, used]
         alpha_sum += float((torch.minimum(on_draft, torch.softmax(z.detach(), -1)).sum(-1) * keep).sum())
         rows += int(counted.sum())
@@ -101,6 +119,14 @@ def test_an_lk_lambda_run_resumes_bit_identically(tiny_target_dir, data_dir, tmp
     """lam is recomputed from the batch after a resume: the resumed steps' losses are the straight run's."""
     extra = {"draft.type": "eagle3", "draft.ttt_steps": 2, "draft.loss": "lk_lambda", "draft.draft_vocab_size": 64}
     straight = train_run(tiny_target_dir, data_dir, tmp_path, "straight", max_steps=6, save_steps=3, **extra)
-    resumed = train_run(tiny_target_dir, data_dir, tmp_path, "resumed", max_steps=6, save_steps=3,
-                        resume=tmp_path / "straight" / "ckpt" / "step_3", **extra)
+    resumed = train_run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "resumed",
+        max_steps=6,
+        save_steps=3,
+        resume=tmp_path / "straight" / "ckpt" / "step_3",
+        **extra,
+    )
     assert len(resumed.losses) == 3 and resumed.losses == straight.losses[3:]

@@ -14,7 +14,8 @@ from speculators_env import run_in_speculators
 
 def _ce(logits, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(
-        labels.shape)
+        labels.shape
+    )
 
 
 def _dpace_by_hand(ce, mask, alpha):
@@ -91,14 +92,23 @@ def test_dpace_matches_speculators_own_function():
     logits, labels, mask = _block_case(seed=3)
     blocks, S, V = logits.shape
     targets = torch.nn.functional.one_hot(labels, V).float() * 10  # argmax = label
-    case = {"logits": logits.reshape(1, -1, V).tolist(), "targets": targets.reshape(1, -1, V).tolist(),
-            "mask": mask.reshape(1, -1).float().tolist(), "S": S, "alpha": 0.5}
+    case = {
+        "logits": logits.reshape(1, -1, V).tolist(),
+        "targets": targets.reshape(1, -1, V).tolist(),
+        "mask": mask.reshape(1, -1).float().tolist(),
+        "S": S,
+        "alpha": 0.5,
+    }
     theirs = run_in_speculators(SPECULATORS_DPACE, json.dumps(case))
     x = logits.clone().requires_grad_(True)
     ours = dpace_loss(_ce(x, labels), mask, 0.5)
     ours.backward()
-    torch.testing.assert_close(dpace_weights(_ce(logits, labels), mask, 0.5),
-                               torch.tensor(theirs["weights"]).view(blocks, S), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        dpace_weights(_ce(logits, labels), mask, 0.5),
+        torch.tensor(theirs["weights"]).view(blocks, S),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert ours.item() == pytest.approx(theirs["loss"], rel=1e-5)
     torch.testing.assert_close(x.grad, torch.tensor(theirs["grad"]).view(blocks, S, V), rtol=1e-4, atol=1e-7)
 
@@ -166,6 +176,7 @@ def test_lk_ttt_steps_weigh_0_8_to_the_i():
 
 # -- the LK losses as training computes them: the chunked objective against lk_loss above ---------
 
+
 def _lk_training_case(seed=0, N=11, H=6, Ht=5, Vd=7, V=10):
     """A draft head over a draft vocab (the first Vd target ids) and a target over V: the chunked
     objective's inputs, and lk_loss's (the renormalised teacher, the unrenormalised acceptance)."""
@@ -193,13 +204,23 @@ def test_the_trained_lk_losses_equal_the_reference_with_gradients(name, chunk, f
     tested above: a sum over the teacher's kept rows, lambda from their mean acceptance; the
     acceptance reads the target over its whole vocab (teacher_lse), the KL the renormalised one."""
     from specdraft.drafts.loss import whole_vocab_pass
-    from specdraft.drafts.objectives import chunked_objective, parse_objective
+    from specdraft.drafts.objectives import chunked_objective
+    from specdraft.drafts.objective_options import parse_objective
 
     hidden, head, final, target_head, keep = _lk_training_case()
     Vd = head.shape[0]
     a = [hidden.clone().requires_grad_(), head.clone().requires_grad_(not frozen_head)]
-    out = chunked_objective(a[0], a[1], final, target_head[:Vd], None, parse_objective(name), chunk,
-                            teacher_keep=keep, teacher_lse=whole_vocab_pass(final, target_head, 4)[0])
+    out = chunked_objective(
+        a[0],
+        a[1],
+        final,
+        target_head[:Vd],
+        None,
+        parse_objective(name),
+        chunk,
+        teacher_keep=keep,
+        teacher_lse=whole_vocab_pass(final, target_head, 4)[0],
+    )
     out.loss.backward()
     b = [hidden.clone().requires_grad_(), head.clone().requires_grad_()]
     expected = _lk_reference(*b, final, target_head, keep, name[3:])
@@ -218,7 +239,8 @@ def test_the_trained_lk_losses_equal_the_reference_with_gradients(name, chunk, f
 def test_lk_lambda_reads_the_mean_acceptance_of_the_whole_sequence():
     """Under sequence parallelism each rank holds part of a step's rows: `reduce` sums lambda's
     statistics over the group, so the two halves' losses and gradients add up to the whole's."""
-    from specdraft.drafts.objectives import chunked_objective, parse_objective
+    from specdraft.drafts.objectives import chunked_objective
+    from specdraft.drafts.objective_options import parse_objective
 
     hidden, head, final, target_head, keep = _lk_training_case(seed=4, N=12)
     Vd, objective = head.shape[0], parse_objective("lk_lambda")
@@ -227,13 +249,25 @@ def test_lk_lambda_reads_the_mean_acceptance_of_the_whole_sequence():
     whole = chunked_objective(whole_h, whole_w, final, target_head[:Vd], None, objective, 5, keep, lse)
     whole.loss.backward()
     halves = [slice(0, 5), slice(5, 12)]
-    stats = [chunked_objective(hidden[s], head, final[s], target_head[:Vd], None, objective, 5, keep[s], lse[s])
-             for s in halves]
+    stats = [
+        chunked_objective(hidden[s], head, final[s], target_head[:Vd], None, objective, 5, keep[s], lse[s])
+        for s in halves
+    ]
     part_h, part_w, total = hidden.clone().requires_grad_(), head.clone().requires_grad_(), 0.0
     for i, s in enumerate(halves):
         other = iter([stats[1 - i].terms["accept"], keep[halves[1 - i]].sum().float()])
-        out = chunked_objective(part_h[s], part_w, final[s], target_head[:Vd], None, objective, 5, keep[s], lse[s],
-                                reduce=lambda x: x + next(other))
+        out = chunked_objective(
+            part_h[s],
+            part_w,
+            final[s],
+            target_head[:Vd],
+            None,
+            objective,
+            5,
+            keep[s],
+            lse[s],
+            reduce=lambda x: x + next(other),
+        )
         out.loss.backward()
         total = total + out.loss.detach()
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-6, atol=1e-6)

@@ -12,13 +12,31 @@ from specdraft.config import TrainConfig
 from specdraft.drafts.registry import FAMILIES
 from specdraft.train import memory
 
-TARGET = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+TARGET = LlamaConfig(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 # the same size as a qwen3_next (MoE MLPs, gated attention), for a family that drafts only for it (MTP)
-QWEN3_NEXT = Qwen3NextConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                             layer_types=["full_attention"] * 4, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                             shared_expert_intermediate_size=256, tie_word_embeddings=False)
+QWEN3_NEXT = Qwen3NextConfig(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    layer_types=["full_attention"] * 4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=256,
+    tie_word_embeddings=False,
+)
 
 
 def target_of(family):
@@ -49,9 +67,12 @@ def test_no_familys_term_grows_faster_than_t_with_packed_documents(family):
     from specdraft.drafts.base import MemoryShape
 
     draft = build_draft(config(family, 4096).draft, target_of(family))
-    at = {T: draft.memory_terms(MemoryShape(B=1, T=T, dtype_bytes=2, chunk=1024, documents=True,
-                                            target=target_of(family)))
-          for T in (4096, 8192)}
+    at = {
+        T: draft.memory_terms(
+            MemoryShape(B=1, T=T, dtype_bytes=2, chunk=1024, documents=True, target=target_of(family))
+        )
+        for T in (4096, 8192)
+    }
     for name, value in at[8192].items():
         assert at[4096][name] <= value <= 2 * at[4096][name] + 1, name
 
@@ -65,8 +86,12 @@ def test_packed_documents_cost_no_square_term(family):
     from specdraft.drafts.base import MemoryShape
 
     draft = build_draft(config(family, 4096).draft, target_of(family))
-    terms = {docs: draft.memory_terms(MemoryShape(B=1, T=8192, dtype_bytes=2, chunk=1024, documents=docs,
-                                                  target=target_of(family))) for docs in (False, True)}
+    terms = {
+        docs: draft.memory_terms(
+            MemoryShape(B=1, T=8192, dtype_bytes=2, chunk=1024, documents=docs, target=target_of(family))
+        )
+        for docs in (False, True)
+    }
     assert no_term_new_or_larger(terms[True], terms[False])
 
 
@@ -95,10 +120,11 @@ def test_the_zero_buckets_are_even_whatever_the_drafts_parameter_count():
     from specdraft.train.memory import REDUCE_BUCKET, reduce_bucket_elements
 
     assert [reduce_bucket_elements(n) for n in (1, 8, 1_780_001)] == [8, 8, 1_780_008]
-    assert reduce_bucket_elements(10 ** 10) == REDUCE_BUCKET
+    assert reduce_bucket_elements(10**10) == REDUCE_BUCKET
 
 
 # -- the terms against the tensors a step really holds -------------------------------------------
+
 
 def test_live_tensor_bytes_follow_storages_not_views():
     before = torch.empty(4000)
@@ -116,8 +142,9 @@ def test_live_tensor_bytes_follow_storages_not_views():
 FIXED = ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)")
 
 
-@pytest.mark.parametrize("family,precision", [(family, "fp32") for family in sorted(FAMILIES)]
-                         + [("glide", "bf16"), ("eagle3", "bf16")])
+@pytest.mark.parametrize(
+    "family,precision", [(family, "fp32") for family in sorted(FAMILIES)] + [("glide", "bf16"), ("eagle3", "bf16")]
+)
 def test_the_familys_terms_are_the_tensors_a_training_step_holds(family, precision):
     """One training forward and backward (capture, draft, loss; each family at its defaults,
     T = 256, at bf16 T = 128: bf16 matmuls are slow on a CPU without native bf16, and the terms
@@ -147,7 +174,8 @@ def test_a_teacher_objective_holds_seven_fp32_chunks_at_once(loss, buffers):
     """objectives.objective_terms on one chunk: the student's and the teacher's logits, both
     log-softmaxes, both softmaxes and one product or gradient, as MemoryShape.loss_chunk counts."""
     from specdraft.drafts.base import MemoryShape
-    from specdraft.drafts.objectives import chunked_objective, parse_objective
+    from specdraft.drafts.objectives import chunked_objective
+    from specdraft.drafts.objective_options import parse_objective
 
     rows, vocab, hidden = 64, 2000, 32
     objective = parse_objective(loss, where="test")
@@ -167,31 +195,42 @@ def test_an_lk_objective_holds_nine_fp32_chunks_at_once(loss):
     teacher objective, the unrenormalised probabilities and the acceptance's derivative; forward
     and the recomputing backward."""
     from specdraft.drafts.base import MemoryShape
-    from specdraft.drafts.objectives import chunked_objective, parse_objective
+    from specdraft.drafts.objectives import chunked_objective
+    from specdraft.drafts.objective_options import parse_objective
 
     rows, vocab, hidden = 64, 2000, 32
     student = torch.randn(rows, hidden, requires_grad=True)
     weight, teacher = torch.randn(vocab, hidden), torch.randn(rows, hidden)
     with LiveTensorBytes() as live:
-        out = chunked_objective(student, weight, teacher, weight, None, parse_objective(loss), chunk_size=rows,
-                                teacher_lse=torch.randn(rows) + 10)
+        out = chunked_objective(
+            student,
+            weight,
+            teacher,
+            weight,
+            None,
+            parse_objective(loss),
+            chunk_size=rows,
+            teacher_lse=torch.randn(rows) + 10,
+        )
         out.loss.backward()
     shape = MemoryShape(B=1, T=rows, dtype_bytes=4, chunk=rows, documents=False, target=None)
     assert shape.loss_chunk(rows, vocab, hidden, teacher=True, lk=True) == rows * 2 * hidden * 4 + rows * vocab * 4 * 9
     assert live.peak == pytest.approx(rows * vocab * 4 * 9, rel=0.10)
 
 
-
 SEQUENCE_FAMILIES = ("dflash", "dspark", "eagle3", "glide", "peagle")  # those that train on sequence shards
 
 
-@pytest.mark.parametrize("T,window,S,expected", [
-    (512, 512, 1, 0),  # one window: causal attention, no mask
-    (768, 512, 1, 768 * 768),  # up to two windows: one (T, T) band
-    (2048, 512, 1, 2 * 4 * 512 * 1024),  # blocks of (W, 2W), per row (B = 2)
-    (2048, 512, 2, 2 * 4 * 512 * 1024),  # SP: each rank attends the whole sequence with its heads
-    (1000, 512, 2, 1000 * 1000),  # a shard under the window, the sequence over it
-])
+@pytest.mark.parametrize(
+    "T,window,S,expected",
+    [
+        (512, 512, 1, 0),  # one window: causal attention, no mask
+        (768, 512, 1, 768 * 768),  # up to two windows: one (T, T) band
+        (2048, 512, 1, 2 * 4 * 512 * 1024),  # blocks of (W, 2W), per row (B = 2)
+        (2048, 512, 2, 2 * 4 * 512 * 1024),  # SP: each rank attends the whole sequence with its heads
+        (1000, 512, 2, 1000 * 1000),  # a shard under the window, the sequence over it
+    ],
+)
 def test_glides_window_mask_is_the_band_sdpa_holds_over_the_whole_sequence(T, window, S, expected):
     """One conversation per row: the float bias (4 B at fp32) of layers.sliding_window_attention's
     band; packed rows have none (slices on CPU, a flex block mask on CUDA)."""
@@ -199,15 +238,19 @@ def test_glides_window_mask_is_the_band_sdpa_holds_over_the_whole_sequence(T, wi
     cfg.draft.sliding_window, cfg.per_device_batch_size = window, 2
     one = memory.estimate_peak(TARGET, cfg, world_size=S, sequence_parallel=S).parts
     assert one.get("window mask", 0) == expected * 4
-    assert "window mask" not in memory.estimate_peak(TARGET, config("glide", T, documents=True), world_size=S,
-                                                     sequence_parallel=S).parts
+    assert (
+        "window mask"
+        not in memory.estimate_peak(TARGET, config("glide", T, documents=True), world_size=S, sequence_parallel=S).parts
+    )
 
 
 def test_capture_working_set_under_sequence_parallelism_is_a_hand_count():
     """TARGET: H 256, I 688, 4 heads, 2 kv heads, head_dim 64; fp32; a rank's 512 tokens."""
     plain = 512 * ((2 * 256 + 2 * 4 * 64 + 2 * 2 * 64 + 3 * 688) * 4 + 2 * 256 * 4)
     assert memory.capture_working_set(TARGET, 512, 4) == plain
-    assert memory.capture_working_set(TARGET, 512, 4, sequence_parallel=2) == plain + 512 * (2 * 4 * 64 + 2 * 2 * 64) * 4
+    assert (
+        memory.capture_working_set(TARGET, 512, 4, sequence_parallel=2) == plain + 512 * (2 * 4 * 64 + 2 * 2 * 64) * 4
+    )
 
 
 @pytest.mark.parametrize("family", SEQUENCE_FAMILIES)
@@ -239,12 +282,13 @@ def test_sequence_parallel_terms_equal_a_hand_count(family):
     if family == "peagle":  # the shard's slots against the gathered depth-0 keys, through a dense mask
         # defaults K = 8, r = 0.7, r_min = 0.2: slots per token 1 + .7 + .7^2 + .7^3 + .7^4 + 3 x .2;
         # TARGET: 2 kv heads of 64, H = Ht = 256; kl reads the teacher
-        n = 512 * (1 + 0.7 + 0.7 ** 2 + 0.7 ** 3 + 0.7 ** 4 + 3 * 0.2)  # the rank's slots
+        n = 512 * (1 + 0.7 + 0.7**2 + 0.7**3 + 0.7**4 + 3 * 0.2)  # the rank's slots
         keys = 1024 + (n - 512)  # every depth-0 key of the sequence, then the rank's deeper slots
         assert shard["slot attention"] == pytest.approx(B * keys * (2 * 2 * 64 + n) * p)  # K/V, fp32 mask bias
         assert shard["shard borders"] == B * (513 * 256 + (512 + 8) * 256) * p  # x_{a+1}; teacher to a+8
-        assert {k: v for k, v in shard.items() if k not in ("slot attention", "shard borders")} == \
-            {k: v for k, v in half.items() if k != "slot attention"}
+        assert {k: v for k, v in shard.items() if k not in ("slot attention", "shard borders")} == {
+            k: v for k, v in half.items() if k != "slot attention"
+        }
         return
     d = draft.dims
     # a rank may hold every anchor of the sequence (the answers in its shard): the bound, as a half
@@ -254,15 +298,26 @@ def test_sequence_parallel_terms_equal_a_hand_count(family):
     layers = 1 if draft.gradient_checkpointing else d.num_layers
     assert shard["draft activations"] == half["draft activations"] + gathered
     assert shard["block mask"] == half["block mask"] + slots * (T - T // 2) * (1 + 4 * layers)
-    assert {k: v for k, v in shard.items() if k not in ("draft activations", "block mask")} == \
-        {k: v for k, v in half.items() if k not in ("draft activations", "block mask")}
+    assert {k: v for k, v in shard.items() if k not in ("draft activations", "block mask")} == {
+        k: v for k, v in half.items() if k not in ("draft activations", "block mask")
+    }
 
 
 # -- mixture-of-experts and windowed targets -------------------------------------------------------
 
-QWEN3_MOE = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                 tie_word_embeddings=False)
+QWEN3_MOE = dict(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    tie_word_embeddings=False,
+)
 
 
 def test_a_moe_targets_capture_holds_its_routed_activations_a_hand_count():
@@ -277,10 +332,21 @@ def test_a_moe_targets_capture_holds_its_routed_activations_a_hand_count():
     assert memory.capture_working_set(Qwen3MoeConfig(**QWEN3_MOE), 512, 4) == 512 * (attention + routed)
     # DeepSeek-V3-like: a dense first layer (first_k_dense_replace 1) of intermediate 688 is the larger
     # MLP; the shared expert (2 x 128) runs after the routed ones, beside their output
-    deepseek = DeepseekV3Config(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=128,
-                                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=1, topk_group=1,
-                                first_k_dense_replace=1)
+    deepseek = DeepseekV3Config(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
     assert memory.mlp_working_bytes(deepseek, 4) == max(routed, (3 * 256 + 256) * 4, 3 * 688 * 4) == 3 * 688 * 4
     deepseek.first_k_dense_replace = 0  # every layer sparse: the routed activations
     assert memory.mlp_working_bytes(deepseek, 4) == routed
@@ -310,26 +376,48 @@ def test_a_windowed_layers_attention_is_bounded_by_its_window():
     with sinks: tiles of 128 queries over the keys before them, one more p for the sink column."""
     from transformers import GptOssConfig, MistralConfig
 
-    mistral = MistralConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, sliding_window=512)
+    mistral = MistralConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=512,
+    )
     tile = 2 * 4 * 512 * (2 * 512 - 1) * (2 * 2 + 4)  # B = 2, 4 heads, bf16
     assert memory.attention_tile_bytes(mistral, 2, 4096, 2, documents=False) == tile
     assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=False) == tile
     assert memory.attention_tile_bytes(mistral, 2, 512, 2, documents=False) == 0  # within the window: causal SDPA
     assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=True) == 0
     assert memory.attention_tile_bytes(mistral, 2, 65536, 2, documents=False, sequence_parallel=2) == tile // 2
-    gpt_oss = GptOssConfig(vocab_size=8000, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=8,
-                           num_experts_per_tok=2, sliding_window=128)
+    gpt_oss = GptOssConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,
+    )
     assert memory.attention_tile_bytes(gpt_oss, 1, 4096, 2, documents=False) == 4 * 128 * 4096 * (3 * 2 + 4)
-
 
 
 def test_the_attention_tile_is_part_of_the_captures_working_set(monkeypatch):
     from transformers import MistralConfig
 
-    mistral = MistralConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, sliding_window=512)
+    mistral = MistralConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=512,
+    )
     monkeypatch.setattr(memory, "capture_working_set", lambda *args: 1e12)  # the largest transient here
     rows = memory.estimate_peak(mistral, config("eagle3", 4096), world_size=1, documents=False)
     packed = memory.estimate_peak(mistral, config("eagle3", 4096), world_size=1, documents=True)
@@ -348,12 +436,34 @@ def test_mtp_terms_on_moe_targets_are_the_tensors_a_training_step_holds(model_ty
     from specdraft.drafts.registry import build_draft
     from specdraft.train.model import TargetWithDraft
 
-    common = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  tie_word_embeddings=False, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
-                  n_shared_experts=1, first_k_dense_replace=1)
-    target_config = DeepseekV3Config(**common, num_key_value_heads=4, n_group=1, topk_group=1, q_lora_rank=128,
-                                     kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64) \
-        if model_type == "deepseek_v3" else Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=64, use_qk_norm=True)
+    common = dict(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        tie_word_embeddings=False,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+    )
+    target_config = (
+        DeepseekV3Config(
+            **common,
+            num_key_value_heads=4,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=128,
+            kv_lora_rank=64,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+        )
+        if model_type == "deepseek_v3"
+        else Glm4MoeConfig(**common, num_key_value_heads=2, head_dim=64, use_qk_norm=True)
+    )
     cfg = config("mtp", 256)
     cfg.per_device_batch_size = 1
     torch.manual_seed(0)

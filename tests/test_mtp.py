@@ -62,6 +62,7 @@ def batch(seed=3, length=T):
 
 # -- the target's own layer --------------------------------------------------------------------
 
+
 def test_the_new_draft_is_the_targets_own_mtp_layer(mtp_target_dir):
     """Every mtp.* tensor of the target's file, in our (speculators') names: the four renamed
     modules, the decoder layer's tensors, and the per-expert weights fused as transformers holds
@@ -69,9 +70,12 @@ def test_the_new_draft_is_the_targets_own_mtp_layer(mtp_target_dir):
     state = new_draft(mtp_target_dir).state_dict()
     with safe_open(str(mtp_target_dir / "model.safetensors"), "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")}
-    renamed = {"mtp.fc.weight": "input_proj.weight", "mtp.norm.weight": "final_layernorm.weight",
-               "mtp.pre_fc_norm_hidden.weight": "hidden_layernorm.weight",
-               "mtp.pre_fc_norm_embedding.weight": "token_layernorm.weight"}
+    renamed = {
+        "mtp.fc.weight": "input_proj.weight",
+        "mtp.norm.weight": "final_layernorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "hidden_layernorm.weight",
+        "mtp.pre_fc_norm_embedding.weight": "token_layernorm.weight",
+    }
     checked = set()
     for key, value in stored.items():
         if ".experts." in key:
@@ -82,7 +86,7 @@ def test_the_new_draft_is_the_targets_own_mtp_layer(mtp_target_dir):
             got = {"gate_proj": gate_up[index, :half], "up_proj": gate_up[index, half:], "down_proj": down[index]}[proj]
             checked.update({"mtp_layers.0.mlp.experts.gate_up_proj", "mtp_layers.0.mlp.experts.down_proj"})
         else:
-            name = "mtp_layers.0." + (renamed.get(key) or key[len("mtp.layers.0."):])
+            name = "mtp_layers.0." + (renamed.get(key) or key[len("mtp.layers.0.") :])
             got = state[name]
             checked.add(name)
         assert torch.equal(got, value), key
@@ -105,8 +109,13 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_loss(mtp_targe
         outputs = draft.unroll(features.final_hidden, features.input_embeds, features.cos, features.sin)
         ours = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
     torch.save({"input_ids": ids, "hidden_states": features.final_hidden, "loss_mask": mask}, tmp_path / "in.pt")
-    run_speculators_file(REPO / "tests" / "speculators_mtp_check.py", tmp_path / "spec", mtp_target_dir,
-                         tmp_path / "in.pt", tmp_path / "out.pt")
+    run_speculators_file(
+        REPO / "tests" / "speculators_mtp_check.py",
+        tmp_path / "spec",
+        mtp_target_dir,
+        tmp_path / "in.pt",
+        tmp_path / "out.pt",
+    )
     result = torch.load(tmp_path / "out.pt", weights_only=True)
     assert result["unexpected"] == [] and result["mismatched"] == [] and result["weights_equal"]
     assert set(result["missing"]) <= {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"}
@@ -130,6 +139,7 @@ def test_step_weights_are_beta_powers_normalised():
 
 
 # -- the recursion's semantics ------------------------------------------------------------------
+
 
 def test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2(mtp_target_dir, target):
     draft = perturbed(new_draft(mtp_target_dir))
@@ -160,7 +170,7 @@ def test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_
         total, count = loss.metrics[f"mtp_step_{k}/loss"]
         assert int(count) == 1
         logits = base[k][0, p - k - 2] @ target.lm_head.weight.t()
-        torch.testing.assert_close(total, torch.nn.functional.cross_entropy(logits[None], ids[0, p:p + 1]))
+        torch.testing.assert_close(total, torch.nn.functional.cross_entropy(logits[None], ids[0, p : p + 1]))
 
 
 def test_packed_documents_count_no_row_whose_token_is_in_the_next_document(mtp_target_dir, target):
@@ -183,10 +193,11 @@ def test_packed_documents_count_no_row_whose_token_is_in_the_next_document(mtp_t
         packed = draft.unroll(*args, documents=documents)
         alone = draft.unroll(*(a[:, 20:] for a in args))
     for k in range(3):
-        torch.testing.assert_close(packed[k][0, 20:], alone[k][0, :V - 20], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[k][0, 20:], alone[k][0, : V - 20], rtol=1e-5, atol=1e-5)
 
 
 # -- training -----------------------------------------------------------------------------------
+
 
 def test_training_lowers_the_recursive_loss(mtp_target_dir, data_dir, tmp_path):
     result = train_run(mtp_target_dir, data_dir, tmp_path, "run", max_steps=8, **{"draft.type": "mtp"})
@@ -196,11 +207,17 @@ def test_training_lowers_the_recursive_loss(mtp_target_dir, data_dir, tmp_path):
 
 @pytest.mark.parametrize("kind", ["llama", "no_mtp_tensors"])
 def test_a_target_without_an_mtp_layer_is_refused_in_one_line(kind, tiny_target_dir, data_dir, tmp_path, capsys):
-    target_dir = tiny_target_dir if kind == "llama" else \
-        qwen3_next_mtp_target(tmp_path / "plain", tiny_target_dir, mtp=False)
+    target_dir = (
+        tiny_target_dir if kind == "llama" else qwen3_next_mtp_target(tmp_path / "plain", tiny_target_dir, mtp=False)
+    )
     config = tmp_path / "run.yaml"
-    config.write_text("\n".join(o.replace("=", ": ", 1) for o in run_overrides(
-        target_dir, data_dir, tmp_path / "out", tmp_path / "cache", max_steps=2)) + "\n")
+    config.write_text(
+        "\n".join(
+            o.replace("=", ": ", 1)
+            for o in run_overrides(target_dir, data_dir, tmp_path / "out", tmp_path / "cache", max_steps=2)
+        )
+        + "\n"
+    )
     capsys.readouterr()
     assert main(["train", str(config), "draft.type=mtp"]) == 2
     err = capsys.readouterr().err.strip()
@@ -209,6 +226,7 @@ def test_a_target_without_an_mtp_layer_is_refused_in_one_line(kind, tiny_target_
 
 
 # -- exports ------------------------------------------------------------------------------------
+
 
 def test_the_stitched_target_is_the_target_with_the_trained_layer(mtp_target_dir, tmp_path):
     draft = perturbed(new_draft(mtp_target_dir))
@@ -219,9 +237,12 @@ def test_the_stitched_target_is_the_target_with_the_trained_layer(mtp_target_dir
     written = load_file(str(out / "model.safetensors"))
     assert set(written) == set(source)
     half = state["mtp_layers.0.mlp.experts.gate_up_proj"].shape[1] // 2
-    renamed = {"mtp.fc.weight": "input_proj.weight", "mtp.norm.weight": "final_layernorm.weight",
-               "mtp.pre_fc_norm_hidden.weight": "hidden_layernorm.weight",
-               "mtp.pre_fc_norm_embedding.weight": "token_layernorm.weight"}
+    renamed = {
+        "mtp.fc.weight": "input_proj.weight",
+        "mtp.norm.weight": "final_layernorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "hidden_layernorm.weight",
+        "mtp.pre_fc_norm_embedding.weight": "token_layernorm.weight",
+    }
     for key, value in written.items():
         assert value.dtype == source[key].dtype, key
         if not key.startswith("mtp."):
@@ -230,10 +251,13 @@ def test_the_stitched_target_is_the_target_with_the_trained_layer(mtp_target_dir
         if ".experts." in key:
             index, proj = key.split(".experts.")[1].split(".")[:2]
             gate_up, down = (state[f"mtp_layers.0.mlp.experts.{n}"] for n in ("gate_up_proj", "down_proj"))
-            want = {"gate_proj": gate_up[int(index), :half], "up_proj": gate_up[int(index), half:],
-                    "down_proj": down[int(index)]}[proj]
+            want = {
+                "gate_proj": gate_up[int(index), :half],
+                "up_proj": gate_up[int(index), half:],
+                "down_proj": down[int(index)],
+            }[proj]
         else:
-            want = state["mtp_layers.0." + (renamed.get(key) or key[len("mtp.layers.0."):])]
+            want = state["mtp_layers.0." + (renamed.get(key) or key[len("mtp.layers.0.") :])]
         assert torch.equal(value, want) and not torch.equal(value, source[key]), key
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["model_type"] == "qwen3_next"
@@ -255,6 +279,7 @@ def test_vllm_serves_it_as_method_mtp():
 
 # -- decoding -----------------------------------------------------------------------------------
 
+
 def test_decoding_with_the_draft_is_lossless_and_accepts_its_tokens(mtp_target_dir, target):
     draft = perturbed(new_draft(mtp_target_dir), scale=0.01)
     prompt = batch(seed=9, length=12)[0][0].tolist()
@@ -262,8 +287,15 @@ def test_decoding_with_the_draft_is_lossless_and_accepts_its_tokens(mtp_target_d
     for kwargs in ({"gamma": 3}, {"tree": [3, 2, 2]}):
         out = speculative_generate(target, draft.make_drafter(target), prompt, max_new_tokens=24, **kwargs)
         assert out.tokens == plain.tokens, kwargs
-    sampled = speculative_generate(target, draft.make_drafter(target), prompt, max_new_tokens=16, gamma=3,
-                                   temperature=0.7, generator=torch.Generator().manual_seed(0))
+    sampled = speculative_generate(
+        target,
+        draft.make_drafter(target),
+        prompt,
+        max_new_tokens=16,
+        gamma=3,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(sampled.tokens) == 16
 
 
@@ -290,17 +322,33 @@ def test_the_drafter_proposes_what_training_step_zero_predicts(mtp_target_dir, t
         step0 = draft.unroll(features.final_hidden, features.input_embeds, features.cos, features.sin)[0]
         torch.testing.assert_close(tree.q[0], torch.softmax(step0[0, n - 1] @ head, -1), rtol=1e-4, atol=1e-6)
         first = int(tree.tokens[0])
-        hidden = torch.cat([features.final_hidden[:, :n], step0[:, n - 1:n]], dim=1)
-        embeds = target.model.embed_tokens(torch.cat([ids[:, 1:n + 1], torch.tensor([[first]])], dim=1))
-        out = draft.step(hidden, embeds, features.cos[:, :n + 1], features.sin[:, :n + 1])
+        hidden = torch.cat([features.final_hidden[:, :n], step0[:, n - 1 : n]], dim=1)
+        embeds = target.model.embed_tokens(torch.cat([ids[:, 1 : n + 1], torch.tensor([[first]])], dim=1))
+        out = draft.step(hidden, embeds, features.cos[:, : n + 1], features.sin[:, : n + 1])
         torch.testing.assert_close(tree.q[1], torch.softmax(out[0, n] @ head, -1), rtol=1e-4, atol=1e-6)
 
 
 def test_eval_decodes_losslessly_with_a_trained_draft(mtp_target_dir, data_dir, tiny_data, tmp_path, capsys):
     result = train_run(mtp_target_dir, data_dir, tmp_path, "run", max_steps=2, **{"draft.type": "mtp"})
     capsys.readouterr()
-    assert main(["eval", str(result.export_dir), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "2",
-                 "--max-new-tokens", "12", "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(result.export_dir),
+                "--prompts",
+                str(tiny_data.prompts_file),
+                "--max-prompts",
+                "2",
+                "--max-new-tokens",
+                "12",
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["matches_target"] is True
 
@@ -323,8 +371,7 @@ def test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line(tiny_target_dir,
     assert "\n" not in str(err.value)
 
 
-def test_a_hybrid_target_with_packed_conversations_is_refused_naming_document_mask(tiny_target_dir, data_dir,
-                                                                                   tmp_path):
+def test_a_hybrid_target_with_packed_conversations_is_refused_naming_document_mask(tiny_target_dir, data_dir, tmp_path):
     """Its linear-attention layers would carry one conversation's state into the next packed one."""
     from helpers import run_overrides
     from specdraft.config import load_config

@@ -36,12 +36,16 @@ def new_draft(target_dir):
 
 def ours_to_transformers(name: str) -> str:
     """Our (speculators') names -> transformers' MtpModel's (modeling_layers.MtpLayer)."""
-    renames = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
-               "final_layernorm.": "post_norm."}
-    rest = name[len("mtp_layers.0."):]
+    renames = {
+        "token_layernorm.": "enorm.",
+        "hidden_layernorm.": "hnorm.",
+        "input_proj.": "eh_proj.",
+        "final_layernorm.": "post_norm.",
+    }
+    rest = name[len("mtp_layers.0.") :]
     for ours, theirs in renames.items():
         if rest.startswith(ours):
-            return "layers.0." + theirs + rest[len(ours):]
+            return "layers.0." + theirs + rest[len(ours) :]
     return "layers.0.mtp_block." + rest
 
 
@@ -51,19 +55,28 @@ def test_the_new_draft_is_the_checkpoints_layer_after_the_stack(targets, model_t
     -> final_layernorm (transformers' conversion_mapping: post_norm), the decoder layer's own names
     with per-expert weights fused; embed_tokens / shared_head.head (the target's) not read."""
     state = new_draft(targets[model_type]).state_dict()
-    stored = {k: v for k, v in load_file(str(targets[model_type] / "model.safetensors")).items()
-              if k.startswith(f"model.layers.{LAYERS}.")}
+    stored = {
+        k: v
+        for k, v in load_file(str(targets[model_type] / "model.safetensors")).items()
+        if k.startswith(f"model.layers.{LAYERS}.")
+    }
     p = f"model.layers.{LAYERS}."
     torch.testing.assert_close(state["mtp_layers.0.input_proj.weight"], stored[p + "eh_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(state["mtp_layers.0.token_layernorm.weight"], stored[p + "enorm.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(state["mtp_layers.0.hidden_layernorm.weight"], stored[p + "hnorm.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(state["mtp_layers.0.final_layernorm.weight"], stored[p + "shared_head.norm.weight"],
-                               rtol=0, atol=0)
-    torch.testing.assert_close(state["mtp_layers.0.self_attn.o_proj.weight"], stored[p + "self_attn.o_proj.weight"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        state["mtp_layers.0.hidden_layernorm.weight"], stored[p + "hnorm.weight"], rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        state["mtp_layers.0.final_layernorm.weight"], stored[p + "shared_head.norm.weight"], rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        state["mtp_layers.0.self_attn.o_proj.weight"], stored[p + "self_attn.o_proj.weight"], rtol=0, atol=0
+    )
     gate_up = state["mtp_layers.0.mlp.experts.gate_up_proj"]
     for i in range(gate_up.shape[0]):
-        expected = torch.cat([stored[f"{p}mlp.experts.{i}.gate_proj.weight"], stored[f"{p}mlp.experts.{i}.up_proj.weight"]])
+        expected = torch.cat(
+            [stored[f"{p}mlp.experts.{i}.gate_proj.weight"], stored[f"{p}mlp.experts.{i}.up_proj.weight"]]
+        )
         assert torch.equal(gate_up[i], expected)
     assert "mtp_layers.0.mlp.gate.e_score_correction_bias" in state  # the block's MLP is MoE (first_k_dense_replace 0)
     read = {name for name in stored if name not in (p + "embed_tokens.weight", p + "shared_head.head.weight")}
@@ -81,8 +94,9 @@ def test_the_layer_computes_what_transformers_mtp_layer_computes(targets, model_
     draft = new_draft(targets[model_type])
     theirs = MtpModel(target, 1).eval()
     theirs.config._attn_implementation = "sdpa"
-    missing, unexpected = theirs.load_state_dict({ours_to_transformers(k): v for k, v in draft.state_dict().items()},
-                                                 strict=False)
+    missing, unexpected = theirs.load_state_dict(
+        {ours_to_transformers(k): v for k, v in draft.state_dict().items()}, strict=False
+    )
     assert not unexpected and all(k.startswith(("embed_tokens", "shared_head")) for k in missing), missing
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 512, (1, 12), generator=generator)
@@ -110,7 +124,9 @@ def test_the_stitched_target_is_the_target_with_the_trained_layer(targets, model
     for key, value in written.items():
         assert value.dtype == source[key].dtype
         assert torch.equal(value, source[key]) != layout.holds(key), key  # the layer's tensors, and only they
-    torch.testing.assert_close(written[f"model.layers.{LAYERS}.eh_proj.weight"], state["mtp_layers.0.input_proj.weight"])
+    torch.testing.assert_close(
+        written[f"model.layers.{LAYERS}.eh_proj.weight"], state["mtp_layers.0.input_proj.weight"]
+    )
     config = json.loads((tmp_path / "stitched" / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == LAYERS
 
@@ -163,10 +179,13 @@ def test_vllm_reads_the_stitched_layer_by_its_names(targets, model_type, tmp_pat
     write_stitched(draft, draft.state_dict(), tmp_path / "stitched", str(targets[model_type]))
     config = json.loads((tmp_path / "stitched" / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1
-    assert config["architectures"] == [{"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[
-        model_type]]
+    assert config["architectures"] == [
+        {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[model_type]
+    ]
     written = load_file(str(tmp_path / "stitched" / "model.safetensors"))
-    own = {name[len(f"model.layers.{LAYERS - 1}."):] for name in written if name.startswith(f"model.layers.{LAYERS - 1}.")}
+    own = {
+        name[len(f"model.layers.{LAYERS - 1}.") :] for name in written if name.startswith(f"model.layers.{LAYERS - 1}.")
+    }
     spec = [name for name in written if vllm_spec_layer(config, name) is not None]
     assert spec and all(name.startswith(f"model.layers.{LAYERS}.") for name in spec)
     block = set()
@@ -175,6 +194,11 @@ def test_vllm_reads_the_stitched_layer_by_its_names(targets, model_type, tmp_pat
         if ".mtp_block." in rewritten:
             block.add(rewritten.split(".mtp_block.", 1)[1])
         else:
-            assert rewritten in ("model.embed_tokens.weight", *(f"model.layers.{LAYERS}.{n}.weight" for n in
-                                 ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"))), rewritten
+            assert rewritten in (
+                "model.embed_tokens.weight",
+                *(
+                    f"model.layers.{LAYERS}.{n}.weight"
+                    for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head")
+                ),
+            ), rewritten
     assert block == own  # the decoder layer, as the target's MoE layers are named

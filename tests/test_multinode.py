@@ -69,11 +69,23 @@ def plan(tiny_target_dir, mtp_target_dir, data_dir, work):
     ports = sorted(ports)
     runs = []
     for family, stage in CASES:
-        overrides = [f"target={target_of(family, tiny_target_dir, mtp_target_dir)}", f"data_files={data_dir}/*.jsonl",
-                     f"data_cache_dir={work}/cache", "max_seq_length=64", "per_device_batch_size=2",
-                     "learning_rate=1e-2", "warmup_steps=2", "logging_steps=1", f"max_steps={STEPS}", "save_steps=1",
-                     "seed=3", f"zero_stage={stage}", "export_formats=[]", f"draft.type={family}",
-                     *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]
+        overrides = [
+            f"target={target_of(family, tiny_target_dir, mtp_target_dir)}",
+            f"data_files={data_dir}/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=64",
+            "per_device_batch_size=2",
+            "learning_rate=1e-2",
+            "warmup_steps=2",
+            "logging_steps=1",
+            f"max_steps={STEPS}",
+            "save_steps=1",
+            "seed=3",
+            f"zero_stage={stage}",
+            "export_formats=[]",
+            f"draft.type={family}",
+            *(f"{k}={v}" for k, v in SMALL.get(family, {}).items()),
+        ]
         runs.append({"name": name_of(family, stage), "overrides": overrides, "ports": [ports.pop(), ports.pop()]})
     path = work / "plan.json"
     path.write_text(json.dumps({"runs": runs, "pause": 0.15, "kill_step": KILL_STEP}))
@@ -97,19 +109,45 @@ def one_node(plan, work):
 def two_nodes(plan, work, one_node):
     """Launch 2: both nodes' torchrun, one rendezvous (their output in WORK/node<N>.out, each
     trainer's in WORK/logs/)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     master_port, procs = free_port(), []
     for node in (0, 1):
         cwd = work / f"node{node}"
         cwd.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(master_port),
-               str(SCRIPT), "nodes", str(plan), str(work)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(master_port),
+            str(SCRIPT),
+            "nodes",
+            str(plan),
+            str(work),
+        ]
         with open(work / f"node{node}.out", "w") as out:  # a file, not a pipe: neither node blocks on it
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=dict(env, SPECDRAFT_HOME=str(work / f"home{node}")),
-                                          stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=dict(env, SPECDRAFT_HOME=str(work / f"home{node}")),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         for proc in procs:
             proc.wait(timeout=500)
@@ -132,8 +170,10 @@ def one_rank(plan, work, two_nodes):
     out = {}
     for run in json.loads(plan.read_text())["runs"]:
         name, base = run["name"], run["overrides"]
-        straight = train(load_config(None, [*base, f"output_dir={work}/one_rank/{name}",
-                                            "gradient_accumulation_steps=2"]), log=lambda *a: None).losses
+        straight = train(
+            load_config(None, [*base, f"output_dir={work}/one_rank/{name}", "gradient_accumulation_steps=2"]),
+            log=lambda *a: None,
+        ).losses
         lines = []
         resumed = train(load_config(None, [*base, f"output_dir={work}/crashed_copy/{name}"]), log=lines.append).losses
         out[name] = (straight, resumed, lines)
@@ -149,8 +189,9 @@ def test_nothing_lands_in_a_nodes_working_directory(two_nodes, work):
 
 
 @pytest.mark.parametrize("family, stage", CASES, ids=[f"{f}-zero{s}" for f, s in CASES])
-def test_two_nodes_log_the_one_node_losses_and_a_node_killed_mid_save_never_commits_it(two_nodes, one_node, work,
-                                                                                        family, stage):
+def test_two_nodes_log_the_one_node_losses_and_a_node_killed_mid_save_never_commits_it(
+    two_nodes, one_node, work, family, stage
+):
     name = name_of(family, stage)
     killer = CASES.index((family, stage)) % 2
     report = result(work, name, "crash_report", killer)
@@ -162,15 +203,14 @@ def test_two_nodes_log_the_one_node_losses_and_a_node_killed_mid_save_never_comm
     assert "error" in result(work, name, "crash", 1 - killer)
     # rank 0 logs each step before saving it: steps 1-2 of the killed job, then 2-3 of the resume
     straight = one_node[name]
-    assert metrics(work / "crashed" / name) == [(1, straight[0]), (2, straight[1]), (2, straight[1]),
-                                                (3, straight[2])]
+    assert metrics(work / "crashed" / name) == [(1, straight[0]), (2, straight[1]), (2, straight[1]), (3, straight[2])]
 
 
 @pytest.mark.parametrize("family, stage", CASES, ids=[f"{f}-zero{s}" for f, s in CASES])
 def test_the_crashed_run_resumes_on_two_nodes_with_the_one_node_losses(two_nodes, one_node, work, family, stage):
     name = name_of(family, stage)
     resumed = [result(work, name, "resumed", rank) for rank in (0, 1)]
-    assert resumed[0]["losses"] == resumed[1]["losses"] == one_node[name][KILL_STEP - 1:]  # exact float equality
+    assert resumed[0]["losses"] == resumed[1]["losses"] == one_node[name][KILL_STEP - 1 :]  # exact float equality
     assert any(re.search(r"resumed from \S+/ckpt/step_1 at step 1$", line) for line in resumed[0]["log"])
 
 
@@ -200,8 +240,11 @@ def test_node_1_writes_only_its_own_checkpoint_shards(two_nodes, work, family, s
                 assert all(RANK1_WRITES.fullmatch(p) for p in relative), (job, relative)
                 assert any(p.endswith("_states.pt") for p in relative), (job, relative)
             else:  # what rank 1 must not write, the spy sees rank 0 write
-                expected = {run_dir / f"ckpt/step_{first_commit}/COMMITTED", run_dir / "ckpt/latest",
-                            run_dir / "metrics.jsonl"}
+                expected = {
+                    run_dir / f"ckpt/step_{first_commit}/COMMITTED",
+                    run_dir / "ckpt/latest",
+                    run_dir / "metrics.jsonl",
+                }
                 assert expected <= set(writes), (job, writes)
 
 
@@ -212,6 +255,7 @@ def test_a_rank_that_cannot_see_the_packed_data_stops_every_rank_in_one_line(tin
     proc = torchrun(REPO / "tests" / "node_local_cache_script.py", tiny_target_dir, data_dir, tmp_path, timeout=180)
     assert proc.returncode != 0, proc.stdout[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("specdraft: error: ")]
-    assert errors and all("rank 1 cannot see the packed data rank 0 built there" in line for line in errors), \
+    assert errors and all("rank 1 cannot see the packed data rank 0 built there" in line for line in errors), (
         proc.stderr[-3000:]
+    )
     assert "/specdraft/" not in proc.stderr, proc.stderr[-3000:]  # torchrun's own ChildFailedError trace only

@@ -38,7 +38,9 @@ def test_the_killing_test_is_read_from_pytests_failure_line():
     """`make mutation` re-runs each killing test unmutated: it must read the node id exactly."""
     import run as runner
 
-    assert runner.killing_test("FAILED tests/a.py::test_b[x-y] - AssertionError: a - b\nFAILED tests/c.py::d") \
+    assert (
+        runner.killing_test("FAILED tests/a.py::test_b[x-y] - AssertionError: a - b\nFAILED tests/c.py::d")
         == "tests/a.py::test_b[x-y]"
+    )
     assert runner.killing_test("(whole suite) ERROR tests/a.py::test_e - RuntimeError") == "tests/a.py::test_e"
     assert runner.killing_test("") == ""

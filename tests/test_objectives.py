@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from specdraft.config import DraftConfig, load_config
 from specdraft.drafts.loss import chunked_cross_entropy
-from specdraft.drafts.objectives import CE, LK_OBJECTIVES, OBJECTIVES, chunked_objective, parse_objective
+from specdraft.drafts.objectives import CE, chunked_objective
+from specdraft.drafts.objective_options import LK_OBJECTIVES, OBJECTIVES, parse_objective
 
 # the LK losses (temperature 1 only) have their own reference tests: tests/test_loss_formulas.py
 SUMMED = [name for name in OBJECTIVES if name not in LK_OBJECTIVES]
@@ -57,8 +58,9 @@ def run(objective, hidden, weight, t_hidden, t_weight, labels, chunk_size=4, tra
 def test_objective_equals_a_plain_pytorch_reference_in_loss_and_gradients(spec, train_weight):
     objective = parse_objective(spec, temperature=0.7)
     hidden, weight, t_hidden, t_weight, labels = tensors()
-    out, grad_hidden, grad_weight = run(objective, hidden, weight, t_hidden, t_weight, labels,
-                                        train_weight=train_weight)
+    out, grad_hidden, grad_weight = run(
+        objective, hidden, weight, t_hidden, t_weight, labels, train_weight=train_weight
+    )
 
     ref_hidden = hidden.clone().requires_grad_(True)
     ref_weight = weight.clone().requires_grad_(train_weight)
@@ -79,8 +81,7 @@ def test_objective_equals_a_plain_pytorch_reference_in_loss_and_gradients(spec, 
 
 def test_a_mixture_equals_the_weighted_sum_of_its_terms():
     hidden, weight, t_hidden, t_weight, labels = tensors(seed=1)
-    mixed, mixed_grad, _ = run(parse_objective({"tv": 0.9, "ce": 0.1}, 1.3), hidden, weight, t_hidden,
-                               t_weight, labels)
+    mixed, mixed_grad, _ = run(parse_objective({"tv": 0.9, "ce": 0.1}, 1.3), hidden, weight, t_hidden, t_weight, labels)
     tv, tv_grad, _ = run(parse_objective("tv", 1.3), hidden, weight, t_hidden, t_weight, labels)
     ce, ce_grad, _ = run(parse_objective("ce", 1.3), hidden, weight, t_hidden, t_weight, labels)
     torch.testing.assert_close(mixed.loss, 0.9 * tv.loss + 0.1 * ce.loss)
@@ -93,8 +94,7 @@ def test_kl_and_tv_are_zero_exactly_when_q_equals_p_and_soft_ce_is_the_teachers_
     hidden, weight, _, _, labels = tensors(seed=2)
     for name in ("kl", "tv", "soft_ce"):
         # the student IS the teacher: same hidden states, same head
-        out, grad, _ = run(parse_objective(name, temperature), hidden, weight, hidden, weight, labels,
-                           chunk_size=N)
+        out, grad, _ = run(parse_objective(name, temperature), hidden, weight, hidden, weight, labels, chunk_size=N)
         log_p = F.log_softmax(hidden @ weight.t() / temperature, dim=-1)
         entropy = -(log_p.exp() * log_p).sum()
         assert out.terms["tv"].item() == 0.0
@@ -116,11 +116,13 @@ def test_kl_and_tv_are_zero_exactly_when_q_equals_p_and_soft_ce_is_the_teachers_
 def test_chunked_equals_unchunked_loss_and_gradients(spec):
     objective = parse_objective(spec, 0.8)
     hidden, weight, t_hidden, t_weight, labels = tensors(seed=3)
-    whole, whole_grad, whole_wgrad = run(objective, hidden, weight, t_hidden, t_weight, labels,
-                                         chunk_size=N, train_weight=True)
+    whole, whole_grad, whole_wgrad = run(
+        objective, hidden, weight, t_hidden, t_weight, labels, chunk_size=N, train_weight=True
+    )
     for chunk in (1, 3, 5):
-        out, grad, wgrad = run(objective, hidden, weight, t_hidden, t_weight, labels, chunk_size=chunk,
-                               train_weight=True)
+        out, grad, wgrad = run(
+            objective, hidden, weight, t_hidden, t_weight, labels, chunk_size=chunk, train_weight=True
+        )
         torch.testing.assert_close(out.loss, whole.loss, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(grad, whole_grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(wgrad, whole_wgrad, rtol=1e-5, atol=1e-6)
@@ -133,8 +135,9 @@ def test_gradients_are_finite_with_bf16_inputs_and_follow_the_fp32_ones(spec):
     # (a seed without a near-tie q_j ~ p_j on a large entry: TV's gradient jumps there)
     bf16 = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in tensors(seed=5)]
     out, grad, wgrad = run(objective, *bf16, train_weight=True)
-    ref, ref_grad, ref_wgrad = run(objective, *[x.float() if x.is_floating_point() else x for x in bf16],
-                                   train_weight=True)
+    ref, ref_grad, ref_wgrad = run(
+        objective, *[x.float() if x.is_floating_point() else x for x in bf16], train_weight=True
+    )
     assert grad.dtype == wgrad.dtype == torch.bfloat16
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all() and torch.isfinite(wgrad).all()
     torch.testing.assert_close(out.loss, ref.loss, rtol=2e-2, atol=1e-2)
@@ -165,8 +168,9 @@ def test_restricted_vocab_teacher_is_the_target_distribution_renormalised_over_t
     draft_head = torch.randn(len(draft_ids), H, generator=g)
     labels = torch.randint(0, len(draft_ids), (N,), generator=g)
     objective = parse_objective("soft_ce + 0.5*ce", 1.0)
-    out, grad, wgrad = run(objective, hidden, draft_head, target_hidden, target_head[draft_ids], labels,
-                           train_weight=True)
+    out, grad, wgrad = run(
+        objective, hidden, draft_head, target_hidden, target_head[draft_ids], labels, train_weight=True
+    )
 
     ref_h, ref_w = hidden.clone().requires_grad_(True), draft_head.clone().requires_grad_(True)
     full = target_hidden @ target_head.t()  # (N, full_vocab)
@@ -194,8 +198,15 @@ def test_accuracy_counts_label_hits_or_teacher_argmax_hits_without_labels():
 def test_no_rows_gives_a_connected_zero_loss():
     hidden = torch.zeros(0, H, requires_grad=True)
     weight = torch.randn(V, H, requires_grad=True)
-    out = chunked_objective(hidden, weight, torch.zeros(0, H), torch.randn(V, H), torch.zeros(0, dtype=torch.long),
-                            parse_objective("tv+ce"), 4)
+    out = chunked_objective(
+        hidden,
+        weight,
+        torch.zeros(0, H),
+        torch.randn(V, H),
+        torch.zeros(0, dtype=torch.long),
+        parse_objective("tv+ce"),
+        4,
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and hidden.grad.shape == (0, H) and torch.count_nonzero(weight.grad) == 0
     assert set(out.terms) == {"tv", "ce"}
@@ -214,65 +225,88 @@ def test_every_tensor_is_made_on_the_inputs_device():
 
 # -- parsing -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, weights", [
-    ("ce", (("ce", 1.0),)),
-    ("tv", (("tv", 1.0),)),
-    ("0.9*tv + 0.1*ce", (("ce", 0.1), ("tv", 0.9))),
-    ("0.9 * tv+0.1*ce", (("ce", 0.1), ("tv", 0.9))),
-    ("1e-1*kl + soft_ce", (("soft_ce", 1.0), ("kl", 0.1))),
-    ({"tv": 0.9, "ce": 0.1}, (("ce", 0.1), ("tv", 0.9))),
-    ({"tv": 1, "ce": 0}, (("tv", 1.0),)),  # a zero weight drops the term
-])
+
+@pytest.mark.parametrize(
+    "spec, weights",
+    [
+        ("ce", (("ce", 1.0),)),
+        ("tv", (("tv", 1.0),)),
+        ("0.9*tv + 0.1*ce", (("ce", 0.1), ("tv", 0.9))),
+        ("0.9 * tv+0.1*ce", (("ce", 0.1), ("tv", 0.9))),
+        ("1e-1*kl + soft_ce", (("soft_ce", 1.0), ("kl", 0.1))),
+        ({"tv": 0.9, "ce": 0.1}, (("ce", 0.1), ("tv", 0.9))),
+        ({"tv": 1, "ce": 0}, (("tv", 1.0),)),  # a zero weight drops the term
+    ],
+)
 def test_parse_objective(spec, weights):
     objective = parse_objective(spec, 0.7)
     assert objective.weights == weights and objective.temperature == 0.7
     assert objective.needs_teacher == any(n != "ce" for n, _ in weights)
 
 
-@pytest.mark.parametrize("spec, temperature, message", [
-    ("tvv", 1.0, "unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)"),
-    ({"tv": 0.9, "cee": 0.1}, 1.0, "unknown objective 'cee'"),
-    ("0.9*tv + -0.1*ce", 1.0, "weight of 'ce' must be >= 0, got -0.1"),
-    ({"tv": -1}, 1.0, "weight of 'tv' must be >= 0, got -1"),
-    ({"tv": "lots"}, 1.0, "weight of 'tv' must be a number, got 'lots'"),
-    ("much*tv", 1.0, "weight of 'tv' must be a number, got 'much'"),
-    ("tv + tv", 1.0, "objective 'tv' given twice"),
-    ({"tv": 0, "ce": 0}, 1.0, "no objective has a positive weight"),
-    ("tv +", 1.0, "cannot read ''"),
-    (3, 1.0, "expected an objective name"),
-    ("tv", 0.0, "must be a number > 0, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "spec, temperature, message",
+    [
+        ("tvv", 1.0, "unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)"),
+        ({"tv": 0.9, "cee": 0.1}, 1.0, "unknown objective 'cee'"),
+        ("0.9*tv + -0.1*ce", 1.0, "weight of 'ce' must be >= 0, got -0.1"),
+        ({"tv": -1}, 1.0, "weight of 'tv' must be >= 0, got -1"),
+        ({"tv": "lots"}, 1.0, "weight of 'tv' must be a number, got 'lots'"),
+        ("much*tv", 1.0, "weight of 'tv' must be a number, got 'much'"),
+        ("tv + tv", 1.0, "objective 'tv' given twice"),
+        ({"tv": 0, "ce": 0}, 1.0, "no objective has a positive weight"),
+        ("tv +", 1.0, "cannot read ''"),
+        (3, 1.0, "expected an objective name"),
+        ("tv", 0.0, "must be a number > 0, got 0.0"),
+    ],
+)
 def test_parse_objective_rejects_with_one_line(spec, temperature, message):
     with pytest.raises(SpecdraftError) as err:
         parse_objective(spec, temperature)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("draft.loss=tvv", "key 'draft.loss': unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)"),
-    ("draft.loss={tv: 0.9, ce: -0.1}", "key 'draft.loss': weight of 'ce' must be >= 0, got -0.1"),
-    ("draft.distill_temperature=0", "key 'draft.distill_temperature': must be > 0, got 0.0"),
-    ("eval_temperature=-0.5", "key 'eval_temperature': must be >= 0, got -0.5"),
-    ("draft.distill_tokens=prompts", "key 'draft.distill_tokens': must be one of answers, all, got 'prompts'"),
-    ("draft.loss=ce", None),  # valid alone; with distill_tokens=all below it is not
-    ("draft.loss=lk_alpha", "key 'draft.loss': lk_alpha is an LK loss, trained by draft.type eagle3 and peagle only, "
-                            "not 'glide'"),
-    ("draft.type=dflash draft.loss=lk_lambda", "lk_lambda is an LK loss, trained by draft.type eagle3 and peagle "
-                                               "only, not 'dflash'"),
-    ("draft.type=eagle3 draft.loss='lk_alpha + lk_lambda'", "key 'draft.loss': lk_alpha and lk_lambda are two modes "
-                                                            "of one loss; choose one"),
-    ("draft.type=peagle draft.loss=lk_lambda draft.distill_temperature=0.7",
-     "key 'draft.loss': the LK losses compare the target's and the draft's sampling distributions at temperature 1; "
-     "draft.distill_temperature is 0.7"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "draft.loss=tvv",
+            "key 'draft.loss': unknown objective 'tvv' (choose from ce, soft_ce, kl, tv, lk_alpha, lk_lambda)",
+        ),
+        ("draft.loss={tv: 0.9, ce: -0.1}", "key 'draft.loss': weight of 'ce' must be >= 0, got -0.1"),
+        ("draft.distill_temperature=0", "key 'draft.distill_temperature': must be > 0, got 0.0"),
+        ("eval_temperature=-0.5", "key 'eval_temperature': must be >= 0, got -0.5"),
+        ("draft.distill_tokens=prompts", "key 'draft.distill_tokens': must be one of answers, all, got 'prompts'"),
+        ("draft.loss=ce", None),  # valid alone; with distill_tokens=all below it is not
+        (
+            "draft.loss=lk_alpha",
+            "key 'draft.loss': lk_alpha is an LK loss, trained by draft.type eagle3 and peagle only, not 'glide'",
+        ),
+        (
+            "draft.type=dflash draft.loss=lk_lambda",
+            "lk_lambda is an LK loss, trained by draft.type eagle3 and peagle only, not 'dflash'",
+        ),
+        (
+            "draft.type=eagle3 draft.loss='lk_alpha + lk_lambda'",
+            "key 'draft.loss': lk_alpha and lk_lambda are two modes of one loss; choose one",
+        ),
+        (
+            "draft.type=peagle draft.loss=lk_lambda draft.distill_temperature=0.7",
+            "key 'draft.loss': the LK losses compare the target's and the draft's sampling distributions at temperature 1; "
+            "draft.distill_temperature is 0.7",
+        ),
+    ],
+)
 def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, override, expected):
     from specdraft.cli import main
 
     (tmp_path / "target").mkdir()
     (tmp_path / "d.jsonl").write_text("{}\n")
     config = tmp_path / "run.yaml"
-    config.write_text(f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/d.jsonl\n"
-                      f"output_dir: {tmp_path / 'out'}\ndraft:\n  loss: {{tv: 0.9, ce: 0.1}}\n")
+    config.write_text(
+        f"target: {tmp_path / 'target'}\ndata_files: {tmp_path}/d.jsonl\n"
+        f"output_dir: {tmp_path / 'out'}\ndraft:\n  loss: {{tv: 0.9, ce: 0.1}}\n"
+    )
     override = shlex.split(override) if override.startswith("draft.type=") else [override]  # several keys
     overrides = override if expected else [*override, "draft.distill_tokens=all"]
     expected = expected or "key 'draft.distill_tokens': 'all' needs a teacher term in draft.loss"
@@ -285,7 +319,7 @@ def test_a_bad_objective_in_the_config_is_one_line_and_exit_2(tmp_path, capsys, 
 def test_distill_tokens_all_reaches_every_family_and_needs_a_teacher_term(tmp_path):
     """'all' moves the teacher terms onto every token; a family whose default objective has no
     teacher (GLIDE's ce) refuses it without draft.loss, EAGLE-3's soft_ce default takes it."""
-    from specdraft.drafts.objectives import objective_from_options
+    from specdraft.drafts.objective_options import objective_from_options
 
     (tmp_path / "target").mkdir()
     (tmp_path / "d.jsonl").write_text("{}\n")
@@ -326,6 +360,7 @@ def test_the_config_takes_a_sum_or_a_mapping_and_a_zero_weight_drops_a_term(tmp_
 
 # -- GLIDE trained with a distillation objective -------------------------------------------------
 
+
 @pytest.mark.parametrize("distill_tokens", ["answers", "all"])
 def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     """The teacher of position t is the target's distribution over token t+1 (its real logits).
@@ -339,8 +374,9 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     from specdraft.target.capture import capture
 
     target = random_llama(vocab=128, init=0.1)
-    cfg = OmegaConf.structured(DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7,
-                                           distill_tokens=distill_tokens))
+    cfg = OmegaConf.structured(
+        DraftConfig(sliding_window=6, loss="0.9*tv + 0.1*ce", distill_temperature=0.7, distill_tokens=distill_tokens)
+    )
     draft = build_draft(cfg, target.config)
     T, lag = 20, 2
     ids = torch.randint(0, 128, (2, T))
@@ -354,8 +390,15 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     draft.zero_grad()
 
     index = torch.arange(T)
-    hidden = draft(feats.input_embeds, feats.cos, feats.sin, feats.last_keys, feats.last_values,
-                   cross_limit=index - lag, index=index)
+    hidden = draft(
+        feats.input_embeds,
+        feats.cos,
+        feats.sin,
+        feats.last_keys,
+        feats.last_values,
+        cross_limit=index - lag,
+        index=index,
+    )
     answer = mask[:, 1:].bool() & (index[None, :-1] >= lag)  # t predicts an answer token, with context
     taught = answer if distill_tokens == "answers" else (index[None, :-1] >= lag).expand(2, T - 1)
     z = (hidden @ target.lm_head.weight.t())[:, :-1]
@@ -375,12 +418,20 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("metrics, perplexity", [
-    ({}, math.exp(2.0)),  # plain CE: exp(loss)
-    ({"objective/ce": (torch.tensor(3.0), torch.tensor(4)), "objective/tv": (torch.tensor(1.0), torch.tensor(4))},
-     math.exp(0.75)),  # a mixture: exp(its CE term), not exp(0.9 tv + 0.1 ce)
-    ({"objective/tv": (torch.tensor(1.0), torch.tensor(4))}, None),  # no CE at all: no perplexity
-])
+@pytest.mark.parametrize(
+    "metrics, perplexity",
+    [
+        ({}, math.exp(2.0)),  # plain CE: exp(loss)
+        (
+            {
+                "objective/ce": (torch.tensor(3.0), torch.tensor(4)),
+                "objective/tv": (torch.tensor(1.0), torch.tensor(4)),
+            },
+            math.exp(0.75),
+        ),  # a mixture: exp(its CE term), not exp(0.9 tv + 0.1 ce)
+        ({"objective/tv": (torch.tensor(1.0), torch.tensor(4))}, None),  # no CE at all: no perplexity
+    ],
+)
 def test_perplexity_is_exp_of_a_cross_entropy_or_absent(monkeypatch, metrics, perplexity):
     from types import SimpleNamespace
 
@@ -388,8 +439,9 @@ def test_perplexity_is_exp_of_a_cross_entropy_or_absent(monkeypatch, metrics, pe
 
     monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
     window = LossWindow()
-    window.add(SimpleNamespace(loss=torch.tensor(2.0), tokens=torch.tensor(4), correct=torch.tensor(1),
-                               metrics=metrics))
+    window.add(
+        SimpleNamespace(loss=torch.tensor(2.0), tokens=torch.tensor(4), correct=torch.tensor(1), metrics=metrics)
+    )
     window.end_step()
     _, values = window.reduce()
     assert values.get("perplexity") == (None if perplexity is None else pytest.approx(perplexity, rel=1e-12))

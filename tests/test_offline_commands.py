@@ -46,8 +46,9 @@ def work(tmp_path_factory):
 def runs(served_target_dir, mtp_target_dir, work):
     """{family: {"full": 4 losses, "resumed": the 2 after resuming step 2}}, both at 2 ranks."""
     out = work / "results.json"
-    proc = torchrun(REPO / "tests" / "offline_script.py", served_target_dir, mtp_target_dir, work / "data", work, out,
-                    timeout=700)
+    proc = torchrun(
+        REPO / "tests" / "offline_script.py", served_target_dir, mtp_target_dir, work / "data", work, out, timeout=700
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -58,9 +59,14 @@ def shrunk(served_target_dir, mtp_target_dir, work, runs):
     results = {}
     for family in FAMILIES:
         lines = []
-        cfg = run_config(target_of(family, served_target_dir, mtp_target_dir), work / "data", work, family,
-                         f"{family}_shrunk",
-                         f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}")
+        cfg = run_config(
+            target_of(family, served_target_dir, mtp_target_dir),
+            work / "data",
+            work,
+            family,
+            f"{family}_shrunk",
+            f"resume={work}/{family}/ckpt/step_{SAVE_STEPS}",
+        )
         results[family] = (train(cfg, log=lines.append).losses, lines)
     return results
 
@@ -74,7 +80,7 @@ def deepspeed_fp32(slot):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     full = get_fp32_state_dict_from_zero_checkpoint(str(slot.parent), tag=slot.name, exclude_frozen_parameters=True)
-    return {k[len("draft_model."):]: v for k, v in full.items() if k.startswith("draft_model.")}
+    return {k[len("draft_model.") :]: v for k, v in full.items() if k.startswith("draft_model.")}
 
 
 def assert_same(got, want, keys=None):
@@ -90,6 +96,7 @@ def exported(export_dir):
 
 
 # -- resume ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_resume_at_the_same_size_is_bit_identical(runs, family):
@@ -120,6 +127,7 @@ def test_elastic_resume_on_one_rank_continues_the_two_rank_run(runs, shrunk, wor
 
 # -- export, consolidate ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family,fmt", CASES)
 def test_export_from_the_checkpoint_is_the_trained_draft(runs, work, family, fmt):
     run_dir = work / family
@@ -129,13 +137,18 @@ def test_export_from_the_checkpoint_is_the_trained_draft(runs, work, family, fmt
     if fmt in FAMILIES[family].serving_formats:
         assert (out / fmt / "config.json").is_file()
         if (live / fmt).is_dir():  # the family's defaults wrote it during training too
-            assert json.loads((out / fmt / "config.json").read_text()) == \
-                json.loads((live / fmt / "config.json").read_text())
-            assert_same(load_file(str(out / fmt / "model.safetensors")),
-                        load_file(str(live / fmt / "model.safetensors")))
+            assert json.loads((out / fmt / "config.json").read_text()) == json.loads(
+                (live / fmt / "config.json").read_text()
+            )
+            assert_same(
+                load_file(str(out / fmt / "model.safetensors")), load_file(str(live / fmt / "model.safetensors"))
+            )
         return
-    weights = (load_file(str(out / "model.safetensors")) if fmt != "pth"
-               else torch.load(out / "draft_model_weights.pth", weights_only=True))
+    weights = (
+        load_file(str(out / "model.safetensors"))
+        if fmt != "pth"
+        else torch.load(out / "draft_model_weights.pth", weights_only=True)
+    )
     live_weights = load_file(str(live / "model.safetensors"))
     assert_same(weights, live_weights)  # every key: trained, buffers and frozen, in their dtypes
     slot_weights = deepspeed_fp32(last_slot(work, family))
@@ -159,17 +172,30 @@ def test_consolidate_writes_the_whole_trained_draft(runs, work, family):
 
 # -- eval ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_dir, mtp_target_dir, tiny_data, work,
-                                                            family, capsys):
+def test_eval_with_the_target_moved_needs_and_takes_target(
+    runs, served_target_dir, mtp_target_dir, tiny_data, work, family, capsys
+):
     served_target_dir = target_of(family, served_target_dir, mtp_target_dir)
     moved = work / f"{family}_elsewhere"
     shutil.copytree(work / family / f"step_{STEPS}", moved)
     config = json.loads((moved / "config.json").read_text())
     config["target"]["path"] = str(work / "no_such_machine" / "target")  # trained on another machine
     (moved / "config.json").write_text(json.dumps(config))
-    args = ["eval", str(moved), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "2",
-            "--max-new-tokens", "8", "--device", "cpu", "--json"]
+    args = [
+        "eval",
+        str(moved),
+        "--prompts",
+        str(tiny_data.prompts_file),
+        "--max-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--json",
+    ]
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
@@ -183,6 +209,7 @@ def test_eval_with_the_target_moved_needs_and_takes_target(runs, served_target_d
 
 # -- the row of several drafts: one run training every family's draft (named by its family) -------
 
+
 def several_slot_files(run_dir, name):
     return run_dir / "ckpt" / f"step_{STEPS}" / name
 
@@ -191,8 +218,14 @@ def several_slot_files(run_dir, name):
 def several_shrunk(served_target_dir, work, runs):
     """The several-draft run's 2-rank step 2 resumed on 1 rank: (losses by draft, log lines)."""
     lines = []
-    cfg = run_config(served_target_dir, work / "data", work, SEVERAL, f"{SEVERAL}_shrunk",
-                     f"resume={work}/{SEVERAL}/ckpt/step_{SAVE_STEPS}")
+    cfg = run_config(
+        served_target_dir,
+        work / "data",
+        work,
+        SEVERAL,
+        f"{SEVERAL}_shrunk",
+        f"resume={work}/{SEVERAL}/ckpt/step_{SAVE_STEPS}",
+    )
     return train(cfg, log=lines.append).draft_losses, lines
 
 
@@ -205,7 +238,9 @@ def test_each_draft_of_a_several_draft_run_trains_as_its_family_alone_at_two_ran
 
 def test_a_several_draft_run_resumes_bit_identically_and_elastically_on_one_rank(runs, several_shrunk, work):
     full, resumed = runs[SEVERAL]["full"], runs[SEVERAL]["resumed"]
-    assert set(resumed) == set(SEVERAL_FAMILIES) and all(resumed[name] == full[name][SAVE_STEPS:] for name in SEVERAL_FAMILIES)
+    assert set(resumed) == set(SEVERAL_FAMILIES) and all(
+        resumed[name] == full[name][SAVE_STEPS:] for name in SEVERAL_FAMILIES
+    )
     losses, lines = several_shrunk
     assert sum(line.startswith("resume: converted") for line in lines) == len(SEVERAL_FAMILIES), lines
     for name in SEVERAL_FAMILIES:
@@ -269,8 +304,18 @@ def test_a_several_draft_run_needs_draft_name_where_one_draft_is_meant(runs, wor
 
 
 def test_eval_of_a_several_draft_run_puts_every_draft_side_by_side(runs, tiny_data, work, capsys):
-    args = ["eval", str(work / SEVERAL), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "1",
-            "--max-new-tokens", "6", "--device", "cpu"]
+    args = [
+        "eval",
+        str(work / SEVERAL),
+        "--prompts",
+        str(tiny_data.prompts_file),
+        "--max-prompts",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "cpu",
+    ]
     capsys.readouterr()
     assert main([*args, "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)

@@ -39,7 +39,7 @@ def test_cod_sample_sizes_and_chains():
     survivors = {(a, 0) for a in range(T) if valid[a]}
     for d in range(1, 8):
         at = anchor[depth == d]
-        expected = int((n_valid - d) * max(0.7 ** d, 0.2))
+        expected = int((n_valid - d) * max(0.7**d, 0.2))
         assert at.numel() <= expected and (at.numel() == expected or d > 1)
         assert torch.equal(at, at.sort().values)
         for a in at.tolist():
@@ -106,7 +106,7 @@ def assert_cod_rule(valid, slots, K, r, r_min):
             assert drawn[:k].all() and (anchor[k:] == T).all()
             kept = (anchor[:k] + d).tolist()
             assert kept == sorted(set(kept)) and set(kept) <= pool, (b, d)
-            assert k == min(int(max(0, n_valid - d) * max(r ** d, r_min)), len(pool)), (b, d)
+            assert k == min(int(max(0, n_valid - d) * max(r**d, r_min)), len(pool)), (b, d)
             pool = {o + 1 for o in kept if o + 1 < T and valid[b, o + 1]}
             row.append(k)
         counts.append(row)
@@ -152,7 +152,7 @@ def test_the_batched_cod_sampler_draws_each_pool_position_with_cods_probability(
         drawn = slots.drawn[:, first:last]
         at = torch.where(drawn, slots.anchor[:, first:last] + d, T)  # the slot's position o; padding: T
         kept = torch.zeros(n, T + 1, dtype=torch.bool).scatter(1, at, drawn)[:, :T]
-        size = int(max(0, n_valid - d) * max(r ** d, r_min))
+        size = int(max(0, n_valid - d) * max(r**d, r_min))
         chance = (size / pool.sum(dim=1, keepdim=True).clamp_min(1)).clamp(max=1.0)  # per row, given its pool
         expected = (pool * chance).mean(dim=0)
         assert (kept.double().mean(dim=0) - expected).abs().max() < 0.03, d
@@ -190,22 +190,27 @@ def test_the_batched_forward_equals_each_rows_own(monkeypatch):
         assert batched.shape == (B, sum(slots.sizes), draft.dims.hidden_size)
         for b in range(B):
             drawn = slots.drawn[b]
-            alone = draft.draft_slots(aux[b], embeds[b], slots.anchor[b, drawn], slots.depth[drawn], documents[b],
-                                      ids[b])
+            alone = draft.draft_slots(
+                aux[b], embeds[b], slots.anchor[b, drawn], slots.depth[drawn], documents[b], ids[b]
+            )
             torch.testing.assert_close(batched[b, drawn], alone, rtol=1e-5, atol=1e-5)
 
 
 def peagle_for(target, seed=0, **options):
-    cfg = OmegaConf.structured(DraftConfig(type="peagle", draft_vocab_size=40, num_depths=4, mask_token_id=5,
-                                           **options))
+    cfg = OmegaConf.structured(
+        DraftConfig(type="peagle", draft_vocab_size=40, num_depths=4, mask_token_id=5, **options)
+    )
     draft = build_draft(cfg, target.config)
     generator = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 1000, (target.config.vocab_size,), generator=generator).numpy()
     draft.set_vocab_maps(*vocab_maps(counts, draft.dims.draft_vocab_size))
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.15 if p.dim() == 2 or "mask" in name
-                    else torch.rand(p.shape, generator=generator) + 0.5)
+            p.copy_(
+                torch.randn(p.shape, generator=generator) * 0.15
+                if p.dim() == 2 or "mask" in name
+                else torch.rand(p.shape, generator=generator) + 0.5
+            )
     return draft.eval()
 
 
@@ -223,7 +228,7 @@ def test_the_drafter_proposes_what_the_training_forward_computes_in_one_forward(
         embeds = target.model.embed_tokens(ids[None])[0]
         anchor = torch.cat([torch.arange(n), torch.full((K - 1,), n - 1)])
         depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, K)])
-        expected = draft.logits(draft.draft_slots(aux, embeds, anchor, depth, ids=ids))[n - 1:]
+        expected = draft.logits(draft.draft_slots(aux, embeds, anchor, depth, ids=ids))[n - 1 :]
     drafter = draft.make_drafter(target)
     drafter.observe_target({layer: feats.hidden[layer][0] for layer in draft.dims.target_layers}, 0)
     calls = []
@@ -234,9 +239,11 @@ def test_the_drafter_proposes_what_the_training_forward_computes_in_one_forward(
             return n
 
     from specdraft.decode import cache as cache_module
+
     length = cache_module.cache_length
     cache_module.cache_length = lambda c: n
     import specdraft.drafts.peagle.decode as decode_module
+
     decode_module.cache_length = lambda c: n
     try:
         logits = drafter._parallel(ids, n, K)
@@ -251,12 +258,15 @@ def test_the_drafter_proposes_what_the_training_forward_computes_in_one_forward(
 
 
 def test_a_bad_peagle_key_is_one_line(tiny_target_dir, data_dir, tmp_path):
-    for key, value, match in (("draft.num_depths", "0", "draft.num_depths"),
-                              ("draft.down_sample_ratio", "1.5", "draft.down_sample_ratio"),
-                              ("draft.mask_token_id", "99999999", "draft.mask_token_id"),
-                              ("draft.ttt_steps", "3", "draft.ttt_steps")):
-        overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "bad", tmp_path / "cache",
-                                  **{**PEAGLE, key: value})
+    for key, value, match in (
+        ("draft.num_depths", "0", "draft.num_depths"),
+        ("draft.down_sample_ratio", "1.5", "draft.down_sample_ratio"),
+        ("draft.mask_token_id", "99999999", "draft.mask_token_id"),
+        ("draft.ttt_steps", "3", "draft.ttt_steps"),
+    ):
+        overrides = run_overrides(
+            tiny_target_dir, data_dir, tmp_path / "bad", tmp_path / "cache", **{**PEAGLE, key: value}
+        )
         with pytest.raises(SpecdraftError, match=match):
             load_config(None, overrides)
     assert not (tmp_path / "bad").exists()
@@ -276,8 +286,9 @@ def test_peagle_trains_logs_depths_exports_and_evaluates(tiny_target_dir, tiny_d
     for shape in (dict(gamma=4), dict(tree=[2, 2, 2])):
         report = evaluate(result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, **shape)
         assert report["matches_target"] is True and report["tau"] >= 1.0
-    sampled = evaluate(result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, gamma=4,
-                       temperature=0.7)
+    sampled = evaluate(
+        result.export_dir, tiny_data.prompts_file, max_prompts=3, max_new_tokens=16, gamma=4, temperature=0.7
+    )
     assert 1.0 <= sampled["tau"] <= 5.0
 
 

@@ -51,7 +51,9 @@ print(json.dumps({"missing": sorted(info["missing_keys"]), "unexpected": sorted(
 
 def run_cfg(target_dir, out, **draft):
     cfg = eagle3_run_cfg(target_dir, out)
-    cfg.draft = OmegaConf.merge(OmegaConf.structured(TrainConfig).draft, dict(type="peagle", num_depths=DEPTHS, **draft))
+    cfg.draft = OmegaConf.merge(
+        OmegaConf.structured(TrainConfig).draft, dict(type="peagle", num_depths=DEPTHS, **draft)
+    )
     return cfg
 
 
@@ -59,10 +61,15 @@ def random_peagle(target, cfg, seed=0):
     return random_eagle3(target, cfg, seed)  # EAGLE-3's random weights and maps; mask_* positive, not 0
 
 
-@pytest.mark.parametrize("draft_options", [dict(draft_vocab_size=100, mask_token_id=7),
-                                           dict(draft_vocab_size=100, norm_before_residual=True, fc_norm=True, mask_token_id=0),
-                                           dict(target_layers=[5, 0, 3], mask_token_id=159)],
-                         ids=["vocab100", "flags", "whole-vocab"])
+@pytest.mark.parametrize(
+    "draft_options",
+    [
+        dict(draft_vocab_size=100, mask_token_id=7),
+        dict(draft_vocab_size=100, norm_before_residual=True, fc_norm=True, mask_token_id=0),
+        dict(target_layers=[5, 0, 3], mask_token_id=159),
+    ],
+    ids=["vocab100", "flags", "whole-vocab"],
+)
 def test_speculators_loads_the_export_and_computes_the_same_logits(target_dir, tmp_path, draft_options):
     from transformers import AutoModelForCausalLM
 
@@ -88,6 +95,7 @@ def test_config_carries_what_vllm_reads(target_dir, tmp_path):
     assert config["speculators_config"]["algorithm"] == "peagle"
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == DEPTHS
     from safetensors.torch import load_file
+
     tensors = load_file(str(export / "model.safetensors"))
     assert tensors["mask_hidden"].shape == (1, 1, 3 * 64)
     torch.testing.assert_close(tensors["embed_tokens.weight"][11], draft.mask_embedding.detach())
@@ -108,11 +116,20 @@ def assert_speculators_computes_our_logits(target, draft, export, tmp_path):
         feats = capture(target.model, ids, torch.arange(T + 1)[None], draft.capture_request())
         aux = draft.aux_hidden(feats)[0]
         # the training path: COD's slots attend without the (N, N) mask (cod_attention.py)
-        ours = draft.logits(draft.draft_slots(aux[:T], feats.input_embeds[0], anchor, depth, ids=ids[0],
-                                              by_depth=by_depth))
+        ours = draft.logits(
+            draft.draft_slots(aux[:T], feats.input_embeds[0], anchor, depth, ids=ids[0], by_depth=by_depth)
+        )
     # speculators' alignment: position j carries (g_j, x_{j+1})
-    torch.save({"hidden": aux[None, :T].contiguous(), "ids": ids[:, 1:].contiguous(), "anchor": anchor,
-                "depth": depth, "depths": DEPTHS}, tmp_path / "inputs.pt")
+    torch.save(
+        {
+            "hidden": aux[None, :T].contiguous(),
+            "ids": ids[:, 1:].contiguous(),
+            "anchor": anchor,
+            "depth": depth,
+            "depths": DEPTHS,
+        },
+        tmp_path / "inputs.pt",
+    )
     report = run_in_speculators(SPECULATORS_SCRIPT, export, tmp_path / "inputs.pt", tmp_path / "logits.pt")
     assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
     assert report["type"] == "peagle" and report["mask_token_id"] == draft.dims.mask_token_id
@@ -151,6 +168,8 @@ def test_a_draft_speculators_saved_imports_and_computes_its_logits(target_dir, t
     imported, draft = imported_draft(cfg, target.config)
     assert imported.fmt == "speculators"
     draft.eval()
-    assert not torch.equal(draft.mask_embedding, ours.mask_embedding) and not torch.equal(draft.mask_hidden, ours.mask_hidden)
+    assert not torch.equal(draft.mask_embedding, ours.mask_embedding) and not torch.equal(
+        draft.mask_hidden, ours.mask_hidden
+    )
     assert torch.equal(draft.d2t, ours.d2t)
     assert_speculators_computes_our_logits(target, draft, tmp_path / "theirs", tmp_path)

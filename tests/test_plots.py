@@ -10,8 +10,10 @@ from specdraft.decode.report import acceptance_figure, plot_acceptance
 from specdraft.errors import SpecdraftError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-REPORTS = [("GLIDE", {"tau": 3.25, "acceptance_per_position": [0.9, 0.7, 0.5]}),
-           ("prompt lookup", {"tau": 1.5, "acceptance_per_position": [0.4, 0.1]})]
+REPORTS = [
+    ("GLIDE", {"tau": 3.25, "acceptance_per_position": [0.9, 0.7, 0.5]}),
+    ("prompt lookup", {"tau": 1.5, "acceptance_per_position": [0.4, 0.1]}),
+]
 
 
 def bar_heights(axes):
@@ -46,8 +48,16 @@ def test_without_matplotlib_eval_plot_is_one_line_before_any_work(no_matplotlib,
 
     with pytest.raises(SpecdraftError, match=r"^--plot: matplotlib is not installed; pip install specdraft\[plots\]$"):
         evaluate(tmp_path / "no-such-run", tmp_path / "prompts.jsonl", plot_path=tmp_path / "a.png")
-    code = main(["eval", str(tmp_path / "no-such-run"), "--prompts", str(tmp_path / "p.jsonl"),
-                 "--plot", str(tmp_path / "a.png")])
+    code = main(
+        [
+            "eval",
+            str(tmp_path / "no-such-run"),
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--plot",
+            str(tmp_path / "a.png"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err == "specdraft: error: --plot: matplotlib is not installed; pip install specdraft[plots]\n"
     assert not (tmp_path / "a.png").exists()
@@ -60,5 +70,6 @@ def test_without_matplotlib_the_acceptance_bench_plot_is_one_line(no_matplotlib,
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--plot", str(tmp_path / "a.png"), "--draft", str(tmp_path / "no-such-run")])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == ("bench/acceptance.py: --plot: matplotlib is not installed; "
-                                       "pip install specdraft[plots]\n")
+    assert capsys.readouterr().err == (
+        "bench/acceptance.py: --plot: matplotlib is not installed; pip install specdraft[plots]\n"
+    )

@@ -64,6 +64,7 @@ class Graphs:
 
 def symbolic_inputs(gm) -> list:
     """The placeholders of a graph with a symbolic size or stride (automatic dynamic shapes)."""
+
     def symbolic(value):
         if isinstance(value, torch.SymInt):
             return True
@@ -97,8 +98,10 @@ def compiled():
         return create_block_mask(*args, **kwargs)
 
     # never eager past the limit; torch's own limit, which the flex path raises
-    with pytest.MonkeyPatch.context() as patch, torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
-                                                                         recompile_limit=8):
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8),
+    ):
         patch.setattr(flex_module, "flex_attention", counted_flex)
         patch.setattr(flex_module, "create_block_mask", counted_block_mask)
         saved = dict(documents._compiled_functions)
@@ -114,8 +117,10 @@ def compiled():
 
 @pytest.fixture(scope="module")
 def targets():
-    return {family: random_target_for(family, vocab=VOCAB, hidden=64, heads=4, kv_heads=2, max_positions=1024)
-            for family in ("glide", "mtp")}  # a llama target, and MTP's qwen3_next
+    return {
+        family: random_target_for(family, vocab=VOCAB, hidden=64, heads=4, kv_heads=2, max_positions=1024)
+        for family in ("glide", "mtp")
+    }  # a llama target, and MTP's qwen3_next
 
 
 def packed_batch(seed: int):
@@ -138,6 +143,7 @@ def packed_batch(seed: int):
 def one_rank_of_two(patch):
     """SP = 2 as rank 1 sees it, in one process: each exchange returns what a real one of this
     rank's tensors would in shape (all_to_all: the same shape; all_gather: both ranks' parts)."""
+
     def all_gather(parts, x, group=None):
         for part in parts:
             part.copy_(x)
@@ -186,6 +192,7 @@ def test_the_gpu_path_compiles_in_the_first_batch_only(family, sp, targets, comp
 def test_a_python_int_a_mask_mod_captures_fails_the_check(targets, compiled, monkeypatch):
     """The check can fail: a mask_mod closing over the batch's document count (a Python int dynamo
     guards on) recompiles on the second batch."""
+
     def document_block_mask(ids, key_documents=None):
         count = int(ids.max()) + 1  # differs from batch to batch
 
@@ -202,7 +209,8 @@ def test_a_python_int_a_mask_mod_captures_fails_the_check(targets, compiled, mon
 def test_an_eager_flex_attention_fails_the_check(targets, compiled, monkeypatch):
     """The check can fail: flex_attention called uncompiled (it materialises the scores)."""
     compiled_fn = documents._compiled
-    monkeypatch.setattr(documents, "_compiled", lambda fn, device: None if fn.__name__ == "flex_attention"
-                        else compiled_fn(fn, device))
+    monkeypatch.setattr(
+        documents, "_compiled", lambda fn, device: None if fn.__name__ == "flex_attention" else compiled_fn(fn, device)
+    )
     with pytest.raises(AssertionError, match="no compiled flex_attention ran|the eager flex path ran"):
         compiles_once("eagle3", 1, targets["glide"], compiled, monkeypatch)

@@ -25,12 +25,16 @@ from specdraft.rundir.layout import MARKER, REGENERATE, marker_text
 
 ROWS = [
     {"prompt": "def add(a, b):"},
-    {"id": "multi", "conversations": [
-        {"role": "system", "content": "Write Python."},
-        {"role": "user", "content": "def square(x):"},
-        {"role": "assistant", "content": "a human answer"},
-        {"role": "user", "content": "def cube(x):"},
-        {"role": "assistant", "content": "another human answer"}]},
+    {
+        "id": "multi",
+        "conversations": [
+            {"role": "system", "content": "Write Python."},
+            {"role": "user", "content": "def square(x):"},
+            {"role": "assistant", "content": "a human answer"},
+            {"role": "user", "content": "def cube(x):"},
+            {"role": "assistant", "content": "another human answer"},
+        ],
+    },
     {"messages": [{"role": "user", "content": "def mean(values):"}]},
 ]
 
@@ -71,8 +75,11 @@ def config(target, data, out, **kw):
 
 def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(tiny_target_dir, tokenizer, tmp_path):
     data = source(tmp_path, ROWS)
-    summary = regenerate(config(tiny_target_dir, data, tmp_path / "a", temperature=0.7, samples=2),
-                         log=lambda m: None, progress_bar=False)
+    summary = regenerate(
+        config(tiny_target_dir, data, tmp_path / "a", temperature=0.7, samples=2),
+        log=lambda m: None,
+        progress_bar=False,
+    )
     rows = out_rows(tmp_path / "a")
     assert summary["rows"] + summary["errors"] == 6 and len(rows) == summary["rows"] >= 4
     multi = [r for r in rows if r["id"] == "multi"]
@@ -84,8 +91,11 @@ def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(
         for answer in (row["conversations"][2], row["conversations"][4]):
             assert tokenizer.decode(own_ids(tokenizer, answer)) == answer["content"]
     # sampled with per-row seeds: a fresh run in another directory writes the same answers
-    regenerate(config(tiny_target_dir, data, tmp_path / "b", temperature=0.7, samples=2, batch_size=1),
-               log=lambda m: None, progress_bar=False)
+    regenerate(
+        config(tiny_target_dir, data, tmp_path / "b", temperature=0.7, samples=2, batch_size=1),
+        log=lambda m: None,
+        progress_bar=False,
+    )
     key = lambda r: (r["id"], r["sample"])
     assert sorted(rows, key=key) == sorted(out_rows(tmp_path / "b"), key=key)
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
@@ -95,8 +105,12 @@ def test_hf_regenerates_every_turn_on_its_own_answers_and_training_uses_its_ids(
     for where, messages in iter_conversations([str(p) for p in sorted((tmp_path / "a").glob("shard-*"))]):
         ids, mask = tokenize_conversation(tokenizer, messages, where)
         im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        expected = [t for m in messages if m["role"] == "assistant"  # a truncated answer ends no turn
-                    for t in own_ids(tokenizer, m) + ([] if m.get("truncated") else [im_end])]
+        expected = [
+            t
+            for m in messages
+            if m["role"] == "assistant"  # a truncated answer ends no turn
+            for t in own_ids(tokenizer, m) + ([] if m.get("truncated") else [im_end])
+        ]
         assert [t for t, k in zip(ids, mask) if k] == expected
 
 
@@ -119,8 +133,9 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
 
     first = regenerate(cfg, Flaky(), log=lambda m: None, progress_bar=False)
     errors = [json.loads(l) for l in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
-    assert first["failed"] == 2 and all("HTTP 503" in e["reason"] and e["kind"] == "failed" and e["source"]
-                                        for e in errors)
+    assert first["failed"] == 2 and all(
+        "HTTP 503" in e["reason"] and e["kind"] == "failed" and e["source"] for e in errors
+    )
     second = regenerate(cfg, real, log=lambda m: None, progress_bar=False)
     assert second["rows"] == 2 and second["skipped_done"] == 4 and second["errors"] == 0
     third = regenerate(cfg, real, log=lambda m: None, progress_bar=False)
@@ -130,8 +145,7 @@ def test_rerun_does_only_what_is_missing_and_retries_errors(tiny_target_dir, tin
         regenerate(config(tiny_target_dir, data, tmp_path / "o", temperature=0.5), real, log=lambda m: None)
 
 
-def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks(tiny_target_dir, tiny_data,
-                                                                                  tmp_path):
+def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks(tiny_target_dir, tiny_data, tmp_path):
     """A SIGKILL between a shard's temp write and its rename leaves `.<shard>.jsonl.<random>.tmp`
     (never a shard); the rerun of that rank removes it. Another rank's temp file may be its live
     write; a file of another form is not ours to remove."""
@@ -145,15 +159,17 @@ def test_a_rerun_removes_the_temp_shard_a_killed_run_left_and_only_its_own_ranks
     for stale in (ours, theirs, unknown):
         stale.write_text('{"id": "half a row')
     cfg = config(tiny_target_dir, data, out)
-    summary = regenerate(cfg, HFBackend.load(tiny_target_dir, cfg.sampling(), 4), log=lambda m: None,
-                         progress_bar=False)
+    summary = regenerate(
+        cfg, HFBackend.load(tiny_target_dir, cfg.sampling(), 4), log=lambda m: None, progress_bar=False
+    )
     assert summary["rows"] == 2 and not ours.exists() and theirs.exists() and unknown.exists()
 
 
 def test_too_long_rows_go_to_the_errors_file(tiny_target_dir, tmp_path):
     data = source(tmp_path, [{"prompt": "x " * 200}, {"prompt": "def f():"}])
-    summary = regenerate(config(tiny_target_dir, data, tmp_path / "o", max_length=64), log=lambda m: None,
-                         progress_bar=False)
+    summary = regenerate(
+        config(tiny_target_dir, data, tmp_path / "o", max_length=64), log=lambda m: None, progress_bar=False
+    )
     (error,) = [json.loads(l) for l in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
     assert summary["errors"] == 1 and "too long" in error["reason"] and error["source"].endswith("in.jsonl:1")
 
@@ -161,9 +177,28 @@ def test_too_long_rows_go_to_the_errors_file(tiny_target_dir, tmp_path):
 def test_sigkill_at_random_moments_then_rerun_writes_every_row_exactly_once(tiny_target_dir, tiny_data, tmp_path):
     data = source(tmp_path, prompts_from(tiny_data, 40))
     out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "specdraft", "regenerate", "--target", str(tiny_target_dir), "--data", str(data),
-           "--out", str(out), "--max-new-tokens", "24", "--batch-size", "1", "--concurrency", "1", "--rows-per-shard", "2",
-           "--temperature", "0.7"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdraft",
+        "regenerate",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "24",
+        "--batch-size",
+        "1",
+        "--concurrency",
+        "1",
+        "--rows-per-shard",
+        "2",
+        "--temperature",
+        "0.7",
+    ]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     rng = random.Random(0)
     killed = 0
@@ -206,8 +241,12 @@ def served_target(tiny_target_dir):
     pytest.importorskip("fastapi")
     port = _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([str(serve), "serve", str(tiny_target_dir), "--port", str(port), "--device", "cpu",
-                             "--host", "127.0.0.1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(serve), "serve", str(tiny_target_dir), "--port", str(port), "--device", "cpu", "--host", "127.0.0.1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -229,8 +268,9 @@ def test_openai_backend_against_transformers_serve(served_target, tiny_target_di
     cfg = config(tiny_target_dir, data, tmp_path / "s", backend="openai", servers=[served_target], concurrency=2)
     from specdraft.data.openai_backend import OpenAIBackend
 
-    backend = OpenAIBackend(cfg.servers, AutoTokenizer.from_pretrained(tiny_target_dir), cfg.sampling(),
-                            concurrency=2, backoff_s=0.05)
+    backend = OpenAIBackend(
+        cfg.servers, AutoTokenizer.from_pretrained(tiny_target_dir), cfg.sampling(), concurrency=2, backoff_s=0.05
+    )
     summary = regenerate(cfg, backend, log=lambda m: None, progress_bar=False)
     served = {r["id"]: r["conversations"][-1]["content"] for r in out_rows(tmp_path / "s")}
     assert summary["rows"] + summary["errors"] == 6 and summary["rows"] >= 4 and summary["tokens"] > 0
@@ -240,12 +280,15 @@ def test_openai_backend_against_transformers_serve(served_target, tiny_target_di
     assert served == {k: v for k, v in local.items() if k in served}
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["backend"] == "openai" and manifest["token_ids"] == "none from some servers: text tokenised"
-    assert set(manifest["server_refused_fields"][served_target + "/v1/chat/completions"]) >= {"top_k",
-                                                                                              "return_token_ids"}
+    assert set(manifest["server_refused_fields"][served_target + "/v1/chat/completions"]) >= {
+        "top_k",
+        "return_token_ids",
+    }
 
 
 class Crashing:
     """A backend that dies (as a SIGKILL would) at its `crash_at`-th generate call."""
+
     name = "hf"
 
     def __init__(self, real, crash_at):
@@ -258,8 +301,9 @@ class Crashing:
         return self.real.generate(requests, progress)
 
 
-def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_them(tiny_target_dir, tiny_data,
-                                                                                     tmp_path):
+def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_them(
+    tiny_target_dir, tiny_data, tmp_path
+):
     """A run killed early, then rerun with another temperature or target, would mix two settings in
     one directory: refused in one line naming the setting (and, for the target, before loading it)."""
     data = source(tmp_path, prompts_from(tiny_data, 40))
@@ -274,8 +318,10 @@ def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_
     assert manifest["sampling"]["temperature"] == 0.7 and manifest["sources"] == [str(data)]
     with pytest.raises(SpecdraftError) as err:
         regenerate(config(tiny_target_dir, data, out, temperature=0.5), real, log=lambda m: None)
-    assert str(err.value) == (f"{out}: holds rows regenerated with other temperature: 0.7 there, 0.5 asked; "
-                              f"rerun with the same settings or use a new --out directory")
+    assert str(err.value) == (
+        f"{out}: holds rows regenerated with other temperature: 0.7 there, 0.5 asked; "
+        f"rerun with the same settings or use a new --out directory"
+    )
     other = tmp_path / "other-target"
     shutil.copytree(tiny_target_dir, other)
     config_json = json.loads((other / "config.json").read_text())
@@ -284,8 +330,11 @@ def test_the_settings_are_on_disk_before_the_first_shard_and_every_rerun_checks_
         regenerate(config(other, data, out, temperature=0.7), log=lambda m: None)
     with pytest.raises(SpecdraftError, match="holds rows regenerated with other --data files"):
         (tmp_path / "elsewhere").mkdir()
-        regenerate(config(tiny_target_dir, source(tmp_path / "elsewhere", ROWS), out, temperature=0.7), real,
-                   log=lambda m: None)
+        regenerate(
+            config(tiny_target_dir, source(tmp_path / "elsewhere", ROWS), out, temperature=0.7),
+            real,
+            log=lambda m: None,
+        )
     done = regenerate(cfg, real, log=lambda m: None, progress_bar=False)  # the same settings resume
     assert done["skipped_done"] == before and done["rows"] + done["errors"] == 40 - before
 
@@ -327,41 +376,76 @@ def alternating_template_target(tiny_target_dir, tmp_path):
         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     return target
 
 
-def test_rows_the_template_refuses_are_skipped_with_the_reason_and_the_rest_finish(tiny_target_dir, tmp_path,
-                                                                                     capsys):
+def test_rows_the_template_refuses_are_skipped_with_the_reason_and_the_rest_finish(tiny_target_dir, tmp_path, capsys):
     """A row the template cannot render is the row's problem: it goes to errors.jsonl as "skipped"
     with the reason, every other row is written, and the command exits 0 (a rerun would skip it again;
     only rows the servers failed make it fail)."""
     from specdraft import cli
 
     target = alternating_template_target(tiny_target_dir, tmp_path)
-    data = source(tmp_path, [
-        {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "hi"},
-                                             {"from": "gpt", "value": "x"}]},
-        {"id": "two-users", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                                         {"role": "assistant", "content": "x"}]},
-        {"id": "fine", "prompt": "def add(a, b):"},
-        {"id": "bad-shape", "messages": [{"role": "user", "content": 3}]}])
+    data = source(
+        tmp_path,
+        [
+            {
+                "id": "gpt-first",
+                "conversations": [
+                    {"from": "gpt", "value": "hello"},
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "x"},
+                ],
+            },
+            {
+                "id": "two-users",
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": "b"},
+                    {"role": "assistant", "content": "x"},
+                ],
+            },
+            {"id": "fine", "prompt": "def add(a, b):"},
+            {"id": "bad-shape", "messages": [{"role": "user", "content": 3}]},
+        ],
+    )
     out = tmp_path / "o"
-    code = cli.main(["regenerate", "--target", str(target), "--data", str(data), "--out", str(out),
-                     "--max-new-tokens", "4"])
+    code = cli.main(
+        ["regenerate", "--target", str(target), "--data", str(data), "--out", str(out), "--max-new-tokens", "4"]
+    )
     assert code == 0 and [r["id"] for r in out_rows(out)] == ["fine"]
     lines = (out / "errors.jsonl").read_text().splitlines()
     errors = {e["source"].rsplit(":", 1)[1]: e for e in map(json.loads, lines)}  # by line number
     assert {k: e["kind"] for k, e in errors.items()} == {"1": "skipped", "2": "skipped", "4": "skipped"}
     assert errors["1"]["reason"] == "turn 0: no prompt: the row starts with an assistant turn"
-    assert errors["2"]["reason"] == ("turn 0: the chat template cannot render this conversation: "
-                                     "Conversation roles must alternate user/assistant/user/assistant/...")
+    assert errors["2"]["reason"] == (
+        "turn 0: the chat template cannot render this conversation: "
+        "Conversation roles must alternate user/assistant/user/assistant/..."
+    )
     assert errors["4"]["reason"] == "turn 0 has no text 'content'"
     assert "; 3 rows skipped (" in capsys.readouterr().out
-    only_bad = source(tmp_path / "bad", [{"id": "two-users", "messages": [{"role": "user", "content": "a"},
-                                                                        {"role": "user", "content": "b"}]}])
-    assert cli.main(["regenerate", "--target", str(target), "--data", str(only_bad), "--out", str(tmp_path / "none"),
-                     "--max-new-tokens", "4"]) == 1  # no row at all: `regenerate && train` stops
+    only_bad = source(
+        tmp_path / "bad",
+        [{"id": "two-users", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+    )
+    assert (
+        cli.main(
+            [
+                "regenerate",
+                "--target",
+                str(target),
+                "--data",
+                str(only_bad),
+                "--out",
+                str(tmp_path / "none"),
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 1
+    )  # no row at all: `regenerate && train` stops
     assert capsys.readouterr().out.rstrip().endswith(f"; NO rows in {tmp_path / 'none'}")
 
 
@@ -375,24 +459,33 @@ def test_rows_are_keyed_by_file_and_id_and_duplicate_ids_in_a_file_are_reported(
             return [Answer(text="re: " + r.messages[-1]["content"], tokens=1) for r in requests]
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps({"id": i, "prompt": f"a{i}"}) + "\n" for i in range(3))
-                 + json.dumps({"id": 1, "prompt": "a1 again"}) + "\n")
+    a.write_text(
+        "".join(json.dumps({"id": i, "prompt": f"a{i}"}) + "\n" for i in range(3))
+        + json.dumps({"id": 1, "prompt": "a1 again"})
+        + "\n"
+    )
     b.write_text("".join(json.dumps({"id": i, "prompt": f"b{i}"}) + "\n" for i in range(3)))
     cfg = RegenerateConfig(target=str(tiny_target_dir), data=[str(a), str(b)], out=str(tmp_path / "o"))
     first = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
     answers = sorted(r["conversations"][-1]["content"] for r in out_rows(tmp_path / "o"))
     assert answers == ["re: a0", "re: a1", "re: a2", "re: b0", "re: b1", "re: b2"] and first["rows"] == 6
     (dup,) = [json.loads(line) for line in (tmp_path / "o" / "errors.jsonl").read_text().splitlines()]
-    assert dup == {"id": "1", "sample": None, "source": f"{a}:4", "kind": "skipped",
-                   "reason": f"duplicate id '1': {a}:2 has it (the first is kept)"}
+    assert dup == {
+        "id": "1",
+        "sample": None,
+        "source": f"{a}:4",
+        "kind": "skipped",
+        "reason": f"duplicate id '1': {a}:2 has it (the first is kept)",
+    }
     again = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
     assert again["rows"] == 0 and again["skipped_done"] == 6 and again["skipped"] == 1
 
 
 def test_a_truncated_answer_is_kept_without_a_trained_end_of_turn(tiny_target_dir, tokenizer, tiny_data, tmp_path):
     data = source(tmp_path, prompts_from(tiny_data, 2))
-    summary = regenerate(config(tiny_target_dir, data, tmp_path / "o", max_new_tokens=3), log=lambda m: None,
-                         progress_bar=False)
+    summary = regenerate(
+        config(tiny_target_dir, data, tmp_path / "o", max_new_tokens=3), log=lambda m: None, progress_bar=False
+    )
     rows = out_rows(tmp_path / "o")
     answers = [r["conversations"][-1] for r in rows]
     assert all(a["truncated"] is True and len(a["token_ids"]) == 3 for a in answers) and summary["truncated"] == 2
@@ -422,7 +515,8 @@ def files_of(out):
 
 @pytest.mark.parametrize("first, then", [("hf", "openai"), ("openai", "hf")])
 def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_touched(
-        first, then, tiny_target_dir, tiny_data, tmp_path, monkeypatch, capsys):
+    first, then, tiny_target_dir, tiny_data, tmp_path, monkeypatch, capsys
+):
     """hf rows carry the ids the target generated, openai rows what a server gave: one --out holds
     one backend's rows. The refusal names the key, comes before any model is loaded or server
     asked, and leaves every file as it was."""
@@ -431,8 +525,12 @@ def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_tou
 
     data = source(tmp_path, prompts_from(tiny_data, 3))
     out = tmp_path / "o"
-    regenerate(config(tiny_target_dir, data, out, backend=first, servers=["http://127.0.0.1:9"]), Echo(first),
-               log=lambda m: None, progress_bar=False)
+    regenerate(
+        config(tiny_target_dir, data, out, backend=first, servers=["http://127.0.0.1:9"]),
+        Echo(first),
+        log=lambda m: None,
+        progress_bar=False,
+    )
     assert json.loads((out / "manifest.json").read_text())["backend"] == first and out_rows(out)
     before = files_of(out)
 
@@ -441,12 +539,29 @@ def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_tou
 
     monkeypatch.setattr(module, "_build_backend", no_backend)
     capsys.readouterr()
-    code = cli.main(["regenerate", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out),
-                     "--max-new-tokens", "16", "--backend", then, "--servers", "http://127.0.0.1:9"])
+    code = cli.main(
+        [
+            "regenerate",
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "16",
+            "--backend",
+            then,
+            "--servers",
+            "http://127.0.0.1:9",
+        ]
+    )
     assert code == 2
-    assert capsys.readouterr().err == (f"specdraft: error: {out}: holds rows regenerated with other backend: "
-                                       f"{first!r} there, {then!r} asked; rerun with the same settings or use a "
-                                       f"new --out directory\n")
+    assert capsys.readouterr().err == (
+        f"specdraft: error: {out}: holds rows regenerated with other backend: "
+        f"{first!r} there, {then!r} asked; rerun with the same settings or use a "
+        f"new --out directory\n"
+    )
     assert files_of(out) == before
 
 
@@ -463,7 +578,7 @@ def test_sigterm_keeps_the_finished_rows_counts_them_and_exits_143(tiny_target_d
         pass
 
     def callers_handler(signum, frame):  # the handler regenerate must put back (and, before the fix,
-        raise Stopped()                  # what ran instead of it: nothing written)
+        raise Stopped()  # what ran instead of it: nothing written)
 
     def kill(n):
         if n == 3:
@@ -481,7 +596,8 @@ def test_sigterm_keeps_the_finished_rows_counts_them_and_exits_143(tiny_target_d
     assert stopped.value.code == 143 and len(rows) == 8
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"regenerate: interrupted by SIGTERM: 8 rows on disk in {out} (8 written by this run); "
-        f"rerun the same command to resume")
+        f"rerun the same command to resume"
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["rows_written"] == 8 and manifest["interrupted"] == "SIGTERM"
     again = regenerate(cfg, Echo(), log=lambda m: None, progress_bar=False)
@@ -497,17 +613,33 @@ def bar_rows(path: Path, total: int) -> int:
     return max(map(int, found), default=0)
 
 
-def test_ctrl_c_writes_the_finished_rows_and_the_same_command_resumes_after_them(tiny_target_dir, tiny_data,
-                                                                                 tmp_path):
+def test_ctrl_c_writes_the_finished_rows_and_the_same_command_resumes_after_them(tiny_target_dir, tiny_data, tmp_path):
     """Ctrl-C once a wave of rows has finished, none of them in a shard yet (--rows-per-shard 1000):
     they are written, counted in manifest.json, one line says so, exit 130; the rerun writes every
     other row once."""
     total = 24
     data = source(tmp_path, prompts_from(tiny_data, total))
     out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "specdraft", "regenerate", "--target", str(tiny_target_dir), "--data", str(data),
-           "--out", str(out), "--max-new-tokens", "8", "--batch-size", "1", "--concurrency", "1",
-           "--rows-per-shard", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdraft",
+        "regenerate",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "1",
+        "--concurrency",
+        "1",
+        "--rows-per-shard",
+        "1000",
+    ]
     stderr = tmp_path / "stderr.txt"
     # rows finish 4 at a time (a wave); the pause after each generate call keeps the run going
     env = {**os.environ, "SPECDRAFT_REGENERATE_PAUSE_S": "0.5"}
@@ -522,8 +654,10 @@ def test_ctrl_c_writes_the_finished_rows_and_the_same_command_resumes_after_them
     rows = out_rows(out)
     assert proc.returncode == 130, stderr.read_text()[-2000:]
     assert len(rows) >= 4 and not list(out.glob("*.tmp"))
-    assert stdout.splitlines()[-1] == (f"regenerate: interrupted by SIGINT: {len(rows)} rows on disk in {out} "
-                                       f"({len(rows)} written by this run); rerun the same command to resume")
+    assert stdout.splitlines()[-1] == (
+        f"regenerate: interrupted by SIGINT: {len(rows)} rows on disk in {out} "
+        f"({len(rows)} written by this run); rerun the same command to resume"
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["rows_written"] == len(rows) and manifest["interrupted"] == "SIGINT"
     kept = files_of(out)
@@ -554,8 +688,10 @@ def test_rank_0_waits_for_this_launch_s_ranks_never_for_files_an_earlier_launch_
         one.path(1).write_text(json.dumps({"nonce": "old", "run": "old-run", "errors": 7}))
         zero.path(0).write_text(json.dumps({"run": "old-run", "nonces": {"1": "old"}}))
         gathered = {}
-        threads = {"zero": threading.Thread(target=lambda: gathered.update(zero.gather())),
-                   "one": threading.Thread(target=lambda: one.finish({"errors": 2}))}
+        threads = {
+            "zero": threading.Thread(target=lambda: gathered.update(zero.gather())),
+            "one": threading.Thread(target=lambda: one.finish({"errors": 2})),
+        }
         threads[first].start()
         threads[first].join(timeout=1.0)
         assert threads[first].is_alive()  # it waits for the other rank of this launch
@@ -586,7 +722,7 @@ def test_the_progress_bar_counts_answers_as_each_batch_lands(tiny_target_dir, tm
             out = []
             for b in range(0, len(requests), 2):
                 seen.append(("batch", bars[0].n))
-                for r in requests[b:b + 2]:
+                for r in requests[b : b + 2]:
                     fail = r.messages[-1]["content"] == "fail"
                     out.append(Answer(error="boom", server_error=True) if fail else Answer(text="ok", tokens=3))
                     progress(0 if fail else 3)
@@ -596,10 +732,12 @@ def test_the_progress_bar_counts_answers_as_each_batch_lands(tiny_target_dir, tm
     real = module._progress
     monkeypatch.setattr(module, "_progress", lambda total, enabled: bars.append(real(total, True)) or bars[-1])
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
-    rows = [{"id": 0, "messages": [user("a")]},
-            {"id": 1, "messages": [user("b"), {"role": "assistant", "content": "old"}, user("c")]},  # 2 answers
-            {"id": 2, "messages": [user("fail"), {"role": "assistant", "content": "x"}, user("d")]},  # fails at once
-            {"id": 3, "messages": [user("e")]}]
+    rows = [
+        {"id": 0, "messages": [user("a")]},
+        {"id": 1, "messages": [user("b"), {"role": "assistant", "content": "old"}, user("c")]},  # 2 answers
+        {"id": 2, "messages": [user("fail"), {"role": "assistant", "content": "x"}, user("d")]},  # fails at once
+        {"id": 3, "messages": [user("e")]},
+    ]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = RegenerateConfig(target=str(tiny_target_dir), data=[str(data)], out=str(tmp_path / "o"), batch_size=2)

@@ -53,12 +53,20 @@ class Stub:
                 if isinstance(what, tuple) and what[0] == "hold":
                     what[1].wait(60)
                     what = "ok"
-                if what in ("ok", "long") or (isinstance(what, tuple) and what[0] == "refuse"
-                                              and what[1] not in body):
-                    return self.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant",
-                                                                                "content": f"re: {prompt}"},
-                                                         "finish_reason": "length" if what == "long" else "stop"}],
-                                            "usage": {"completion_tokens": 3}})
+                if what in ("ok", "long") or (isinstance(what, tuple) and what[0] == "refuse" and what[1] not in body):
+                    return self.reply(
+                        200,
+                        {
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "message": {"role": "assistant", "content": f"re: {prompt}"},
+                                    "finish_reason": "length" if what == "long" else "stop",
+                                }
+                            ],
+                            "usage": {"completion_tokens": 3},
+                        },
+                    )
                 if what == "empty":
                     return self.reply(200, {"choices": [], "usage": {"completion_tokens": 0}})
                 if what == "incomplete":
@@ -127,14 +135,24 @@ def prompts_file(tmp_path, prompts, name="in.jsonl"):
 
 def run(stub, tiny_target_dir, tokenizer, tmp_path, prompts, retries=4, **kw):
     """regenerate through the stub with fast retries; (summary, rows by id, error rows by id)."""
-    cfg = RegenerateConfig(target=str(tiny_target_dir), data=[str(prompts_file(tmp_path, prompts))],
-                           out=str(tmp_path / "out"), backend="openai", servers=[stub.url], max_new_tokens=16,
-                           concurrency=2, **kw)
+    cfg = RegenerateConfig(
+        target=str(tiny_target_dir),
+        data=[str(prompts_file(tmp_path, prompts))],
+        out=str(tmp_path / "out"),
+        backend="openai",
+        servers=[stub.url],
+        max_new_tokens=16,
+        concurrency=2,
+        **kw,
+    )
     backend = OpenAIBackend(cfg.servers, tokenizer, cfg.sampling(), concurrency=2, retries=retries, backoff_s=0.001)
     summary = regenerate(cfg, backend, log=lambda m: None, progress_bar=False)
     out = Path(cfg.out)
-    rows = {json.loads(line)["id"]: json.loads(line) for p in out.glob("shard-*.jsonl")
-            for line in p.read_text().splitlines()}
+    rows = {
+        json.loads(line)["id"]: json.loads(line)
+        for p in out.glob("shard-*.jsonl")
+        for line in p.read_text().splitlines()
+    }
     errors = {json.loads(line)["id"]: json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()}
     return summary, rows, errors
 
@@ -142,24 +160,38 @@ def run(stub, tiny_target_dir, tokenizer, tmp_path, prompts, retries=4, **kw):
 def test_every_sampling_parameter_is_sent_explicitly(stub, tiny_target_dir, tokenizer, tmp_path):
     """top_p 1 and top_k off are sent too: a server left to fill them in takes the model's
     generation_config.json (Qwen3: top_p 0.95, top_k 20) while the manifest says 1.0."""
-    summary, rows, _ = run(stub, tiny_target_dir, tokenizer, tmp_path, ["def f():"], temperature=0.7, seed=3,
-                           max_length=4096)
+    summary, rows, _ = run(
+        stub, tiny_target_dir, tokenizer, tmp_path, ["def f():"], temperature=0.7, seed=3, max_length=4096
+    )
     (body,) = stub.bodies
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def f():"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "def f():"}], tokenize=False, add_generation_prompt=True
+    )
     assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + 16 < 4096  # the budget is max_new_tokens
-    assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-                                 "seed")} == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                                              "repetition_penalty": 1.0, "max_tokens": 16,
-                                              "seed": row_seed(3, "def f():", 0, 0)}
+    assert {
+        k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed")
+    } == {
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 16,
+        "seed": row_seed(3, "def f():", 0, 0),
+    }
     assert summary["rows"] == 1 and rows["def f():"]["conversations"][-1]["content"] == "re: def f():"
 
 
 def test_transport_errors_are_row_errors_and_the_other_rows_finish(stub, tiny_target_dir, tokenizer, tmp_path):
-    stub.script = {"cut": ["incomplete"], "none": ["empty"], "rst": ["reset"],
-                   "flaky": ["incomplete", "reset", "empty", "ok"]}  # three failures, then an answer
-    summary, rows, errors = run(stub, tiny_target_dir, tokenizer, tmp_path, ["ok", "cut", "none", "rst", "flaky"],
-                                retries=3)
+    stub.script = {
+        "cut": ["incomplete"],
+        "none": ["empty"],
+        "rst": ["reset"],
+        "flaky": ["incomplete", "reset", "empty", "ok"],
+    }  # three failures, then an answer
+    summary, rows, errors = run(
+        stub, tiny_target_dir, tokenizer, tmp_path, ["ok", "cut", "none", "rst", "flaky"], retries=3
+    )
     assert set(rows) == {"ok", "flaky"} and summary["failed"] == 3 and summary["skipped"] == 0
     assert all(e["kind"] == "failed" and "after 4 attempts" in e["reason"] for e in errors.values())
     assert "IncompleteRead" in errors["cut"]["reason"]
@@ -169,9 +201,11 @@ def test_transport_errors_are_row_errors_and_the_other_rows_finish(stub, tiny_ta
 
 
 def test_4xx_is_not_retried_but_408_429_and_5xx_are(stub, tiny_target_dir, tokenizer, tmp_path):
-    stub.script = {"long prompt": [("http", 400, "maximum context length is 8 tokens")],
-                   "missing": [("http", 404, "no such model")],
-                   "busy": [("http", 429, "slow down"), ("http", 408, "timeout"), ("http", 503, "loading"), "ok"]}
+    stub.script = {
+        "long prompt": [("http", 400, "maximum context length is 8 tokens")],
+        "missing": [("http", 404, "no such model")],
+        "busy": [("http", 429, "slow down"), ("http", 408, "timeout"), ("http", 503, "loading"), "ok"],
+    }
     summary, rows, errors = run(stub, tiny_target_dir, tokenizer, tmp_path, ["long prompt", "missing", "busy"])
     assert len(stub.asked("long prompt")) == 1 and len(stub.asked("missing")) == 1
     assert len(stub.asked("busy")) == 4 and set(rows) == {"busy"}
@@ -185,31 +219,34 @@ def test_backoff_has_jitter(stub, tiny_target_dir, tokenizer, tmp_path, monkeypa
     sleeps = []
     monkeypatch.setattr(openai_backend, "time", SimpleNamespace(sleep=sleeps.append))
     stub.script = {"a": [("http", 503, "busy")], "b": [("http", 503, "busy")]}
-    backend = OpenAIBackend([stub.url], tokenizer, Sampling(max_new_tokens=4), concurrency=1, retries=3,
-                            backoff_s=0.5)
+    backend = OpenAIBackend([stub.url], tokenizer, Sampling(max_new_tokens=4), concurrency=1, retries=3, backoff_s=0.5)
     answers = backend.generate([Request([{"role": "user", "content": p}], 0, p) for p in "ab"])
     assert all(a.error and a.server_error for a in answers)
     assert len(sleeps) == 6  # three waits per row, none after the last attempt
     first, second = sleeps[:3], sleeps[3:]
-    assert all(0 <= s <= 0.5 * 2 ** k for k, s in enumerate(first)) and all(
-        0 <= s <= 0.5 * 2 ** k for k, s in enumerate(second))
+    assert all(0 <= s <= 0.5 * 2**k for k, s in enumerate(first)) and all(
+        0 <= s <= 0.5 * 2**k for k, s in enumerate(second)
+    )
     assert first != second and first != [0.5, 1.0, 2.0]
 
 
 def test_timeout_is_an_option(tiny_target_dir, tmp_path):
-    args = cli.build_parser().parse_args(["regenerate", "--target", "t", "--data", "d", "--out", "o",
-                                          "--timeout", "7.5"])
+    args = cli.build_parser().parse_args(
+        ["regenerate", "--target", "t", "--data", "d", "--out", "o", "--timeout", "7.5"]
+    )
     assert args.timeout == 7.5
-    cfg = RegenerateConfig(target=str(tiny_target_dir), data=["x"], out="o", backend="openai",
-                           servers=["http://127.0.0.1:1"], timeout=7.5)
+    cfg = RegenerateConfig(
+        target=str(tiny_target_dir), data=["x"], out="o", backend="openai", servers=["http://127.0.0.1:1"], timeout=7.5
+    )
     assert _build_backend(cfg).timeout_s == 7.5
     config = tmp_path / "r.yaml"
     config.write_text("timeout: 0\n")
     assert cli.main(["regenerate", "--config", str(config), "--target", "t", "--data", "d", "--out", "o"]) == 2
 
 
-def test_a_refused_top_k_is_dropped_when_greedy_and_fails_the_row_when_sampling(stub, tiny_target_dir, tokenizer,
-                                                                                tmp_path):
+def test_a_refused_top_k_is_dropped_when_greedy_and_fails_the_row_when_sampling(
+    stub, tiny_target_dir, tokenizer, tmp_path
+):
     """`transformers serve` answers 422 to fields it does not know. Greedy ignores top_k, so the
     request goes on without it (the manifest says so); sampling without it would use the server's
     own top_k, so the row fails naming the field."""
@@ -233,9 +270,23 @@ def test_a_truncated_server_answer_is_marked_and_counted(stub, tiny_target_dir, 
 
 def cli_regenerate(tiny_target_dir, tmp_path, *servers):
     data = prompts_file(tmp_path, ["p1", "p2"])
-    return cli.main(["regenerate", "--target", str(tiny_target_dir), "--data", str(data), "--out",
-                     str(tmp_path / "out"), "--backend", "openai", "--servers", ",".join(servers),
-                     "--max-new-tokens", "8"])
+    return cli.main(
+        [
+            "regenerate",
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "out"),
+            "--backend",
+            "openai",
+            "--servers",
+            ",".join(servers),
+            "--max-new-tokens",
+            "8",
+        ]
+    )
 
 
 def test_every_server_is_checked_before_the_first_row(stub, tiny_target_dir, tmp_path, capsys):
@@ -248,13 +299,16 @@ def test_every_server_is_checked_before_the_first_row(stub, tiny_target_dir, tmp
     assert not stub.bodies and not list((tmp_path / "out").glob("shard-*"))
     stub.models_status = 404  # something answers, but not an OpenAI server
     assert cli_regenerate(tiny_target_dir, tmp_path, stub.url) == 2
-    assert capsys.readouterr().err == (f"specdraft: error: --servers {stub.url}: not an OpenAI-compatible server: "
-                                       f"GET {stub.url}/v1/models answered HTTP 404, and GET /health did not "
-                                       f"answer 200\n")
+    assert capsys.readouterr().err == (
+        f"specdraft: error: --servers {stub.url}: not an OpenAI-compatible server: "
+        f"GET {stub.url}/v1/models answered HTTP 404, and GET /health did not "
+        f"answer 200\n"
+    )
 
 
-def test_failed_rows_make_the_command_fail_and_a_rerun_retries_them(stub, tiny_target_dir, tmp_path, capsys,
-                                                                    monkeypatch):
+def test_failed_rows_make_the_command_fail_and_a_rerun_retries_them(
+    stub, tiny_target_dir, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(openai_backend, "time", SimpleNamespace(sleep=lambda s: None))
     stub.script = {"p2": [("http", 500, "boom")]}
     assert cli_regenerate(tiny_target_dir, tmp_path, stub.url) == 1  # `regenerate && train` stops here
@@ -265,11 +319,11 @@ def test_failed_rows_make_the_command_fail_and_a_rerun_retries_them(stub, tiny_t
     assert sorted(r["id"] for r in rows) == ["p1", "p2"]
 
 
-def test_a_server_that_dies_mid_run_has_its_requests_retried_on_the_others(stub, tiny_target_dir, tokenizer,
-                                                                          tmp_path):
+def test_a_server_that_dies_mid_run_has_its_requests_retried_on_the_others(stub, tiny_target_dir, tokenizer, tmp_path):
     other = Stub()
-    backend = OpenAIBackend([stub.url, other.url], tokenizer, Sampling(max_new_tokens=4), concurrency=1,
-                            backoff_s=0.001)
+    backend = OpenAIBackend(
+        [stub.url, other.url], tokenizer, Sampling(max_new_tokens=4), concurrency=1, backoff_s=0.001
+    )
     backend.check()
     other.close()  # checked, then gone
     answers = backend.generate([Request([{"role": "user", "content": p}], 0, p) for p in ("a", "b", "c")])

@@ -19,11 +19,15 @@ TOLERANCE = 1e-5  # relative, losses and gradients
 
 # -- config ---------------------------------------------------------------------------------------
 
+
 def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir, data_dir, tmp_path):
     def load(**extra):
-        return load_config(None, run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache", **extra))
+        return load_config(
+            None, run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache", **extra)
+        )
 
     from specdraft.target.model import load_target_config
+
     heads = load_target_config(str(tiny_target_dir)).num_attention_heads
     with pytest.raises(SpecdraftError, match=r"sequence_parallel_size': 3 does not divide max_seq_length 64"):
         load(sequence_parallel_size=3)
@@ -36,13 +40,20 @@ def test_sequence_parallel_size_is_refused_where_it_cannot_work(tiny_target_dir,
     assert load(sequence_parallel_size=2).sequence_parallel_size == 2
     assert load(sequence_parallel_size=2, **{"draft.type": "peagle"}).sequence_parallel_size == 2
     # a rank reads the next rank's first num_depths / ttt_steps tokens: at most a shard (16 / 4 = 4)
-    with pytest.raises(SpecdraftError, match=r"key 'draft.num_depths': 8 reads past the next rank's tokens at "
-                                             r"sequence_parallel_size 4 \(max_seq_length / 4 = 4 each\)"):
+    with pytest.raises(
+        SpecdraftError,
+        match=r"key 'draft.num_depths': 8 reads past the next rank's tokens at "
+        r"sequence_parallel_size 4 \(max_seq_length / 4 = 4 each\)",
+    ):
         load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle"})
     with pytest.raises(SpecdraftError, match=r"key 'draft.ttt_steps': 7 reads past"):
         load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "eagle3"})
-    assert load(sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle", "draft.num_depths": 4}) \
-        .draft.num_depths == 4
+    assert (
+        load(
+            sequence_parallel_size=4, max_seq_length=16, **{"draft.type": "peagle", "draft.num_depths": 4}
+        ).draft.num_depths
+        == 4
+    )
 
 
 def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, data_dir, tmp_path, capsys):
@@ -51,15 +62,23 @@ def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, 
     before anything is written."""
     from specdraft.cli import main
 
-    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache",
-                              sequence_parallel_size=2, **{"draft.type": "mtp"})
+    overrides = run_overrides(
+        tiny_target_dir,
+        data_dir,
+        tmp_path / "run",
+        tmp_path / "cache",
+        sequence_parallel_size=2,
+        **{"draft.type": "mtp"},
+    )
     (tmp_path / "run.yaml").write_text("{}\n")
     assert main(["train", str(tmp_path / "run.yaml"), *overrides]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert ("key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its layer is the "
-            "target's own decoder layer class (no head exchange), and Qwen3-Next's linear-attention layers do not "
-            "run in the sharded capture (families that do: glide, eagle3, dflash, dspark, peagle)") in err
+    assert (
+        "key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its layer is the "
+        "target's own decoder layer class (no head exchange), and Qwen3-Next's linear-attention layers do not "
+        "run in the sharded capture (families that do: glide, eagle3, dflash, dspark, peagle)"
+    ) in err
     assert not (tmp_path / "run").exists()
 
 
@@ -77,15 +96,21 @@ def test_a_world_size_sp_does_not_divide_is_one_line(tiny_target_dir, data_dir, 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
     from helpers import free_port
+
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache",
-                                          sequence_parallel_size=2, max_steps=1))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, data_dir, tmp_path / "run", tmp_path / "cache", sequence_parallel_size=2, max_steps=1
+        ),
+    )
     with pytest.raises(SpecdraftError, match=r"sequence_parallel_size': 2 does not divide the world size 1"):
         train(cfg, log=lambda *a: None)
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 # -- no (T, T) mask -------------------------------------------------------------------------------
+
 
 class LargestSquare(TorchDispatchMode):
     """Records every op output whose last two dims are both >= T (a (T, T) mask or score)."""
@@ -114,14 +139,21 @@ def test_the_capture_allocates_no_sequence_by_sequence_tensor(packed):
     assert mode.seen == []
     # the same recorder sees transformers' own mask, which the old capture built
     from transformers.masking_utils import create_causal_mask
+
     with LargestSquare(T) as mode:
-        create_causal_mask(config=target.config, inputs_embeds=torch.empty(2, T, 0), attention_mask=None,
-                           past_key_values=None, position_ids=None,
-                           and_mask_function=lambda b, h, q, kv: documents[b, q] == documents[b, kv])
+        create_causal_mask(
+            config=target.config,
+            inputs_embeds=torch.empty(2, T, 0),
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=None,
+            and_mask_function=lambda b, h, q, kv: documents[b, q] == documents[b, kv],
+        )
     assert mode.seen
 
 
 # -- 2 ranks (gloo): SP=2 against 1 rank --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory):
@@ -136,9 +168,11 @@ def model_results(sp_results):
     return sp_results["model"]
 
 
-@pytest.mark.parametrize("family,objective", [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle")
-                                              for o in ("ce", "kl")]
-                         + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")])
+@pytest.mark.parametrize(
+    "family,objective",
+    [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle") for o in ("ce", "kl")]
+    + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")],
+)
 def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, family, objective):
     r = model_results[f"{family}/{objective}"]
     alone, shared = r["loss"]
@@ -180,29 +214,52 @@ def resume_runs(tiny_target_dir, tmp_path_factory):
     SP=1 resumed from SP=2's step 4 (saved at 6); 2 ranks SP=2 resumed from the 1-rank run's own
     step 4 slot (see sp_script.train_part), and from that SP=1 run's step 6 (the chain)."""
     from helpers import write_chat_files
+
     work = tmp_path_factory.mktemp("sp_train")
     write_chat_files(work / "data")
 
     def one_rank(name, *extra, family="eagle3"):
-        overrides = run_overrides(tiny_target_dir, work / "data", work / name, work / "cache", max_steps=8,
-                                  save_steps=4, per_device_batch_size=2, **{"draft.type": family})
+        overrides = run_overrides(
+            tiny_target_dir,
+            work / "data",
+            work / name,
+            work / "cache",
+            max_steps=8,
+            save_steps=4,
+            per_device_batch_size=2,
+            **{"draft.type": family},
+        )
         return train(load_config(None, overrides + list(extra)), log=lambda *a: None).losses
 
     runs = {"sp1": one_rank("sp1"), "peagle_sp1": one_rank("peagle_sp1", family="peagle")}
     out = work / "train.json"
-    proc = torchrun(REPO / "tests" / "sp_script.py", out, tiny_target_dir, work / "data", work,
-                    work / "sp1" / "ckpt" / "step_4", timeout=500)
+    proc = torchrun(
+        REPO / "tests" / "sp_script.py",
+        out,
+        tiny_target_dir,
+        work / "data",
+        work,
+        work / "sp1" / "ckpt" / "step_4",
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs.update(json.loads(out.read_text())["train"])
     # saved at 6 too: the chain's last hop resumes from it at SP=2
     runs["sp2_to_sp1"] = one_rank("sp2_to_sp1", f"resume={work}/sp2/ckpt/step_4", "save_steps=2")
     chain = work / "chain.json"
-    proc = torchrun(REPO / "tests" / "sp_script.py", chain, tiny_target_dir, work / "data", work,
-                    work / "sp2_to_sp1" / "ckpt" / "step_6", "chain", timeout=300)
+    proc = torchrun(
+        REPO / "tests" / "sp_script.py",
+        chain,
+        tiny_target_dir,
+        work / "data",
+        work,
+        work / "sp2_to_sp1" / "ckpt" / "step_6",
+        "chain",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs.update(json.loads(chain.read_text())["train"])
-    runs["peagle_sp2_to_sp1"] = one_rank("peagle_sp2_to_sp1", f"resume={work}/peagle_sp2/ckpt/step_4",
-                                         family="peagle")
+    runs["peagle_sp2_to_sp1"] = one_rank("peagle_sp2_to_sp1", f"resume={work}/peagle_sp2/ckpt/step_4", family="peagle")
     return runs
 
 

@@ -21,13 +21,19 @@ from specdraft.target.capture import capture
 from specdraft.export.files import write_draft_export
 from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg
 
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32}  # small: the scaled band covers most frequencies
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}  # small: the scaled band covers most frequencies
 
 
 def tiny_llama(layers=6, vocab=160, rope_scaling=None, max_positions=512, theta=10000.0):
-    return random_llama(vocab=vocab, layers=layers, max_positions=max_positions, rope_theta=theta,
-                        rope_scaling=rope_scaling)
+    return random_llama(
+        vocab=vocab, layers=layers, max_positions=max_positions, rope_theta=theta, rope_scaling=rope_scaling
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,7 @@ def target_of(directory):
 
 # -- layer numbering and order ------------------------------------------------------------------
 
+
 def test_sglang_gets_our_layer_ids_minus_one(plain_dir, tmp_path):
     """SGLang's LlamaForCausalLM.set_eagle3_layers_to_capture (python/sglang/srt/models/llama.py)
     captures `val + 1` for each id, and LlamaModel.forward appends layer i's input before running
@@ -59,7 +66,9 @@ def test_sglang_gets_our_layer_ids_minus_one(plain_dir, tmp_path):
     cfg = run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[1, 3, 4])
     draft = random_eagle3(target, cfg)
     export = write_draft_export(tmp_path / "step_1", draft.state_dict(), draft, cfg, serving=["sglang"])
-    ids = json.loads((export / "sglang" / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ids = json.loads((export / "sglang" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
     layers_to_capture = [val + 1 for val in ids]  # SGLang's rule
     assert layers_to_capture == draft.dims.target_layers == [1, 3, 4]
 
@@ -94,8 +103,9 @@ def test_a_layer_no_server_captures_is_refused_in_one_line(plain_dir, tmp_path):
     assert last.default_serving_formats() == []  # native only
     for fmt in ("speculators", "sglang"):
         with pytest.raises(SpecdraftError) as err:
-            write_draft_export(tmp_path / f"last_{fmt}", last.state_dict(), last, run_cfg(plain_dir, tmp_path),
-                               serving=[fmt])
+            write_draft_export(
+                tmp_path / f"last_{fmt}", last.state_dict(), last, run_cfg(plain_dir, tmp_path), serving=[fmt]
+            )
         assert str(err.value).startswith("draft.target_layers: layer 6 is the last layer's output")
         assert "\n" not in str(err.value) and not (tmp_path / f"last_{fmt}").exists()
     embeddings = random_eagle3(target, run_cfg(plain_dir, tmp_path, draft_vocab_size=100, target_layers=[0, 3, 5]))
@@ -105,6 +115,7 @@ def test_a_layer_no_server_captures_is_refused_in_one_line(plain_dir, tmp_path):
 
 
 # -- RoPE and positions ---------------------------------------------------------------------------
+
 
 def test_llama31_rope_scaling_is_the_targets_and_speculators_computes_our_logits(llama31_dir, tmp_path):
     """The draft's rotary is the target's (theta 500000, llama3 scaling): speculators'
@@ -151,6 +162,7 @@ def test_max_position_embeddings_is_the_targets(llama31_dir, tmp_path):
 
 # -- vocabulary, embeddings, head -----------------------------------------------------------------
 
+
 def test_d2t_is_an_offset_from_draft_id_to_target_id(plain_dir, tmp_path):
     """target = draft + d2t[draft]: SGLang's LlamaForCausalLMEagle3.load_weights (hot_token_id =
     d2t + arange), speculators' `draft_ids + self.d2t[draft_ids]`; t2d (target vocab,) bool marks
@@ -185,6 +197,7 @@ def test_embeddings_are_the_targets_and_the_head_is_the_drafts(plain_dir, tmp_pa
 
 # -- dtype ------------------------------------------------------------------------------------
 
+
 def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path):
     """DeepSpeed's bf16 engine casts parameters only (engine._configure_distributed_model:
     "preserve fp32 buffers (e.g. rotary inv_freq)"); Draft.cast does the same at eval, and the
@@ -207,10 +220,16 @@ def test_a_bf16_draft_keeps_its_rotary_fp32_as_training_does(plain_dir, tmp_path
 # -- the targets of docs/targets.md, at their released depths --------------------------------------
 
 # model_type -> (released model, num_hidden_layers of its published config.json)
-RELEASED_DEPTHS = {"gpt_oss": ("gpt-oss-20b", 24), "qwen3_moe": ("Qwen3-30B-A3B", 48),
-                   "deepseek_v3": ("DeepSeek-V3", 61), "glm4_moe": ("GLM-4.5", 92),
-                   "gemma3_text": ("gemma-3-27b", 62), "mistral": ("Mistral-7B-v0.1", 32),
-                   "phi3": ("Phi-3-mini", 32), "qwen3_next": ("Qwen3-Next-80B-A3B", 48)}
+RELEASED_DEPTHS = {
+    "gpt_oss": ("gpt-oss-20b", 24),
+    "qwen3_moe": ("Qwen3-30B-A3B", 48),
+    "deepseek_v3": ("DeepSeek-V3", 61),
+    "glm4_moe": ("GLM-4.5", 92),
+    "gemma3_text": ("gemma-3-27b", 62),
+    "mistral": ("Mistral-7B-v0.1", 32),
+    "phi3": ("Phi-3-mini", 32),
+    "qwen3_next": ("Qwen3-Next-80B-A3B", 48),
+}
 
 
 @pytest.mark.parametrize("model_type", sorted(RELEASED_DEPTHS))
@@ -229,9 +248,15 @@ def test_eagle3_layer_ids_of_each_target_are_the_servers_default(model_type, tmp
     from specdraft.drafts.eagle3.layer import Eagle3Dims, layer_dims
 
     name, layers = RELEASED_DEPTHS[model_type]
-    config = AutoConfig.for_model(model_type, num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=512)
-    config.architectures = [f"{type(config).__name__[:-len('Config')]}ForCausalLM"]
+    config = AutoConfig.for_model(
+        model_type,
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
+    config.architectures = [f"{type(config).__name__[: -len('Config')]}ForCausalLM"]
     config.save_pretrained(tmp_path)
     cfg = run_cfg(tmp_path, tmp_path / "out")
     draft = SimpleNamespace(dims=Eagle3Dims(**layer_dims(config, cfg.draft, "eagle3")))
@@ -243,12 +268,25 @@ def test_eagle3_layer_ids_of_each_target_are_the_servers_default(model_type, tmp
     assert sglang_config(draft)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in default]
 
 
-@pytest.mark.parametrize("model_type,rope", [
-    ("gemma3_text", {"rope_type": "default", "rope_theta": 10000.0}),
-    ("glm4_moe", {"rope_type": "default", "rope_theta": 10000.0}),
-    ("gpt_oss", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
-])
+@pytest.mark.parametrize(
+    "model_type,rope",
+    [
+        ("gemma3_text", {"rope_type": "default", "rope_theta": 10000.0}),
+        ("glm4_moe", {"rope_type": "default", "rope_theta": 10000.0}),
+        (
+            "gpt_oss",
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+                "rope_theta": 150000.0,
+            },
+        ),
+    ],
+)
 def test_an_eagle3_drafts_rope_is_one_flat_table_over_its_whole_head(model_type, rope):
     """The draft's own RoPE, as its transformer_layer_config writes it: Gemma 3's nested per-layer
     rope_parameters flattened to the local layers' (speculators' flatten_rope_parameters,
@@ -260,7 +298,14 @@ def test_an_eagle3_drafts_rope_is_one_flat_table_over_its_whole_head(model_type,
     from specdraft.drafts.eagle3.layer import layer_dims
     from specdraft.target.rotary import draft_rope_parameters
 
-    config = AutoConfig.for_model(model_type, num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, vocab_size=512)
+    config = AutoConfig.for_model(
+        model_type,
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    )
     assert draft_rope_parameters(config) == rope
     assert layer_dims(config, run_cfg("unused", "unused").draft, "eagle3")["rope_parameters"] == rope

@@ -53,22 +53,35 @@ def losses_by_step(metrics_file, name):
 
 # -- config ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override, expected", [
-    ('drafts={a: {type: glide}}", "draft.max_lag=3', "key 'drafts': give either draft: (one draft) or drafts: "
-                                                     "(several), not both (draft.max_lag is set)"),
-    ('drafts={"a b": {type: glide}}', "key 'drafts.a b': a draft name must be"),
-    ("drafts={ckpt: {type: glide}}", "key 'drafts.ckpt': a draft name must be"),
-    ("drafts={step_3: {type: glide}}", "key 'drafts.step_3': a draft name must be"),  # a run's export name
-    ("drafts={e3: {type: eagle3}, E3: {type: glide}}", "key 'drafts.E3': the same folder name as drafts.e3 on a "
-                                                       "case-insensitive filesystem"),
-    ("drafts={g: {type: glide, block_size: 4}}", "key 'drafts.g.block_size': not a key of draft.type 'glide'"),
-    ("drafts={g: {type: glide, max_lagg: 4}}", "unknown key 'drafts.g.max_lagg' (did you mean 'drafts.g.max_lag'?)"),
-    ("drafts={g: {type: glide, learning_rate: 0}}", "key 'drafts.g.learning_rate': must be > 0, got 0"),
-    ("drafts={g: {type: medusa}}", "key 'drafts.g.type': 'medusa' is not one of"),
-    ("drafts={g: {type: glide, anchor_offset: true}, e3: {type: eagle3}}",
-     "key 'drafts.g': this draft moves the target's positions per batch"),
-    ("drafts={}", "key 'drafts': expected a mapping of draft names to draft sections"),
-])
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            'drafts={a: {type: glide}}", "draft.max_lag=3',
+            "key 'drafts': give either draft: (one draft) or drafts: (several), not both (draft.max_lag is set)",
+        ),
+        ('drafts={"a b": {type: glide}}', "key 'drafts.a b': a draft name must be"),
+        ("drafts={ckpt: {type: glide}}", "key 'drafts.ckpt': a draft name must be"),
+        ("drafts={step_3: {type: glide}}", "key 'drafts.step_3': a draft name must be"),  # a run's export name
+        (
+            "drafts={e3: {type: eagle3}, E3: {type: glide}}",
+            "key 'drafts.E3': the same folder name as drafts.e3 on a case-insensitive filesystem",
+        ),
+        ("drafts={g: {type: glide, block_size: 4}}", "key 'drafts.g.block_size': not a key of draft.type 'glide'"),
+        (
+            "drafts={g: {type: glide, max_lagg: 4}}",
+            "unknown key 'drafts.g.max_lagg' (did you mean 'drafts.g.max_lag'?)",
+        ),
+        ("drafts={g: {type: glide, learning_rate: 0}}", "key 'drafts.g.learning_rate': must be > 0, got 0"),
+        ("drafts={g: {type: medusa}}", "key 'drafts.g.type': 'medusa' is not one of"),
+        (
+            "drafts={g: {type: glide, anchor_offset: true}, e3: {type: eagle3}}",
+            "key 'drafts.g': this draft moves the target's positions per batch",
+        ),
+        ("drafts={}", "key 'drafts': expected a mapping of draft names to draft sections"),
+    ],
+)
 def test_a_bad_drafts_section_is_one_line_naming_the_key(tiny_target_dir, data_dir, tmp_path, override, expected):
     base = run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
     with pytest.raises(SpecdraftError) as err:
@@ -96,13 +109,21 @@ def test_each_draft_is_configured_hashed_and_saved_as_its_run_alone(tiny_target_
 def test_zero3_partitioned_target_is_refused_for_several_drafts(tiny_target_dir, data_dir, tmp_path):
     from specdraft.train.engine import resolve_target_placement
 
-    cfg = load_config(None, [*run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache"),
-                             drafts_value(["g", "e3"]), "zero_stage=3", "target_placement=partitioned"])
+    cfg = load_config(
+        None,
+        [
+            *run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache"),
+            drafts_value(["g", "e3"]),
+            "zero_stage=3",
+            "target_placement=partitioned",
+        ],
+    )
     with pytest.raises(SpecdraftError, match="partitioned is not available to a run of several drafts"):
         resolve_target_placement(cfg, None, 1)
 
 
 # -- training: each draft as alone -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def runs(tiny_target_dir, tmp_path_factory):
@@ -116,18 +137,23 @@ def runs(tiny_target_dir, tmp_path_factory):
     lines = []
     from specdraft.train.loop import train
 
-    cfg = load_config(None, run_overrides(tiny_target_dir, root / "data", root / "three", root / "cache",
-                                          drafts=sections(["g", "e3", "ds"]), **common))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, root / "data", root / "three", root / "cache", drafts=sections(["g", "e3", "ds"]), **common
+        ),
+    )
     results = {"three": train(cfg, log=lines.append), "lines": lines}
-    results["two"] = train_run(tiny_target_dir, root / "data", root, "two",
-                               drafts=sections(["e3", "df"]), **common)
+    results["two"] = train_run(tiny_target_dir, root / "data", root, "two", drafts=sections(["e3", "df"]), **common)
     for name in SECTIONS:
         results[name] = train_run(tiny_target_dir, root / "data", root, name, **alone_overrides(name), **common)
     # a one-entry drafts: mapping of a draft that moves the target's positions, and that draft alone
-    results["moved"] = train_run(tiny_target_dir, root / "data", root, "moved", drafts=json.dumps({"ga": MOVED}),
-                                 **common)
-    results["ga"] = train_run(tiny_target_dir, root / "data", root, "ga",
-                              **{f"draft.{key}": value for key, value in MOVED.items()}, **common)
+    results["moved"] = train_run(
+        tiny_target_dir, root / "data", root, "moved", drafts=json.dumps({"ga": MOVED}), **common
+    )
+    results["ga"] = train_run(
+        tiny_target_dir, root / "data", root, "ga", **{f"draft.{key}": value for key, value in MOVED.items()}, **common
+    )
     return root, results
 
 
@@ -156,8 +182,10 @@ def test_each_draft_trains_bit_for_bit_as_it_does_alone(runs, together, names):
             assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (name, key)
         # the export names the draft's own config, as its run alone does
         config = json.loads((root / together / f"step_{STEPS}" / name / "config.json").read_text())
-        assert config["target"]["config_hash"] == \
-            json.loads((root / name / f"step_{STEPS}" / "config.json").read_text())["target"]["config_hash"]
+        assert (
+            config["target"]["config_hash"]
+            == json.loads((root / name / f"step_{STEPS}" / "config.json").read_text())["target"]["config_hash"]
+        )
         logged = losses_by_step(root / together / "metrics.jsonl", name)
         assert [loss for _, loss in logged] == alone
 
@@ -186,16 +214,31 @@ def test_resume_falls_back_to_the_older_slot_and_continues_every_draft_exactly(r
     lines = []
     from specdraft.train.loop import train
 
-    cfg = load_config(None, run_overrides(tiny_target_dir, root / "data", run_dir, root / "cache", max_steps=STEPS,
-                                          save_steps=1, keep_last=2, drafts=sections(["g", "e3", "ds"])))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir,
+            root / "data",
+            run_dir,
+            root / "cache",
+            max_steps=STEPS,
+            save_steps=1,
+            keep_last=2,
+            drafts=sections(["g", "e3", "ds"]),
+        ),
+    )
     resumed = train(cfg, log=lines.append)
     assert any(line.startswith("resume: skipped") and f"step_{STEPS}" in line for line in lines), lines
     assert any(line == f"resumed from {run_dir / 'ckpt' / f'step_{STEPS - 1}'} at step {STEPS - 1}" for line in lines)
     for name in ("g", "e3", "ds"):  # the whole set went back one step, and continued as before
-        assert resumed.draft_losses[name] == results["three"].draft_losses[name][STEPS - 1:]
+        assert resumed.draft_losses[name] == results["three"].draft_losses[name][STEPS - 1 :]
     # another set of drafts does not resume these slots
-    cfg = load_config(None, run_overrides(tiny_target_dir, root / "data", run_dir, root / "cache", max_steps=STEPS,
-                                          drafts=sections(["g", "e3"])))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, root / "data", run_dir, root / "cache", max_steps=STEPS, drafts=sections(["g", "e3"])
+        ),
+    )
     with pytest.raises(SpecdraftError, match="saved a run of the drafts g, e3, ds; this run trains the drafts g, e3"):
         train(cfg, log=lambda *a: None)
     cfg = load_config(None, run_overrides(tiny_target_dir, root / "data", run_dir, root / "cache", max_steps=STEPS))
@@ -205,14 +248,19 @@ def test_resume_falls_back_to_the_older_slot_and_continues_every_draft_exactly(r
 
 # -- the memory model ------------------------------------------------------------------------------
 
-def test_the_memory_model_counts_one_target_every_draft_and_the_union_of_captures(tiny_target_dir, data_dir,
-                                                                                     tmp_path):
+
+def test_the_memory_model_counts_one_target_every_draft_and_the_union_of_captures(tiny_target_dir, data_dir, tmp_path):
     from specdraft.target.model import load_target_config
     from specdraft.train.memory import estimate_peak, estimate_run_peak
 
     target = load_target_config(tiny_target_dir)
-    cfg = load_config(None, [*run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache"),
-                             drafts_value(["g", "e3", "ds"])])
+    cfg = load_config(
+        None,
+        [
+            *run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache"),
+            drafts_value(["g", "e3", "ds"]),
+        ],
+    )
     together = estimate_run_peak(target, cfg, world_size=1)
     alone = {name: estimate_peak(target, draft_view(cfg, name), world_size=1) for name in ("g", "e3", "ds")}
     assert together.parts["target weights"] == alone["g"].parts["target weights"]  # once
@@ -227,20 +275,34 @@ def test_the_memory_model_counts_one_target_every_draft_and_the_union_of_capture
 
 # -- SIGKILL during saves --------------------------------------------------------------------------
 
-def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupted(tiny_target_dir, data_dir,
-                                                                                    tmp_path):
+
+def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupted(tiny_target_dir, data_dir, tmp_path):
     names = ["g", "e3", "df"]
     steps = 16
     extra = dict(max_steps=steps, save_steps=1, keep_last=2, drafts=sections(names))
     straight = train_run(tiny_target_dir, data_dir, tmp_path, "straight", **extra)
     run_dir = tmp_path / "crashy"
-    (tmp_path / "overrides.json").write_text(json.dumps(run_overrides(tiny_target_dir, data_dir, run_dir,
-                                                                      tmp_path / "cache", **extra)))
+    (tmp_path / "overrides.json").write_text(
+        json.dumps(run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", **extra))
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "crash_script.py"), tmp_path / "overrides.json",
-                           run_dir, "6", str(free_port()), "3"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "crash_script.py"),
+            tmp_path / "overrides.json",
+            run_dir,
+            "6",
+            str(free_port()),
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # a fast machine may finish the run before a late kill: most trials must still have died mid-run
@@ -260,12 +322,20 @@ def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupt
 
 # -- ZeRO-3 and the in-training tau ------------------------------------------------------------------
 
-def test_zero3_several_drafts_train_as_alone_and_each_tau_is_logged_under_its_name(tiny_target_dir, tiny_data,
-                                                                                    data_dir, tmp_path):
+
+def test_zero3_several_drafts_train_as_alone_and_each_tau_is_logged_under_its_name(
+    tiny_target_dir, tiny_data, data_dir, tmp_path
+):
     """At ZeRO-3 the target is replicated outside the drafts' engines; each draft still trains as
     it does alone (its engine partitions it alone), and the tau of each is measured."""
-    common = dict(max_steps=2, save_steps=2, zero_stage=3, target_placement="replicated", eval_steps=2,
-                  eval_prompts=tiny_data.prompts_file)
+    common = dict(
+        max_steps=2,
+        save_steps=2,
+        zero_stage=3,
+        target_placement="replicated",
+        eval_steps=2,
+        eval_prompts=tiny_data.prompts_file,
+    )
     together = train_run(tiny_target_dir, data_dir, tmp_path, "together", drafts=sections(["g", "e3"]), **common)
     rows = [json.loads(line) for line in open(tmp_path / "together" / "metrics.jsonl")]
     for name in ("g", "e3"):
@@ -275,6 +345,7 @@ def test_zero3_several_drafts_train_as_alone_and_each_tau_is_logged_under_its_na
         want = load_file(str(tmp_path / name / "step_2" / "model.safetensors"))
         assert all(torch.equal(got[key], want[key]) for key in want)
         taus = [row[f"{name}/eval/tau"] for row in rows if f"{name}/eval/tau" in row]
-        alone_taus = [json.loads(line)["eval/tau"] for line in open(tmp_path / name / "metrics.jsonl")
-                      if "eval/tau" in line]
+        alone_taus = [
+            json.loads(line)["eval/tau"] for line in open(tmp_path / name / "metrics.jsonl") if "eval/tau" in line
+        ]
         assert len(taus) == 1 and taus == alone_taus

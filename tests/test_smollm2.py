@@ -37,14 +37,19 @@ def target(smollm2_target_dir):
 
 # -- the conversion ----------------------------------------------------------------------------
 
+
 def test_the_checkpoint_holds_the_gguf_weights_dequantised_and_its_first_layers_only(smollm2_target_dir):
     import gguf
     from safetensors.torch import load_file
 
     config = json.loads((smollm2_target_dir / "config.json").read_text())
     assert "quantization_config" not in config
-    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == \
-        ("llama", 4, 576, 49152)
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        "llama",
+        4,
+        576,
+        49152,
+    )
     assert config["tie_word_embeddings"] is True
     assert (config["pad_token_id"], config["eos_token_id"], config["bos_token_id"]) == (IM_END, IM_END, 1)
 
@@ -55,8 +60,10 @@ def test_the_checkpoint_holds_the_gguf_weights_dequantised_and_its_first_layers_
     # the same numbers as gguf's own dequantisation (one tensor not rearranged, one of layer 3)
     gguf_file = gguf_dir(smollm2_target_dir.parents[1], SMOLLM2_TEST) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_file).tensors}
-    for theirs, ours in (("token_embd.weight", "model.embed_tokens.weight"),
-                         ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")):
+    for theirs, ours in (
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight"),
+    ):
         t = tensors[theirs]
         expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
         assert torch.equal(stored[ours], expected), ours
@@ -79,8 +86,11 @@ def test_other_bytes_under_the_pinned_version_are_refused(smollm2_target_dir, tm
     import dataclasses
 
     other = dataclasses.replace(SMOLLM2_TEST, gguf_sha256="0" * 64)
-    with pytest.raises(SpecdraftError, match=f"has sha256 {SMOLLM2_TEST.gguf_sha256}, not the smollm2-4l preset's "
-                                             f"{'0' * 64}; refusing to convert other bytes"):
+    with pytest.raises(
+        SpecdraftError,
+        match=f"has sha256 {SMOLLM2_TEST.gguf_sha256}, not the smollm2-4l preset's "
+        f"{'0' * 64}; refusing to convert other bytes",
+    ):
         ensure_gguf_target(tmp_path, other, log=lambda m: None)
     assert not list((tmp_path / "gguf").iterdir()) and not (tmp_path / other.name).exists()
 
@@ -91,12 +101,15 @@ def test_without_gguf_or_accelerate_the_demo_is_one_line_naming_it(package, tmp_
     monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path))
     assert main(["demo", "--preset", "smollm2"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"specdraft: error: the smollm2 preset converts a GGUF file and needs {package}, not installed: "
-                   f"pip install 'specdraft[gguf]' (or: pip install gguf accelerate)\n")
+    assert err == (
+        f"specdraft: error: the smollm2 preset converts a GGUF file and needs {package}, not installed: "
+        f"pip install 'specdraft[gguf]' (or: pip install gguf accelerate)\n"
+    )
     assert list(tmp_path.iterdir()) == []  # refused before any download
 
 
 # -- the data path under its template -------------------------------------------------------------
+
 
 def trained_texts(tokenizer, messages):
     ids, mask = tokenize_conversation(tokenizer, messages, "row")
@@ -105,8 +118,12 @@ def trained_texts(tokenizer, messages):
 
 
 def test_answers_are_trained_with_their_end_of_turn_and_the_default_system_prompt_is_not(tokenizer):
-    messages = [{"role": "user", "content": "Write a loop."}, {"role": "assistant", "content": "for x in y:\n    f(x)"},
-                {"role": "user", "content": "Again."}, {"role": "assistant", "content": "while True:\n    pass"}]
+    messages = [
+        {"role": "user", "content": "Write a loop."},
+        {"role": "assistant", "content": "for x in y:\n    f(x)"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "while True:\n    pass"},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     assert rendered.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n")  # the template adds it
     trained, ids, mask = trained_texts(tokenizer, messages)
@@ -129,8 +146,11 @@ def test_regenerated_answers_do_not_depend_on_the_left_padding_by_the_eos_id(smo
     requests = [Request([{"role": "user", "content": p}], 0, f"prompt {i}") for i, p in enumerate(prompts)]
     backend = HFBackend(target, tokenizer, Sampling(0.0, 1.0, 12, 1 << 30), batch_size=2)
     batched = [a.text for a in backend.generate(requests)]
-    alone = [a.text for r in requests for a in HFBackend(target, tokenizer, Sampling(0.0, 1.0, 12, 1 << 30),
-                                                           batch_size=1).generate([r])]
+    alone = [
+        a.text
+        for r in requests
+        for a in HFBackend(target, tokenizer, Sampling(0.0, 1.0, 12, 1 << 30), batch_size=1).generate([r])
+    ]
     assert batched == alone and all(batched)
     assert all("<|im_end|>" not in a for a in batched)
 
@@ -141,13 +161,15 @@ def test_plain_greedy_decoding_is_transformers_generate_on_the_tied_target(targe
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     with torch.no_grad():
-        theirs = target.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                 pad_token_id=IM_END)[0, len(prompt):].tolist()
+        theirs = target.generate(
+            torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=IM_END
+        )[0, len(prompt) :].tolist()
     assert len(set(theirs)) > 3
     assert generate_plain(target, prompt, max_new_tokens=20).tokens == theirs
 
 
 # -- tied embeddings and P-EAGLE's mask token ----------------------------------------------------------
+
 
 def test_the_weights_reader_ties_the_head_to_the_embedding(smollm2_target_dir, target):
     from specdraft.target.weights import describe_target, load_target_head_weights
@@ -176,6 +198,7 @@ def test_peagle_default_mask_token_is_not_the_end_of_turn(smollm2_target_dir):
 
 # -- every family against it ---------------------------------------------------------------------
 
+
 def families():
     from specdraft.drafts.registry import FAMILIES
 
@@ -191,8 +214,10 @@ def work(tmp_path_factory, tokenizer):
 
     path = tmp_path_factory.mktemp("smollm2")
     write_chat_files(path / "data", modules=("json", "textwrap", "shlex"))
-    prompts = ["Complete this Python function:\n\ndef mean(xs):\n    \"\"\"The mean of xs.\"\"\"",
-               "Write a function that reverses a string."]
+    prompts = [
+        "Complete this Python function:\n\ndef mean(xs):\n    \"\"\"The mean of xs.\"\"\"",
+        "Write a function that reverses a string.",
+    ]
     (path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return path
 
@@ -209,11 +234,25 @@ def test_every_family_trains_exports_and_decodes_losslessly(smollm2_target_dir, 
 
     options = {k: v for k, v in SMALL.get(family, {}).items() if k != "draft.mask_token_id"}  # P-EAGLE: its default
     run = work / family
-    cfg = load_config(None, [f"target={smollm2_target_dir}", f"data_files={work}/data/*.jsonl",
-                             f"data_cache_dir={work}/cache", "max_seq_length=96", "per_device_batch_size=2",
-                             "learning_rate=1e-3", "warmup_steps=1", "logging_steps=1", f"max_steps={STEPS}",
-                             f"save_steps={STEPS}", "seed=3", f"output_dir={run}", f"draft.type={family}",
-                             *(f"{k}={v}" for k, v in options.items())])
+    cfg = load_config(
+        None,
+        [
+            f"target={smollm2_target_dir}",
+            f"data_files={work}/data/*.jsonl",
+            f"data_cache_dir={work}/cache",
+            "max_seq_length=96",
+            "per_device_batch_size=2",
+            "learning_rate=1e-3",
+            "warmup_steps=1",
+            "logging_steps=1",
+            f"max_steps={STEPS}",
+            f"save_steps={STEPS}",
+            "seed=3",
+            f"output_dir={run}",
+            f"draft.type={family}",
+            *(f"{k}={v}" for k, v in options.items()),
+        ],
+    )
     losses = train(cfg, log=lambda *a: None).losses
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), losses
 
@@ -236,7 +275,21 @@ def test_every_family_trains_exports_and_decodes_losslessly(smollm2_target_dir, 
     assert heads["lm_head.weight"].shape == (49152, 576)
 
     capsys.readouterr()
-    assert main(["eval", str(run), "--prompts", str(work / "prompts.jsonl"), "--max-new-tokens", "12",
-                 "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--prompts",
+                str(work / "prompts.jsonl"),
+                "--max-new-tokens",
+                "12",
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["matches_target"] is True and report["draft"].endswith(f"step_{STEPS}"), report

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from chat_template_cases import (ALTERNATING, SPACE_BEFORE, TEMPLATES, rendered_answer, template_tokenizer)
+from chat_template_cases import ALTERNATING, SPACE_BEFORE, TEMPLATES, rendered_answer, template_tokenizer
 from specdraft.data.chat import assistant_spans, tokenize_conversation
 from specdraft.data.sources import SkippedRow
 from specdraft.commands.data_report import runs
@@ -32,8 +32,9 @@ def assert_runs(name, got, expected):
     """' ' + content templates: the space before an answer rides in its first token when the
     tokenizer merges them (' word'), so the run may start with that one space."""
     if name in SPACE_BEFORE:
-        got = [run[1:] if run.startswith(" ") and run[1:] == want else run for run, want in zip(got, expected)] \
-            + got[len(expected):]
+        got = [run[1:] if run.startswith(" ") and run[1:] == want else run for run, want in zip(got, expected)] + got[
+            len(expected) :
+        ]
     assert got == expected
 
 
@@ -111,12 +112,13 @@ def test_space_before_the_answer_the_token_holding_its_first_character_is_traine
 
 def test_tokens_straddling_the_answers_borders_are_trained(tokenizers):
     # a template that glues letters to both sides of the answer: BPE merges across its borders
-    tokenizer = template_tokenizer_with(tokenizers["qwen2_5"],
-                                        "{% for m in messages %}{{ m['role'] + ':r' + m['content'] + 'ng.' }}{% endfor %}")
+    tokenizer = template_tokenizer_with(
+        tokenizers["qwen2_5"], "{% for m in messages %}{{ m['role'] + ':r' + m['content'] + 'ng.' }}{% endfor %}"
+    )
     messages = conv("q", "ead thi")  # rendered ":read thing.": 'read' and 'ing' cross the borders
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     (span,) = assistant_spans(tokenizer, messages, "x")
-    assert text[span.start:span.end] == "ead thi" and span.stop == span.end  # no end-of-turn token here
+    assert text[span.start : span.end] == "ead thi" and span.stop == span.end  # no end-of-turn token here
     ids, mask = tokenize_conversation(tokenizer, messages, "x")
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     straddling = [j for j, (a, b) in enumerate(offsets) if a < span.start < b or a < span.end < b]
@@ -152,9 +154,9 @@ def test_generated_ids_are_placed_at_the_answer_never_in_a_header(tokenizers, na
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         ids, mask = tokenize_conversation(tokenizer, messages, "x")
         (span,) = assistant_spans(tokenizer, messages, "x")
-        at = len(tokenizer(text[:span.start], add_special_tokens=False)["input_ids"])
-        assert ids[at:at + len(given)] == given, (name, answer)
-        assert tokenizer.decode(ids[:at]) == text[:span.start]
+        at = len(tokenizer(text[: span.start], add_special_tokens=False)["input_ids"])
+        assert ids[at : at + len(given)] == given, (name, answer)
+        assert tokenizer.decode(ids[:at]) == text[: span.start]
         assert tokenizer.decode(ids) == text
 
 
@@ -220,8 +222,10 @@ def test_a_truncated_answer_is_trained_without_its_end_of_turn(tokenizers, tmp_p
 
     tokenizer = tokenizers[name]
     path = tmp_path / "r.jsonl"
-    path.write_text('{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "cut he", '
-                    '"truncated": true}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "whole"}]}\n')
-    (where, messages), = iter_conversations([str(path)])
+    path.write_text(
+        '{"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "cut he", '
+        '"truncated": true}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "whole"}]}\n'
+    )
+    ((where, messages),) = iter_conversations([str(path)])
     ids, mask = tokenize_conversation(tokenizer, messages, where)
     assert_runs(name, trained_runs(tokenizer, ids, mask), ["cut he", "whole" + TEMPLATES[name][1]])

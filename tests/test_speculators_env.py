@@ -47,5 +47,6 @@ def test_every_test_reaches_the_speculators_venv_through_this_module():
         if path.name in ("speculators_env.py", Path(__file__).name):
             continue
         code = path.read_text()
-        assert not re.search(rf"environ[^\n]*{PYTHON_ENV_VAR}|[\"']\.venv-speculators[\"']|def speculators_python",
-                             code), path.name
+        assert not re.search(
+            rf"environ[^\n]*{PYTHON_ENV_VAR}|[\"']\.venv-speculators[\"']|def speculators_python", code
+        ), path.name

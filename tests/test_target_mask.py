@@ -44,7 +44,9 @@ def test_a_sink_token_stays_visible_after_the_anchor_offset(target):
     assert not torch.allclose(base[:, :, sinks:], after[:, :, sinks:])  # later tokens still read the sink
     # the trap this guards against: no mask, no cache -> the jump is read as a sequence border
     with torch.no_grad():
-        trap = [target.model(input_ids=x, position_ids=positions, use_cache=False).last_hidden_state for x in (ids, changed)]
+        trap = [
+            target.model(input_ids=x, position_ids=positions, use_cache=False).last_hidden_state for x in (ids, changed)
+        ]
     torch.testing.assert_close(trap[0][:, sinks:], trap[1][:, sinks:])
 
 
@@ -94,7 +96,7 @@ def test_packed_loss_is_the_sum_of_each_documents_loss(target, lag):
     out = model(ids, loss_mask, document_positions=positions, document_ids=documents, lag=lag)
     total, tokens, start = 0.0, 0, 0
     for n in lengths:
-        part = model(ids[:, start:start + n], loss_mask[:, start:start + n], lag=lag)
+        part = model(ids[:, start : start + n], loss_mask[:, start : start + n], lag=lag)
         total, tokens, start = total + part.loss.item() * int(part.tokens), tokens + int(part.tokens), start + n
     assert int(out.tokens) == tokens
     assert out.loss.item() * int(out.tokens) == pytest.approx(total, rel=1e-5, abs=1e-4)
@@ -108,9 +110,11 @@ def test_glide_capture_skips_what_nobody_reads_and_keeps_one_layer_of_kv(target,
 
     calls = {"mlp": 0, "norm": 0, "o_proj": 0}
     last = target.model.layers[-1]
-    hooks = [last.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1)),
-             last.self_attn.o_proj.register_forward_hook(lambda *a: calls.__setitem__("o_proj", calls["o_proj"] + 1)),
-             target.model.norm.register_forward_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1))]
+    hooks = [
+        last.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1)),
+        last.self_attn.o_proj.register_forward_hook(lambda *a: calls.__setitem__("o_proj", calls["o_proj"] + 1)),
+        target.model.norm.register_forward_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1)),
+    ]
     stored = []
     original = capture_module._LastLayerKV.update
 
@@ -136,8 +140,14 @@ def test_glide_capture_skips_what_nobody_reads_and_keeps_one_layer_of_kv(target,
     torch.testing.assert_close(feats.last_keys, cache.layers[-1].keys, rtol=0, atol=1e-6)
     torch.testing.assert_close(full.last_values, cache.layers[-1].values, rtol=0, atol=1e-6)
     draft = build_draft(OmegaConf.structured(DraftConfig(sliding_window=6, max_lag=4)), target.config)
-    old = type(feats)(input_embeds=feats.input_embeds, cos=feats.cos, sin=feats.sin, hidden={},
-                      last_keys=cache.layers[-1].keys, last_values=cache.layers[-1].values)
+    old = type(feats)(
+        input_embeds=feats.input_embeds,
+        cos=feats.cos,
+        sin=feats.sin,
+        hidden={},
+        last_keys=cache.layers[-1].keys,
+        last_values=cache.layers[-1].values,
+    )
     loss_mask = torch.ones_like(ids)
     new_loss = draft.training_loss(feats, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
     old_loss = draft.training_loss(old, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
@@ -149,11 +159,14 @@ def test_a_sliding_window_shorter_than_the_sequences_is_accepted():
     whose windowed layers are shorter than max_seq_length trains at it (was refused)."""
     from transformers import MistralConfig, Qwen2Config
 
-    from specdraft.target.model import check_sequence_length
+    from specdraft.target.checks import check_sequence_length
 
     check_sequence_length(MistralConfig(sliding_window=64, max_position_embeddings=512), 128, "train.yaml")
-    check_sequence_length(Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1,
-                                      num_hidden_layers=2), 128, "train.yaml")
+    check_sequence_length(
+        Qwen2Config(sliding_window=64, use_sliding_window=True, max_window_layers=1, num_hidden_layers=2),
+        128,
+        "train.yaml",
+    )
 
 
 def test_a_window_as_long_as_the_sequence_captures_what_transformers_computes():
@@ -161,8 +174,15 @@ def test_a_window_as_long_as_the_sequence_captures_what_transformers_computes():
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    config = MistralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32,
+    )
     model = MistralForCausalLM(config).eval().requires_grad_(False)
     ids = torch.randint(0, 128, (2, 32))
     positions = torch.arange(32)[None]

@@ -31,45 +31,70 @@ from target_zoo import MODEL_TYPES, build_target
 from offline_runs import SMALL
 
 STEPS = 2
-BASE = {"max_seq_length": 64, "per_device_batch_size": 2, "learning_rate": 1e-2, "warmup_steps": 1,
-        "logging_steps": 1, "max_steps": STEPS, "save_steps": 1, "seed": 3, "zero_stage": 2}
+BASE = {
+    "max_seq_length": 64,
+    "per_device_batch_size": 2,
+    "learning_rate": 1e-2,
+    "warmup_steps": 1,
+    "logging_steps": 1,
+    "max_steps": STEPS,
+    "save_steps": 1,
+    "seed": 3,
+    "zero_stage": 2,
+}
 
-ROTARY_DFLASH = ("rotates its own queries and keys over whole heads with one rotary table, the target's (servers "
-                 "rebuild it from the exported transformer_layer_config); the target ")
+ROTARY_DFLASH = (
+    "rotates its own queries and keys over whole heads with one rotary table, the target's (servers "
+    "rebuild it from the exported transformer_layer_config); the target "
+)
 PARTIAL = "rotates only part of each head ({0}: partial_rotary_factor {1}), its tables cover {1} of the head"
-GEMMA_TABLES = ("rotates its layers with 2 rotary tables (gemma3_text: rope_theta full_attention 1000000.0, "
-                "sliding_attention 10000.0), not one")
-MLA = ("GLIDE's cross-attention takes keys and values of one head width (head_dim 8), RoPE over the whole head; "
-       "deepseek_v3 attends with MLA: per head keys of 24 (16 without RoPE + 8 with interleaved RoPE) and values of "
-       "16, decompressed from a cached latent of 32, which it cannot take")
+GEMMA_TABLES = (
+    "rotates its layers with 2 rotary tables (gemma3_text: rope_theta full_attention 1000000.0, "
+    "sliding_attention 10000.0), not one"
+)
+MLA = (
+    "GLIDE's cross-attention takes keys and values of one head width (head_dim 8), RoPE over the whole head; "
+    "deepseek_v3 attends with MLA: per head keys of 24 (16 without RoPE + 8 with interleaved RoPE) and values of "
+    "16, decompressed from a cached latent of 32, which it cannot take"
+)
 
 
 MTP_TARGETS = ("qwen3_next", "deepseek_v3", "glm4_moe")  # a native MTP layer in transformers
 
 
 def no_mtp(model_type):
-    return (f"mtp fine-tunes a target's native MTP layer; {{target}} (model_type {model_type}) has none in "
-            f"transformers (targets with one: qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and "
-            f"glm4_moe ones holding model.layers.<num_hidden_layers>.*)")
+    return (
+        f"mtp fine-tunes a target's native MTP layer; {{target}} (model_type {model_type}) has none in "
+        f"transformers (targets with one: qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and "
+        f"glm4_moe ones holding model.layers.<num_hidden_layers>.*)"
+    )
 
 
 # (model_type, family) -> the reason `train` gives, after "specdraft: error: run.yaml: key 'draft.type': "
 REFUSED = {
     ("deepseek_v3", "glide"): MLA,
-    **{(model_type, family): f"{label} {ROTARY_DFLASH}{why}"
-       for family, label in (("dflash", "DFlash"), ("dspark", "DSpark"))
-       for model_type, why in (("gemma3_text", GEMMA_TABLES), ("glm4_moe", PARTIAL.format("glm4_moe", 0.5)),
-                               ("qwen3_next", PARTIAL.format("qwen3_next", 0.25)))},
+    **{
+        (model_type, family): f"{label} {ROTARY_DFLASH}{why}"
+        for family, label in (("dflash", "DFlash"), ("dspark", "DSpark"))
+        for model_type, why in (
+            ("gemma3_text", GEMMA_TABLES),
+            ("glm4_moe", PARTIAL.format("glm4_moe", 0.5)),
+            ("qwen3_next", PARTIAL.format("qwen3_next", 0.25)),
+        )
+    },
     **{(model_type, "mtp"): no_mtp(model_type) for model_type in MODEL_TYPES if model_type not in MTP_TARGETS},
 }
 CELLS = [(model_type, family) for model_type in MODEL_TYPES for family in FAMILIES]
 # (model_type, family, serving format) -> why `export --format` refuses it (the cell trains)
 FORMAT_REFUSED = {
-    (model_type, "mtp", "speculators"): (f"speculators' MTPDraftModel builds MTP layers for qwen3, qwen3_next, "
-                                         f"qwen3_5_text, qwen3_5_moe_text targets only (its mtp_model_classes), not "
-                                         f"{model_type}; export --format stitched: the target with the trained layer, "
-                                         f"which vLLM serves with method mtp")
-    for model_type in ("deepseek_v3", "glm4_moe")}
+    (model_type, "mtp", "speculators"): (
+        f"speculators' MTPDraftModel builds MTP layers for qwen3, qwen3_next, "
+        f"qwen3_5_text, qwen3_5_moe_text targets only (its mtp_model_classes), not "
+        f"{model_type}; export --format stitched: the target with the trained layer, "
+        f"which vLLM serves with method mtp"
+    )
+    for model_type in ("deepseek_v3", "glm4_moe")
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +106,27 @@ def zoo(tiny_target_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, data_dir):
     path = tmp_path_factory.mktemp("matrix")
-    (path / "run.yaml").write_text("".join(f"{key}: {value}\n" for key, value in
-                                           {**BASE, "data_files": f"{data_dir}/*.jsonl",
-                                            "data_cache_dir": str(path / "cache")}.items()))
+    (path / "run.yaml").write_text(
+        "".join(
+            f"{key}: {value}\n"
+            for key, value in {
+                **BASE,
+                "data_files": f"{data_dir}/*.jsonl",
+                "data_cache_dir": str(path / "cache"),
+            }.items()
+        )
+    )
     return path
 
 
 def overrides(zoo, work, model_type, family, name, *extra):
-    return [f"target={zoo[model_type]}", f"draft.type={family}", f"output_dir={work / name}",
-            *(f"{key}={value}" for key, value in SMALL.get(family, {}).items()), *extra]
+    return [
+        f"target={zoo[model_type]}",
+        f"draft.type={family}",
+        f"output_dir={work / name}",
+        *(f"{key}={value}" for key, value in SMALL.get(family, {}).items()),
+        *extra,
+    ]
 
 
 def test_every_cell_is_decided():
@@ -110,8 +147,9 @@ def test_plain_greedy_decoding_is_the_targets_own_generate(zoo, model_type):
     prompt = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     prompt += prompt[:20]
     with torch.no_grad():
-        theirs = target.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                 pad_token_id=2)[0, len(prompt):].tolist()
+        theirs = target.generate(
+            torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=2
+        )[0, len(prompt) :].tolist()
     assert len(set(theirs)) > 8  # not a degenerate target: a window dropped would change the tokens
     assert generate_plain(target, prompt, max_new_tokens=24).tokens == theirs
     tree = speculative_generate(target, ModelDrafter(target), prompt, max_new_tokens=24, tree=[2, 2, 2])
@@ -137,9 +175,13 @@ def test_a_cell_trains_resumes_exports_and_evaluates_losslessly(zoo, work, tiny_
     losses = train(cfg, log=lambda *a: None).losses
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), losses
     # resumed from step 1 in another directory: step 2 again, bit for bit
-    resumed = train(load_config(str(work / "run.yaml"), overrides(zoo, work, model_type, family, f"{name}_resumed",
-                                                                   f"resume={run}/ckpt/step_1")),
-                    log=lambda *a: None).losses
+    resumed = train(
+        load_config(
+            str(work / "run.yaml"),
+            overrides(zoo, work, model_type, family, f"{name}_resumed", f"resume={run}/ckpt/step_1"),
+        ),
+        log=lambda *a: None,
+    ).losses
     assert resumed == losses[1:]
 
     draft_cls, exported = FAMILIES[family], {}
@@ -153,15 +195,34 @@ def test_a_cell_trains_resumes_exports_and_evaluates_losslessly(zoo, work, tiny_
             continue
         assert code == 0, capsys.readouterr().err
         written = out / fmt if fmt in draft_cls.serving_formats else out
-        assert (written / "config.json").is_file() or (written / "draft_model_weights.pth").is_file() \
-            or (written / "model.safetensors").is_file(), sorted(p.name for p in written.iterdir())
+        assert (
+            (written / "config.json").is_file()
+            or (written / "draft_model_weights.pth").is_file()
+            or (written / "model.safetensors").is_file()
+        ), sorted(p.name for p in written.iterdir())
         if fmt in draft_cls.serving_formats:
             exported[fmt] = json.loads((written / "config.json").read_text())
     assert_servers_conventions(exported, json.loads((zoo[model_type] / "config.json").read_text()), zoo[model_type])
 
     capsys.readouterr()
-    assert main(["eval", str(run), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "2",
-                 "--max-new-tokens", "16", "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--prompts",
+                str(tiny_data.prompts_file),
+                "--max-prompts",
+                "2",
+                "--max-new-tokens",
+                "16",
+                "--device",
+                "cpu",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["matches_target"] is True and report["draft"].endswith(f"step_{STEPS}"), report
 

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from specdraft.errors import SpecdraftError
-from specdraft.target import weights
+from specdraft.target import checkpoint_files
 from specdraft.target.weights import describe_target, format_target_description, load_target_head_weights
 
 SHARD = "40KB"  # small enough that every tiny model below spans several shards
@@ -29,28 +29,65 @@ SHARD = "40KB"  # small enough that every tiny model below spans several shards
 
 
 def llama_config(**overrides):
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=128, **overrides)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        **overrides,
+    )
 
 
 def qwen2_config(**overrides):
-    return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=160, **overrides)
+    return Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=160,
+        **overrides,
+    )
 
 
 def qwen3_config(**overrides):
-    return Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=256, **overrides)
+    return Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        **overrides,
+    )
 
 
 def gemma3_config():
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, vocab_size=200, sliding_window=16,
-                max_position_embeddings=64)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)
-    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                        image_token_index=199, boi_token_index=197, eoi_token_index=198)
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=200,
+        sliding_window=16,
+        max_position_embeddings=64,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=199,
+        boi_token_index=197,
+        eoi_token_index=198,
+    )
 
 
 def build_model(config):
@@ -216,8 +253,12 @@ def test_missing_tie_flag_takes_the_model_types_default(copy_of):
     # Gemma defaults to tied, Qwen3 to untied; transformers applies the same defaults.
     for name, tied in (("gemma3-mm-sharded", True), ("qwen3-untied-sharded", False)):
         directory = copy_of(name)
-        edit_config(directory, lambda config: [section.pop("tie_word_embeddings", None)
-                                               for section in (config, config.get("text_config", {}))])
+        edit_config(
+            directory,
+            lambda config: [
+                section.pop("tie_word_embeddings", None) for section in (config, config.get("text_config", {}))
+            ],
+        )
         reference_embed, reference_head_weight = reference_head(directory)
 
         head = load_target_head_weights(directory)
@@ -229,8 +270,9 @@ def test_missing_tie_flag_takes_the_model_types_default(copy_of):
 
 def test_unknown_model_type_without_lm_head_is_tied(copy_of):
     directory = copy_of("qwen3-tied")
-    edit_config(directory, lambda config: (config.pop("tie_word_embeddings"),
-                                           config.update(model_type="not-a-known-model")))
+    edit_config(
+        directory, lambda config: (config.pop("tie_word_embeddings"), config.update(model_type="not-a-known-model"))
+    )
     head = load_target_head_weights(directory)
     assert head.tied and head.lm_head is head.embed_tokens
 
@@ -279,11 +321,15 @@ def test_expected_shape_picks_among_several_embedding_keys(copy_of):
 def test_only_shards_holding_the_two_tensors_are_opened(checkpoint, monkeypatch):
     directory = checkpoint("qwen3-untied-sharded")
     headers_read, tensors_read = set(), set()
-    real_header, real_safe_open = weights._read_safetensors_header, weights.safe_open
-    monkeypatch.setattr(weights, "_read_safetensors_header",
-                        lambda path: headers_read.add(str(path)) or real_header(path))
-    monkeypatch.setattr(weights, "safe_open",
-                        lambda path, **kwargs: tensors_read.add(str(path)) or real_safe_open(path, **kwargs))
+    real_header, real_safe_open = checkpoint_files.read_safetensors_header, checkpoint_files.safe_open
+    monkeypatch.setattr(
+        checkpoint_files, "read_safetensors_header", lambda path: headers_read.add(str(path)) or real_header(path)
+    )
+    monkeypatch.setattr(
+        checkpoint_files,
+        "safe_open",
+        lambda path, **kwargs: tensors_read.add(str(path)) or real_safe_open(path, **kwargs),
+    )
 
     head = load_target_head_weights(directory)
 
@@ -300,7 +346,7 @@ def test_describe_reads_no_tensor_data(checkpoint, monkeypatch):
     def no_data(*args, **kwargs):
         raise AssertionError("describe_target must not read tensor data")
 
-    monkeypatch.setattr(weights, "safe_open", no_data)
+    monkeypatch.setattr(checkpoint_files, "safe_open", no_data)
     directory = checkpoint("qwen3-untied-sharded")
 
     desc = describe_target(directory)
@@ -361,8 +407,7 @@ def test_index_naming_a_missing_shard(copy_of):
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[-1]
     (directory / gone).unlink()
-    raises_one_line(lambda: load_target_head_weights(directory), "model.safetensors.index.json", gone,
-                    "does not exist")
+    raises_one_line(lambda: load_target_head_weights(directory), "model.safetensors.index.json", gone, "does not exist")
 
 
 def test_truncated_safetensors_header(copy_of):
@@ -371,8 +416,12 @@ def test_truncated_safetensors_header(copy_of):
     data = path.read_bytes()
     (header_length,) = struct.unpack("<Q", data[:8])
     path.write_bytes(data[: 8 + header_length // 2])
-    raises_one_line(lambda: load_target_head_weights(directory), path, "truncated safetensors header",
-                    f"announces {header_length} bytes")
+    raises_one_line(
+        lambda: load_target_head_weights(directory),
+        path,
+        "truncated safetensors header",
+        f"announces {header_length} bytes",
+    )
 
 
 def test_file_too_short_for_a_header_length(copy_of):
@@ -394,8 +443,9 @@ def test_neither_embedding_nor_head_present(copy_of):
     directory = copy_of("llama")
     path = directory / "model.safetensors"
     save_file({"model.norm.weight": torch.ones(32)}, path)
-    raises_one_line(lambda: load_target_head_weights(directory), path, "no input-embedding tensor",
-                    "model.embed_tokens.weight")
+    raises_one_line(
+        lambda: load_target_head_weights(directory), path, "no input-embedding tensor", "model.embed_tokens.weight"
+    )
 
 
 def test_untied_config_without_lm_head(copy_of):
@@ -409,21 +459,30 @@ def test_untied_config_without_lm_head(copy_of):
 
 def test_vocab_mismatch_with_the_caller(checkpoint):
     directory = checkpoint("qwen3-untied-sharded")
-    message = raises_one_line(lambda: load_target_head_weights(directory, expected_vocab=300),
-                              "(256, 64)", "(300, any)", "model.embed_tokens.weight")
+    message = raises_one_line(
+        lambda: load_target_head_weights(directory, expected_vocab=300),
+        "(256, 64)",
+        "(300, any)",
+        "model.embed_tokens.weight",
+    )
     assert str(directory) in message and ".safetensors" in message
 
 
 def test_hidden_mismatch_with_the_caller(checkpoint):
-    raises_one_line(lambda: load_target_head_weights(checkpoint("llama-bin"), expected_hidden=48),
-                    "pytorch_model.bin", "(128, 32)", "(any, 48)")
+    raises_one_line(
+        lambda: load_target_head_weights(checkpoint("llama-bin"), expected_hidden=48),
+        "pytorch_model.bin",
+        "(128, 32)",
+        "(any, 48)",
+    )
 
 
 def test_config_disagreeing_with_the_checkpoint(copy_of):
     directory = copy_of("qwen3-tied")
     edit_config(directory, lambda config: config.update(vocab_size=512))
-    raises_one_line(lambda: describe_target(directory), directory / "model.safetensors", "(256, 64)",
-                    "(512, 64)", "config.json")
+    raises_one_line(
+        lambda: describe_target(directory), directory / "model.safetensors", "(256, 64)", "(512, 64)", "config.json"
+    )
 
 
 def test_unknown_dtype(checkpoint):

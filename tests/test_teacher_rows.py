@@ -19,7 +19,7 @@ from specdraft.drafts import loss as loss_module
 from specdraft.drafts.base import MemoryShape
 from specdraft.drafts.eagle3 import model as eagle3_module
 from specdraft.drafts.loss import teacher_vocab_pass
-from specdraft.drafts.objectives import TEACHER_OBJECTIVES
+from specdraft.drafts.objective_options import TEACHER_OBJECTIVES
 from specdraft.drafts.peagle import model as peagle_module
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.target.capture import capture
@@ -39,8 +39,11 @@ def draft_for(target, family, vocab=VD, **options):
     draft.set_vocab_maps(*vocab_maps(counts, vocab))
     with torch.no_grad():  # weights of a realistic scale (tests/test_eagle3.py, test_peagle.py)
         for name, p in draft.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.15 if p.dim() >= 2 or "mask" in name
-                    else torch.rand(p.shape, generator=generator) + 0.5)
+            p.copy_(
+                torch.randn(p.shape, generator=generator) * 0.15
+                if p.dim() >= 2 or "mask" in name
+                else torch.rand(p.shape, generator=generator) + 0.5
+            )
     return draft.to(target.dtype)
 
 
@@ -87,13 +90,15 @@ def straightforward(final, weight, rows, chunk_size, draft_vocab, logsumexp, arg
     return (torch.logsumexp(logits.float(), dim=-1) if logsumexp else None), (logits.argmax(dim=-1) if argmax else None)
 
 
-CASES = [("eagle3", loss, rows) for loss in TEACHER_OBJECTIVES for rows in ("in_vocab", "all")] \
-    + [("peagle", loss, None) for loss in TEACHER_OBJECTIVES]
+CASES = [("eagle3", loss, rows) for loss in TEACHER_OBJECTIVES for rows in ("in_vocab", "all")] + [
+    ("peagle", loss, None) for loss in TEACHER_OBJECTIVES
+]
 
 
 @pytest.mark.parametrize("family,loss,teacher_rows", CASES)
-def test_every_teacher_objective_equals_the_straightforward_whole_vocab_teacher(target64, monkeypatch, family, loss,
-                                                                               teacher_rows):
+def test_every_teacher_objective_equals_the_straightforward_whole_vocab_teacher(
+    target64, monkeypatch, family, loss, teacher_rows
+):
     """fp64 models, a draft vocab of 40 of 96, packed rows with prompts: loss, every gradient and
     every metric equal those of the whole-vocab formula (every row through the whole lm_head at
     once, torch.logsumexp, argmax), to 1e-12. The objective computes in fp32 whatever its inputs:
@@ -150,6 +155,7 @@ def test_the_pass_keeps_the_first_top1_and_the_whole_normaliser_exactly():
 
 # -- which matrices the teacher multiplies -------------------------------------------------------
 
+
 class HeadReads(TorchDispatchMode):
     """The matmuls that read the target's whole lm_head (its storage) and those that read a copy of
     its rows (index_select: the teacher's draft-vocab rows); the rows of every tensor made whose
@@ -163,7 +169,9 @@ class HeadReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         name = func.overloadpacket.__name__
         if name in ("mm", "addmm", "bmm", "matmul", "linear"):
@@ -174,14 +182,23 @@ class HeadReads(TorchDispatchMode):
         elif name == "index_select" and self.head in inputs and outputs[0].dim() == 2:
             self.copies.append(outputs[0].untyped_storage().data_ptr())
             self.held.append(outputs[0])
-        self.vocab_rows += [t.shape[:-1].numel() for t in outputs if t.dim() >= 2 and t.shape[-1] == self.vocab
-                            and t.untyped_storage().data_ptr() not in inputs]  # made, not a view (weight.t())
+        self.vocab_rows += [
+            t.shape[:-1].numel()
+            for t in outputs
+            if t.dim() >= 2 and t.shape[-1] == self.vocab and t.untyped_storage().data_ptr() not in inputs
+        ]  # made, not a view (weight.t())
         return out
 
 
-@pytest.mark.parametrize("family,options,chunk", [
-    ("eagle3", dict(loss="soft_ce"), 8), ("eagle3", dict(loss="soft_ce"), 0),
-    ("eagle3", dict(loss="lk_lambda", teacher_rows="all"), 8), ("peagle", dict(loss="lk_alpha"), 8)])
+@pytest.mark.parametrize(
+    "family,options,chunk",
+    [
+        ("eagle3", dict(loss="soft_ce"), 8),
+        ("eagle3", dict(loss="soft_ce"), 0),
+        ("eagle3", dict(loss="lk_lambda", teacher_rows="all"), 8),
+        ("peagle", dict(loss="lk_alpha"), 8),
+    ],
+)
 def test_the_whole_lm_head_is_multiplied_only_at_the_rows_a_teacher_reads_one_chunk_at_a_time(family, options, chunk):
     """A draft vocab of 200 of 400: the teacher's distribution is a (rows <= chunk, 200) matmul
     with a copy of the lm_head's draft rows, made once; the whole lm_head is multiplied only by
@@ -194,8 +211,15 @@ def test_the_whole_lm_head_is_multiplied_only_at_the_rows_a_teacher_reads_one_ch
     feats = capture(target.model, ids, torch.arange(T)[None].expand_as(ids), draft.capture_request())
     weight = target.lm_head.weight
     with HeadReads(weight) as reads:
-        out = draft.training_loss(feats, weight, ids, mask, chunk, documents=documents,
-                                  **draft.sample_batch_options(torch.Generator().manual_seed(0), T))
+        out = draft.training_loss(
+            feats,
+            weight,
+            ids,
+            mask,
+            chunk,
+            documents=documents,
+            **draft.sample_batch_options(torch.Generator().manual_seed(0), T),
+        )
         out.loss.backward()
     chunk_rows = chunk if chunk > 0 else loss_module.default_chunk_size(200)
     block = max(1, min(chunk_rows, rows_read(mask, documents)) * 200 // 400)
@@ -220,7 +244,9 @@ def test_the_whole_lm_head_is_never_multiplied_when_nothing_needs_it(target64, o
 
 def test_in_vocab_over_the_whole_vocab_is_every_row(target64):
     """The draft vocab is the whole one: in_vocab (no pass) trains what `all` trains."""
-    losses = [step(draft_for(target64, "eagle3", vocab=V, teacher_rows=rows), target64)[0] for rows in ("in_vocab", "all")]
+    losses = [
+        step(draft_for(target64, "eagle3", vocab=V, teacher_rows=rows), target64)[0] for rows in ("in_vocab", "all")
+    ]
     assert float(losses[0]) == float(losses[1])
 
 
@@ -233,15 +259,19 @@ def test_a_full_vocab_teacher_holds_one_chunk_of_rows_at_a_time(family, loss):
     from specdraft.train.model import TargetWithDraft
 
     target = random_llama(vocab=400, hidden=32, layers=2)
-    cfg = OmegaConf.merge(OmegaConf.structured(DraftConfig), {"type": family, "loss": loss},
-                          {} if family == "glide" else {"block_size": 4})
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(DraftConfig),
+        {"type": family, "loss": loss},
+        {} if family == "glide" else {"block_size": 4},
+    )
     draft = build_draft(cfg, target.config)
     ids = torch.randint(0, 400, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[:, :10] = 0
     with HeadReads(target.lm_head.weight) as reads:
-        TargetWithDraft(target, draft, 8)(ids, mask, **draft.sample_batch_options(torch.Generator().manual_seed(0),
-                                                                                     64)).loss.backward()
+        TargetWithDraft(target, draft, 8)(
+            ids, mask, **draft.sample_batch_options(torch.Generator().manual_seed(0), 64)
+        ).loss.backward()
     assert reads.vocab_rows and max(reads.vocab_rows) <= 8
 
 
@@ -250,9 +280,16 @@ def test_a_full_vocab_teacher_holds_one_chunk_of_rows_at_a_time(family, loss):
 MEMORY_FIXED = ("target weights", "draft weights", "draft grads", "optimizer (fp32 master + Adam m, v)")
 
 
-@pytest.mark.parametrize("family,loss,chunk", [("eagle3", "soft_ce", 0), ("eagle3", "lk_lambda", 0),
-                                               ("eagle3", "soft_ce", 256), ("peagle", "kl", 0),
-                                               ("peagle", "lk_alpha", 256)])
+@pytest.mark.parametrize(
+    "family,loss,chunk",
+    [
+        ("eagle3", "soft_ce", 0),
+        ("eagle3", "lk_lambda", 0),
+        ("eagle3", "soft_ce", 256),
+        ("peagle", "kl", 0),
+        ("peagle", "lk_alpha", 256),
+    ],
+)
 def test_the_teachers_peak_is_its_term_of_the_memory_model(monkeypatch, family, loss, chunk):
     """A step of EAGLE-3 / P-EAGLE with a draft vocab of 400 of 4750 (the ratio of 32k to Qwen3's
     152k, tripled), fp32, T = 256: the peak of live tensor bytes is within 10% of what the memory
@@ -271,8 +308,9 @@ def test_the_teachers_peak_is_its_term_of_the_memory_model(monkeypatch, family, 
     target = random_llama(vocab=vocab, init=0.02, tie_word_embeddings=False)
     config = target.config
     draft = build_draft(cfg.draft, config)
-    draft.set_vocab_maps(*vocab_maps(torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(0))
-                                     .numpy(), draft_vocab))
+    draft.set_vocab_maps(
+        *vocab_maps(torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).numpy(), draft_vocab)
+    )
     model = TargetWithDraft(target, draft, cfg.loss_chunk_size)
     peak, predicted, parts = loss_step_peak_against_model(model, config, cfg, MEMORY_FIXED, seq)
     assert peak == pytest.approx(predicted, rel=0.10), {k: f"{v / 2**20:.2f} MiB" for k, v in parts.items()}
@@ -290,8 +328,16 @@ def test_a_zero_chunk_is_sized_from_the_losss_own_vocab_by_hand():
     shape = MemoryShape(B=1, T=2048, dtype_bytes=2, chunk=0, documents=False, target=None)
     assert shape.loss_chunk(2048, 32000, 1024, teacher=True) == 2048 * 2 * 1024 * 2 + 2048 * 32000 * 30
     assert shape.loss_chunk(2048, 151936, 1024) == 2048 * 2 * 1024 * 2 + 384 * 151936 * 6  # CE over 152k
-    qwen = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    qwen = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
     cfg = OmegaConf.structured(TrainConfig)
     cfg.draft.type, cfg.max_seq_length, cfg.precision, cfg.per_device_batch_size = "eagle3", 2048, "bf16", 1
     term = memory.estimate_peak(qwen, cfg, world_size=1).parts["loss chunk + hidden grads"]

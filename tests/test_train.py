@@ -22,8 +22,9 @@ def test_thirty_steps_lower_the_loss(tiny_target_dir, data_dir, tmp_path, capsys
     from helpers import run_overrides
 
     (tmp_path / "empty.yaml").write_text("{}\n")
-    overrides = run_overrides(tiny_target_dir, data_dir, tmp_path / "long", tmp_path / "cache",
-                              max_steps=30, save_steps=30)
+    overrides = run_overrides(
+        tiny_target_dir, data_dir, tmp_path / "long", tmp_path / "cache", max_steps=30, save_steps=30
+    )
     capsys.readouterr()  # what training printed (DeepSpeed's warnings on stdout) is not the command's
     assert main(["config", str(tmp_path / "empty.yaml"), *overrides]) == 0
     assert capsys.readouterr().out == (tmp_path / "long" / "config.yaml").read_text()
@@ -60,8 +61,12 @@ def test_the_summary_line_names_the_progress_bars_loss_windows(tiny_target_dir, 
             pass
 
     monkeypatch.setattr("tqdm.tqdm", Bar)
-    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, tmp_path / "w", tmp_path / "cache",
-                                          max_steps=7, save_steps=7, logging_steps=3))
+    cfg = load_config(
+        None,
+        run_overrides(
+            tiny_target_dir, data_dir, tmp_path / "w", tmp_path / "cache", max_steps=7, save_steps=7, logging_steps=3
+        ),
+    )
     result = loop.train(cfg, log=lines.append)
     windows = result.window_losses[None]
     assert [(a, b) for a, b, _ in windows] == [(1, 3), (4, 6), (7, 7)]
@@ -71,22 +76,35 @@ def test_the_summary_line_names_the_progress_bars_loss_windows(tiny_target_dir, 
 
 
 def test_zero_stages_0_to_3_run_and_agree_on_the_first_loss(tiny_target_dir, data_dir, tmp_path):
-    losses = {stage: train_run(tiny_target_dir, data_dir, tmp_path, f"z{stage}", zero_stage=stage, max_steps=3,
-                         save_steps=3).losses for stage in (0, 1, 2, 3)}
+    losses = {
+        stage: train_run(
+            tiny_target_dir, data_dir, tmp_path, f"z{stage}", zero_stage=stage, max_steps=3, save_steps=3
+        ).losses
+        for stage in (0, 1, 2, 3)
+    }
     for stage in (1, 2, 3):
         assert len(losses[stage]) == 3
         assert losses[stage][0] == pytest.approx(losses[0][0], abs=1e-6)
 
 
 def test_gradient_accumulation_and_bf16_train(tiny_target_dir, data_dir, tmp_path):
-    result = train_run(tiny_target_dir, data_dir, tmp_path, "bf16", precision="bf16", gradient_accumulation_steps=2,
-                 max_steps=4, save_steps=4)
+    result = train_run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "bf16",
+        precision="bf16",
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        save_steps=4,
+    )
     assert len(result.losses) == 4 and all(l == l for l in result.losses)  # finite, no NaN
     assert result.losses[-1] < result.losses[0]
 
 
-def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(tiny_target_dir, tiny_data,
-                                                                             data_dir, tmp_path, monkeypatch):
+def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(
+    tiny_target_dir, tiny_data, data_dir, tmp_path, monkeypatch
+):
     import specdraft.train.evals as evals
     import specdraft.train.loop as loop
 
@@ -124,8 +142,17 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
     taus = {}
     for stage in (2, 3):
         gathered.clear()
-        train_run(tiny_target_dir, data_dir, tmp_path, f"eval{stage}", zero_stage=stage, max_steps=4, save_steps=4,
-            eval_steps=2, eval_prompts=tiny_data.prompts_file)
+        train_run(
+            tiny_target_dir,
+            data_dir,
+            tmp_path,
+            f"eval{stage}",
+            zero_stage=stage,
+            max_steps=4,
+            save_steps=4,
+            eval_steps=2,
+            eval_prompts=tiny_data.prompts_file,
+        )
         rows = [json.loads(l) for l in (tmp_path / f"eval{stage}" / "metrics.jsonl").read_text().splitlines()]
         taus[stage] = [(r["step"], r["eval/tau"]) for r in rows if "eval/tau" in r]
         assert [s for s, _ in taus[stage]] == [2, 4]
@@ -135,8 +162,9 @@ def test_tau_on_held_out_prompts_is_logged_beside_the_loss_at_zero2_and_zero3(ti
         module = engines[-1].module  # a replicated target holds its weights as buffers
         names = {id(t): name for name, t in [*module.named_parameters(), *module.named_buffers()]}
         assert len(gathered) == 2 and all(len(params) > 0 for params in gathered)
-        assert {names[id(p)] for params in gathered for p in params} == \
-            {n for n in names.values() if n.startswith("draft_model.")} | {"lm_head.weight"}
+        assert {names[id(p)] for params in gathered for p in params} == {
+            n for n in names.values() if n.startswith("draft_model.")
+        } | {"lm_head.weight"}
     assert taus[2] == taus[3]  # the same draft decodes the same way under either stage
 
 
@@ -153,8 +181,12 @@ def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir,
         return engine
 
     monkeypatch.setattr(loop, "build_engine", spy)
-    losses = {p: train_run(tiny_target_dir, data_dir, tmp_path, f"z3{p}", zero_stage=3, target_placement=p, max_steps=3,
-                     save_steps=3).losses for p in ("replicated", "partitioned")}
+    losses = {
+        p: train_run(
+            tiny_target_dir, data_dir, tmp_path, f"z3{p}", zero_stage=3, target_placement=p, max_steps=3, save_steps=3
+        ).losses
+        for p in ("replicated", "partitioned")
+    }
     assert losses["replicated"] == pytest.approx(losses["partitioned"], abs=1e-5)
     replicated, partitioned = engines["replicated"].module, engines["partitioned"].module
     assert not any(hasattr(t, "ds_id") for t in replicated.model.buffers())
@@ -162,15 +194,26 @@ def test_zero3_target_replicated_or_partitioned_trains_the_same(tiny_target_dir,
     assert all(hasattr(p, "ds_id") for p in replicated.draft_model.parameters())  # the draft is still ZeRO-3's
     assert all(hasattr(p, "ds_id") for p in partitioned.model.parameters())
 
-def test_a_distillation_objective_trains_under_zero3_and_tau_is_measured_sampled(tiny_target_dir, tiny_data,
-                                                                                 data_dir, tmp_path):
+
+def test_a_distillation_objective_trains_under_zero3_and_tau_is_measured_sampled(
+    tiny_target_dir, tiny_data, data_dir, tmp_path
+):
     """draft.loss reads the target's distribution through the captured final hidden state (lm_head
     gathered by ZeRO-3), here on every token (distill_tokens: all); its terms are logged, TV
     falls, and eval_temperature samples the tau."""
-    result = train_run(tiny_target_dir, data_dir, tmp_path, "distill", zero_stage=3, max_steps=12, save_steps=12,
-                 eval_steps=12, eval_prompts=tiny_data.prompts_file, eval_temperature=0.7,
-                 **{"draft.loss": "0.9*tv + 0.1*ce", "draft.distill_temperature": 0.7,
-                    "draft.distill_tokens": "all"})
+    result = train_run(
+        tiny_target_dir,
+        data_dir,
+        tmp_path,
+        "distill",
+        zero_stage=3,
+        max_steps=12,
+        save_steps=12,
+        eval_steps=12,
+        eval_prompts=tiny_data.prompts_file,
+        eval_temperature=0.7,
+        **{"draft.loss": "0.9*tv + 0.1*ce", "draft.distill_temperature": 0.7, "draft.distill_tokens": "all"},
+    )
     rows = [json.loads(l) for l in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "objective/tv" in r]
     assert len(train_rows) == 12 and all("objective/ce" in r for r in train_rows)

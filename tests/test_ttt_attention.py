@@ -19,10 +19,12 @@ def dense_reference(q, keys, values, documents):
 def inputs(step, heads, kv_heads, documents, seed=0, T=11, D=8, B=2):
     g = torch.Generator().manual_seed(seed)
     q = (3 * torch.randn(B, heads, T, D, generator=g, dtype=torch.float64)).requires_grad_()
-    keys = [(3 * torch.randn(B, kv_heads, T, D, generator=g, dtype=torch.float64)).requires_grad_()
-            for _ in range(step + 1)]
-    values = [torch.randn(B, kv_heads, T, D, generator=g, dtype=torch.float64).requires_grad_()
-              for _ in range(step + 1)]
+    keys = [
+        (3 * torch.randn(B, kv_heads, T, D, generator=g, dtype=torch.float64)).requires_grad_() for _ in range(step + 1)
+    ]
+    values = [
+        torch.randn(B, kv_heads, T, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(step + 1)
+    ]
     docs = None
     if documents:
         docs = torch.tensor([[0] * 4 + [1] * 5 + [2] * 2, [0] * T])
@@ -42,8 +44,9 @@ def test_equals_the_dense_mask_with_every_gradient(step, heads, kv_heads, docume
     got = ttt_attention(q, keys, values, docs)
     got_grads = torch.autograd.grad(got, leaves, grad)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    for name, a, b in zip(["q"] + [f"k{i}" for i in range(step + 1)] + [f"v{i}" for i in range(step + 1)],
-                          got_grads, expected_grads):
+    for name, a, b in zip(
+        ["q"] + [f"k{i}" for i in range(step + 1)] + [f"v{i}" for i in range(step + 1)], got_grads, expected_grads
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -67,8 +70,7 @@ def test_float32_large_scores_stay_exact():
     q32 = (q.detach() * 4).float()
     k32 = [k.detach().float() * 4 for k in keys]
     v32 = [v.detach().float() for v in values]
-    torch.testing.assert_close(ttt_attention(q32, k32, v32), dense_reference(q32, k32, v32, None),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ttt_attention(q32, k32, v32), dense_reference(q32, k32, v32, None), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_rows_attend_per_conversation_on_cpu_without_a_square_mask(monkeypatch):
@@ -117,4 +119,3 @@ def test_the_flex_path_of_cuda_equals_the_reference_forward(step):
         warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
         got = ttt_attention(q, keys, values, PackedDocuments(docs, block_mask=document_block_mask(docs)))
     torch.testing.assert_close(got, dense_reference(q, keys, values, docs), rtol=1e-4, atol=1e-4)
-

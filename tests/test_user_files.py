@@ -25,6 +25,7 @@ IMMUTABLE_NOTE = "root ignores permission bits: chattr +i makes the directory re
 
 # -- helpers -----------------------------------------------------------------------------------
 
+
 def tree(*roots) -> dict:
     """sha256 of every file (and the name of every directory) under each root."""
     found = {}
@@ -53,6 +54,7 @@ def refused(capsys, argv, line, *roots, code=2):
 @pytest.fixture
 def no_target_load(monkeypatch):
     """Refusals must come before the target, the data or DeepSpeed's engine are touched."""
+
     def reached(*args, **kwargs):
         raise AssertionError("the target was loaded / the data tokenised before the refusal")
 
@@ -76,8 +78,12 @@ def run_dir(tiny_target_dir, data_dir, work):
 
 def config_file(tmp_path, target, data_dir, out, cache, **extra) -> Path:
     path = tmp_path / "train.yaml"
-    path.write_text("".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}\n"
-                            for o in run_overrides(target, data_dir, out, cache, **extra)))
+    path.write_text(
+        "".join(
+            f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}\n"
+            for o in run_overrides(target, data_dir, out, cache, **extra)
+        )
+    )
     return path
 
 
@@ -95,25 +101,51 @@ def user_dir(tmp_path):
 
 # -- 1. never delete or replace what we did not write ------------------------------------------
 
+
 def test_export_refuses_a_users_folder_a_file_and_any_run(run_dir, user_dir, tmp_path, capsys):
-    refused(capsys, ["export", run_dir, "--out", user_dir],
-            f"--out {user_dir}: exists, is not empty and is not an export specdraft wrote (no {MARKER})",
-            user_dir, run_dir)
+    refused(
+        capsys,
+        ["export", run_dir, "--out", user_dir],
+        f"--out {user_dir}: exists, is not empty and is not an export specdraft wrote (no {MARKER})",
+        user_dir,
+        run_dir,
+    )
     a_file = tmp_path / "draft.bin"
     a_file.write_bytes(b"\x00" * 10)
-    refused(capsys, ["export", run_dir, "--out", a_file],
-            f"--out {a_file}: is a file, not a directory; specdraft never replaces it", a_file, run_dir)
+    refused(
+        capsys,
+        ["export", run_dir, "--out", a_file],
+        f"--out {a_file}: is a file, not a directory; specdraft never replaces it",
+        a_file,
+        run_dir,
+    )
     assert not (tmp_path / "draft.bin.old").exists()
-    refused(capsys, ["export", run_dir, "--out", run_dir],
-            f"--out {run_dir}: is the specdraft run {run_dir.resolve()}", run_dir)
-    refused(capsys, ["export", run_dir, "--out", run_dir / "step_2"],
-            f"--out {run_dir / 'step_2'}: is inside the specdraft run {run_dir.resolve()}", run_dir)
-    refused(capsys, ["export", run_dir, "--out", run_dir / "new"],
-            f"--out {run_dir / 'new'}: is inside the specdraft run", run_dir)
+    refused(
+        capsys,
+        ["export", run_dir, "--out", run_dir],
+        f"--out {run_dir}: is the specdraft run {run_dir.resolve()}",
+        run_dir,
+    )
+    refused(
+        capsys,
+        ["export", run_dir, "--out", run_dir / "step_2"],
+        f"--out {run_dir / 'step_2'}: is inside the specdraft run {run_dir.resolve()}",
+        run_dir,
+    )
+    refused(
+        capsys,
+        ["export", run_dir, "--out", run_dir / "new"],
+        f"--out {run_dir / 'new'}: is inside the specdraft run",
+        run_dir,
+    )
     assert not (run_dir / "new").exists()
-    refused(capsys, ["export", run_dir, "--out", run_dir.parent],
-            f"--out {run_dir.parent}: exists, is not empty and is not an export specdraft wrote (it holds the "
-            f"specdraft run", run_dir.parent)
+    refused(
+        capsys,
+        ["export", run_dir, "--out", run_dir.parent],
+        f"--out {run_dir.parent}: exists, is not empty and is not an export specdraft wrote (it holds the "
+        f"specdraft run",
+        run_dir.parent,
+    )
 
 
 def test_export_replaces_only_its_own_earlier_export_whose_marker_names_run_and_step(run_dir, tmp_path, capsys):
@@ -134,17 +166,27 @@ def test_export_replaces_only_its_own_earlier_export_whose_marker_names_run_and_
     refused(capsys, ["export", run_dir, "--out", out], f"--out {out}: holds the specdraft run {out / 'inner'}", out)
 
 
-def test_train_refuses_a_users_folder_before_loading_anything(tiny_target_dir, data_dir, user_dir, tmp_path,
-                                                             capsys, no_target_load):
+def test_train_refuses_a_users_folder_before_loading_anything(
+    tiny_target_dir, data_dir, user_dir, tmp_path, capsys, no_target_load
+):
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, user_dir, tmp_path / "cache")
-    refused(capsys, ["train", cfg], f"output_dir {user_dir}: exists, is not empty and is not a specdraft run "
-                                    f"(no {MARKER}); specdraft never writes into it", user_dir)
+    refused(
+        capsys,
+        ["train", cfg],
+        f"output_dir {user_dir}: exists, is not empty and is not a specdraft run "
+        f"(no {MARKER}); specdraft never writes into it",
+        user_dir,
+    )
 
 
 def test_demo_refuses_a_users_folder(tiny_target_dir, user_dir, capsys, monkeypatch, no_target_load):
     monkeypatch.setenv("SPECDRAFT_HOME", str(Path(tiny_target_dir).parents[1]))  # the tiny demo's cache
-    refused(capsys, ["demo", "--preset", "tiny", f"output_dir={user_dir}"],
-            f"output_dir {user_dir}: exists, is not empty and is not a specdraft run", user_dir)
+    refused(
+        capsys,
+        ["demo", "--preset", "tiny", f"output_dir={user_dir}"],
+        f"output_dir {user_dir}: exists, is not empty and is not a specdraft run",
+        user_dir,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -152,29 +194,50 @@ def other_run(tiny_target_dir, data_dir, work):
     return train_run(tiny_target_dir, data_dir, work, "other", max_steps=1, save_steps=1).run_dir
 
 
-def test_resume_no_into_committed_checkpoints_is_refused_naming_the_newest(tiny_target_dir, data_dir, run_dir,
-                                                                          other_run, tmp_path, capsys,
-                                                                          no_target_load):
+def test_resume_no_into_committed_checkpoints_is_refused_naming_the_newest(
+    tiny_target_dir, data_dir, run_dir, other_run, tmp_path, capsys, no_target_load
+):
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=4)
-    refused(capsys, ["train", cfg, "resume=no"],
-            f"output_dir {run_dir}: holds committed checkpoints (newest {run_dir / 'ckpt' / 'step_2'}); resume=no "
-            f"would mix a new run into them: choose a new output_dir", run_dir)
+    refused(
+        capsys,
+        ["train", cfg, "resume=no"],
+        f"output_dir {run_dir}: holds committed checkpoints (newest {run_dir / 'ckpt' / 'step_2'}); resume=no "
+        f"would mix a new run into them: choose a new output_dir",
+        run_dir,
+    )
     other = other_run
-    refused(capsys, ["train", cfg, f"resume={other / 'ckpt' / 'step_1'}"],
-            f"output_dir {run_dir}: holds committed checkpoints of its own (newest {run_dir / 'ckpt' / 'step_2'}) "
-            f"that resuming {other / 'ckpt' / 'step_1'} would overwrite", run_dir, other)
-    refused(capsys, ["train", cfg, f"output_dir={run_dir / 'nested'}"],
-            f"output_dir {run_dir / 'nested'}: inside the specdraft run {run_dir.resolve()}", run_dir)
+    refused(
+        capsys,
+        ["train", cfg, f"resume={other / 'ckpt' / 'step_1'}"],
+        f"output_dir {run_dir}: holds committed checkpoints of its own (newest {run_dir / 'ckpt' / 'step_2'}) "
+        f"that resuming {other / 'ckpt' / 'step_1'} would overwrite",
+        run_dir,
+        other,
+    )
+    refused(
+        capsys,
+        ["train", cfg, f"output_dir={run_dir / 'nested'}"],
+        f"output_dir {run_dir / 'nested'}: inside the specdraft run {run_dir.resolve()}",
+        run_dir,
+    )
 
 
 def test_regenerate_refuses_a_users_folder_and_a_file(tiny_target_dir, tiny_data, user_dir, tmp_path, capsys):
     prompts = tiny_data.prompts_file
-    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", user_dir],
-            f"--out {user_dir}: exists, is not empty and is not a `specdraft regenerate` output", user_dir)
+    refused(
+        capsys,
+        ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", user_dir],
+        f"--out {user_dir}: exists, is not empty and is not a `specdraft regenerate` output",
+        user_dir,
+    )
     a_file = tmp_path / "rows.jsonl"
     a_file.write_text("{}\n")
-    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", a_file],
-            f"--out {a_file}: is a file, not a directory", a_file)
+    refused(
+        capsys,
+        ["regenerate", "--target", tiny_target_dir, "--data", prompts, "--out", a_file],
+        f"--out {a_file}: is a file, not a directory",
+        a_file,
+    )
 
 
 def test_eval_plot_refuses_a_users_file_and_a_directory(run_dir, tiny_data, user_dir, capsys, monkeypatch):
@@ -182,16 +245,36 @@ def test_eval_plot_refuses_a_users_file_and_a_directory(run_dir, tiny_data, user
 
     monkeypatch.setattr(evaluate, "load_frozen_target", lambda *a, **k: pytest.fail("target loaded"))
     picture = user_dir / "notes" / "todo.txt"
-    refused(capsys, ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", picture],
-            f"--plot {picture}: the file exists and specdraft did not write it", user_dir)
-    refused(capsys, ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", user_dir],
-            f"--plot {user_dir}: is a directory", user_dir)
+    refused(
+        capsys,
+        ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", picture],
+        f"--plot {picture}: the file exists and specdraft did not write it",
+        user_dir,
+    )
+    refused(
+        capsys,
+        ["eval", run_dir, "--prompts", tiny_data.prompts_file, "--plot", user_dir],
+        f"--plot {user_dir}: is a directory",
+        user_dir,
+    )
 
 
 def test_eval_plot_replaces_its_own_png(run_dir, tiny_data, tmp_path):
     plot = tmp_path / "acc.png"
-    args = ["eval", str(run_dir), "--prompts", str(tiny_data.prompts_file), "--max-prompts", "1",
-            "--max-new-tokens", "4", "--device", "cpu", "--plot", str(plot)]
+    args = [
+        "eval",
+        str(run_dir),
+        "--prompts",
+        str(tiny_data.prompts_file),
+        "--max-prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--plot",
+        str(plot),
+    ]
     assert main(args) == 0 and plot.is_file()
     from specdraft.rundir.layout import is_our_plot
 
@@ -210,6 +293,7 @@ def test_consolidate_into_a_run_whose_consolidated_is_a_file(run_dir, capsys):
 
 # -- 1b. names beside the output, markers that are not ours, rollbacks, links ------------------------
 
+
 def test_export_never_touches_the_users_x_old_and_x_tmp_beside_its_out(run_dir, tmp_path):
     """`X.old` is what people call their backup: neither it nor `X.tmp` is ours to use or delete."""
     user = tmp_path / "u"
@@ -222,25 +306,39 @@ def test_export_never_touches_the_users_x_old_and_x_tmp_beside_its_out(run_dir, 
     assert main(["export", str(run_dir), "--out", str(user / "draft")]) == 0  # an empty folder: taken
     assert main(["export", str(run_dir), "--out", str(user / "draft")]) == 0  # our export: replaced
     assert tree(*(user / n for n in ("draft.old", "draft.tmp", "draft.bak", "draft.json.tmp"))) == theirs
-    assert sorted(p.name for p in user.iterdir()) == ["draft", "draft.bak", "draft.json.tmp", "draft.old",
-                                                      "draft.tmp"]  # nothing of ours left beside it
+    assert sorted(p.name for p in user.iterdir()) == [
+        "draft",
+        "draft.bak",
+        "draft.json.tmp",
+        "draft.old",
+        "draft.tmp",
+    ]  # nothing of ours left beside it
     assert json.loads((user / "draft" / MARKER).read_text())["kind"] == "export"
 
 
 def test_a_users_specdraft_jsonl_or_own_specdraft_json_is_never_taken_for_our_marker(
-        run_dir, tiny_target_dir, tiny_data, data_dir, tmp_path, capsys, no_target_load):
+    run_dir, tiny_target_dir, tiny_data, data_dir, tmp_path, capsys, no_target_load
+):
     dataset = tmp_path / "dataset"
     dataset.mkdir()
     (dataset / "specdraft.jsonl").write_text('{"prompt": "hi"}\n')
-    refused(capsys, ["export", run_dir, "--out", dataset],
-            f"--out {dataset}: exists, is not empty and is not an export specdraft wrote", dataset)
+    refused(
+        capsys,
+        ["export", run_dir, "--out", dataset],
+        f"--out {dataset}: exists, is not empty and is not an export specdraft wrote",
+        dataset,
+    )
     own = tmp_path / "own"
     own.mkdir()
     (own / MARKER).write_text('{"kind": "run", "note": "my own settings file"}')  # no specdraft_version
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, own, tmp_path / "cache")
     refused(capsys, ["train", cfg], f"output_dir {own}: exists, is not empty and is not a specdraft run", own)
-    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", tiny_data.prompts_file, "--out", own],
-            f"--out {own}: exists, is not empty and is not a `specdraft regenerate` output", own)
+    refused(
+        capsys,
+        ["regenerate", "--target", tiny_target_dir, "--data", tiny_data.prompts_file, "--out", own],
+        f"--out {own}: exists, is not empty and is not a `specdraft regenerate` output",
+        own,
+    )
     refused(capsys, ["export", run_dir, "--out", own], f"--out {own}: exists, is not empty", own)
 
 
@@ -257,7 +355,8 @@ def test_export_through_a_symlink_writes_where_it_points_and_keeps_the_link(run_
 
 
 def test_output_dir_dot_inside_a_run_is_that_run_and_a_link_into_another_run_is_refused(
-        run_dir, tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys, no_target_load):
+    run_dir, tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys, no_target_load
+):
     from specdraft.rundir.ownership import claim_run_dir
 
     monkeypatch.chdir(run_dir)
@@ -281,11 +380,13 @@ def stepped_run(tiny_target_dir, data_dir, work):
 
 
 def test_a_rollback_to_an_older_slot_sets_the_later_ones_aside_and_continues_exactly(
-        stepped_run, tiny_target_dir, data_dir, tmp_path, capsys):
+    stepped_run, tiny_target_dir, data_dir, tmp_path, capsys
+):
     run, losses = stepped_run
     later = {n: tree(run / "ckpt" / n, run / n) for n in ("step_3", "step_4")}
-    cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=1,
-                      keep_last=2)
+    cfg = config_file(
+        tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=1, keep_last=2
+    )
     capsys.readouterr()
     assert main(["train", str(cfg), f"resume={run / 'ckpt' / 'step_2'}"]) == 0
     out = capsys.readouterr().out
@@ -297,21 +398,25 @@ def test_a_rollback_to_an_older_slot_sets_the_later_ones_aside_and_continues_exa
     assert [m["loss"] for m in metrics[-2:]] == losses[2:]  # the same steps again, exactly
     # the abandoned ones, byte for byte, out of the slot namespace
     for name, before in later.items():
-        moved = {k.replace(f"/{name}.abandoned", f"/{name}"): v
-                 for k, v in tree(run / "ckpt" / f"{name}.abandoned", run / f"{name}.abandoned").items()}
+        moved = {
+            k.replace(f"/{name}.abandoned", f"/{name}"): v
+            for k, v in tree(run / "ckpt" / f"{name}.abandoned", run / f"{name}.abandoned").items()
+        }
         assert moved == before
     assert main(["train", str(cfg)]) == 0  # resume=auto: the new step_4, already the last step
     assert "already reached step 4" in capsys.readouterr().out
 
 
-def test_resuming_another_runs_slot_elsewhere_writes_nothing_into_that_run(other_run, tiny_target_dir, data_dir,
-                                                                           tmp_path, capsys):
+def test_resuming_another_runs_slot_elsewhere_writes_nothing_into_that_run(
+    other_run, tiny_target_dir, data_dir, tmp_path, capsys
+):
     """Another ZeRO stage needs DeepSpeed's universal copy: it goes into the resuming run's ckpt/,
     so an immutable (read-only, shared) checkpoint still resumes."""
     before = tree(other_run)
     listing = sorted(str(p) for p in other_run.rglob("*"))
-    cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "new", tmp_path / "cache", max_steps=1,
-                      zero_stage=3)
+    cfg = config_file(
+        tmp_path, tiny_target_dir, data_dir, tmp_path / "new", tmp_path / "cache", max_steps=1, zero_stage=3
+    )
     with unwritable(other_run / "ckpt"):
         assert main(["train", str(cfg), f"resume={other_run / 'ckpt' / 'step_1'}"]) == 0
     assert "converted step_1" in capsys.readouterr().out
@@ -319,8 +424,9 @@ def test_resuming_another_runs_slot_elsewhere_writes_nothing_into_that_run(other
     assert (tmp_path / "new" / "ckpt" / "step_1.universal" / "COMMITTED").is_file()
 
 
-def test_a_restarted_run_clears_the_half_written_export_a_crash_left_and_nothing_else(tiny_target_dir, data_dir,
-                                                                                    tmp_path):
+def test_a_restarted_run_clears_the_half_written_export_a_crash_left_and_nothing_else(
+    tiny_target_dir, data_dir, tmp_path
+):
     """A SIGKILL while the export thread writes step_N/ leaves its temp folder (.step_N.<random>.tmp):
     ours, and never an export. The next start of the run removes it; other hidden names stay."""
     run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=1, save_steps=1).run_dir
@@ -338,8 +444,10 @@ def test_a_restarted_run_clears_the_half_written_export_a_crash_left_and_nothing
 
 # -- 2. write failures: one line, nothing lost -------------------------------------------------
 
-def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(tiny_target_dir, data_dir, tmp_path, capsys,
-                                                                 no_target_load):
+
+def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(
+    tiny_target_dir, data_dir, tmp_path, capsys, no_target_load
+):
     a_file = tmp_path / "out.txt"
     a_file.write_text("mine")
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, a_file, tmp_path / "cache")
@@ -348,8 +456,12 @@ def test_output_dir_that_is_a_file_or_under_an_unwritable_parent(tiny_target_dir
     locked.mkdir()
     (locked / "theirs.txt").write_text("x")
     with unwritable(locked) as reason:
-        refused(capsys, ["train", cfg, f"output_dir={locked / 'run'}"],
-                f"output_dir {locked / 'run'}: cannot write in {locked}: {reason}", locked)
+        refused(
+            capsys,
+            ["train", cfg, f"output_dir={locked / 'run'}"],
+            f"output_dir {locked / 'run'}: cannot write in {locked}: {reason}",
+            locked,
+        )
 
 
 class unwritable:
@@ -374,13 +486,19 @@ class unwritable:
             self.path.chmod(0o755)
 
 
-def test_an_immutable_ckpt_dir_fails_at_start_and_the_run_resumes_once_writable(tiny_target_dir, data_dir,
-                                                                               tmp_path, capsys):
+def test_an_immutable_ckpt_dir_fails_at_start_and_the_run_resumes_once_writable(
+    tiny_target_dir, data_dir, tmp_path, capsys
+):
     run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=2, save_steps=2).run_dir
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=2)
     with unwritable(run / "ckpt") as reason:
-        refused(capsys, ["train", cfg], f"output_dir {run}: cannot write in {run / 'ckpt'}: {reason}",
-                run / "ckpt", run / "step_2")
+        refused(
+            capsys,
+            ["train", cfg],
+            f"output_dir {run}: cannot write in {run / 'ckpt'}: {reason}",
+            run / "ckpt",
+            run / "step_2",
+        )
     assert main(["train", str(cfg)]) == 0  # resumes from step_2
     assert [s.name for s in committed_slots(run / "ckpt")] == ["step_2", "step_4"]
 
@@ -389,8 +507,9 @@ def full_disk(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_target_dir, data_dir, tmp_path,
-                                                                        capsys, monkeypatch):
+def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(
+    tiny_target_dir, data_dir, tmp_path, capsys, monkeypatch
+):
     """ENOSPC on the config, the metrics log, a checkpoint file and the export: each one line naming
     the path, exit 2, the committed slot and its export byte-identical, and the run resumes after."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -427,15 +546,35 @@ def test_a_full_disk_on_each_write_path_is_one_line_and_the_run_resumes(tiny_tar
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     cases = [
-        ("config", specdraft.config.identity, "write_atomic", fail_on_write,
-         f"{run / 'config.yaml'}: No space left on device"),
-        ("metrics", specdraft.train.metrics, "open", FullFile,
-         f"{run / 'metrics.jsonl'}: writing metrics failed: No space left on device"),
-        ("checkpoint", TorchCheckpointEngine, "save", save,
-         f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on device; this save is discarded, "
-         f"the committed slots (step_2) and the exports are untouched"),
-        ("export", specdraft.export.files, "publish_dir", export_full,
-         f"{run / 'step_4'}: writing the draft export failed (No space left on device)"),
+        (
+            "config",
+            specdraft.config.identity,
+            "write_atomic",
+            fail_on_write,
+            f"{run / 'config.yaml'}: No space left on device",
+        ),
+        (
+            "metrics",
+            specdraft.train.metrics,
+            "open",
+            FullFile,
+            f"{run / 'metrics.jsonl'}: writing metrics failed: No space left on device",
+        ),
+        (
+            "checkpoint",
+            TorchCheckpointEngine,
+            "save",
+            save,
+            f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on device; this save is discarded, "
+            f"the committed slots (step_2) and the exports are untouched",
+        ),
+        (
+            "export",
+            specdraft.export.files,
+            "publish_dir",
+            export_full,
+            f"{run / 'step_4'}: writing the draft export failed (No space left on device)",
+        ),
     ]
     for name, owner, attr, replacement, line in cases:
         with monkeypatch.context() as m:
@@ -487,15 +626,21 @@ def fill(directory: Path, leave: int) -> Path:
     return ballast
 
 
-def test_a_real_full_disk_fails_the_save_in_one_line_and_the_run_resumes_after(tiny_target_dir, data_dir, tmp_path,
-                                                                               capsys):
+def test_a_real_full_disk_fails_the_save_in_one_line_and_the_run_resumes_after(
+    tiny_target_dir, data_dir, tmp_path, capsys
+):
     with small_filesystem(tmp_path / "small", "64m") as small:
         run = train_run(tiny_target_dir, data_dir, tmp_path, "small/run", max_steps=2, save_steps=2).run_dir
         cfg = config_file(tmp_path, tiny_target_dir, data_dir, run, tmp_path / "cache", max_steps=4, save_steps=2)
         ballast = fill(small, leave=256 << 10)  # start-up fits (config, metrics), the step-4 save does not
-        line = refused(capsys, ["train", cfg], f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on "
-                                               f"device; this save is discarded, the committed slots (step_2)",
-                       run / "ckpt" / "step_2", run / "step_2")
+        line = refused(
+            capsys,
+            ["train", cfg],
+            f"{run / 'ckpt' / 'step_4'}: saving step 4 failed: No space left on "
+            f"device; this save is discarded, the committed slots (step_2)",
+            run / "ckpt" / "step_2",
+            run / "step_2",
+        )
         assert not (run / "ckpt" / "step_4").exists(), line  # its partial files gave their space back
         ballast.unlink()
         capsys.readouterr()
@@ -504,6 +649,7 @@ def test_a_real_full_disk_fails_the_save_in_one_line_and_the_run_resumes_after(t
 
 
 # -- 5. runs that cannot work are refused at start-up -----------------------------------------
+
 
 def target_copy(tiny_target_dir, where: Path, tokenizer=True, **config) -> Path:
     """The tiny target with some config.json fields changed (and its tokenizer files, or none)."""
@@ -514,15 +660,18 @@ def target_copy(tiny_target_dir, where: Path, tokenizer=True, **config) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("rope, seq, allowed", [
-    (None, 64, False),
-    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, 64, True),
-    ({"rope_type": "linear", "factor": 1.5, "rope_theta": 10000.0}, 64, False),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}, 64, True),
-])
-def test_max_seq_length_above_the_targets_positions_unless_rope_scaling_covers_it(tiny_target_dir, data_dir,
-                                                                                  tmp_path, capsys, rope, seq,
-                                                                                  allowed):
+@pytest.mark.parametrize(
+    "rope, seq, allowed",
+    [
+        (None, 64, False),
+        ({"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, 64, True),
+        ({"rope_type": "linear", "factor": 1.5, "rope_theta": 10000.0}, 64, False),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}, 64, True),
+    ],
+)
+def test_max_seq_length_above_the_targets_positions_unless_rope_scaling_covers_it(
+    tiny_target_dir, data_dir, tmp_path, capsys, rope, seq, allowed
+):
     from specdraft.config import load_config
 
     extra = {} if rope is None else {"rope_parameters": rope}
@@ -533,39 +682,62 @@ def test_max_seq_length_above_the_targets_positions_unless_rope_scaling_covers_i
         return
     scaled = "" if rope is None else " (48 with its rope scaling)"
     cfg = config_file(tmp_path, target, data_dir, tmp_path / "out", tmp_path / "cache", max_seq_length=seq)
-    refused(capsys, ["train", cfg], f"key 'max_seq_length': {seq} is above the target's max_position_embeddings "
-                                    f"32{scaled}", target)
+    refused(
+        capsys,
+        ["train", cfg],
+        f"key 'max_seq_length': {seq} is above the target's max_position_embeddings 32{scaled}",
+        target,
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_the_legacy_rope_scaling_field_counts_too(tiny_target_dir, data_dir, tmp_path):
     from specdraft.config import load_config
 
-    target = target_copy(tiny_target_dir, tmp_path, max_position_embeddings=32,
-                         rope_scaling={"type": "linear", "factor": 2.0})
+    target = target_copy(
+        tiny_target_dir, tmp_path, max_position_embeddings=32, rope_scaling={"type": "linear", "factor": 2.0}
+    )
     assert load_config(None, run_overrides(target, data_dir, tmp_path / "o", tmp_path / "c", max_seq_length=64))
 
 
-def test_a_target_without_a_tokenizer_is_refused_in_train_and_regenerate(tiny_target_dir, tiny_data, data_dir,
-                                                                         tmp_path, capsys):
+def test_a_target_without_a_tokenizer_is_refused_in_train_and_regenerate(
+    tiny_target_dir, tiny_data, data_dir, tmp_path, capsys
+):
     target = target_copy(tiny_target_dir, tmp_path, tokenizer=False)
     cfg = config_file(tmp_path, target, data_dir, tmp_path / "out", tmp_path / "cache")
-    refused(capsys, ["train", cfg], f"key 'target': {target} has no tokenizer (none of tokenizer.json, "
-                                    f"tokenizer_config.json, tokenizer.model, vocab.json)", target)
-    refused(capsys, ["regenerate", "--target", target, "--data", tiny_data.prompts_file, "--out", tmp_path / "rows"],
-            f"--target: {target} has no tokenizer", target)
+    refused(
+        capsys,
+        ["train", cfg],
+        f"key 'target': {target} has no tokenizer (none of tokenizer.json, "
+        f"tokenizer_config.json, tokenizer.model, vocab.json)",
+        target,
+    )
+    refused(
+        capsys,
+        ["regenerate", "--target", target, "--data", tiny_data.prompts_file, "--out", tmp_path / "rows"],
+        f"--target: {target} has no tokenizer",
+        target,
+    )
     assert not (tmp_path / "out").exists() and not (tmp_path / "rows").exists()
 
 
 # -- 7. errors name the right thing ------------------------------------------------------------
 
+
 def test_an_unknown_key_names_the_override_or_the_file_that_gave_it(tiny_target_dir, data_dir, tmp_path, capsys):
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
-    refused(capsys, ["train", cfg, "max_steps=3", "draft.max_lagg=2"],
-            "specdraft: error: override 'draft.max_lagg=2': unknown key 'draft.max_lagg' (did you mean "
-            "'draft.max_lag'?)", cfg)
-    refused(capsys, ["train", cfg, "zero_stage=4"], "specdraft: error: override 'zero_stage=4': key 'zero_stage': 4 "
-                                                    "is not one of 0, 1, 2, 3", cfg)
+    refused(
+        capsys,
+        ["train", cfg, "max_steps=3", "draft.max_lagg=2"],
+        "specdraft: error: override 'draft.max_lagg=2': unknown key 'draft.max_lagg' (did you mean 'draft.max_lag'?)",
+        cfg,
+    )
+    refused(
+        capsys,
+        ["train", cfg, "zero_stage=4"],
+        "specdraft: error: override 'zero_stage=4': key 'zero_stage': 4 is not one of 0, 1, 2, 3",
+        cfg,
+    )
     cfg.write_text(cfg.read_text() + "warmup_ratio: 0.1\n")
     refused(capsys, ["train", cfg, "max_steps=3"], f"specdraft: error: {cfg}: unknown key 'warmup_ratio'", cfg)
 
@@ -573,29 +745,46 @@ def test_an_unknown_key_names_the_override_or_the_file_that_gave_it(tiny_target_
 def test_yaml_syntax_errors_give_file_line_and_column(tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("max_steps: 3\ndraft:\n  type: glide\n   max_lag: 2\n")
-    refused(capsys, ["train", broken], f"specdraft: error: {broken}:4:11: not valid YAML: mapping values are not "
-                                       f"allowed in this context", broken)
+    refused(
+        capsys,
+        ["train", broken],
+        f"specdraft: error: {broken}:4:11: not valid YAML: mapping values are not allowed in this context",
+        broken,
+    )
     refused(capsys, ["regenerate", "--config", broken], f"{broken}:4:11: not valid YAML", broken)
 
 
 def test_a_directory_as_config_or_data_files_says_so(tiny_target_dir, data_dir, tmp_path, capsys):
-    refused(capsys, ["train", data_dir], f"specdraft: error: {data_dir}: is a directory, not a YAML config file",
-            data_dir)
+    refused(
+        capsys, ["train", data_dir], f"specdraft: error: {data_dir}: is a directory, not a YAML config file", data_dir
+    )
     refused(capsys, ["regenerate", "--config", data_dir], f"{data_dir}: is a directory, not a YAML config file")
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
-    refused(capsys, ["train", cfg, f"data_files={data_dir}"],
-            f"key 'data_files': {data_dir} is a directory; name its files or a glob such as {data_dir}/*.jsonl",
-            data_dir)
-    refused(capsys, ["regenerate", "--target", tiny_target_dir, "--data", data_dir, "--out", tmp_path / "rows"],
-            f"--data: {data_dir} is a directory", data_dir)
+    refused(
+        capsys,
+        ["train", cfg, f"data_files={data_dir}"],
+        f"key 'data_files': {data_dir} is a directory; name its files or a glob such as {data_dir}/*.jsonl",
+        data_dir,
+    )
+    refused(
+        capsys,
+        ["regenerate", "--target", tiny_target_dir, "--data", data_dir, "--out", tmp_path / "rows"],
+        f"--data: {data_dir} is a directory",
+        data_dir,
+    )
 
 
-def test_a_resume_refused_for_a_changed_config_names_each_key_and_both_values(tiny_target_dir, data_dir, run_dir,
-                                                                              tmp_path, capsys, no_target_load):
+def test_a_resume_refused_for_a_changed_config_names_each_key_and_both_values(
+    tiny_target_dir, data_dir, run_dir, tmp_path, capsys, no_target_load
+):
     cfg = config_file(tmp_path, tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=4)
-    refused(capsys, ["train", cfg, "draft.max_lag=2", "max_seq_length=48"],
-            f"{run_dir / 'ckpt' / 'step_2'}: saved with other settings (draft.max_lag: saved 4, this run 2, "
-            f"max_seq_length: saved 64, this run 48); set them back to resume, or choose a new output_dir", run_dir)
+    refused(
+        capsys,
+        ["train", cfg, "draft.max_lag=2", "max_seq_length=48"],
+        f"{run_dir / 'ckpt' / 'step_2'}: saved with other settings (draft.max_lag: saved 4, this run 2, "
+        f"max_seq_length: saved 64, this run 48); set them back to resume, or choose a new output_dir",
+        run_dir,
+    )
 
 
 def test_under_torchrun_rank_0_alone_prints_and_every_rank_exits_2(tiny_target_dir, data_dir, user_dir, tmp_path):

@@ -32,9 +32,35 @@ from specdraft.cli import main
 
 OURS = ("run", "export", "regen")  # the template's things of ours; everything else is the user's
 # where a command may be pointed: user things, ours, new names beside and inside them
-TARGETS = ["X", "X.old", "X.tmp", "X.bak", "X/new", "empty", "empty", "empty.old", "new", "new/deeper", "link_dir", "link_file",
-           "link_dangling", "link_run", "data_only", "own_marker", "locked", "locked/new", "specdraft.jsonl",
-           "run", "run/new", "run/step_1", "run/ckpt", "export", "export/new", "regen", "."]
+TARGETS = [
+    "X",
+    "X.old",
+    "X.tmp",
+    "X.bak",
+    "X/new",
+    "empty",
+    "empty",
+    "empty.old",
+    "new",
+    "new/deeper",
+    "link_dir",
+    "link_file",
+    "link_dangling",
+    "link_run",
+    "data_only",
+    "own_marker",
+    "locked",
+    "locked/new",
+    "specdraft.jsonl",
+    "run",
+    "run/new",
+    "run/step_1",
+    "run/ckpt",
+    "export",
+    "export/new",
+    "regen",
+    ".",
+]
 EXAMPLES = int(os.environ.get("SPECDRAFT_PROPERTY_EXAMPLES", "200"))
 
 
@@ -74,8 +100,9 @@ def committed_slot_files(root: Path, shot: dict) -> dict:
 
 
 def rows(shot: dict) -> dict:
-    return {rel: v for rel, v in shot.items() if rel.startswith("regen/") and rel.endswith(".jsonl")
-            and "/." not in rel}
+    return {
+        rel: v for rel, v in shot.items() if rel.startswith("regen/") and rel.endswith(".jsonl") and "/." not in rel
+    }
 
 
 class immutable:
@@ -106,12 +133,32 @@ def template(tiny_target_dir, tiny_data, data_dir, tmp_path_factory):
     inputs = root.parent / "inputs"
     inputs.mkdir()
     prompts = inputs / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": line["prompt"]}) + "\n"
-                               for line in map(json.loads, Path(tiny_data.prompts_file).read_text().splitlines()[:2])))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": line["prompt"]}) + "\n"
+            for line in map(json.loads, Path(tiny_data.prompts_file).read_text().splitlines()[:2])
+        )
+    )
     train_run(tiny_target_dir, data_dir, root, "run", max_steps=1, save_steps=1, keep_last=3)
     assert main(["export", str(root / "run"), "--out", str(root / "export")]) == 0
-    assert main(["regenerate", "--target", str(tiny_target_dir), "--data", str(prompts), "--out", str(root / "regen"),
-                 "--max-new-tokens", "4", "--rows-per-shard", "1"]) == 0
+    assert (
+        main(
+            [
+                "regenerate",
+                "--target",
+                str(tiny_target_dir),
+                "--data",
+                str(prompts),
+                "--out",
+                str(root / "regen"),
+                "--max-new-tokens",
+                "4",
+                "--rows-per-shard",
+                "1",
+            ]
+        )
+        == 0
+    )
     for name in ("X", "X.old", "X.tmp", "X.bak"):
         (root / name).mkdir()
         (root / name / "weights.bin").write_bytes(os.urandom(48))
@@ -127,14 +174,24 @@ def template(tiny_target_dir, tiny_data, data_dir, tmp_path_factory):
     (root / "own_marker" / "specdraft.json").write_text('{"kind": "export", "note": "my settings"}\n')
     (root / "locked").mkdir()
     (root / "locked" / "keep.txt").write_text("locked\n")
-    for link, target in (("link_dir", "X"), ("link_file", "X/a.txt"), ("link_dangling", "gone"),
-                         ("link_run", "run")):
+    for link, target in (("link_dir", "X"), ("link_file", "X/a.txt"), ("link_dangling", "gone"), ("link_run", "run")):
         (root / link).symlink_to(target)
     config = inputs / "train.yaml"
-    config.write_text("".join(f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}\n" for o in run_overrides(
-        tiny_target_dir, data_dir, root / "unused", inputs / "cache", max_steps=2, save_steps=1, keep_last=3)))
-    return root, dict(prompts=prompts, config=config, home=Path(tiny_target_dir).parents[1], target=tiny_target_dir,
-                      cache=inputs / "cache")
+    config.write_text(
+        "".join(
+            f"{o.split('=', 1)[0]}: {o.split('=', 1)[1]}\n"
+            for o in run_overrides(
+                tiny_target_dir, data_dir, root / "unused", inputs / "cache", max_steps=2, save_steps=1, keep_last=3
+            )
+        )
+    )
+    return root, dict(
+        prompts=prompts,
+        config=config,
+        home=Path(tiny_target_dir).parents[1],
+        target=tiny_target_dir,
+        cache=inputs / "cache",
+    )
 
 
 def command(kind: str, where: str, resume: str, root: Path, inputs: dict) -> tuple:
@@ -147,18 +204,62 @@ def command(kind: str, where: str, resume: str, root: Path, inputs: dict) -> tup
     if kind == "consolidate":
         return ["consolidate", run], [run / "consolidated"]
     if kind == "regenerate":
-        return (["regenerate", "--target", inputs["target"], "--data", inputs["prompts"],
-                 "--out", path, "--max-new-tokens", "4", "--rows-per-shard", "1"], [path])
+        return (
+            [
+                "regenerate",
+                "--target",
+                inputs["target"],
+                "--data",
+                inputs["prompts"],
+                "--out",
+                path,
+                "--max-new-tokens",
+                "4",
+                "--rows-per-shard",
+                "1",
+            ],
+            [path],
+        )
     if kind == "eval_plot":
         plot = path / "acc.png" if path.is_dir() or not path.exists() else path  # a user's file: refused
-        return (["eval", run, "--prompts", inputs["prompts"], "--max-prompts", "1", "--max-new-tokens", "4",
-                 "--device", "cpu", "--plot", plot], [plot])
-    resume_value = {"auto": "auto", "no": "no", "run_slot": run / "ckpt" / "step_1",
-                    "own_slot": path / "ckpt" / "step_1"}[resume]
+        return (
+            [
+                "eval",
+                run,
+                "--prompts",
+                inputs["prompts"],
+                "--max-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "--plot",
+                plot,
+            ],
+            [plot],
+        )
+    resume_value = {
+        "auto": "auto",
+        "no": "no",
+        "run_slot": run / "ckpt" / "step_1",
+        "own_slot": path / "ckpt" / "step_1",
+    }[resume]
     overrides = [f"output_dir={path}", f"resume={resume_value}"]
     if kind == "demo":  # the tiny preset's assets, trained as briefly as the config above
-        return ["demo", "--preset", "tiny", *overrides, "max_steps=2", "save_steps=1", "keep_last=3", "eval_steps=-1",
-                "max_seq_length=64", "per_device_batch_size=4", f"data_cache_dir={inputs['cache']}"], [path]
+        return [
+            "demo",
+            "--preset",
+            "tiny",
+            *overrides,
+            "max_steps=2",
+            "save_steps=1",
+            "keep_last=3",
+            "eval_steps=-1",
+            "max_seq_length=64",
+            "per_device_batch_size=4",
+            f"data_cache_dir={inputs['cache']}",
+        ], [path]
     return ["train", inputs["config"], *overrides], [path]
 
 
@@ -175,18 +276,41 @@ def under(rel: str, roots: list, root: Path) -> bool:
     return False
 
 
-steps = st.lists(st.tuples(st.sampled_from(["export", "export", "export_default", "train", "train", "demo",
-                                            "consolidate", "regenerate", "regenerate", "eval_plot"]),
-                           st.sampled_from(TARGETS),
-                           st.sampled_from(["auto", "no", "run_slot", "own_slot"])),
-                 min_size=1, max_size=3)
+steps = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "export",
+                "export",
+                "export_default",
+                "train",
+                "train",
+                "demo",
+                "consolidate",
+                "regenerate",
+                "regenerate",
+                "eval_plot",
+            ]
+        ),
+        st.sampled_from(TARGETS),
+        st.sampled_from(["auto", "no", "run_slot", "own_slot"]),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(sequence=steps)
-def test_no_command_sequence_loses_a_byte_of_the_users_or_a_committed_slot(template, tmp_path, monkeypatch, capsys,
-                                                                           sequence):
+def test_no_command_sequence_loses_a_byte_of_the_users_or_a_committed_slot(
+    template, tmp_path, monkeypatch, capsys, sequence
+):
     source, inputs = template
     monkeypatch.setenv("SPECDRAFT_HOME", str(inputs["home"]))  # `demo --preset tiny`: the test's own assets
     root = tmp_path / f"ex{len(list(tmp_path.iterdir()))}"
@@ -212,8 +336,9 @@ def test_no_command_sequence_loses_a_byte_of_the_users_or_a_committed_slot(templ
             for rel, value in before.items():  # every link of the user's still points where it did
                 if is_user_path(rel) and value.startswith("-> "):
                     assert after.get(rel) == value, (what, "link moved or gone", rel)
-            user_files = {rel: v for rel, v in before.items() if is_user_path(rel) and v != "dir"
-                          and not v.startswith("-> ")}
+            user_files = {
+                rel: v for rel, v in before.items() if is_user_path(rel) and v != "dir" and not v.startswith("-> ")
+            }
             for rel, value in user_files.items():
                 assert after.get(rel) == value, (what, "user file changed or gone", rel)
             slots_before, slots_after = committed_slot_files(root, before), committed_slot_files(root, after)

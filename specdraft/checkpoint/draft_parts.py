@@ -16,28 +16,38 @@ from specdraft.rundir.layout import FROZEN_FILE, draft_part
 from specdraft.checkpoint import slots
 from specdraft.parallel.collectives import run_shared
 from specdraft.parallel.zero import gather_draft_state_dict
-from specdraft.checkpoint.frozen_state import (FINGERPRINT_KEY, check_fingerprint, draft_fingerprint, frozen_state,
-                                          read_frozen_state, restore_frozen_state, write_frozen_state)
+from specdraft.checkpoint.frozen_state import (
+    FINGERPRINT_KEY,
+    check_fingerprint,
+    draft_fingerprint,
+    frozen_state,
+    read_frozen_state,
+    restore_frozen_state,
+    write_frozen_state,
+)
 
 
 @dataclass
 class DraftPart:
     """One draft of a save or a resume: its name (None: a one-draft run), its engine, and (save)
     its gathered weights on rank 0."""
+
     name: Optional[str]
     engine: object
     weights: Optional[dict] = None
 
 
-def save_draft(part: DraftPart, slot_dir: Path, state: dict, written: Dict[str, dict], errors: list,
-               pause: Callable[[], None]) -> None:
+def save_draft(
+    part: DraftPart, slot_dir: Path, state: dict, written: Dict[str, dict], errors: list, pause: Callable[[], None]
+) -> None:
     """Every rank: DeepSpeed writes the draft's state into its folder of the slot, each file
     fsynced and recorded in `written` (paths relative to the slot); a failure lands in `errors`."""
     where = draft_part(slot_dir, part.name)
     try:
         with slots.recording_writes(part.engine, slot_dir, written, errors, pause):
-            part.engine.save_checkpoint(str(where.parent), tag=where.name, client_state=state,
-                                        save_latest=False, exclude_frozen_parameters=True)
+            part.engine.save_checkpoint(
+                str(where.parent), tag=where.name, client_state=state, save_latest=False, exclude_frozen_parameters=True
+            )
     except Exception as err:
         errors.append(err)
 
@@ -65,7 +75,7 @@ def files_rank_loads(record: dict, rank: int) -> List[str]:
     names = []
     for name in slots.record_names(record):
         prefix = "" if name is None else f"{name}/"
-        own = {key[len(prefix):]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
+        own = {key[len(prefix) :]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
         names += [prefix + n for n in slots.files_rank_loads({"files": own}, rank, record["zero_stage"])]
     return names + frozen_files(record)
 
@@ -80,8 +90,12 @@ def load_draft(part: DraftPart, slot_dir: Path, load_dir: Path, record: dict, un
     # per group: put back each group's own hyperparameters (lr is the scheduler's) and step.
     groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in engine.optimizer.param_groups]
     load_path, client_state = engine.load_checkpoint(
-        str(load_dir.parent), tag=load_dir.name, load_module_strict=False,
-        load_optimizer_states=True, load_lr_scheduler_states=True)
+        str(load_dir.parent),
+        tag=load_dir.name,
+        load_module_strict=False,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
     if load_path is None:
         raise SpecdraftError(f"{load_dir}: DeepSpeed found no checkpoint to load there")
     if universal:

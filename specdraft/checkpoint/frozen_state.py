@@ -77,8 +77,9 @@ def read_frozen_state(slot_dir: Path) -> Dict[str, torch.Tensor]:
 
     path = slot_dir / FROZEN_FILE
     if not path.is_file():
-        raise SpecdraftError(f"{path}: missing (a slot saved before frozen state was carried); it cannot "
-                             f"be resumed or exported")
+        raise SpecdraftError(
+            f"{path}: missing (a slot saved before frozen state was carried); it cannot be resumed or exported"
+        )
     return load_file(str(path))
 
 
@@ -89,8 +90,9 @@ def restore_frozen_state(draft, state: Dict[str, torch.Tensor], source: str) -> 
 
     expected = frozen_state(draft, dict(draft.state_dict(keep_vars=True)))
     if set(state) != set(expected):
-        raise SpecdraftError(f"{source}: its frozen draft state holds {sorted(state)}, this run's draft has "
-                             f"{sorted(expected)}")
+        raise SpecdraftError(
+            f"{source}: its frozen draft state holds {sorted(state)}, this run's draft has {sorted(expected)}"
+        )
     extra = draft.extra_state()
     draft.load_extra_state({k: state[k] for k in extra}, source=source)
     params = [t for t in expected.values() if isinstance(t, torch.nn.Parameter)]

@@ -20,14 +20,21 @@ from typing import Callable, List, Optional
 from omegaconf import DictConfig
 
 from specdraft.rundir.atomic import write_atomic
-from specdraft.config import config_hash, config_identity, data_world, draft_names, draft_view, identity_change
+from specdraft.config import config_hash, config_identity, data_world, draft_view
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.rundir.layout import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
 from specdraft.target.weights import target_identity
 from specdraft.checkpoint import slots
 from specdraft.parallel.collectives import raise_everywhere, run_shared
-from specdraft.checkpoint.draft_parts import (DraftPart, commit_draft, files_rank_loads, frozen_files, load_draft,
-                                         save_draft)
+from specdraft.checkpoint.compatibility import adopt_global_batch, check_compatible
+from specdraft.checkpoint.draft_parts import (
+    DraftPart,
+    commit_draft,
+    files_rank_loads,
+    frozen_files,
+    load_draft,
+    save_draft,
+)
 from specdraft.checkpoint.rng import rng_state, set_rng_state
 from specdraft.checkpoint.universal import universal_copy
 
@@ -122,16 +129,19 @@ class CheckpointManager:
                     record["drafts"] = {}
                     for name, entry in described.items():  # each draft's identity, as its run alone records it
                         view = draft_view(self.cfg, name)
-                        record["drafts"][name] = dict(entry, config_hash=config_hash(view),
-                                                      config_identity=config_identity(view))
+                        record["drafts"][name] = dict(
+                            entry, config_hash=config_hash(view), config_identity=config_identity(view)
+                        )
                 slots.commit_slot(slot_dir, manifests, record, self._sleep)
             except OSError as err:
                 raise self._write_error(err, slot_dir, step) from err
             try:
                 slots.prune(self.ckpt_dir, self.cfg.keep_last)
             except OSError as err:
-                raise SpecdraftError(f"{err.filename or self.ckpt_dir}: deleting an old checkpoint slot failed "
-                                     f"({err.strerror or err}); {slot_dir} is committed") from err
+                raise SpecdraftError(
+                    f"{err.filename or self.ckpt_dir}: deleting an old checkpoint slot failed "
+                    f"({err.strerror or err}); {slot_dir} is committed"
+                ) from err
 
         run_shared(commit)
         run_shared(lambda: self._expect_visible(slot_dir / COMMITTED), on_rank=None)
@@ -140,14 +150,22 @@ class CheckpointManager:
     def _record(self, step: int) -> dict:
         """What COMMITTED says of the run besides the files: what a resume must match or adopt."""
         cfg = self.cfg
-        return {"step": step, "world_size": self.world_size, "zero_stage": cfg.zero_stage,
-                "precision": cfg.precision, "seed": cfg.seed,
-                "global_batch": cfg.per_device_batch_size * data_world(cfg, self.world_size) * cfg.gradient_accumulation_steps,
-                "per_device_batch_size": cfg.per_device_batch_size,
-                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-                "config_hash": config_hash(cfg), "config_identity": config_identity(cfg),
-                "target": os.path.abspath(cfg.target),
-                "target_identity": self.target_identity}
+        return {
+            "step": step,
+            "world_size": self.world_size,
+            "zero_stage": cfg.zero_stage,
+            "precision": cfg.precision,
+            "seed": cfg.seed,
+            "global_batch": cfg.per_device_batch_size
+            * data_world(cfg, self.world_size)
+            * cfg.gradient_accumulation_steps,
+            "per_device_batch_size": cfg.per_device_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "config_hash": config_hash(cfg),
+            "config_identity": config_identity(cfg),
+            "target": os.path.abspath(cfg.target),
+            "target_identity": self.target_identity,
+        }
 
     def _write_error(self, err: BaseException, slot_dir: Path, step: int) -> BaseException:
         """A failed write becomes one line saying what survived; anything else stays as it is."""
@@ -157,13 +175,16 @@ class CheckpointManager:
         if (slot_dir / COMMITTED).is_file():  # only the `latest` hint failed
             return SpecdraftError(f"{self.ckpt_dir / LATEST}: writing it failed: {reason}; {slot_dir} is committed")
         kept = ", ".join(p.name for p in slots.committed_slots(self.ckpt_dir)) or "none"
-        return SpecdraftError(f"{slot_dir}: saving step {step} failed: {reason}; this save is discarded, the "
-                              f"committed slots ({kept}) and the exports are untouched")
+        return SpecdraftError(
+            f"{slot_dir}: saving step {step} failed: {reason}; this save is discarded, the "
+            f"committed slots ({kept}) and the exports are untouched"
+        )
 
     def _expect_visible(self, marker: Path) -> None:
         if not slots.wait_visible(marker):
-            raise slots.not_shared_error(self.ckpt_dir, self.rank,
-                                         f"{marker.relative_to(self.ckpt_dir)} rank 0 committed")
+            raise slots.not_shared_error(
+                self.ckpt_dir, self.rank, f"{marker.relative_to(self.ckpt_dir)} rank 0 committed"
+            )
 
     def _sleep(self) -> None:
         if self.pause:
@@ -188,11 +209,16 @@ class CheckpointManager:
         if self.rank == 0:
             candidates = [[str(p) for p in reversed(slots.committed_slots(self.ckpt_dir))]] if auto else [None]
         dist.broadcast_object_list(candidates, src=0)
-        chosen = [Path(p) for p in candidates[0]] if auto else [run_shared(lambda: slots.resolve_slot(Path(mode)), None)]
+        chosen = (
+            [Path(p) for p in candidates[0]] if auto else [run_shared(lambda: slots.resolve_slot(Path(mode)), None)]
+        )
         for slot in chosen:
+
             def visible():
                 if not slots.wait_visible(slot / COMMITTED):
-                    raise slots.not_shared_error(self.ckpt_dir, self.rank, f"{slot.name}/{COMMITTED}, which rank 0 sees")
+                    raise slots.not_shared_error(
+                        self.ckpt_dir, self.rank, f"{slot.name}/{COMMITTED}, which rank 0 sees"
+                    )
 
             def verify():  # every rank checks the files it will read, before anything unpickles them
                 record = slots.read_commit(slot)
@@ -208,8 +234,8 @@ class CheckpointManager:
                 moved = run_shared(lambda: slots.move_aside(slot))
                 log(f"resume: skipped {slot} ({err}); moved it to {moved}")
                 continue
-            self._check_compatible(slot, record)
-            self._adopt_global_batch(slot, record, log)
+            check_compatible(slot, record, self.cfg, self.target_identity)
+            adopt_global_batch(slot, record, self.cfg, self.world_size, log)
             return ResumePlan(slot, record, self._needs_universal(slot, record))
         if chosen:
             log(f"resume: no committed slot in {self.ckpt_dir} verifies; starting from step 0")
@@ -231,51 +257,11 @@ class CheckpointManager:
     def _needs_universal(self, slot: Path, record: dict) -> bool:
         saved, now = record["zero_stage"], self.cfg.zero_stage
         if saved != now and 0 in (saved, now):
-            raise SpecdraftError(f"{slot}: saved at ZeRO-{saved}, this run has ZeRO-{now}; DeepSpeed converts "
-                                 f"between ZeRO stages 1-3 only (set zero_stage: {saved})")
-        return self._universal_needed(record)
-
-    def _check_compatible(self, slot_dir: Path, record: dict) -> None:
-        cfg = self.cfg
-        names = draft_names(cfg)
-        if slots.record_names(record) != names:
-            saved, ours = (("one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}")
-                           for found in (slots.record_names(record), names))
-            raise SpecdraftError(f"{slot_dir}: saved a run of {saved}; this run trains {ours} (another output_dir, "
-                                 f"or resume=no, to start anew)")
-        if names != [None]:
-            for name in names:
-                view, saved = draft_view(cfg, name), record["drafts"][name]
-                if saved.get("config_hash") != config_hash(view):
-                    raise SpecdraftError(f"{slot_dir}: draft {name}: {identity_change(saved.get('config_identity'), view)}")
-        elif record["draft"].get("family", cfg.draft.type) != cfg.draft.type:  # a DFlash slot resumed as DSpark
-            raise SpecdraftError(f"{slot_dir}: a {record['draft']['family']} draft's checkpoint; this run trains draft.type {cfg.draft.type!r}")
-        elif record.get("config_hash") != config_hash(cfg):
-            raise SpecdraftError(f"{slot_dir}: {identity_change(record.get('config_identity'), cfg)}")
-        if record.get("target_identity") != self.target_identity:
-            raise SpecdraftError(f"{slot_dir}: trained against another target than {cfg.target} (its "
-                                 f"config.json or weights differ from those of {record['target']})")
-        for key in ("precision", "seed"):
-            if record.get(key) != cfg[key]:
-                raise SpecdraftError(f"{slot_dir}: saved with {key}={record.get(key)}, this run has "
-                                     f"{key}={cfg[key]} (set it back to resume)")
-
-    def _adopt_global_batch(self, slot_dir: Path, record: dict, log) -> None:
-        """Keep the checkpoint's global batch: gradient_accumulation_steps follows the world size."""
-        cfg = self.cfg
-        saved = record["global_batch"]
-        per_step = cfg.per_device_batch_size * data_world(cfg, self.world_size)
-        if saved % per_step:
             raise SpecdraftError(
-                f"{slot_dir}: its global batch is {saved} sequences; {per_step // cfg.per_device_batch_size} data-parallel rank(s) x "
-                f"per_device_batch_size={cfg.per_device_batch_size} = {per_step} does not divide it (choose a "
-                f"per_device_batch_size or world size whose product divides {saved})")
-        accumulation = saved // per_step
-        if accumulation != cfg.gradient_accumulation_steps:
-            log(f"resume: gradient_accumulation_steps {cfg.gradient_accumulation_steps} -> {accumulation}, keeping "
-                f"the checkpoint's global batch of {saved} sequences on {self.world_size} rank(s) x "
-                f"{cfg.per_device_batch_size}")
-            cfg.gradient_accumulation_steps = accumulation
+                f"{slot}: saved at ZeRO-{saved}, this run has ZeRO-{now}; DeepSpeed converts "
+                f"between ZeRO stages 1-3 only (set zero_stage: {saved})"
+            )
+        return self._universal_needed(record)
 
     def resume(self, engine, plan: ResumePlan, log: Callable[[str], None]) -> dict:
         """Load the planned slot into the engine (built with load_universal=plan.universal);

@@ -29,10 +29,12 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     accelerator = _device_accelerator()
     devices = [] if accelerator is None else [accelerator.get_rng_state(i) for i in range(accelerator.device_count())]
-    return {"python": [version, list(mt), gauss],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-            "torch": torch.get_rng_state(),
-            "devices": devices}  # (device_count,) byte tensors, index = device index
+    return {
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "devices": devices,
+    }  # (device_count,) byte tensors, index = device index
 
 
 def set_rng_state(state: dict) -> None:
@@ -44,5 +46,5 @@ def set_rng_state(state: dict) -> None:
     accelerator = _device_accelerator()
     if accelerator is not None:
         # a checkpoint from a CPU run (no device states) leaves the device generators as seeded
-        for index, device_state in enumerate(state.get("devices", [])[:accelerator.device_count()]):
+        for index, device_state in enumerate(state.get("devices", [])[: accelerator.device_count()]):
             accelerator.set_rng_state(device_state, index)

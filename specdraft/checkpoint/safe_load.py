@@ -44,8 +44,10 @@ def load(path, map_location=None, mmap: bool = False):
         raise
     except Exception as err:  # whatever a foreign pickle trips on: one line, nothing of it run
         held = ", ".join(g.__qualname__ for g in allowed_globals() if g is not getattr)
-        raise SpecdraftError(f"{path}: refusing to load it: its pickle {_wants(err)} (a specdraft checkpoint "
-                             f"holds tensors and DeepSpeed's {held} only; unpickling more could run code)") from None
+        raise SpecdraftError(
+            f"{path}: refusing to load it: its pickle {_wants(err)} (a specdraft checkpoint "
+            f"holds tensors and DeepSpeed's {held} only; unpickling more could run code)"
+        ) from None
 
 
 def check(path: Path) -> None:

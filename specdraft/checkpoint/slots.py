@@ -22,8 +22,18 @@ from typing import Callable, Dict, List, Optional
 
 from specdraft.rundir.atomic import fsync_dir, fsync_file, write_atomic
 from specdraft.errors import SpecdraftError
-from specdraft.rundir.layout import (ABANDONED_SUFFIX, CKPT_DIR, COMMITTED, LATEST, REJECTED_SUFFIX, UNIVERSAL_SUFFIX,
-                           committed_slots, slot_name, slot_step, step_of)
+from specdraft.rundir.layout import (
+    ABANDONED_SUFFIX,
+    CKPT_DIR,
+    COMMITTED,
+    LATEST,
+    REJECTED_SUFFIX,
+    UNIVERSAL_SUFFIX,
+    committed_slots,
+    slot_name,
+    slot_step,
+    step_of,
+)
 from specdraft.checkpoint import safe_load
 
 PICKLE_SUFFIX = ".pt"  # DeepSpeed's files; the rest of a slot is JSON, safetensors and zero_to_fp32.py
@@ -31,6 +41,7 @@ VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attr
 
 
 # -- which slots exist ----------------------------------------------------------------------------
+
 
 def newest_committed(ckpt_dir: Path) -> Optional[Path]:
     """The committed slot with the highest step. (`latest` can lag behind: a crash between the
@@ -70,6 +81,7 @@ def run_slot(run_dir, slot: Optional[str] = None, step: Optional[int] = None):
 
 
 # -- the manifest -------------------------------------------------------------------------------
+
 
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -112,8 +124,9 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
         if not path.is_file():
             raise SpecdraftError(f"{path}: listed in {COMMITTED} but missing")
         if path.stat().st_size != entry["bytes"]:
-            raise SpecdraftError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} "
-                                 f"(truncated or replaced)")
+            raise SpecdraftError(
+                f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+            )
         if file_sha256(path) != entry["sha256"]:
             raise SpecdraftError(f"{path}: sha256 does not match the {COMMITTED} manifest (modified)")
         if path.suffix == PICKLE_SUFFIX:  # a valid manifest proves who wrote the manifest, not what the pickle runs
@@ -131,8 +144,9 @@ def choose_draft(names: List[Optional[str]], name: Optional[str], what: str) -> 
     one-draft run). A several-draft run needs one; a one-draft run takes none."""
     if names == [None]:
         if name is not None:
-            raise SpecdraftError(f"--draft {name}: this run trains one draft (no drafts: in its config); "
-                                 f"{what} without --draft")
+            raise SpecdraftError(
+                f"--draft {name}: this run trains one draft (no drafts: in its config); {what} without --draft"
+            )
         return None
     if name is None:
         raise SpecdraftError(f"this run trains several drafts; {what} needs --draft NAME, one of: {', '.join(names)}")
@@ -154,11 +168,13 @@ def files_rank_loads(record: dict, rank: int, zero_stage: int) -> List[str]:
     optimizer partition."""
     own = re.compile(rf"(bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_(optim|model)_states\.pt")
     shared = re.compile(r"mp_rank_\d+_model_states\.pt")
-    return sorted(name for name in record.get("files", {})
-                  if own.fullmatch(name) or (zero_stage < 3 and shared.fullmatch(name)))
+    return sorted(
+        name for name in record.get("files", {}) if own.fullmatch(name) or (zero_stage < 3 and shared.fullmatch(name))
+    )
 
 
 # -- writing and committing ---------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def recording_writes(engine, slot_dir: Path, written: Dict[str, dict], errors: list, pause: Callable[[], None]):
@@ -208,6 +224,7 @@ def commit_slot(slot_dir: Path, manifests: List[Dict[str, dict]], record: dict, 
 
 # -- removing -----------------------------------------------------------------------------------
 
+
 def remove_slot(path: Path) -> None:
     """Un-commit (unlink COMMITTED, fsync the directory), then delete: a crash midway leaves an
     uncommitted directory that resume ignores, never a committed half-slot."""
@@ -230,7 +247,7 @@ def prune(ckpt_dir: Path, keep_last: int) -> None:
         step = step_of(path.name)
         if step is not None and path not in keep and step < newest:
             remove_slot(path)
-        elif path.name.endswith(UNIVERSAL_SUFFIX) and path.with_name(path.name[:-len(UNIVERSAL_SUFFIX)]) not in keep:
+        elif path.name.endswith(UNIVERSAL_SUFFIX) and path.with_name(path.name[: -len(UNIVERSAL_SUFFIX)]) not in keep:
             remove_slot(path)
         elif path.name.endswith(UNIVERSAL_SUFFIX + ".tmp"):  # a conversion that crashed
             shutil.rmtree(path)
@@ -267,12 +284,15 @@ def set_aside_later(slot: Path, run_dir: Path, log: Callable[[str], None]) -> Li
             moved.append(move_aside(export, ABANDONED_SUFFIX))
     if moved:
         write_atomic(ckpt / LATEST, slot.name)
-        log(f"resume: rolled back to {slot.name}; the later slots and exports are kept aside, never resumed by "
-            f"resume=auto: {', '.join(p.name for p in moved)}")
+        log(
+            f"resume: rolled back to {slot.name}; the later slots and exports are kept aside, never resumed by "
+            f"resume=auto: {', '.join(p.name for p in moved)}"
+        )
     return moved
 
 
 # -- a filesystem every rank shares ---------------------------------------------------------------
+
 
 def wait_visible(path: Path) -> bool:
     deadline = time.monotonic() + VISIBLE_WAIT_S
@@ -284,5 +304,7 @@ def wait_visible(path: Path) -> bool:
 
 
 def not_shared_error(ckpt_dir: Path, rank: int, what: str) -> SpecdraftError:
-    return SpecdraftError(f"{ckpt_dir}: rank {rank} cannot see {what}: the checkpoint directory (output_dir) "
-                          f"must be on a filesystem every node shares, at the same path")
+    return SpecdraftError(
+        f"{ckpt_dir}: rank {rank} cannot see {what}: the checkpoint directory (output_dir) "
+        f"must be on a filesystem every node shares, at the same path"
+    )

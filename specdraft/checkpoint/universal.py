@@ -37,16 +37,24 @@ def convert_to_universal(slot_dir: Path, out_dir: Path) -> None:
     shutil.rmtree(tmp_parent, ignore_errors=True)
     tmp_parent.mkdir(parents=True)  # a draft's copy of a several-draft slot: step_<N>.universal/<name>
     tmp = tmp_parent / out_dir.name
-    args = argparse.Namespace(input_folder=str(slot_dir), output_folder=str(tmp), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=str(slot_dir),
+        output_folder=str(tmp),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
             ds_to_universal.main(args)
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise SpecdraftError(f"{slot_dir}: DeepSpeed's universal conversion failed "
-                             f"({type(err).__name__}: {first})") from err
+        raise SpecdraftError(
+            f"{slot_dir}: DeepSpeed's universal conversion failed ({type(err).__name__}: {first})"
+        ) from err
     _serve_every_stage(tmp)
     files = {str(p.relative_to(tmp)): file_entry(p) for p in slot_files(tmp)}
     record = {"source": slot_dir.name, "source_commit": file_sha256(commit_of(slot_dir)), "files": files}
@@ -96,8 +104,9 @@ def commit_of(source: Path) -> Path:
     return source / COMMITTED if (source / COMMITTED).is_file() else source.parent / COMMITTED
 
 
-def universal_copy(slot_dir: Path, ckpt_dir: Path, log: Callable[[str], None], where: str,
-                   name: Optional[str] = None) -> Path:
+def universal_copy(
+    slot_dir: Path, ckpt_dir: Path, log: Callable[[str], None], where: str, name: Optional[str] = None
+) -> Path:
     """Collective: the slot's universal copy (of draft `name` of a several-draft slot), made once
     by rank 0 (or reused when it verifies), then verified by every rank before loading.
     ckpt_dir: the resuming run's own checkpoint directory, where the copy is written: a slot of
@@ -120,8 +129,10 @@ def universal_copy(slot_dir: Path, ckpt_dir: Path, log: Callable[[str], None], w
                 remove_slot(out)
         started = time.perf_counter()
         convert_to_universal(slot_dir, out)
-        log(f"resume: converted {slot_dir.name} ({saved}) to DeepSpeed's universal format in "
-            f"{time.perf_counter() - started:.1f} s for {where}: {out}")
+        log(
+            f"resume: converted {slot_dir.name} ({saved}) to DeepSpeed's universal format in "
+            f"{time.perf_counter() - started:.1f} s for {where}: {out}"
+        )
 
     run_shared(ensure)
     run_shared(lambda: verify_slot(out), on_rank=None)  # every rank reads every fragment

@@ -16,22 +16,37 @@ from typing import Iterator, List, TextIO, Tuple
 import numpy as np
 
 from specdraft.config import resolve_data_files
-from specdraft.data.packing import (ROWS_FILE, TOKEN_DTYPE, build_packed_cache, packed_cache_dir,
-                                    skipped_summary, training_refusal)
+from specdraft.data.packing import (
+    ROWS_FILE,
+    TOKEN_DTYPE,
+    build_packed_cache,
+    packed_cache_dir,
+    skipped_summary,
+    training_refusal,
+)
 
 HIGHLIGHT = ("\x1b[1;32m", "\x1b[0m")  # a terminal: trained text in bold green
 MARKERS = ("[[", "]]")  # otherwise
 
 
-def data_report(cfg, show: int = 0, as_json: bool = False, out: TextIO = sys.stdout,
-                log=lambda line: print(line, file=sys.stderr)) -> None:
+def data_report(
+    cfg, show: int = 0, as_json: bool = False, out: TextIO = sys.stdout, log=lambda line: print(line, file=sys.stderr)
+) -> None:
     from transformers import AutoTokenizer
 
     files = resolve_data_files(cfg.data_files)
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     cache_dir = packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
-    meta = build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
-                              strict=cfg.data_strict, for_training=False)  # a sample too small to train on is shown
+    meta = build_packed_cache(
+        files,
+        tokenizer,
+        cfg.max_seq_length,
+        cache_dir,
+        log,
+        thinking=cfg.thinking,
+        strict=cfg.data_strict,
+        for_training=False,
+    )  # a sample too small to train on is shown
     if as_json:
         for row in iter_rows(cache_dir):
             out.write(json.dumps(row_json(tokenizer, row)) + "\n")
@@ -48,15 +63,19 @@ def summary(meta: dict, cache_dir: Path) -> List[str]:
     skipped = meta["skipped"]
     rows = meta["conversations"] + sum(e["count"] for e in skipped.values())
     trained = meta["assistant_tokens"]
-    lines = [f"cache: {cache_dir}",
-             f"rows: {rows}",
-             f"skipped rows: {rows - meta['conversations']}"
-             + "".join(f"\n  {reason}: {e['count']} ({', '.join(e['rows'][:3])}{', …' if e['count'] > 3 else ''})"
-                       for reason, e in skipped.items()),
-             f"tokens: {meta['tokens']}",
-             f"trained tokens: {trained} ({100 * trained / max(meta['tokens'], 1):.1f}%)",
-             f"packed sequences: {meta['sequences']} of {meta['max_seq_length']} tokens",
-             f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})"]
+    lines = [
+        f"cache: {cache_dir}",
+        f"rows: {rows}",
+        f"skipped rows: {rows - meta['conversations']}"
+        + "".join(
+            f"\n  {reason}: {e['count']} ({', '.join(e['rows'][:3])}{', …' if e['count'] > 3 else ''})"
+            for reason, e in skipped.items()
+        ),
+        f"tokens: {meta['tokens']}",
+        f"trained tokens: {trained} ({100 * trained / max(meta['tokens'], 1):.1f}%)",
+        f"packed sequences: {meta['sequences']} of {meta['max_seq_length']} tokens",
+        f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})",
+    ]
     if why := training_refusal(meta):
         lines.append(f"training would refuse this data: {why}")
     if skipped:
@@ -74,7 +93,7 @@ def iter_rows(cache_dir: Path) -> Iterator[dict]:
             row = json.loads(line)
             if "skipped" not in row:
                 n = row.pop("tokens")
-                row["ids"], row["mask"] = tokens[at:at + n], mask[at:at + n]
+                row["ids"], row["mask"] = tokens[at : at + n], mask[at : at + n]
                 at += n
             yield row
 
@@ -87,8 +106,12 @@ def _stream(path: Path, dtype) -> np.ndarray:
 def row_json(tokenizer, row: dict) -> dict:
     if "skipped" in row:
         return {"source": row["source"], "skipped": row["skipped"], "tokens": 0, "trained": 0, "trained_text": []}
-    return {"source": row["source"], "tokens": len(row["ids"]), "trained": int(row["mask"].sum()),
-            "trained_text": [tokenizer.decode(ids) for trained, ids in runs(row["ids"], row["mask"]) if trained]}
+    return {
+        "source": row["source"],
+        "tokens": len(row["ids"]),
+        "trained": int(row["mask"].sum()),
+        "trained_text": [tokenizer.decode(ids) for trained, ids in runs(row["ids"], row["mask"]) if trained],
+    }
 
 
 def runs(ids, mask) -> List[Tuple[bool, List[int]]]:
@@ -103,5 +126,7 @@ def runs(ids, mask) -> List[Tuple[bool, List[int]]]:
 
 
 def highlighted(tokenizer, ids, mask, marks: Tuple[str, str]) -> str:
-    return "".join(f"{marks[0]}{tokenizer.decode(p)}{marks[1]}" if trained else tokenizer.decode(p)
-                   for trained, p in runs(ids, mask))
+    return "".join(
+        f"{marks[0]}{tokenizer.decode(p)}{marks[1]}" if trained else tokenizer.decode(p)
+        for trained, p in runs(ids, mask)
+    )

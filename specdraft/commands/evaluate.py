@@ -23,20 +23,23 @@ from specdraft.drafts.registry import draft_from_export_config
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.ownership import check_plot_file
 from specdraft.rundir.layout import CONFIG_NAME, draft_part, exports, step_of
-from specdraft.target.model import has_tokenizer, load_frozen_target, load_target_tokenizer
+from specdraft.target.model import load_frozen_target, load_target_tokenizer
+from specdraft.target.checks import has_tokenizer
 from specdraft.export.files import load_exported_draft, read_export_config
 from specdraft.checkpoint.slots import choose_draft
 
 
 # -- locating the export, the target and the tokenizer ---------------------------------------
 
+
 def _export_drafts(export_dir: Path) -> List[Optional[str]]:
     """[None] for a draft export; the names of a several-draft run's step_<N>/<name>/ exports."""
     if (export_dir / CONFIG_NAME).is_file():
         return [None]
     # a run's own step_<N>/ exports hold a config.json too: they are steps, not drafts
-    return sorted(p.name for p in export_dir.iterdir()
-                  if p.is_dir() and (p / CONFIG_NAME).is_file() and step_of(p.name) is None)
+    return sorted(
+        p.name for p in export_dir.iterdir() if p.is_dir() and (p / CONFIG_NAME).is_file() and step_of(p.name) is None
+    )
 
 
 def _newest_export(run_dir: Path) -> Path:
@@ -45,8 +48,9 @@ def _newest_export(run_dir: Path) -> Path:
         return run_dir
     steps = [d for d in exports(run_dir) if _export_drafts(d)]
     if not steps:
-        raise SpecdraftError(f"{run_dir}: neither a draft export (no {CONFIG_NAME}) nor a run "
-                             f"directory (no step_<N>/ exports)")
+        raise SpecdraftError(
+            f"{run_dir}: neither a draft export (no {CONFIG_NAME}) nor a run directory (no step_<N>/ exports)"
+        )
     return steps[-1]
 
 
@@ -88,8 +92,10 @@ def resolve_export(path, target=None, draft_name: Optional[str] = None) -> Tuple
     if not recorded:
         raise SpecdraftError(f"{path / CONFIG_NAME}: names no target model; pass --target DIR")
     if not (Path(recorded) / CONFIG_NAME).is_file():
-        raise SpecdraftError(f"{path / CONFIG_NAME}: the target it was trained with, {recorded}, is not there "
-                             f"(no {CONFIG_NAME}); pass --target DIR")
+        raise SpecdraftError(
+            f"{path / CONFIG_NAME}: the target it was trained with, {recorded}, is not there "
+            f"(no {CONFIG_NAME}); pass --target DIR"
+        )
     return path, Path(recorded)
 
 
@@ -107,18 +113,35 @@ def resolve_device(name: Optional[str]) -> torch.device:
     except RuntimeError:
         raise SpecdraftError(f"device {name!r}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SpecdraftError(f"device {name!r}: this torch sees no CUDA device "
-                             f"(torch {torch.__version__}, a CPU build or no GPU visible)")
+        raise SpecdraftError(
+            f"device {name!r}: this torch sees no CUDA device "
+            f"(torch {torch.__version__}, a CPU build or no GPU visible)"
+        )
     return device
 
 
-def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] = None,
-             tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
-             thinking: Optional[bool] = None,
-             max_prompts: Optional[int] = None, seed: int = 0, plot_path=None,
-             record_tv: bool = False, device: Optional[str] = None, dtype: str = "auto",
-             target: Optional[str] = None, confidence_threshold: Optional[float] = None,
-             draft_name: Optional[str] = None, baseline: bool = True, progress=None) -> Dict[str, Any]:
+def evaluate(
+    path,
+    prompts_file,
+    *,
+    method: str = "draft",
+    gamma: Optional[int] = None,
+    tree: Optional[Sequence[int]] = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    thinking: Optional[bool] = None,
+    max_prompts: Optional[int] = None,
+    seed: int = 0,
+    plot_path=None,
+    record_tv: bool = False,
+    device: Optional[str] = None,
+    dtype: str = "auto",
+    target: Optional[str] = None,
+    confidence_threshold: Optional[float] = None,
+    draft_name: Optional[str] = None,
+    baseline: bool = True,
+    progress=None,
+) -> Dict[str, Any]:
     """Evaluate a run dir (its newest step_<N>/ export), an export dir, or — for the model-free
     methods — a target model dir, on a jsonl prompt file. Returns the report dict.
     target: the target model dir (default: the path the export records).
@@ -148,8 +171,9 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
         check_plot_file(plot_path)
     export_dir, target_dir = resolve_export(path, target, draft_name)
     if export_dir is None and method in NEEDS_DRAFT:
-        raise SpecdraftError(f"{path}: a target model directory, not a draft export; method {method!r} "
-                             f"needs a run or export directory")
+        raise SpecdraftError(
+            f"{path}: a target model directory, not a draft export; method {method!r} needs a run or export directory"
+        )
     tokenizer = load_tokenizer(export_dir, target_dir)
     prompts = read_prompts(prompts_file, tokenizer, max_prompts, thinking)
     device = resolve_device(device)
@@ -165,25 +189,46 @@ def evaluate(path, prompts_file, *, method: str = "draft", gamma: Optional[int] 
     if draft is not None:
         draft = draft.to(weight.device)
     torch.manual_seed(seed)
-    report = {"method": method, "draft": str(export_dir) if draft is not None else None,
-              "target": str(target_dir), "prompts_file": str(prompts_file),
-              "device": str(weight.device), "dtype": str(weight.dtype).replace("torch.", "")}
+    report = {
+        "method": method,
+        "draft": str(export_dir) if draft is not None else None,
+        "target": str(target_dir),
+        "prompts_file": str(prompts_file),
+        "device": str(weight.device),
+        "dtype": str(weight.dtype).replace("torch.", ""),
+    }
     drafter = make_drafter(method, target, draft)
     if confidence_threshold is not None:
         if not hasattr(drafter, "confidence_threshold"):  # a family without a confidence head
-            raise SpecdraftError(f"--confidence-threshold: the {getattr(draft, 'label', None) or method} drafter "
-                                 f"has no confidence head (DSpark drafts have one)")
+            raise SpecdraftError(
+                f"--confidence-threshold: the {getattr(draft, 'label', None) or method} drafter "
+                f"has no confidence head (DSpark drafts have one)"
+            )
         drafter.confidence_threshold = confidence_threshold
         report["confidence_threshold"] = confidence_threshold
-    report.update(compare(target, drafter, prompts, gamma=gamma, tree=tree,
-                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                          stop=stop_tokens(target, tokenizer), record_tv=record_tv,
-                          measure_baseline=baseline, progress=progress))
+    report.update(
+        compare(
+            target,
+            drafter,
+            prompts,
+            gamma=gamma,
+            tree=tree,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop=stop_tokens(target, tokenizer),
+            record_tv=record_tv,
+            measure_baseline=baseline,
+            progress=progress,
+        )
+    )
     report["plot"] = None
     if plot_path is not None:
         drafter_label = getattr(draft, "label", None) or method.replace("_", " ")
-        plot_acceptance([(drafter_label, report)], plot_path,
-                        title=f"{drafter_label}, {'tree' if tree else 'chain'}, T = {temperature:g}: "
-                              f"tau = {report['tau']:.2f}")
+        plot_acceptance(
+            [(drafter_label, report)],
+            plot_path,
+            title=f"{drafter_label}, {'tree' if tree else 'chain'}, T = {temperature:g}: tau = {report['tau']:.2f}",
+        )
         report["plot"] = str(plot_path)
     return report

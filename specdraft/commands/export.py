@@ -18,13 +18,17 @@ from specdraft.export.files import NATIVE_FILES, extract_and_rename, write_draft
 from specdraft.rundir.atomic import write_atomic
 from specdraft.rundir.layout import config_file, consolidated_file, draft_part, offline_export_dir
 from specdraft.rundir.ownership import check_export_out
-from specdraft.target.model import has_tokenizer, load_target_tokenizer
+from specdraft.target.model import load_target_tokenizer
+from specdraft.target.checks import has_tokenizer
 
 
 def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
     """The draft's full state dict from a verified slot: its trained parameters in fp32 via
     DeepSpeed's zero_to_fp32, and its frozen state (buffers, frozen parameters) exactly as saved."""
-    return {**_trained_fp32(slot_dir, record), **read_frozen_state(slot_dir)}  # zero_to_fp32's float copies of buffers give way
+    return {
+        **_trained_fp32(slot_dir, record),
+        **read_frozen_state(slot_dir),
+    }  # zero_to_fp32's float copies of buffers give way
 
 
 def _trained_fp32(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
@@ -34,8 +38,9 @@ def _trained_fp32(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        full = get_fp32_state_dict_from_zero_checkpoint(str(slot_dir.parent), tag=slot_dir.name,
-                                                        exclude_frozen_parameters=True)
+        full = get_fp32_state_dict_from_zero_checkpoint(
+            str(slot_dir.parent), tag=slot_dir.name, exclude_frozen_parameters=True
+        )
     return {k: v.float() for k, v in extract_and_rename(full).items()}
 
 
@@ -56,9 +61,14 @@ def consolidate_run(run_dir, slot: Optional[str] = None, draft: Optional[str] = 
 EXPORT_FORMATS = ("native", "pth", "safetensors")  # plus each family's serving formats
 
 
-def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
-                    out_dir: Optional[str] = None, with_target_heads: bool = False,
-                    draft_name: Optional[str] = None) -> Path:
+def export_from_run(
+    run_dir,
+    step: Optional[int] = None,
+    fmt: str = "native",
+    out_dir: Optional[str] = None,
+    with_target_heads: bool = False,
+    draft_name: Optional[str] = None,
+) -> Path:
     """Write a draft export from a committed slot: `native` (both weight files + config.json), one
     native file (`pth` / `safetensors`), or a serving format of the draft's family (returns the
     directory that engine loads). draft_name: the draft of a several-draft run (required there)."""
@@ -70,8 +80,9 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     check_export_out(out, run_dir, default)  # before the weights are consolidated
     draft = draft_from_export_config(own["draft"])
     if fmt not in EXPORT_FORMATS and fmt not in draft.serving_formats:
-        raise SpecdraftError(f"--format {fmt}: a {draft.family} draft exports as "
-                             f"{', '.join([*EXPORT_FORMATS, *draft.serving_formats])}")
+        raise SpecdraftError(
+            f"--format {fmt}: a {draft.family} draft exports as {', '.join([*EXPORT_FORMATS, *draft.serving_formats])}"
+        )
     draft.load_state_dict(consolidated_draft_state_dict(draft_part(slot_dir, name), record), strict=True)
     state_dict = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     cfg = OmegaConf.load(config_file(run_dir))
@@ -81,11 +92,22 @@ def export_from_run(run_dir, step: Optional[int] = None, fmt: str = "native",
     if with_target_heads:  # two tensors straight from the target's files: the target is never built
         from specdraft.target.weights import load_target_head_weights
 
-        read = load_target_head_weights(cfg.target, dtype=torch.float32,
-                                        expected_hidden=own["draft"]["dims"]["hidden_size"])
+        read = load_target_head_weights(
+            cfg.target, dtype=torch.float32, expected_hidden=own["draft"]["dims"]["hidden_size"]
+        )
         heads = {"embed_tokens.weight": read.embed_tokens, "lm_head.weight": read.lm_head}
     serving = [fmt] if fmt in draft.serving_formats else []
     files = (fmt,) if fmt in NATIVE_FILES else NATIVE_FILES
-    written = write_draft_export(out, state_dict, draft, cfg, tokenizer, formats=files, target_heads=heads,
-                                 serving=serving, run_dir=run_dir, step=record["step"])
+    written = write_draft_export(
+        out,
+        state_dict,
+        draft,
+        cfg,
+        tokenizer,
+        formats=files,
+        target_heads=heads,
+        serving=serving,
+        run_dir=run_dir,
+        step=record["step"],
+    )
     return written / fmt if serving else written

@@ -99,8 +99,13 @@ def load_regenerate_config(path: Optional[str], values: Dict) -> RegenerateConfi
     return cfg
 
 
-def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] = print,
-               progress_bar: bool = True, ranks: Optional[Tuple[int, int]] = None) -> dict:
+def regenerate(
+    cfg: RegenerateConfig,
+    backend=None,
+    log: Callable[[str], None] = print,
+    progress_bar: bool = True,
+    ranks: Optional[Tuple[int, int]] = None,
+) -> dict:
     """Run (or resume) a regeneration; returns the summary (its "failed": rows the servers did not
     answer, a non-zero exit for the command). `backend`: an already built one (the demo passes its
     in-process model); default: built from cfg. `ranks`: (rank, world), default RANK / WORLD_SIZE
@@ -143,34 +148,56 @@ def regenerate(cfg: RegenerateConfig, backend=None, log: Callable[[str], None] =
             sync.finish(mine)
     written = written_keys(out)
     if stop.signum:
-        log(f"regenerate: interrupted by {stop.name}: {len(written)} rows on disk in {out} ({stats['rows']} "
-            f"written by this run); rerun the same command to resume")
+        log(
+            f"regenerate: interrupted by {stop.name}: {len(written)} rows on disk in {out} ({stats['rows']} "
+            f"written by this run); rerun the same command to resume"
+        )
         raise RegenerateInterrupted(stop.signum)
     failed = [e for e in errors if e["kind"] == "failed"]
     skipped = [e for e in errors if e["kind"] == "skipped"]
-    summary = {"rows": stats["rows"], "tokens": stats["tokens"], "seconds": round(elapsed, 2),
-               "tok_per_s": round(stats["tokens"] / elapsed, 1) if elapsed > 0 else 0.0,
-               "truncated": stats["truncated"], "errors": len(errors), "failed": len(failed),
-               "skipped": len(skipped), "rows_total": total, "rows_written": len(written),
-               "skipped_done": total - len(items)}
-    log(f"regenerate: {stats['rows']} rows, {stats['tokens']} tokens in {elapsed:.1f}s "
+    summary = {
+        "rows": stats["rows"],
+        "tokens": stats["tokens"],
+        "seconds": round(elapsed, 2),
+        "tok_per_s": round(stats["tokens"] / elapsed, 1) if elapsed > 0 else 0.0,
+        "truncated": stats["truncated"],
+        "errors": len(errors),
+        "failed": len(failed),
+        "skipped": len(skipped),
+        "rows_total": total,
+        "rows_written": len(written),
+        "skipped_done": total - len(items),
+    }
+    log(
+        f"regenerate: {stats['rows']} rows, {stats['tokens']} tokens in {elapsed:.1f}s "
         f"({summary['tok_per_s']:.0f} tok/s), {stats['truncated']} answers cut at max_new_tokens"
         + (f"; {len(skipped)} rows skipped ({_reasons(skipped)})" if skipped else "")
         + (f"; {len(failed)} rows FAILED (server errors: rerun the same command to retry them)" if failed else "")
         + (f" (see {errors_file})" if errors else "")
-        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}"))
+        + (f"; {len(written)} rows in {out}" if written else f"; NO rows in {out}")
+    )
     return summary
 
 
-def _generate(cfg: RegenerateConfig, backend, items: List[Item], writer: ShardWriter, errors: List[dict],
-              stats: dict, bar, stop: Stop) -> None:
+def _generate(
+    cfg: RegenerateConfig,
+    backend,
+    items: List[Item],
+    writer: ShardWriter,
+    errors: List[dict],
+    stats: dict,
+    bar,
+    stop: Stop,
+) -> None:
     """Every item through its turns, in waves of whole batches; complete rows go to the writer. A
     signal ends it out of a generate call (Interrupted): the answers of that call are lost, never
     a row half recorded."""
+
     def on_tokens(n: int) -> None:  # both backends call it once per answer, as each batch lands
         stats["tokens"] += n
-        bar.set_postfix_str(f"{stats['tokens'] / max(time.perf_counter() - stats['t0'], 1e-9):.0f} tok/s",
-                            refresh=False)
+        bar.set_postfix_str(
+            f"{stats['tokens'] / max(time.perf_counter() - stats['t0'], 1e-9):.0f} tok/s", refresh=False
+        )
         bar.update(1)
 
     answered = 0  # answers written, plus every answer a failed row will not ask for
@@ -188,13 +215,16 @@ def _generate(cfg: RegenerateConfig, backend, items: List[Item], writer: ShardWr
 
     wave = max(cfg.batch_size, cfg.concurrency) * 4  # rows in flight: whole batches for every turn
     for start in range(0, len(items), wave):
-        active = items[start:start + wave]
+        active = items[start : start + wave]
         while active:
             prompts = [(item, item.advance()) for item in active]
             finished = [item for item, prompt in prompts if prompt is None]
             asking = [(item, prompt) for item, prompt in prompts if prompt is not None]
-            answers = stop.call(ask, [Request(p, row_seed(cfg.seed, i.key, i.sample, i.turn), i.where)
-                                      for i, p in asking]) if asking else []
+            answers = (
+                stop.call(ask, [Request(p, row_seed(cfg.seed, i.key, i.sample, i.turn), i.where) for i, p in asking])
+                if asking
+                else []
+            )
             for (item, _), answer in zip(asking, answers):
                 if answer.error is None and not answer.text.strip():
                     answer.error = "empty answer"
@@ -224,11 +254,17 @@ def _write_manifest(out: Path, settings: dict, backend: str, ranks: List[dict], 
         for url, fields in (counts.get("refused") or {}).items():
             refused.setdefault(url, set()).update(fields)
     refused = {url: sorted(fields) for url, fields in sorted(refused.items())}
-    manifest = {**settings, "token_ids": _ids_note(backend, refused),
-                "counts": {"rows_written": len(written), "answer_tokens": sum(t for t, _ in written.values()),
-                           "truncated_answers": sum(n for _, n in written.values()),
-                           "errors_last_run": sum(counts.get("errors", 0) for counts in ranks)},
-                "shards": sorted(p.name for p in out.glob(SHARD_GLOB))}
+    manifest = {
+        **settings,
+        "token_ids": _ids_note(backend, refused),
+        "counts": {
+            "rows_written": len(written),
+            "answer_tokens": sum(t for t, _ in written.values()),
+            "truncated_answers": sum(n for _, n in written.values()),
+            "errors_last_run": sum(counts.get("errors", 0) for counts in ranks),
+        },
+        "shards": sorted(p.name for p in out.glob(SHARD_GLOB)),
+    }
     if refused:
         manifest["server_refused_fields"] = refused
     if interrupted:  # the counts so far
@@ -241,8 +277,14 @@ def run_settings(cfg: RegenerateConfig, files: List[str], backend: str) -> dict:
     backend too: hf rows carry the generated ids, openai rows what the server gave)."""
     from specdraft.target.weights import target_identity
 
-    return {"target": target_identity(cfg.target), "backend": backend, "sampling": asdict(cfg.sampling()),
-            "seed": cfg.seed, "samples": cfg.samples, "sources": [os.path.abspath(f) for f in files]}
+    return {
+        "target": target_identity(cfg.target),
+        "backend": backend,
+        "sampling": asdict(cfg.sampling()),
+        "seed": cfg.seed,
+        "samples": cfg.samples,
+        "sources": [os.path.abspath(f) for f in files],
+    }
 
 
 def _check_manifest(out: Path, settings: dict) -> None:
@@ -250,8 +292,9 @@ def _check_manifest(out: Path, settings: dict) -> None:
     path = out / MANIFEST
     if not path.is_file():
         if any(out.glob(SHARD_GLOB)):
-            raise SpecdraftError(f"{out}: holds shards but no {MANIFEST}, so their settings are unknown; "
-                                 f"use a new --out directory")
+            raise SpecdraftError(
+                f"{out}: holds shards but no {MANIFEST}, so their settings are unknown; use a new --out directory"
+            )
         return
     old = json.loads(path.read_text())
     keys = ("target", "backend", "seed", "samples", "sources")
@@ -261,10 +304,14 @@ def _check_manifest(out: Path, settings: dict) -> None:
         if recorded.get(name) != value:
             if name == "sources":
                 differ = sorted(set(value) ^ set(recorded.get(name) or [])) or ["their order"]
-                raise SpecdraftError(f"{out}: holds rows regenerated with other --data files (differing: "
-                                     f"{differ[0]}); use a new --out directory")
-            raise SpecdraftError(f"{out}: holds rows regenerated with other {name}: {recorded.get(name)!r} there, "
-                                 f"{value!r} asked; rerun with the same settings or use a new --out directory")
+                raise SpecdraftError(
+                    f"{out}: holds rows regenerated with other --data files (differing: "
+                    f"{differ[0]}); use a new --out directory"
+                )
+            raise SpecdraftError(
+                f"{out}: holds rows regenerated with other {name}: {recorded.get(name)!r} there, "
+                f"{value!r} asked; rerun with the same settings or use a new --out directory"
+            )
 
 
 def _reasons(errors: List[dict]) -> str:
@@ -279,8 +326,11 @@ def _reasons(errors: List[dict]) -> str:
 def _ids_note(backend: str, refused: Dict[str, List[str]]) -> str:
     if backend == "hf":
         return "generated ids"
-    return "none from some servers: text tokenised" if any("return_token_ids" in f for f in refused.values()) \
+    return (
+        "none from some servers: text tokenised"
+        if any("return_token_ids" in f for f in refused.values())
         else "server ids"
+    )
 
 
 def _refused(backend) -> Dict[str, List[str]]:
@@ -293,8 +343,9 @@ def _build_backend(cfg: RegenerateConfig):
         from specdraft.data.openai_backend import OpenAIBackend
 
         tokenizer = load_target_tokenizer(cfg.target)
-        return OpenAIBackend(cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model,
-                             timeout_s=cfg.timeout)
+        return OpenAIBackend(
+            cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model, timeout_s=cfg.timeout
+        )
     from specdraft.data.generation import HFBackend
 
     local = os.environ.get("LOCAL_RANK")
@@ -312,5 +363,10 @@ def _progress(answers: int, enabled: bool):
     first answer, when there is no rate to tell it from."""
     from tqdm import tqdm
 
-    return tqdm(total=answers, unit="answer", disable=not enabled, dynamic_ncols=True,
-                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} answers [{elapsed}<{remaining}{postfix}]")
+    return tqdm(
+        total=answers,
+        unit="answer",
+        disable=not enabled,
+        dynamic_ncols=True,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} answers [{elapsed}<{remaining}{postfix}]",
+    )

@@ -40,6 +40,7 @@ def row_owner(row: str, sample: int, world: int) -> int:
 @dataclass
 class Item:
     """One output row in the making: the source's turns are consumed left to right."""
+
     file: str  # the source file (absolute): rows are keyed by (file, id, sample)
     key: str  # the row's id
     sample: int
@@ -79,12 +80,22 @@ class Item:
         self.turn += 1
 
     def row(self) -> dict:
-        return {"id": self.key, "sample": self.sample, "file": self.file, "source": self.where,
-                "conversations": self.done}
+        return {
+            "id": self.key,
+            "sample": self.sample,
+            "file": self.file,
+            "source": self.where,
+            "conversations": self.done,
+        }
 
     def error_row(self) -> dict:
-        return {"id": self.key, "sample": self.sample, "source": self.where,
-                "kind": "failed" if self.failed else "skipped", "reason": self.error}
+        return {
+            "id": self.key,
+            "sample": self.sample,
+            "source": self.where,
+            "kind": "failed" if self.failed else "skipped",
+            "reason": self.error,
+        }
 
 
 class ShardWriter:
@@ -124,7 +135,9 @@ def written_keys(out: Path) -> Dict[Tuple[str, str, int], Tuple[int, int]]:
                 row = json.loads(line)
                 answers = [m for m in row["conversations"] if m["role"] == "assistant"]
                 keys[(row.get("file", ""), str(row["id"]), row["sample"])] = (
-                    sum(len(m.get("token_ids") or ()) for m in answers), sum(bool(m.get("truncated")) for m in answers))
+                    sum(len(m.get("token_ids") or ()) for m in answers),
+                    sum(bool(m.get("truncated")) for m in answers),
+                )
     return keys
 
 
@@ -138,15 +151,29 @@ def read_rows(files: List[str], samples: int, rank: int, world: int, done) -> Tu
             try:
                 messages = normalise_conversation(record, where, require_answer=False)
             except SpecdraftError as err:
-                errors.append({"id": None, "sample": None, "source": where, "kind": "skipped",
-                               "reason": str(err)[len(where) + 2:] if str(err).startswith(where) else str(err)})
+                errors.append(
+                    {
+                        "id": None,
+                        "sample": None,
+                        "source": where,
+                        "kind": "skipped",
+                        "reason": str(err)[len(where) + 2 :] if str(err).startswith(where) else str(err),
+                    }
+                )
                 continue
             key = row_key(record, messages)
             if key in first:
                 if row_owner(key, 0, world) == rank:
                     what = f"duplicate id {key!r}" if record.get("id") not in (None, "") else "duplicate row"
-                    errors.append({"id": key, "sample": None, "source": where, "kind": "skipped",
-                                   "reason": f"{what}: {first[key]} has it (the first is kept)"})
+                    errors.append(
+                        {
+                            "id": key,
+                            "sample": None,
+                            "source": where,
+                            "kind": "skipped",
+                            "reason": f"{what}: {first[key]} has it (the first is kept)",
+                        }
+                    )
                 continue
             first[key] = where
             for sample in range(samples):

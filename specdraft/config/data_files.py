@@ -25,8 +25,10 @@ def resolve_data_files(spec: Any, source: str = "config", key: str = "key 'data_
     for item in items:
         item = str(item)
         if os.path.isdir(item):
-            raise SpecdraftError(f"{source}: {key}: {item} is a directory; name its files or a glob such as "
-                                 f"{os.path.join(item, '*.jsonl')}")
+            raise SpecdraftError(
+                f"{source}: {key}: {item} is a directory; name its files or a glob such as "
+                f"{os.path.join(item, '*.jsonl')}"
+            )
         matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:

@@ -38,8 +38,9 @@ def identity_change(saved: Optional[dict], cfg: DictConfig) -> str:
     """Why a checkpoint's identity (its COMMITTED `config_identity`) differs from this run's: each
     differing key with both values. A checkpoint from before that record: its hash only."""
     if not saved:
-        return ("saved with another draft or max_seq_length (config hash differs; this checkpoint does not "
-                "record its keys)")
+        return (
+            "saved with another draft or max_seq_length (config hash differs; this checkpoint does not record its keys)"
+        )
     old, new = _dotted(saved), _dotted(config_identity(cfg))
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k, "unset") != new.get(k, "unset"))
     changes = ", ".join(f"{k}: saved {old.get(k, 'unset')!r}, this run {new.get(k, 'unset')!r}" for k in keys)
@@ -62,8 +63,11 @@ def own_draft_keys(cfg: DictConfig) -> dict:
     resumable)."""
     own = family_keys(draft_family(cfg.draft.type))
     draft = OmegaConf.to_container(cfg.draft, resolve=True)
-    return {key: value for key, value in draft.items()
-            if key in own or key == "type" or (key in SHARED_KEYS and value is not None)}
+    return {
+        key: value
+        for key, value in draft.items()
+        if key in own or key == "type" or (key in SHARED_KEYS and value is not None)
+    }
 
 
 def resolved_config_yaml(cfg: DictConfig) -> str:
@@ -75,9 +79,10 @@ def resolved_config_yaml(cfg: DictConfig) -> str:
         resolved["draft"] = own_draft_keys(cfg)
     else:
         del resolved["draft"]
-        resolved["drafts"] = {name: dict(own_draft_keys(draft_view(cfg, name)),
-                                         **{k: v for k, v in entry.items() if k in PER_DRAFT_KEYS})
-                              for name, entry in resolved["drafts"].items()}
+        resolved["drafts"] = {
+            name: dict(own_draft_keys(draft_view(cfg, name)), **{k: v for k, v in entry.items() if k in PER_DRAFT_KEYS})
+            for name, entry in resolved["drafts"].items()
+        }
     return OmegaConf.to_yaml(OmegaConf.create(resolved))
 
 

@@ -54,7 +54,7 @@ def _merge(cfg: DictConfig, layer: DictConfig, source_of) -> DictConfig:
 
 
 def _override_naming(key: Optional[str], overrides: List[str]) -> str:
-    """"override 'k=v'" for the override that set `key` (or a key under it); all of them if unsure."""
+    """ "override 'k=v'" for the override that set `key` (or a key under it); all of them if unsure."""
     for item in overrides:
         given = item.split("=", 1)[0]
         if key and (given == key or given.startswith(f"{key}.") or str(key).startswith(f"{given}.")):

@@ -28,8 +28,7 @@ def demo_config_path(name: Optional[str]) -> str:
         return str(packaged)
     if not os.path.isfile(name):
         shipped = sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.yaml"))
-        raise SpecdraftError(f"--config {name}: neither a packaged demo config ({', '.join(shipped)}) "
-                             f"nor a file")
+        raise SpecdraftError(f"--config {name}: neither a packaged demo config ({', '.join(shipped)}) nor a file")
     return name
 
 

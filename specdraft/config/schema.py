@@ -87,8 +87,18 @@ class TrainConfig:
 
 
 # the keys a draft of a several-draft run may set for itself; the rest of the run is shared
-PER_DRAFT_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "max_grad_norm",
-                  "warmup_proportion", "warmup_steps", "min_lr_ratio", "export_formats")
+PER_DRAFT_KEYS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "max_grad_norm",
+    "warmup_proportion",
+    "warmup_steps",
+    "min_lr_ratio",
+    "export_formats",
+)
 
 
 DRAFT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a folder name on every filesystem

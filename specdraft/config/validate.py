@@ -13,8 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from specdraft.config.data_files import resolve_data_files
-from specdraft.config.schema import (DRAFT_NAME, PER_DRAFT_KEYS, PRECISIONS, RESERVED_NAMES, TARGET_PLACEMENTS,
-                                     _unknown_key_message, _validation_message)
+from specdraft.config.schema import (
+    DRAFT_NAME,
+    PER_DRAFT_KEYS,
+    PRECISIONS,
+    RESERVED_NAMES,
+    TARGET_PLACEMENTS,
+    _unknown_key_message,
+    _validation_message,
+)
 from specdraft.config.several import draft_view
 from specdraft.drafts import SPECS, check_family_keys, draft_family
 from specdraft.drafts.objective_options import validate_objective_options
@@ -35,8 +42,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     if cfg.precision == "fp16":
         # the chunked losses compute the draft's gradient in the forward pass, before DeepSpeed's
         # fp16 loss scale exists, so small gradients would underflow to zero in fp16
-        fail("precision", "fp16 is not supported for training (the chunked losses' gradients would underflow "
-                          "before loss scaling); use bf16")
+        fail(
+            "precision",
+            "fp16 is not supported for training (the chunked losses' gradients would underflow "
+            "before loss scaling); use bf16",
+        )
     if cfg.precision not in PRECISIONS:
         fail("precision", f"{cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.zero_stage not in (0, 1, 2, 3):
@@ -45,8 +55,14 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         fail("target_placement", f"{cfg.target_placement!r} is not one of {', '.join(TARGET_PLACEMENTS)}")
     family = draft_family(cfg.draft.type, source)
     check_family_keys(family, draft_keys, source)
-    for key in ("max_seq_length", "per_device_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "save_steps", "keep_last"):
+    for key in (
+        "max_seq_length",
+        "per_device_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "save_steps",
+        "keep_last",
+    ):
         if OmegaConf.select(cfg, key) < 1:
             fail(key, f"must be >= 1, got {OmegaConf.select(cfg, key)}")
     if cfg.loss_chunk_size < 0:
@@ -69,15 +85,19 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
         check_packed_documents(target_config, cfg.document_mask, source)
-    refusal = sequence_parallel_key_refusal(cfg.sequence_parallel_size, cfg.max_seq_length, target_config, family,
-                                            cfg.draft, SPECS)
+    refusal = sequence_parallel_key_refusal(
+        cfg.sequence_parallel_size, cfg.max_seq_length, target_config, family, cfg.draft, SPECS
+    )
     if refusal:
         fail(*refusal)
     family.validate_config(cfg.draft, target_config, source, cfg.max_seq_length)
     for name in cfg.export_formats or ():
         if name not in family.serving_format_names:
-            fail("export_formats", f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
-                                   f"(it has: {', '.join(family.serving_format_names) or 'none besides native'})")
+            fail(
+                "export_formats",
+                f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
+                f"(it has: {', '.join(family.serving_format_names) or 'none besides native'})",
+            )
     if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
         cfg.resume = "no"
     resolve_data_files(cfg.data_files, source)
@@ -95,21 +115,27 @@ def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> Non
     """A several-draft run: the names, then each draft as a run of its own would be checked, its
     errors naming `drafts.<name>.<key>`."""
     if draft_keys:
-        raise SpecdraftError(f"{source}: key 'drafts': give either draft: (one draft) or drafts: (several), not both "
-                             f"(draft.{draft_keys[0]} is set)")
+        raise SpecdraftError(
+            f"{source}: key 'drafts': give either draft: (one draft) or drafts: (several), not both "
+            f"(draft.{draft_keys[0]} is set)"
+        )
     if not isinstance(cfg.drafts, DictConfig) or len(cfg.drafts) == 0:
         raise SpecdraftError(f"{source}: key 'drafts': expected a mapping of draft names to draft sections")
     seen = {}
     for name in cfg.drafts:
         name = str(name)
         if not DRAFT_NAME.fullmatch(name) or name.lower() in RESERVED_NAMES or step_of(name.lower()) is not None:
-            raise SpecdraftError(f"{source}: key 'drafts.{name}': a draft name must be 1-64 letters, digits, '_' or "
-                                 f"'-', starting with a letter or digit, neither step_<N> nor any of "
-                                 f"{', '.join(RESERVED_NAMES)} "
-                                 f"(it names the draft's folders)")
+            raise SpecdraftError(
+                f"{source}: key 'drafts.{name}': a draft name must be 1-64 letters, digits, '_' or "
+                f"'-', starting with a letter or digit, neither step_<N> nor any of "
+                f"{', '.join(RESERVED_NAMES)} "
+                f"(it names the draft's folders)"
+            )
         if name.lower() in seen:
-            raise SpecdraftError(f"{source}: key 'drafts.{name}': the same folder name as drafts.{seen[name.lower()]} "
-                                 f"on a case-insensitive filesystem")
+            raise SpecdraftError(
+                f"{source}: key 'drafts.{name}': the same folder name as drafts.{seen[name.lower()]} "
+                f"on a case-insensitive filesystem"
+            )
         seen[name.lower()] = name
         if not isinstance(cfg.drafts[name], DictConfig):
             raise SpecdraftError(f"{source}: key 'drafts.{name}': expected a draft section (type: and its keys)")
@@ -127,9 +153,11 @@ def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> Non
             raise SpecdraftError(_as_draft_key(str(err).splitlines()[0], name, source)) from None
         family = draft_family(view.draft.type)
         if len(cfg.drafts) > 1 and family.moves_target_positions(view.draft):
-            raise SpecdraftError(f"{source}: key 'drafts.{name}': this draft moves the target's positions per batch "
-                                 f"(GLIDE's anchor_offset), and the drafts of one run share one target pass; "
-                                 f"train it alone")
+            raise SpecdraftError(
+                f"{source}: key 'drafts.{name}': this draft moves the target's positions per batch "
+                f"(GLIDE's anchor_offset), and the drafts of one run share one target pass; "
+                f"train it alone"
+            )
 
 
 def _as_draft_key(message: str, name: str, source: str) -> str:

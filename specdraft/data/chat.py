@@ -32,6 +32,7 @@ MARKER = "\ue000specdraft-answer-{}\ue001"  # private-use characters, no whitesp
 @dataclass(frozen=True)
 class Span:
     """One assistant turn in the rendered text: [start, end) its answer, [end, stop) its end-of-turn."""
+
     start: int
     end: int
     stop: int
@@ -50,23 +51,28 @@ def render_prompt(tokenizer, messages: List[Message], where: str, thinking: Opti
 
 def render(tokenizer, messages, where, add_generation_prompt=False, thinking=None) -> str:
     try:
-        return tokenizer.apply_chat_template([_plain(m) for m in messages], tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs(thinking))
+        return tokenizer.apply_chat_template(
+            [_plain(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs(thinking),
+        )
     except Exception as err:  # jinja raises its own types for a template's errors
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SkippedRow(where, "template refused",
-                         f"the chat template cannot render this conversation: {first}") from None
+        raise SkippedRow(
+            where, "template refused", f"the chat template cannot render this conversation: {first}"
+        ) from None
 
 
-def tokenize_conversation(tokenizer, messages: List[Message], where: str,
-                          thinking: Optional[bool] = None) -> Tuple[List[int], List[int]]:
+def tokenize_conversation(
+    tokenizer, messages: List[Message], where: str, thinking: Optional[bool] = None
+) -> Tuple[List[int], List[int]]:
     """(ids, mask): mask[j] = 1 when token j is assistant-written and so a training label.
 
     Raises SkippedRow when the row has nothing to learn (the template refuses it, or every answer
     renders empty)."""
     text = render(tokenizer, messages, where, thinking=thinking)
-    spans = [s for s in assistant_spans(tokenizer, messages, where, thinking, text) if text[s.start:s.end].strip()]
+    spans = [s for s in assistant_spans(tokenizer, messages, where, thinking, text) if text[s.start : s.end].strip()]
     if not spans:
         raise SkippedRow(where, "empty answer", "every assistant answer renders empty")
     ids: List[int] = []
@@ -85,8 +91,9 @@ def tokenize_conversation(tokenizer, messages: List[Message], where: str,
     return ids, mask
 
 
-def assistant_spans(tokenizer, messages: List[Message], where: str, thinking: Optional[bool] = None,
-                    text: Optional[str] = None) -> List[Span]:
+def assistant_spans(
+    tokenizer, messages: List[Message], where: str, thinking: Optional[bool] = None, text: Optional[str] = None
+) -> List[Span]:
     """The Span of every assistant turn in the render of the whole conversation (`text`)."""
     if text is None:
         text = render(tokenizer, messages, where, thinking=thinking)
@@ -96,12 +103,19 @@ def assistant_spans(tokenizer, messages: List[Message], where: str, thinking: Op
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        marked = render(tokenizer, messages[:k] + [{"role": "assistant", "content": marker}] + messages[k + 1:],
-                        where, thinking=thinking)
+        marked = render(
+            tokenizer,
+            messages[:k] + [{"role": "assistant", "content": marker}] + messages[k + 1 :],
+            where,
+            thinking=thinking,
+        )
         at = marked.find(marker)
         if at < 0 or marked.find(marker, at + 1) >= 0:
-            raise SkippedRow(where, "answer not rendered",
-                             f"assistant turn {k} does not appear in the chat template's render of the conversation")
+            raise SkippedRow(
+                where,
+                "answer not rendered",
+                f"assistant turn {k} does not appear in the chat template's render of the conversation",
+            )
         after = len(marked) - at - len(marker)  # the render's text after the answer
         shared = _common_prefix(text, marked)
         start = min(shared, at)
@@ -156,7 +170,7 @@ def _common_suffix(a: str, b: str) -> int:
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
+        if a[len(a) - mid :] == b[len(b) - mid :]:
             lo = mid
         else:
             hi = mid - 1

@@ -66,7 +66,7 @@ def prompt_ids(tokenizer, request: Request, sampling: Sampling):
         text = render_prompt(tokenizer, request.messages, request.where, sampling.thinking)
     except SpecdraftError as err:  # the row's problem, not the run's: the others go on
         reason = str(err)
-        return [], 0, reason[len(request.where) + 2:] if reason.startswith(f"{request.where}: ") else reason
+        return [], 0, reason[len(request.where) + 2 :] if reason.startswith(f"{request.where}: ") else reason
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     room = sampling.max_length - len(ids)
     if room < 1:
@@ -89,7 +89,7 @@ def finish_answer(tokenizer, generated: Sequence[int], stops: set, budget: int) 
     cut = next((k for k, t in enumerate(ids) if t in stops), None)
     if cut is None:
         return Answer(tokenizer.decode(ids), ids, len(ids), "length")
-    return Answer(tokenizer.decode(ids[:cut]), ids[:cut + 1], cut + 1, "stop")
+    return Answer(tokenizer.decode(ids[:cut]), ids[: cut + 1], cut + 1, "stop")
 
 
 class RowSampler:
@@ -107,8 +107,9 @@ class RowSampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # keeps the top token
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0))
-        choice = torch.stack([torch.multinomial(probs[r], 1, generator=g)
-                              for r, g in enumerate(self.generators)])  # (B, 1)
+        choice = torch.stack(
+            [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(self.generators)]
+        )  # (B, 1)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(-1, choice, 0.0)
 
@@ -128,6 +129,7 @@ class RowBudgets(StoppingCriteria):
 @dataclass
 class HFBackend:
     """transformers generate on the target: batches of similar length, left padded."""
+
     model: object
     tokenizer: object
     sampling: Sampling
@@ -156,7 +158,7 @@ class HFBackend:
                 encoded[i] = (ids, budget)
         order = sorted(encoded, key=lambda i: len(encoded[i][0]))  # little padding per batch
         for b in range(0, len(order), self.batch_size):
-            rows = order[b:b + self.batch_size]
+            rows = order[b : b + self.batch_size]
             for i, answer in zip(rows, self._batch([encoded[i] for i in rows], [requests[i].seed for i in rows])):
                 answers[i] = answer
                 progress(answer.tokens)
@@ -170,16 +172,25 @@ class HFBackend:
         input_ids = torch.full((len(prompts), width), pad, device=device)  # (B, T), left padded
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
         for j, (ids, _) in enumerate(prompts):
-            input_ids[j, width - len(ids):] = torch.tensor(ids, device=device)
-            attention_mask[j, width - len(ids):] = 1
+            input_ids[j, width - len(ids) :] = torch.tensor(ids, device=device)
+            attention_mask[j, width - len(ids) :] = 1
         stops = stop_ids(self.tokenizer, self.model)
         processors = []
         if self.sampling.temperature > 0:
             processors = [RowSampler(seeds, self.sampling.temperature, self.sampling.top_p, device)]
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=budget,
-                                  do_sample=False, logits_processor=processors, eos_token_id=sorted(stops),
-                                  stopping_criteria=StoppingCriteriaList([RowBudgets(width, [b for _, b in prompts],
-                                                                                     device)]),
-                                  pad_token_id=pad, temperature=None, top_p=None, top_k=None)
-        return [finish_answer(self.tokenizer, out[j, width:].tolist(), stops, prompts[j][1])
-                for j in range(len(prompts))]
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=budget,
+            do_sample=False,
+            logits_processor=processors,
+            eos_token_id=sorted(stops),
+            stopping_criteria=StoppingCriteriaList([RowBudgets(width, [b for _, b in prompts], device)]),
+            pad_token_id=pad,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        return [
+            finish_answer(self.tokenizer, out[j, width:].tolist(), stops, prompts[j][1]) for j in range(len(prompts))
+        ]

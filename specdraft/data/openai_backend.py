@@ -73,7 +73,7 @@ class OpenAIBackend:
         server whose listing fails: `transformers serve` scans the Hugging Face cache and answers 500
         without one) GET /health answers 200. One line naming the first that does not."""
         for given, url in zip(self.given, self.servers):
-            models = url[:-len("/chat/completions")] + "/models"
+            models = url[: -len("/chat/completions")] + "/models"
             try:
                 listed = _get(models, min(self.timeout_s, 30.0))
                 if isinstance(listed, dict) and isinstance(listed.get("data"), list):
@@ -82,13 +82,16 @@ class OpenAIBackend:
             except urllib.error.HTTPError as err:
                 reason = f"HTTP {err.code}"
             except (*TRANSPORT_ERRORS, ValueError) as err:
-                raise SpecdraftError(f"--servers {given}: no server answers GET {models} "
-                                     f"({getattr(err, 'reason', None) or err})") from None
+                raise SpecdraftError(
+                    f"--servers {given}: no server answers GET {models} ({getattr(err, 'reason', None) or err})"
+                ) from None
             try:
-                _get(models[:-len("/v1/models")] + "/health", min(self.timeout_s, 30.0), parse=False)
+                _get(models[: -len("/v1/models")] + "/health", min(self.timeout_s, 30.0), parse=False)
             except (*TRANSPORT_ERRORS, ValueError):
-                raise SpecdraftError(f"--servers {given}: not an OpenAI-compatible server: GET {models} "
-                                     f"answered {reason}, and GET /health did not answer 200") from None
+                raise SpecdraftError(
+                    f"--servers {given}: not an OpenAI-compatible server: GET {models} "
+                    f"answered {reason}, and GET /health did not answer 200"
+                ) from None
 
     def refused_fields(self) -> Dict[str, List[str]]:
         return {url: sorted(fields) for url, fields in self.refused.items() if fields}
@@ -108,9 +111,17 @@ class OpenAIBackend:
     def body(self, request: Request, budget: int) -> dict:
         """Everything that decides the answer, explicitly."""
         s = self.sampling
-        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in request.messages],
-                "max_tokens": budget, "temperature": s.temperature, "top_p": s.top_p, "top_k": -1, "min_p": 0.0,
-                "repetition_penalty": 1.0, "seed": request.seed, "return_token_ids": True}
+        body = {
+            "messages": [{"role": m["role"], "content": m["content"]} for m in request.messages],
+            "max_tokens": budget,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "seed": request.seed,
+            "return_token_ids": True,
+        }
         if s.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": s.thinking}
         if self.model:
@@ -135,9 +146,11 @@ class OpenAIBackend:
                 if err.code in (400, 422) and named:
                     cannot = [f for f in named if not OPTIONAL_FIELDS[f](self.sampling)]
                     if cannot:
-                        return Answer(error=f"{url} refuses {', '.join(cannot)}: it would sample with its own "
-                                            f"default; use a server that takes it (vLLM, SGLang) or temperature 0",
-                                      server_error=True)
+                        return Answer(
+                            error=f"{url} refuses {', '.join(cannot)}: it would sample with its own "
+                            f"default; use a server that takes it (vLLM, SGLang) or temperature 0",
+                            server_error=True,
+                        )
                     with self._lock:
                         self.refused.setdefault(url, set()).update(named)
                     continue  # not an attempt: the same request without the fields it refuses
@@ -147,7 +160,7 @@ class OpenAIBackend:
             except (*TRANSPORT_ERRORS, ValueError) as err:
                 last = f"{url}: {type(err).__name__}: {err}"
             if attempt < self.retries:
-                time.sleep(self._random.uniform(0, self.backoff_s * 2 ** attempt))
+                time.sleep(self._random.uniform(0, self.backoff_s * 2**attempt))
             attempt += 1
         return Answer(error=f"server error after {self.retries + 1} attempts: {last}", server_error=True)
 

@@ -58,9 +58,12 @@ class PackedData:
         starts[:, 0] = True  # a window cut mid-conversation starts a document of its own
         index = np.arange(starts.shape[1])
         start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-        return {"input_ids": ids, "loss_mask": mask,
-                "document_positions": torch.from_numpy(index - start_index),  # (B, L) position in its document
-                "document_ids": torch.from_numpy(np.cumsum(starts, axis=1) - 1)}  # (B, L) 0, 1, ... per row
+        return {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "document_positions": torch.from_numpy(index - start_index),  # (B, L) position in its document
+            "document_ids": torch.from_numpy(np.cumsum(starts, axis=1) - 1),
+        }  # (B, L) 0, 1, ... per row
 
 
 def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int, thinking=None) -> str:
@@ -77,16 +80,24 @@ def cache_key(files: List[str], tokenizer_dir: str, max_seq_length: int, thinkin
     return digest.hexdigest()[:20]
 
 
-def packed_cache_dir(files: List[str], tokenizer_dir: str, max_seq_length: int, thinking=None,
-                     data_cache_dir=None) -> Path:
+def packed_cache_dir(
+    files: List[str], tokenizer_dir: str, max_seq_length: int, thinking=None, data_cache_dir=None
+) -> Path:
     """Where train (and `specdraft data`) keep the packed tokens of these inputs."""
     root = Path(data_cache_dir) if data_cache_dir else specdraft_home() / "data"
     return root / cache_key(files, tokenizer_dir, max_seq_length, thinking)
 
 
-def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir: Path,
-                       log: Callable[[str], None] = print, thinking=None, strict: bool = False,
-                       for_training: bool = True) -> dict:
+def build_packed_cache(
+    files: List[str],
+    tokenizer,
+    max_seq_length: int,
+    out_dir: Path,
+    log: Callable[[str], None] = print,
+    thinking=None,
+    strict: bool = False,
+    for_training: bool = True,
+) -> dict:
     """Stream every conversation into out_dir (created atomically) unless it exists; -> its meta.
 
     A row with nothing to learn is skipped and counted by reason (strict: refused, naming it).
@@ -105,8 +116,13 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         stats = _stream_tokens(files, tokenizer, tmp, max_seq_length, thinking, strict)
-        meta = dict(stats, sequences=stats["tokens"] // max_seq_length, max_seq_length=max_seq_length, files=files,
-                    format=CACHE_FORMAT)
+        meta = dict(
+            stats,
+            sequences=stats["tokens"] // max_seq_length,
+            max_seq_length=max_seq_length,
+            files=files,
+            format=CACHE_FORMAT,
+        )
         _refuse_untrainable(meta, for_training)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         publish_dir(tmp, out_dir)
@@ -120,11 +136,11 @@ def build_packed_cache(files: List[str], tokenizer, max_seq_length: int, out_dir
 def training_refusal(meta: dict) -> Optional[str]:
     """Why training cannot use this packed data (None: it can)."""
     if meta["sequences"] == 0:
-        return (f"data_files: only {meta['tokens']} tokens in total, fewer than "
-                f"max_seq_length={meta['max_seq_length']}")
+        return f"data_files: only {meta['tokens']} tokens in total, fewer than max_seq_length={meta['max_seq_length']}"
     if meta["assistant_tokens"] == 0:
-        return ("data_files: no assistant tokens found (nothing to learn from)"
-                + (f"; {skipped_summary(meta)}" if meta["skipped"] else ""))
+        return "data_files: no assistant tokens found (nothing to learn from)" + (
+            f"; {skipped_summary(meta)}" if meta["skipped"] else ""
+        )
     return None
 
 
@@ -134,9 +150,11 @@ def _refuse_untrainable(meta: dict, for_training: bool) -> None:
 
 
 def summary_lines(meta: dict) -> List[str]:
-    lines = [f"data: {meta['conversations']} conversations, {meta['tokens']} tokens "
-             f"({meta['assistant_tokens']} assistant) -> {meta['sequences']} sequences of {meta['max_seq_length']}; "
-             f"{meta['truncated']} rows longer than max_seq_length (truncated)"]
+    lines = [
+        f"data: {meta['conversations']} conversations, {meta['tokens']} tokens "
+        f"({meta['assistant_tokens']} assistant) -> {meta['sequences']} sequences of {meta['max_seq_length']}; "
+        f"{meta['truncated']} rows longer than max_seq_length (truncated)"
+    ]
     if meta["skipped"]:
         lines.append(f"data: {skipped_summary(meta)}")
     return lines
@@ -158,8 +176,13 @@ def _stream_tokens(files, tokenizer, out: Path, max_seq_length: int, thinking=No
     ids_buf: List[int] = []
     mask_buf: List[int] = []
     start_buf: List[int] = []
-    with open(out / "tokens.bin", "wb") as ids_file, open(out / "loss_mask.bin", "wb") as mask_file, \
-            open(out / "doc_start.bin", "wb") as start_file, open(out / ROWS_FILE, "w", encoding="utf-8") as rows:
+    with (
+        open(out / "tokens.bin", "wb") as ids_file,
+        open(out / "loss_mask.bin", "wb") as mask_file,
+        open(out / "doc_start.bin", "wb") as start_file,
+        open(out / ROWS_FILE, "w", encoding="utf-8") as rows,
+    ):
+
         def flush():
             np.asarray(ids_buf, dtype=TOKEN_DTYPE).tofile(ids_file)
             np.asarray(mask_buf, dtype=np.uint8).tofile(mask_file)

@@ -19,8 +19,7 @@ from specdraft.errors import SpecdraftError
 
 
 class ShardedBatchSampler:
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int,
-                 accumulation: int = 1):
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int, accumulation: int = 1):
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.rank = rank
@@ -29,9 +28,11 @@ class ShardedBatchSampler:
         self.global_batch = batch_size * world_size * accumulation
         self.steps_per_epoch = num_samples // self.global_batch  # the tail of an epoch is dropped
         if self.steps_per_epoch == 0:
-            raise SpecdraftError(f"data: {num_samples} sequences are too few for a global batch of "
-                                 f"{self.global_batch} ({world_size} rank(s) x per_device_batch_size="
-                                 f"{batch_size} x gradient_accumulation_steps={accumulation})")
+            raise SpecdraftError(
+                f"data: {num_samples} sequences are too few for a global batch of "
+                f"{self.global_batch} ({world_size} rank(s) x per_device_batch_size="
+                f"{batch_size} x gradient_accumulation_steps={accumulation})"
+            )
         self.epoch = 0
         self.position = 0  # sequences consumed this epoch, all ranks
         self._order_epoch = -1
@@ -49,20 +50,29 @@ class ShardedBatchSampler:
             self.epoch += 1
             self.position = 0
         start = self.position + self.rank * self.batch_size
-        batch = self._epoch_order()[start:start + self.batch_size]
+        batch = self._epoch_order()[start : start + self.batch_size]
         self.position += self.batch_size * self.world_size
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_samples": self.num_samples,
-                "global_batch": self.global_batch, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_samples": self.num_samples,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_samples"] != self.num_samples:
-            raise SpecdraftError(f"resume: the checkpoint was trained on {state['num_samples']} sequences, "
-                                 f"the data now gives {self.num_samples}: data_files or max_seq_length changed")
+            raise SpecdraftError(
+                f"resume: the checkpoint was trained on {state['num_samples']} sequences, "
+                f"the data now gives {self.num_samples}: data_files or max_seq_length changed"
+            )
         if state["global_batch"] != self.global_batch or state["position"] % self.global_batch:
-            raise SpecdraftError(f"resume: the checkpoint's global batch is {state['global_batch']} sequences, "
-                                 f"this run's is {self.global_batch}")
+            raise SpecdraftError(
+                f"resume: the checkpoint's global batch is {state['global_batch']} sequences, "
+                f"this run's is {self.global_batch}"
+            )
         self.epoch = state["epoch"]
         self.position = state["position"]

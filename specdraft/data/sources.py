@@ -22,8 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from specdraft.errors import SpecdraftError
 
-ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "system": "system"}
+ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 # tool results and calls: OpenAI ("tool", its older "function"), Llama 3 ("ipython"), ShareGPT
 # tool-use sets ("function_call", "observation")
 TOOL_ROLES = ("tool", "function", "ipython", "function_call", "observation")

@@ -49,6 +49,7 @@ def attention_masks(model: nn.Module, visible: torch.Tensor, positions: torch.Te
     positions[i], key j at j for the cache, then at the queries' positions: the target's cache holds
     one entry per position, in order): the one mask of a model whose every layer is windowed, or a
     mask per layer kind ({"full_attention": ..., "sliding_attention": ...}), as those models build."""
+
     def additive(allowed):
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         return mask.masked_fill(~allowed.to(device), torch.finfo(dtype).min)[None, None]
@@ -107,8 +108,13 @@ class DraftCache:
         self.crop(n - 1)
         start = self.fed
         count = n - start
-        visible = torch.cat([torch.ones(count, start, dtype=torch.bool, device=device),
-                             torch.ones(count, count, dtype=torch.bool, device=device).tril()], dim=1)
+        visible = torch.cat(
+            [
+                torch.ones(count, start, dtype=torch.bool, device=device),
+                torch.ones(count, count, dtype=torch.bool, device=device).tril(),
+            ],
+            dim=1,
+        )
         return start, visible
 
     def fed_up_to(self, n: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -127,16 +133,20 @@ def keep_positions(cache: DynamicCache, keep: torch.Tensor) -> None:
     prefix = bool((keep == torch.arange(len(keep))).all())  # a plain crop: slice, no copy
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
-            raise SpecdraftError("the target uses sliding-window attention layers; speculative "
-                                 "decoding here needs full-attention KV caches")
+            raise SpecdraftError(
+                "the target uses sliding-window attention layers; speculative "
+                "decoding here needs full-attention KV caches"
+            )
         if hasattr(layer, "recurrent_states"):  # transformers' LinearAttentionLayer (Qwen3-Next's Gated DeltaNet)
-            raise SpecdraftError("the target has linear-attention layers (layer_types), whose recurrent state "
-                                 "cannot be rolled back after a rejected draft token; speculative decoding here "
-                                 "needs full-attention KV caches")
+            raise SpecdraftError(
+                "the target has linear-attention layers (layer_types), whose recurrent state "
+                "cannot be rolled back after a rejected draft token; speculative decoding here "
+                "needs full-attention KV caches"
+            )
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
         if prefix:
-            layer.keys, layer.values = layer.keys[..., :len(keep), :], layer.values[..., :len(keep), :]
+            layer.keys, layer.values = layer.keys[..., : len(keep), :], layer.values[..., : len(keep), :]
         else:
             index = keep.to(layer.keys.device)
             layer.keys = layer.keys.index_select(-2, index)
@@ -150,16 +160,26 @@ def crop(cache: DynamicCache, length: int) -> None:
 
 
 @torch.no_grad()
-def forward(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
-            visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+def forward(
+    model: nn.Module,
+    cache: DynamicCache,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    visible: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Append ids (T,) at `positions` (T,) to the cache; return their logits (T, V)."""
     return forward_with_hidden(model, cache, ids, positions, visible)[0]
 
 
 @torch.no_grad()
-def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, positions: torch.Tensor,
-                        visible: Optional[torch.Tensor] = None,
-                        layers: Sequence[int] = ()) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
+def forward_with_hidden(
+    model: nn.Module,
+    cache: DynamicCache,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    visible: Optional[torch.Tensor] = None,
+    layers: Sequence[int] = (),
+) -> Tuple[torch.Tensor, Dict[int, torch.Tensor]]:
     """forward(), plus the hidden states {layer: (T, H)} entering each of `layers` (a drafter's
     target_layers, vLLM's convention) for the same tokens.
 
@@ -172,6 +192,11 @@ def forward_with_hidden(model: nn.Module, cache: DynamicCache, ids: torch.Tensor
     if visible is not None:  # (1, 1, T, cache_length + T), or one per layer kind of a windowed target
         mask = attention_masks(model, visible, positions, weight.dtype, weight.device)
     with record_layer_inputs(model.model, layers) as hidden:
-        out = model(input_ids=ids[None].to(weight.device), position_ids=positions[None].to(weight.device),
-                    attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids[None].to(weight.device),
+            position_ids=positions[None].to(weight.device),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
     return out.logits[0].float(), {layer: h[0] for layer, h in hidden.items()}

@@ -50,8 +50,9 @@ class Drafter(ABC):
         """Reset per-sequence state."""
 
     @abstractmethod
-    def propose_chain(self, tokens: torch.Tensor, target_cache, gamma: int, temperature: float,
-                      generator: Optional[torch.Generator]) -> DraftTree:
+    def propose_chain(
+        self, tokens: torch.Tensor, target_cache, gamma: int, temperature: float, generator: Optional[torch.Generator]
+    ) -> DraftTree:
         """Up to gamma tokens following tokens[-1]; q holds the distributions they were drawn from
         (None when they are deterministic picks)."""
 
@@ -99,11 +100,13 @@ def grow_tree(root_logprobs: torch.Tensor, widths: Sequence[int], expand: Expand
             logprobs = expand(rows, new_tokens, d + 1)
     # nodes are level by level and best-first within a level: parents precede children and
     # siblings are offered to the target in the draft's order of preference
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     scores=torch.cat(cumulative))
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), scores=torch.cat(cumulative)
+    )
 
 
 # -- any causal LM (including the target itself) ---------------------------------------------
+
 
 class ModelDrafter(Drafter):
     """A separate transformers causal LM drafting with its own position-indexed cache.
@@ -127,7 +130,7 @@ class ModelDrafter(Drafter):
         if cache_length(self.cache) > n:  # drafted entries of an earlier proposal this round
             crop(self.cache, n)
         m = cache_length(self.cache)
-        return forward(self.model, self.cache, tokens[m:n + 1], torch.arange(m, n + 1))[-1]
+        return forward(self.model, self.cache, tokens[m : n + 1], torch.arange(m, n + 1))[-1]
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
         n = cache_length(target_cache)
@@ -165,6 +168,7 @@ class ModelDrafter(Drafter):
 
 # -- prompt lookup ---------------------------------------------------------------------------
 
+
 class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding: find the latest earlier occurrence of the sequence's last n tokens
     (n from max_ngram down to min_ngram) and propose what followed it. No model, no state."""
@@ -183,9 +187,9 @@ class PromptLookupDrafter(Drafter):
         for size in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
             pattern = tokens[-size:]
             windows = tokens[:-1].unfold(0, size, 1)  # (total - size, size): every earlier n-gram
-            starts = (windows == pattern).all(dim=1).nonzero().flatten().flip(0)[:4 * self.max_matches]
+            starts = (windows == pattern).all(dim=1).nonzero().flatten().flip(0)[: 4 * self.max_matches]
             # latest first
-            follows = [tokens[start + size:start + size + length].tolist() for start in starts.tolist()]
+            follows = [tokens[start + size : start + size + length].tolist() for start in starts.tolist()]
             for follow in sorted(follows, key=len, reverse=True):  # stable: latest first among equals
                 if follow not in found:
                     found.append(follow)
@@ -223,6 +227,7 @@ class PromptLookupDrafter(Drafter):
             depth[i] = 0 if parent < 0 else depth[parent] + 1
         order = sorted(range(len(node_tokens)), key=lambda i: (depth[i], i))
         new_id = {old: new for new, old in enumerate(order)}
-        return DraftTree(torch.tensor([node_tokens[i] for i in order], dtype=torch.long),
-                         torch.tensor([new_id[parents[i]] if parents[i] >= 0 else -1 for i in order],
-                                      dtype=torch.long))
+        return DraftTree(
+            torch.tensor([node_tokens[i] for i in order], dtype=torch.long),
+            torch.tensor([new_id[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=torch.long),
+        )

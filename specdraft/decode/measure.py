@@ -57,33 +57,76 @@ def _each(prompts: Sequence[Sequence[int]], progress: Optional[Progress], what: 
         bar.close()
 
 
-def run_plain(target: nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-              temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
-              progress: Optional[Progress] = None) -> List[Generation]:
+def run_plain(
+    target: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop: Sequence[int] = (),
+    progress: Optional[Progress] = None,
+) -> List[Generation]:
     """Plain target decoding of every prompt (after one untimed warm-up)."""
     generate_plain(target, prompts[0], max_new_tokens=2)
     generator = torch.Generator().manual_seed(seed)
-    return [generate_plain(target, p, max_new_tokens=max_new_tokens, temperature=temperature,
-                           generator=generator, stop_tokens=stop) for p in _each(prompts, progress, "target alone")]
+    return [
+        generate_plain(
+            target, p, max_new_tokens=max_new_tokens, temperature=temperature, generator=generator, stop_tokens=stop
+        )
+        for p in _each(prompts, progress, "target alone")
+    ]
 
 
-def run_speculative(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
-                    gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64,
-                    temperature: float = 0.0, seed: int = 0, stop: Sequence[int] = (),
-                    record_tv: bool = False, progress: Optional[Progress] = None) -> List[Generation]:
+def run_speculative(
+    target: nn.Module,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    gamma: Optional[int] = None,
+    tree: Optional[Sequence[int]] = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop: Sequence[int] = (),
+    record_tv: bool = False,
+    progress: Optional[Progress] = None,
+) -> List[Generation]:
     speculative_generate(target, drafter, prompts[0], max_new_tokens=2, gamma=gamma, tree=tree)  # warm-up
     generator = torch.Generator().manual_seed(seed)
-    return [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,
-                                 tree=tree, temperature=temperature, generator=generator, stop_tokens=stop,
-                                 record_tv=record_tv)
-            for p in _each(prompts, progress, f"speculative ({drafter.name})")]
+    return [
+        speculative_generate(
+            target,
+            drafter,
+            p,
+            max_new_tokens=max_new_tokens,
+            gamma=gamma,
+            tree=tree,
+            temperature=temperature,
+            generator=generator,
+            stop_tokens=stop,
+            record_tv=record_tv,
+        )
+        for p in _each(prompts, progress, f"speculative ({drafter.name})")
+    ]
 
 
-def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]], *, gamma: Optional[int] = None,
-            tree: Optional[Sequence[int]] = None, max_new_tokens: int = 64, temperature: float = 0.0,
-            seed: int = 0, stop: Sequence[int] = (),
-            baseline: Optional[List[Generation]] = None, record_tv: bool = False,
-            measure_baseline: bool = True, progress: Optional[Progress] = None) -> Dict[str, Any]:
+def compare(
+    target: nn.Module,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    gamma: Optional[int] = None,
+    tree: Optional[Sequence[int]] = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop: Sequence[int] = (),
+    baseline: Optional[List[Generation]] = None,
+    record_tv: bool = False,
+    measure_baseline: bool = True,
+    progress: Optional[Progress] = None,
+) -> Dict[str, Any]:
     """Speculative decoding vs plain decoding on the same prompts -> the report's numbers.
 
     Pass `baseline` (from run_plain) to reuse one baseline measurement for several drafters;
@@ -96,28 +139,54 @@ def compare(target: nn.Module, drafter: Drafter, prompts: Sequence[Sequence[int]
     check_shape(gamma, tree)
     _warn_if_deeper_than_trained(drafter, len(tree) if tree else gamma, "tree depth" if tree else "gamma")
     if baseline is None and measure_baseline:
-        baseline = run_plain(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                             seed=seed, stop=stop, progress=progress)
-    generations = run_speculative(target, drafter, prompts, gamma=gamma, tree=tree,
-                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                  stop=stop, record_tv=record_tv, progress=progress)
+        baseline = run_plain(
+            target,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop=stop,
+            progress=progress,
+        )
+    generations = run_speculative(
+        target,
+        drafter,
+        prompts,
+        gamma=gamma,
+        tree=tree,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=stop,
+        record_tv=record_tv,
+        progress=progress,
+    )
     report: Dict[str, Any] = {
-        "drafter": drafter.name, "gamma": None if tree else gamma, "tree": list(tree) if tree else None,
-        "temperature": temperature, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
+        "drafter": drafter.name,
+        "gamma": None if tree else gamma,
+        "tree": list(tree) if tree else None,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts),
     }
     report.update(acceptance_stats(generations, len(tree) if tree else gamma))
     report.update(timing_stats(generations, baseline))
     # greedy decoding is deterministic, so lossless means token-identical output
-    report["matches_target"] = (all(g.tokens == b.tokens for g, b in zip(generations, baseline))
-                                if temperature <= 0 and baseline is not None else None)
+    report["matches_target"] = (
+        all(g.tokens == b.tokens for g, b in zip(generations, baseline))
+        if temperature <= 0 and baseline is not None
+        else None
+    )
     return report
 
 
 def _warn_if_deeper_than_trained(drafter: Drafter, depth: int, what: str) -> None:
     trained = drafter.trained_depth
     if trained is not None and depth > trained:
-        log.warning(f"specdraft: warning: {what} {depth} drafts deeper than the {trained} tokens ahead "
-                    f"the draft was trained for; positions past {trained} run where training never went")
+        log.warning(
+            f"specdraft: warning: {what} {depth} drafts deeper than the {trained} tokens ahead "
+            f"the draft was trained for; positions past {trained} run where training never went"
+        )
 
 
 def check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
@@ -129,9 +198,16 @@ def check_shape(gamma: Optional[int], tree: Optional[Sequence[int]]) -> None:
 
 
 @torch.no_grad()
-def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequence[Union[str, Sequence[int]]],
-                gamma: Optional[int] = None, max_new_tokens: int = 32, temperature: float = 0.0,
-                seed: int = 0) -> Dict[str, Any]:
+def measure_tau(
+    target: nn.Module,
+    draft: nn.Module,
+    tokenizer,
+    prompts: Sequence[Union[str, Sequence[int]]],
+    gamma: Optional[int] = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Dict[str, Any]:
     """Chain tau of a (plain, non-DeepSpeed) draft module: for the training loop's evals.
 
     Greedy at temperature 0; at temperature > 0 speculative sampling from a generator seeded with
@@ -140,8 +216,9 @@ def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequenc
     in eval mode for the measurement and its train/eval mode restored afterwards. gamma None:
     the depth the draft was trained for.
     """
-    ids = [encode_messages(tokenizer, [{"role": "user", "content": p}]) if isinstance(p, str) else list(p)
-           for p in prompts]
+    ids = [
+        encode_messages(tokenizer, [{"role": "user", "content": p}]) if isinstance(p, str) else list(p) for p in prompts
+    ]
     was_training = draft.training
     draft.eval()
     try:
@@ -149,9 +226,20 @@ def measure_tau(target: nn.Module, draft: nn.Module, tokenizer, prompts: Sequenc
         gamma = drafter.default_depth if gamma is None else gamma
         stop = stop_tokens(target, tokenizer)
         generator = torch.Generator().manual_seed(seed)
-        generations = [speculative_generate(target, drafter, p, max_new_tokens=max_new_tokens, gamma=gamma,
-                                            temperature=temperature, generator=generator, stop_tokens=stop,
-                                            record_tv=temperature > 0) for p in ids]
+        generations = [
+            speculative_generate(
+                target,
+                drafter,
+                p,
+                max_new_tokens=max_new_tokens,
+                gamma=gamma,
+                temperature=temperature,
+                generator=generator,
+                stop_tokens=stop,
+                record_tv=temperature > 0,
+            )
+            for p in ids
+        ]
     finally:
         draft.train(was_training)
     stats = acceptance_stats(generations, gamma)

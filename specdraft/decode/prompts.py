@@ -11,6 +11,7 @@ from torch import nn
 from specdraft.data.sources import iter_jsonl_records, normalise_conversation
 from specdraft.errors import SpecdraftError
 
+
 def stop_tokens(target: nn.Module, tokenizer=None) -> List[int]:
     """End-of-turn ids: the target's generation_config eos (int or list) and the tokenizer's eos."""
     ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
@@ -35,14 +36,15 @@ def _prompt_messages(record, where: str) -> List[Dict[str, str]]:
     its last assistant turn."""
     messages = normalise_conversation(record, where, require_answer=False)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    context = messages[:assistant[-1]] if assistant else messages  # up to the last answer
+    context = messages[: assistant[-1]] if assistant else messages  # up to the last answer
     if not context:
         raise SpecdraftError(f"{where}: no turns before the last assistant turn (nothing to prompt with)")
     return [{"role": m["role"], "content": m["content"]} for m in context]
 
 
-def read_prompts(prompts_file, tokenizer, max_prompts: Optional[int] = None,
-                 thinking: Optional[bool] = None) -> List[List[int]]:
+def read_prompts(
+    prompts_file, tokenizer, max_prompts: Optional[int] = None, thinking: Optional[bool] = None
+) -> List[List[int]]:
     """Token ids of each line of a jsonl prompt file ({"prompt": ...} or {"conversations": ...})."""
     path = Path(prompts_file)
     if not path.is_file():
@@ -80,6 +82,8 @@ def pad_with_earlier_conversations(prompt: List[int], earlier: List[List[int]], 
         pieces.insert(0, list(piece))
         need -= len(piece)
     if need:
-        raise SpecdraftError(f"--context {context}: the earlier conversations hold {context - len(prompt) - need} "
-                             f"tokens, {need} short of padding a {len(prompt)}-token prompt")
+        raise SpecdraftError(
+            f"--context {context}: the earlier conversations hold {context - len(prompt) - need} "
+            f"tokens, {need} short of padding a {len(prompt)}-token prompt"
+        )
     return [token for piece in pieces for token in piece] + list(prompt)

@@ -33,8 +33,9 @@ def acceptance_stats(generations: Sequence[Generation], depth: int) -> Dict[str,
         "proposed_per_round": drafted / forwards if forwards else 0.0,
         "accepted_per_proposed": sum(accepted) / drafted if drafted else 0.0,
         "acceptance_per_position": [reached[j] / forwards if forwards else 0.0 for j in range(1, depth + 1)],
-        "conditional_acceptance_per_position": [reached[j] / reached[j - 1] if reached[j - 1] else 0.0
-                                                for j in range(1, depth + 1)],
+        "conditional_acceptance_per_position": [
+            reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, depth + 1)
+        ],
         "accepted_length_histogram": [sum(a == k for a in accepted) for k in range(depth + 1)],
         **tv_stats(generations),
     }
@@ -51,8 +52,13 @@ def timing_stats(generations: Sequence[Generation], baseline: Optional[Sequence[
     seconds = sum(g.seconds for g in generations)
     speed = tokens / seconds if seconds else 0.0
     if baseline is None:
-        return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_second": speed,
-                "baseline_tokens_per_second": None, "speedup": None}
+        return {
+            "generated_tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_second": speed,
+            "baseline_tokens_per_second": None,
+            "speedup": None,
+        }
     base_tokens = sum(len(g.tokens) for g in baseline)
     base_seconds = sum(g.seconds for g in baseline)
     base_speed = base_tokens / base_seconds if base_seconds else 0.0
@@ -86,15 +92,18 @@ def format_report(report: Dict[str, Any]) -> str:
     if report.get("speedup") is None:
         lines.append(f"  {'speedup':<34}{'not measured (--no-baseline)':>10}")
     else:
-        lines += [f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
-                  f"  {'speedup':<34}{report['speedup']:>9.2f}x"]
+        lines += [
+            f"  {'tokens/s (target alone)':<34}{report['baseline_tokens_per_second']:>10.1f}",
+            f"  {'speedup':<34}{report['speedup']:>9.2f}x",
+        ]
     if report.get("mean_tv") is not None:
         lines.append(f"  {'mean TV(p, q), checked positions':<34}{report['mean_tv']:>10.3f}")
     if report.get("matches_target") is not None:
         lines.append(f"  {'output == target greedy':<34}{'yes' if report['matches_target'] else 'NO':>10}")
     lines += ["", f"  {'position':>8}  {'P(accepted >= pos)':>18}  {'P(pos | pos-1)':>14}"]
-    for j, (a, c) in enumerate(zip(report["acceptance_per_position"],
-                                   report["conditional_acceptance_per_position"]), start=1):
+    for j, (a, c) in enumerate(
+        zip(report["acceptance_per_position"], report["conditional_acceptance_per_position"]), start=1
+    ):
         lines.append(f"  {j:>8}  {a:>18.3f}  {c:>14.3f}")
     if report.get("plot"):
         lines += ["", f"  plot: {report['plot']}"]
@@ -104,15 +113,20 @@ def format_report(report: Dict[str, Any]) -> str:
 def format_comparison(reports: Dict[str, Dict[str, Any]]) -> str:
     """Several drafts' reports (by name) side by side: one row per draft."""
     first = next(iter(reports.values()))
-    lines = [f"specdraft eval: {len(reports)} drafts, temperature {first.get('temperature')}, "
-             f"{first.get('prompts')} prompts, max {first.get('max_new_tokens')} new tokens",
-             f"  target: {first.get('target')}", "",
-             f"  {'draft':<16}{'drafter':<22}{'shape':<18}{'tau':>8}{'accepted/proposed':>19}{'speedup':>9}"]
+    lines = [
+        f"specdraft eval: {len(reports)} drafts, temperature {first.get('temperature')}, "
+        f"{first.get('prompts')} prompts, max {first.get('max_new_tokens')} new tokens",
+        f"  target: {first.get('target')}",
+        "",
+        f"  {'draft':<16}{'drafter':<22}{'shape':<18}{'tau':>8}{'accepted/proposed':>19}{'speedup':>9}",
+    ]
     for name, report in reports.items():
         shape = f"tree {report['tree']}" if report.get("tree") else f"gamma={report.get('gamma')}"
-        lines.append(f"  {name:<16}{str(report.get('drafter')):<22}{shape:<18}{report['tau']:>8.3f}"
-                     f"{report['accepted_per_proposed']:>19.3f}"
-                     + (f"{'-':>9}" if report.get("speedup") is None else f"{report['speedup']:>8.2f}x"))
+        lines.append(
+            f"  {name:<16}{str(report.get('drafter')):<22}{shape:<18}{report['tau']:>8.3f}"
+            f"{report['accepted_per_proposed']:>19.3f}"
+            + (f"{'-':>9}" if report.get("speedup") is None else f"{report['speedup']:>8.2f}x")
+        )
     return "\n".join(lines)
 
 
@@ -138,10 +152,19 @@ def acceptance_figure(reports: Sequence[Tuple[str, Dict[str, Any]]], title: Opti
     depth = max(len(report["acceptance_per_position"]) for _, report in reports)
     for i, (label, report) in enumerate(reports):
         acceptance = report["acceptance_per_position"]
-        by_position.bar([j + 1 - 0.4 + width * (i + 0.5) for j in range(len(acceptance))], acceptance, width,
-                        label=label, color=f"C{i}")
-    by_position.set(xlabel="draft position (tree depth)", ylabel="P(accepted length >= position)",
-                    ylim=(0, 1.05), xticks=range(1, depth + 1))
+        by_position.bar(
+            [j + 1 - 0.4 + width * (i + 0.5) for j in range(len(acceptance))],
+            acceptance,
+            width,
+            label=label,
+            color=f"C{i}",
+        )
+    by_position.set(
+        xlabel="draft position (tree depth)",
+        ylabel="P(accepted length >= position)",
+        ylim=(0, 1.05),
+        xticks=range(1, depth + 1),
+    )
     by_position.legend(fontsize=7)
     labels = [label for label, _ in reports] + ["target alone"]
     taus = [report["tau"] for _, report in reports] + [1.0]

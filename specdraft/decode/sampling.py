@@ -32,15 +32,17 @@ def sample_from(probs: torch.Tensor, generator: Optional[torch.Generator] = None
     return min(int(torch.searchsorted(cdf, u[None], right=True)), probs.numel() - 1)
 
 
-def sample(logits: torch.Tensor, temperature: float,
-           generator: Optional[torch.Generator] = None) -> Tuple[int, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
+) -> Tuple[int, torch.Tensor]:
     """(V,) logits -> (token, the (V,) distribution it was drawn from)."""
     probs = probabilities(logits, temperature)
     return sample_from(probs, generator), probs
 
 
-def verify_token(p: torch.Tensor, q: torch.Tensor, token: int,
-                 generator: Optional[torch.Generator] = None) -> Tuple[bool, torch.Tensor]:
+def verify_token(
+    p: torch.Tensor, q: torch.Tensor, token: int, generator: Optional[torch.Generator] = None
+) -> Tuple[bool, torch.Tensor]:
     """Speculative rejection step: accept `token` ~ q with probability min(1, p/q).
 
     Returns (accepted, p'): p' is p when accepted, else the residual norm(max(0, p - q)) that the

@@ -52,15 +52,24 @@ def _cut(new_tokens: List[int], max_new_tokens: int, stop: frozenset) -> List[in
     new_tokens = new_tokens[:max_new_tokens]
     for i, token in enumerate(new_tokens):
         if token in stop:
-            return new_tokens[:i + 1]
+            return new_tokens[: i + 1]
     return new_tokens
 
 
 @torch.no_grad()
-def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequence[int], *,
-                         max_new_tokens: int, gamma: Optional[int] = None, tree: Optional[Sequence[int]] = None,
-                         temperature: float = 0.0, generator: Optional[torch.Generator] = None,
-                         stop_tokens: Iterable[int] = (), record_tv: bool = False) -> Generation:
+def speculative_generate(
+    target: nn.Module,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    gamma: Optional[int] = None,
+    tree: Optional[Sequence[int]] = None,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    stop_tokens: Iterable[int] = (),
+    record_tv: bool = False,
+) -> Generation:
     """Generate with `drafter` proposing a chain of `gamma` tokens, or a tree of `tree` widths.
 
     Lossless: greedy output equals the target's greedy decoding; sampled output follows the
@@ -82,7 +91,7 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
     if layers:
         drafter.observe_target(hidden, 0)
     result = Generation(tokens=[], seconds=0.0)
-    while not _finished(tokens[len(prompt):].tolist(), max_new_tokens, stop):
+    while not _finished(tokens[len(prompt) :].tolist(), max_new_tokens, stop):
         n = cache_length(cache)  # tokens[n] is this round's root
         if tree is None:
             draft = drafter.propose_chain(tokens, cache, gamma, temperature, generator)
@@ -102,15 +111,21 @@ def speculative_generate(target: nn.Module, drafter: Drafter, prompt_ids: Sequen
         result.drafted.append(len(draft))
         if record_tv and tree is None and len(draft):
             result.tv.extend(chain_tv(draft, target_probs, len(path)))
-    result.tokens = _cut(tokens[len(prompt):].tolist(), max_new_tokens, stop)
+    result.tokens = _cut(tokens[len(prompt) :].tolist(), max_new_tokens, stop)
     result.seconds = time.perf_counter() - t0
     return result
 
 
 @torch.no_grad()
-def generate_plain(target: nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int,
-                   temperature: float = 0.0, generator: Optional[torch.Generator] = None,
-                   stop_tokens: Iterable[int] = ()) -> Generation:
+def generate_plain(
+    target: nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    stop_tokens: Iterable[int] = (),
+) -> Generation:
     """The baseline: one target forward per token, same cache and sampler as above."""
     stop = frozenset(stop_tokens)
     t0 = time.perf_counter()

@@ -69,8 +69,9 @@ def chain(tokens: Sequence[int], q: Optional[torch.Tensor] = None) -> DraftTree:
     return DraftTree(torch.tensor(list(tokens), dtype=torch.long), torch.arange(n) - 1, q)
 
 
-def verification_inputs(tree: DraftTree, root_token: int, cache_length: int,
-                        device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def verification_inputs(
+    tree: DraftTree, root_token: int, cache_length: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The target's verification pass over [root, nodes...], on `device` (the target's):
     (ids (1+N,), positions (1+N,), visible).
 
@@ -87,8 +88,7 @@ def verification_inputs(tree: DraftTree, root_token: int, cache_length: int,
     in_tree[1:, 1:] = tree.ancestors()
     in_tree[0, 1:] = False
     # the cache-wide block is the big one: made where it is used
-    visible = torch.cat([torch.ones(n + 1, cache_length, dtype=torch.bool, device=device),
-                         in_tree.to(device)], dim=1)
+    visible = torch.cat([torch.ones(n + 1, cache_length, dtype=torch.bool, device=device), in_tree.to(device)], dim=1)
     return ids, positions, visible
 
 
@@ -109,8 +109,9 @@ def one_hot_rows(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(tokens.to(like.device), like.shape[-1]).to(like.dtype)
 
 
-def accept_path(tree: DraftTree, target_probs: torch.Tensor,
-                generator: Optional[torch.Generator] = None) -> Tuple[List[int], int]:
+def accept_path(
+    tree: DraftTree, target_probs: torch.Tensor, generator: Optional[torch.Generator] = None
+) -> Tuple[List[int], int]:
     """Walk the tree from the root, checking each node's children in order.
 
     target_probs (1+N, V): row 0 is the target's next-token distribution at the root, row i+1 at

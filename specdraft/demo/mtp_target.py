@@ -21,7 +21,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from specdraft.drafts.mtp.layer import build_mtp_layer, init_layer_weights, rotary_embedding, target_from_ours
 from specdraft.demo.presets import DemoPreset
-from specdraft.target.weights import SAFETENSORS_INDEX
+from specdraft.target.checkpoint_files import SAFETENSORS_INDEX
 
 MTP_FILE = "model-mtp.safetensors"  # the layer's own shard, listed in the index like the others
 

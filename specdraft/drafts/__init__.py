@@ -24,8 +24,9 @@ from specdraft.drafts.peagle.options import PEagleSpec
 from specdraft.drafts.spec import DraftSpec
 from specdraft.errors import SpecdraftError
 
-SPECS: Dict[str, Type[DraftSpec]] = {cls.family: cls for cls in (GlideSpec, Eagle3Spec, DFlashSpec, DSparkSpec,
-                                                                  MTPSpec, PEagleSpec)}
+SPECS: Dict[str, Type[DraftSpec]] = {
+    cls.family: cls for cls in (GlideSpec, Eagle3Spec, DFlashSpec, DSparkSpec, MTPSpec, PEagleSpec)
+}
 DEFAULT_FAMILY = "glide"
 # `draft.` keys of every family, with their meaning (the configuration reference prints it)
 SHARED_KEYS = {
@@ -47,10 +48,14 @@ def _draft_config_schema() -> type:
             if f.name in fields and _default(fields[f.name]) != _default(f):
                 raise TypeError(f"draft key {f.name!r} has two defaults")
             fields[f.name], types[f.name] = f, hints[f.name]
-    spec = [("type", str, dataclasses.field(default=DEFAULT_FAMILY)),
-            ("init_from", Optional[str], dataclasses.field(default=None))]
-    spec += [(name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
-             for name, f in fields.items()]
+    spec = [
+        ("type", str, dataclasses.field(default=DEFAULT_FAMILY)),
+        ("init_from", Optional[str], dataclasses.field(default=None)),
+    ]
+    spec += [
+        (name, types[name], dataclasses.field(default=f.default, default_factory=f.default_factory))
+        for name, f in fields.items()
+    ]
     return dataclasses.make_dataclass("DraftConfig", spec)
 
 
@@ -79,9 +84,19 @@ def check_family_keys(family: Type[DraftSpec], given: Iterable[str], source: str
     for key in given:
         if key not in SHARED_KEYS and key not in own:
             owners = [name for name, cls in SPECS.items() if key in family_keys(cls)]
-            raise SpecdraftError(f"{source}: key 'draft.{key}': not a key of draft.type {family.family!r} "
-                                 f"(it belongs to {', '.join(owners) or 'no family'})")
+            raise SpecdraftError(
+                f"{source}: key 'draft.{key}': not a key of draft.type {family.family!r} "
+                f"(it belongs to {', '.join(owners) or 'no family'})"
+            )
 
 
-__all__ = ["DEFAULT_FAMILY", "SHARED_KEYS", "SPECS", "DraftConfig", "DraftSpec", "check_family_keys", "draft_family",
-           "family_keys"]
+__all__ = [
+    "DEFAULT_FAMILY",
+    "SHARED_KEYS",
+    "SPECS",
+    "DraftConfig",
+    "DraftSpec",
+    "check_family_keys",
+    "draft_family",
+    "family_keys",
+]

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from specdraft.drafts.loss import default_chunk_size
-from specdraft.drafts.spec import DraftSpec, target_text_config  # noqa: F401 (re-exported)
+from specdraft.drafts.spec import DraftSpec, target_text_config
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 from specdraft.transfer import to_device
 
@@ -59,6 +59,7 @@ class FileFormat:
 
 def config_fields(fields: Dict[str, str]) -> Callable[[Optional[Dict[str, Any]]], Dict[str, Any]]:
     """A FileFormat.settings that reads {config.json field: the draft key it records}."""
+
     def settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         config = config or {}
         return {key: config[field] for field, key in fields.items() if field in config}
@@ -133,9 +134,11 @@ def uncapturable_layer(target_layers, num_target_layers: Optional[int]) -> Optio
     LlamaModel.forward, aux_hidden_state_layers)."""
     if num_target_layers is not None and num_target_layers in target_layers:
         last = num_target_layers
-        return (f"draft.target_layers: layer {last} is the last layer's output, which vLLM and SGLang do not "
-                f"capture (ids 0..{last - 1}: the input of each layer); export the native format, or train "
-                f"on layers below {last}")
+        return (
+            f"draft.target_layers: layer {last} is the last layer's output, which vLLM and SGLang do not "
+            f"capture (ids 0..{last - 1}: the input of each layer); export the native format, or train "
+            f"on layers below {last}"
+        )
     return None
 
 
@@ -144,11 +147,15 @@ def target_layer_shape(target_config) -> Dict[str, Any]:
     the dims every family shares (keyword arguments of each family's dims)."""
     text = target_text_config(target_config)
     heads = text.num_attention_heads
-    return dict(hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_heads=heads,
-                num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-                initializer_range=getattr(text, "initializer_range", 0.02))
+    return dict(
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        initializer_range=getattr(text, "initializer_range", 0.02),
+    )
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,7 @@ class MemoryShape:
     batch has document borders, and the target's text config (hidden size, heads, vocab).
     Under sequence parallelism T is one rank's shard and whole_T the sequence's, what a family
     that all-gathers its context (DFlash, DSpark) holds per rank."""
+
     B: int
     T: int
     dtype_bytes: int
@@ -186,8 +194,9 @@ class MemoryShape:
         that copy (nothing more)."""
         return elements * (4 - self.dtype_bytes)
 
-    def loss_chunk(self, rows: int, vocab: int, hidden: int, teacher: bool = False, calls: int = 1,
-                   lk: bool = False) -> float:
+    def loss_chunk(
+        self, rows: int, vocab: int, hidden: int, teacher: bool = False, calls: int = 1, lk: bool = False
+    ) -> float:
         """The counted rows' hidden states and their gradient (computed in the forward), and one
         chunk's fp32 logits worked in place (+ its matmul output at bf16). An objective that reads
         the target's distribution holds 7 fp32 chunks at once (objectives.objective_terms): the
@@ -278,9 +287,16 @@ class Draft(DraftSpec, nn.Module, ABC):
         return {}
 
     @abstractmethod
-    def training_loss(self, features: TargetFeatures, lm_head_weight: torch.Tensor,
-                      input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk_size: int,
-                      host: Optional[HostBatch] = None, **options) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        chunk_size: int,
+        host: Optional[HostBatch] = None,
+        **options,
+    ) -> DraftLoss:
         """Loss of the draft's predictions on the loss-masked tokens. Which rows count is read
         from `host` (HostBatch.of), never from the device tensors."""
 

@@ -105,8 +105,9 @@ class PackedDocuments:
         return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]
 
 
-def document_causal_attention(q, k, v, documents: Optional[PackedDocuments] = None,
-                              scale: Optional[float] = None) -> torch.Tensor:
+def document_causal_attention(
+    q, k, v, documents: Optional[PackedDocuments] = None, scale: Optional[float] = None
+) -> torch.Tensor:
     """Causal attention inside each conversation, without a (T, T) mask on CPU and CUDA.
     q (B, Hq, T, D), k/v (B, Hkv, T, D) -> (B, Hq, T, D). documents None: one per row."""
     gqa = q.shape[1] != k.shape[1]
@@ -147,13 +148,14 @@ def document_segments(documents: torch.Tensor) -> List[List[Tuple[int, int]]]:
     return rows
 
 
-def per_document(attend: Callable[..., torch.Tensor], segments: List[List[Tuple[int, int]]],
-                 *tensors: torch.Tensor) -> torch.Tensor:
+def per_document(
+    attend: Callable[..., torch.Tensor], segments: List[List[Tuple[int, int]]], *tensors: torch.Tensor
+) -> torch.Tensor:
     """attend(*slices) on each conversation's slice (dim 2 of every (B, H, T, D) tensor), joined
     back along T: causal attention per conversation, one call each."""
     rows = []
     for b, row in enumerate(segments):
-        rows.append(torch.cat([attend(*(t[b:b + 1, :, start:end] for t in tensors)) for start, end in row], dim=2))
+        rows.append(torch.cat([attend(*(t[b : b + 1, :, start:end] for t in tensors)) for start, end in row], dim=2))
     return torch.cat(rows, dim=0)
 
 
@@ -179,8 +181,9 @@ def make_block_mask(mask_mod, B: int, q_len: int, kv_len: int, device):
     return build(mask_mod, B, None, q_len, kv_len, device=device)
 
 
-def flex_attention(q, k, v, block_mask, scale: Optional[float] = None, return_lse: bool = False,
-                   score_mod: Optional[Callable] = None):
+def flex_attention(
+    q, k, v, block_mask, scale: Optional[float] = None, return_lse: bool = False, score_mod: Optional[Callable] = None
+):
     """flex_attention with `block_mask`; compiled on CUDA (eager flex materialises the scores).
     return_lse: also the (B, H, T) natural log-sum-exp of each row's scores (differentiable).
     score_mod: flex's, applied to each scaled score before the mask (the target's soft-capping)."""
@@ -190,16 +193,32 @@ def flex_attention(q, k, v, block_mask, scale: Optional[float] = None, return_ls
     gqa = q.shape[1] != k.shape[1]
     if not return_lse:
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    out, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                    return_aux=AuxRequest(lse=True))
+    out, aux = flex(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=gqa,
+        return_aux=AuxRequest(lse=True),
+    )
     return out, aux.lse
 
 
 # -- the target's own attention per layer: sliding windows, attention sinks, soft-capping ---------
 
-def target_attention(q, k, v, documents: Optional[PackedDocuments] = None, scale: Optional[float] = None,
-                     window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-                     softcap: Optional[float] = None) -> torch.Tensor:
+
+def target_attention(
+    q,
+    k,
+    v,
+    documents: Optional[PackedDocuments] = None,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """A target layer's attention inside each document (target/capture.py's core), as transformers'
     eager attention computes it, without a (T, T) tensor on CPU and CUDA.
 
@@ -254,6 +273,7 @@ def document_window_block_mask(documents: torch.Tensor, window: int):
     """Query q sees key kv of its own document with q - window < kv <= q, as a flex BlockMask.
     The window is a constant of the mask_mod: fixed per layer kind of a target, so one
     compilation each, never one per batch."""
+
     def same_document_window(b, h, q, kv):
         return (q >= kv) & (q - kv < window) & (documents[b, q] == documents[b, kv])
 
@@ -267,11 +287,14 @@ def _causal_block_mask(T: int, device, window: Optional[int] = None):
     key = (T, window, str(torch.device(device)))
     if key not in _causal_block_masks:
         if window is None:
+
             def mask_mod(b, h, q, kv):
                 return q >= kv
         else:
+
             def mask_mod(b, h, q, kv):
                 return (q >= kv) & (q - kv < window)
+
         _causal_block_masks[key] = make_block_mask(mask_mod, 1, T, T, device)
     return _causal_block_masks[key]
 
@@ -282,6 +305,7 @@ _causal_block_masks: dict = {}
 def _softcap_score(softcap: float):
     """flex's score_mod of a soft-cap, one function per value (kept: the same object each layer)."""
     if softcap not in _softcap_scores:
+
         def softcapped(score, b, h, q, kv):
             return torch.tanh(score / softcap) * softcap
 

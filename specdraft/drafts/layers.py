@@ -15,7 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from specdraft.drafts.documents import attention_path, document_segments, flex_attention, make_block_mask, per_document
-from specdraft.drafts.spec import LayerDims  # noqa: F401 (re-exported: declared without torch)
+from specdraft.drafts.spec import LayerDims
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +156,7 @@ def window_mask_elements(B: int, T: int, window: int) -> int:
 
 def window_block_mask(documents: torch.Tensor, window: int):
     """The sliding window inside documents as a flex_attention BlockMask (O(T x window / 128^2) blocks)."""
+
     def same_document_window(b, h, q, kv):
         return (q >= kv) & (q - kv < window) & (documents[b, q] == documents[b, kv])
 
@@ -193,7 +194,7 @@ def lagged_cross_attention(q, k, v, lag: int, documents: Optional[torch.Tensor] 
         return flex_attention(q, k, v, lagged_block_mask(documents, lag))
     if lag >= T:
         return q.new_zeros(B, H, T, v.shape[-1])
-    q, k, v = q[:, :, lag:], k[:, :, :T - lag], v[:, :, :T - lag]
+    q, k, v = q[:, :, lag:], k[:, :, : T - lag], v[:, :, : T - lag]
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:

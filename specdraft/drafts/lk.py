@@ -23,9 +23,16 @@ def acceptance_rate(target_probs: torch.Tensor, draft_logits: torch.Tensor, temp
     return torch.minimum(target_probs.float(), q).sum(dim=-1)
 
 
-def lk_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, target_probs_on_draft: torch.Tensor,
-            mask: torch.Tensor, mode: str, kl_scale: float = LK_KL_SCALE, kl_decay: float = LK_KL_DECAY,
-            temperature: float = 1.0) -> torch.Tensor:
+def lk_loss(
+    draft_logits: torch.Tensor,
+    target_probs: torch.Tensor,
+    target_probs_on_draft: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    kl_scale: float = LK_KL_SCALE,
+    kl_decay: float = LK_KL_DECAY,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """SpecForge's LK loss of one TTT step (`specforge/core/lk_loss.py`, sgl-project/SpecForge at
     commit a6b6b0230009d15ec2a97a57384e6f53f0f96946; its last change c6100c46), over rows (N, V):
 
@@ -57,13 +64,15 @@ def lk_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, target_probs
 
 def lk_ttt_loss(step_losses: Sequence[torch.Tensor], decay: float = 0.8) -> torch.Tensor:
     """sum_i decay^i * loss_i over TTT steps (SpecForge's ploss weights 0.8^i)."""
-    return sum(decay ** i * loss for i, loss in enumerate(step_losses))
+    return sum(decay**i * loss for i, loss in enumerate(step_losses))
 
 
 # -- chunk by chunk, as training computes them ----------------------------------------------------
 
-def lk_terms(q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective, with_grad: bool,
-             lk_lambda: Optional[torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+
+def lk_terms(
+    q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective, with_grad: bool, lk_lambda: Optional[torch.Tensor]
+) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """SpecForge's LK losses on one chunk of rows (C, V) at temperature 1 (see lk_loss below, the
     reference): the acceptance alpha_r = sum_v min(p~_v, q_v) with p~ the target's probabilities
     before renormalising over the draft vocab (exp(t - teacher_lse)); p the renormalised teacher.

@@ -32,8 +32,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start:start + chunk_size]
-            y = labels[start:start + chunk_size]
+            h = hidden[start : start + chunk_size]
+            y = labels[start : start + chunk_size]
             rows = torch.arange(len(y), device=y.device)
             # One (C, V) fp32 buffer, worked in place: the only vocab-sized tensor alive (plus its
             # bf16 matmul output / bf16 copy for the gradient matmul at bf16).
@@ -43,7 +43,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             peak = logits.amax(dim=-1)
             probs = logits.sub_(peak[:, None]).exp_()  # exp(logit - max), in place
             sum_exp = probs.sum(dim=-1)
-            w = None if row_weights is None else row_weights[start:start + chunk_size]
+            w = None if row_weights is None else row_weights[start : start + chunk_size]
             ce = peak + sum_exp.log() - label_logit  # log Z - logit[y]
             total += (ce if w is None else ce * w).sum()
             if grad_hidden is not None:
@@ -51,7 +51,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs[rows, y] -= 1.0  # softmax - onehot
                 if w is not None:
                     probs.mul_(w[:, None])
-                grad_hidden[start:start + chunk_size] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start : start + chunk_size] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
             del logits, probs
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -63,8 +63,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_size: int = 0, row_weights=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0, row_weights=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sum over rows of CE(hidden @ weight.T, labels), top-1 hits); weight is a constant.
     chunk_size <= 0: default_chunk_size(vocab). row_weights (N,): constants each row's CE (and its
     gradient) is multiplied by (D-PACE's)."""
@@ -75,19 +76,27 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return _ChunkedLinearCrossEntropy.apply(hidden, weight.detach(), labels, chunk_size, row_weights)
 
 
-def row_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0) -> torch.Tensor:
+def row_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0
+) -> torch.Tensor:
     """(N,) CE of each row of hidden @ weight.T at labels, without gradient, a chunk at a time."""
     if chunk_size <= 0:
         chunk_size = default_chunk_size(weight.shape[0])
     with torch.no_grad():
-        return torch.cat([torch.logsumexp(z, dim=-1) - z.gather(1, y[:, None]).squeeze(1)
-                          for z, y in (((h @ weight.t()).float(), y)
-                                       for h, y in zip(hidden.split(chunk_size), labels.split(chunk_size)))]
-                         or [hidden.new_zeros(0, dtype=torch.float32)])
+        return torch.cat(
+            [
+                torch.logsumexp(z, dim=-1) - z.gather(1, y[:, None]).squeeze(1)
+                for z, y in (
+                    ((h @ weight.t()).float(), y) for h, y in zip(hidden.split(chunk_size), labels.split(chunk_size))
+                )
+            ]
+            or [hidden.new_zeros(0, dtype=torch.float32)]
+        )
 
 
-def whole_vocab_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, logsumexp: bool = True,
-                     argmax: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def whole_vocab_pass(
+    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, logsumexp: bool = True, argmax: bool = False
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(N, H) hidden states through a (V, H) head, one (C, V) block at a time, no grad -> (their
     logits' log-sum-exp (N,) float32, their argmax (N,)), each None unless asked: one matmul for
     both (EAGLE-3 with LK over a draft vocab reads both of the target's whole vocabulary). A block
@@ -107,9 +116,15 @@ def whole_vocab_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int
     return (torch.cat(lse) if logsumexp else None), (torch.cat(top1) if argmax else None)
 
 
-def teacher_vocab_pass(final: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, chunk_size: int,
-                       draft_vocab: int, logsumexp: bool, argmax: bool
-                       ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def teacher_vocab_pass(
+    final: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    chunk_size: int,
+    draft_vocab: int,
+    logsumexp: bool,
+    argmax: bool,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """What a teacher over a draft vocab reads of the target's whole vocabulary (EAGLE-3's
     in_vocab top-1, LK's log-sum-exp): whole_vocab_pass over `rows` only, the host indices of the
     rows of final (N, Ht) the loss reads (a teacher row of some step or depth), -> (N,) tensors,
@@ -120,8 +135,9 @@ def teacher_vocab_pass(final: torch.Tensor, weight: torch.Tensor, rows: torch.Te
     device, V = final.device, weight.shape[0]
     chunk = min(chunk_size if chunk_size > 0 else default_chunk_size(draft_vocab), rows.numel())
     at = to_device(rows, device)
-    lse, top1 = whole_vocab_pass(final.index_select(0, at), weight, max(1, chunk * draft_vocab // V),
-                                 logsumexp, argmax)
+    lse, top1 = whole_vocab_pass(final.index_select(0, at), weight, max(1, chunk * draft_vocab // V), logsumexp, argmax)
     n = final.shape[0]
-    return (None if lse is None else lse.new_zeros(n).index_copy_(0, at, lse),
-            None if top1 is None else top1.new_zeros(n).index_copy_(0, at, top1))
+    return (
+        None if lse is None else lse.new_zeros(n).index_copy_(0, at, lse),
+        None if top1 is None else top1.new_zeros(n).index_copy_(0, at, top1),
+    )

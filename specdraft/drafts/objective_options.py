@@ -97,16 +97,21 @@ def validate_objective_options(draft_cfg, source: str, default: str = "ce", lk_f
         raise SpecdraftError(f"{source}: key 'draft.distill_temperature': must be > 0, got {temperature}")
     tokens = draft_cfg.get("distill_tokens", "answers")
     if tokens not in DISTILL_TOKENS:
-        raise SpecdraftError(f"{source}: key 'draft.distill_tokens': must be one of "
-                             f"{', '.join(DISTILL_TOKENS)}, got {tokens!r}")
+        raise SpecdraftError(
+            f"{source}: key 'draft.distill_tokens': must be one of {', '.join(DISTILL_TOKENS)}, got {tokens!r}"
+        )
     objective = objective_from_options(draft_cfg, default, where=f"{source}: key 'draft.loss'")
     if objective.lk and not lk_family:
         lk = ", ".join(name for name in objective.names if name in LK_OBJECTIVES)
-        raise SpecdraftError(f"{source}: key 'draft.loss': {lk} is an LK loss, trained by draft.type "
-                             f"eagle3 and peagle only, not {draft_cfg.get('type')!r}")
+        raise SpecdraftError(
+            f"{source}: key 'draft.loss': {lk} is an LK loss, trained by draft.type "
+            f"eagle3 and peagle only, not {draft_cfg.get('type')!r}"
+        )
     if tokens == "all" and not objective.all_tokens:  # no teacher term to learn the other tokens
-        raise SpecdraftError(f"{source}: key 'draft.distill_tokens': 'all' needs a teacher term in "
-                             f"draft.loss ({', '.join(TEACHER_OBJECTIVES)}); {objective} learns answers only")
+        raise SpecdraftError(
+            f"{source}: key 'draft.distill_tokens': 'all' needs a teacher term in "
+            f"draft.loss ({', '.join(TEACHER_OBJECTIVES)}); {objective} learns answers only"
+        )
 
 
 def objective_from_options(draft_cfg, default: str, where: str = "key 'draft.loss'") -> Objective:
@@ -128,14 +133,17 @@ def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draf
         for term in spec.split("+"):
             match = _TERM.match(term)
             if match is None:
-                raise SpecdraftError(f"{where}: cannot read {term.strip()!r} in {spec!r} "
-                                     f"(expected e.g. 'tv' or '0.9*tv + 0.1*ce')")
+                raise SpecdraftError(
+                    f"{where}: cannot read {term.strip()!r} in {spec!r} (expected e.g. 'tv' or '0.9*tv + 0.1*ce')"
+                )
             pairs.append((match.group(2), 1.0 if match.group(1) is None else match.group(1)))
     elif isinstance(spec, Mapping):
         pairs = [(str(name), weight) for name, weight in spec.items()]
     else:
-        raise SpecdraftError(f"{where}: expected an objective name, a sum like '0.9*tv + 0.1*ce' "
-                             f"or a mapping of weights, got {_kind(spec)}")
+        raise SpecdraftError(
+            f"{where}: expected an objective name, a sum like '0.9*tv + 0.1*ce' "
+            f"or a mapping of weights, got {_kind(spec)}"
+        )
     weights: Dict[str, float] = {}
     for name, weight in pairs:
         if name not in OBJECTIVES:
@@ -150,10 +158,13 @@ def parse_objective(spec: Any, temperature: float = 1.0, where: str = "key 'draf
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise SpecdraftError(f"temperature of {where}: must be a number > 0, got {temperature!r}")
     if any(weights.get(name, 0.0) > 0 for name in LK_OBJECTIVES) and temperature != 1.0:
-        raise SpecdraftError(f"{where}: the LK losses compare the target's and the draft's sampling distributions "
-                             f"at temperature 1; draft.distill_temperature is {temperature:g}")
-    return Objective(tuple((name, weights[name]) for name in OBJECTIVES if weights.get(name, 0.0) > 0),
-                     float(temperature))
+        raise SpecdraftError(
+            f"{where}: the LK losses compare the target's and the draft's sampling distributions "
+            f"at temperature 1; draft.distill_temperature is {temperature:g}"
+        )
+    return Objective(
+        tuple((name, weights[name]) for name in OBJECTIVES if weights.get(name, 0.0) > 0), float(temperature)
+    )
 
 
 def _kind(value: Any) -> str:

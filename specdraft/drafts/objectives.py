@@ -36,14 +36,16 @@ import torch
 
 from specdraft.drafts.lk import lk_lambda_of, lk_terms
 from specdraft.drafts.loss import chunked_cross_entropy, default_chunk_size
-from specdraft.drafts.objective_options import (CE, DISTILL_TOKENS, LK_OBJECTIVES, OBJECTIVES,  # noqa: F401
-                                               TEACHER_OBJECTIVES, Objective, ObjectiveOptions,  # (re-exported)
-                                               objective_from_options, parse_objective, validate_objective_options)
+from specdraft.drafts.objective_options import (
+    CE,
+    Objective,
+)
 from specdraft.transfer import to_device
 
 
-def term_metrics(terms: Mapping[str, torch.Tensor], rows: torch.Tensor,
-                 answers: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+def term_metrics(
+    terms: Mapping[str, torch.Tensor], rows: torch.Tensor, answers: int
+) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """{"objective/<name>": (sum, count)} of one loss call: CE a mean over its `answers` rows,
     every teacher term over all its `rows` (a 0-dim count on the device)."""
     metrics = {f"objective/{name}": (value, rows) for name, value in terms.items()}
@@ -63,11 +65,17 @@ def answer_labels(labels: torch.Tensor, is_answer: torch.Tensor) -> Tuple[torch.
 
 # -- one chunk of rows ---------------------------------------------------------------------------
 
-def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch.Tensor],
-                    labels: Optional[torch.Tensor], objective: Objective,
-                    with_grad: bool, teacher_keep: Optional[torch.Tensor] = None,
-                    teacher_lse: Optional[torch.Tensor] = None, lk_lambda: Optional[torch.Tensor] = None
-                    ) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
+
+def objective_terms(
+    student_logits: torch.Tensor,
+    teacher_logits: Optional[torch.Tensor],
+    labels: Optional[torch.Tensor],
+    objective: Objective,
+    with_grad: bool,
+    teacher_keep: Optional[torch.Tensor] = None,
+    teacher_lse: Optional[torch.Tensor] = None,
+    lk_lambda: Optional[torch.Tensor] = None,
+) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
 
     student_logits / teacher_logits (C, V) float32 (consumed: teacher_logits is overwritten);
@@ -105,8 +113,9 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
         q, p = log_q.exp(), log_p.exp()
         keep = (lambda rows: rows) if teacher_keep is None else (lambda rows: rows * teacher_keep)
         if objective.lk:
-            lk_sums, lk_grad = lk_terms(q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective,
-                                        with_grad, lk_lambda)
+            lk_sums, lk_grad = lk_terms(
+                q, p, log_q, log_p, teacher_logits, teacher_lse, keep, objective, with_grad, lk_lambda
+            )
             sums.update(lk_sums)
             if lk_grad is not None:
                 accumulate(lk_grad, 1.0)
@@ -139,6 +148,7 @@ def objective_terms(student_logits: torch.Tensor, teacher_logits: Optional[torch
 
 # -- all rows, chunked -------------------------------------------------------------------------
 
+
 @dataclass
 class ObjectiveSums:
     loss: torch.Tensor  # weighted sum over rows (differentiable): divide by the counted rows
@@ -147,9 +157,21 @@ class ObjectiveSums:
     argmax: Optional[torch.Tensor]  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
 
 
-def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
-                      teacher_lse, objective: Objective, chunk_size: int, term_names: Tuple[str, ...],
-                      grad_hidden=None, grad_weight=None, lk_lambda=None):
+def _objective_chunks(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    labels,
+    teacher_keep,
+    teacher_lse,
+    objective: Objective,
+    chunk_size: int,
+    term_names: Tuple[str, ...],
+    grad_hidden=None,
+    grad_weight=None,
+    lk_lambda=None,
+):
     """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
     argmax (N,)); fills grad_hidden (N, H) / grad_weight (V, H) fp32 with d(weighted sum) when given.
     student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
@@ -163,8 +185,11 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
         rows = slice(start, start + chunk_size)
         h = student_hidden[rows]
         z = (h @ student_weight.t()).float()  # (C, V): with t, the only vocab-sized tensors alive
-        t = None if teacher_hidden is None else (teacher_hidden[rows].to(teacher_weight.dtype)
-                                                 @ teacher_weight.t()).float()
+        t = (
+            None
+            if teacher_hidden is None
+            else (teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.t()).float()
+        )
         y = None if labels is None else labels[rows]
         keep = None if teacher_keep is None else teacher_keep[rows]
         lse = None if teacher_lse is None else teacher_lse[rows]
@@ -181,8 +206,20 @@ def _objective_chunks(student_hidden, student_weight, teacher_hidden, teacher_we
 
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep,
-                teacher_lse, objective: Objective, chunk_size: int, term_names: Tuple[str, ...], reduce):
+    def forward(
+        ctx,
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        labels,
+        teacher_keep,
+        teacher_lse,
+        objective: Objective,
+        chunk_size: int,
+        term_names: Tuple[str, ...],
+        reduce,
+    ):
         if chunk_size <= 0:  # the config's 0: sized from the vocab
             chunk_size = default_chunk_size(student_weight.shape[0])
         inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep, teacher_lse)
@@ -205,8 +242,9 @@ class _ChunkedObjective(torch.autograd.Function):
             at = {name: i for i, name in enumerate(term_names)}
             accept, kept = reduce(sums[at["accept"]].clone()), reduce(sums[at["kept"]].clone())
             ctx.lk_lambda = lk_lambda_of(accept, kept)
-            sums[at["lk_lambda"]] = (ctx.lk_lambda * sums[at["lk_kl"]]
-                                     + (1.0 - ctx.lk_lambda) * (sums[at["kept"]] - sums[at["accept"]]))
+            sums[at["lk_lambda"]] = ctx.lk_lambda * sums[at["lk_kl"]] + (1.0 - ctx.lk_lambda) * (
+                sums[at["kept"]] - sums[at["accept"]]
+            )
         # Python floats: a weights tensor made here would be a host-to-device copy per call
         total = sum(sums[i] * objective.weight(name) for i, name in enumerate(term_names))
         ctx.mark_non_differentiable(correct, sums, argmax)
@@ -231,11 +269,18 @@ class _ChunkedObjective(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
-def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor,
-                      teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
-                      labels: Optional[torch.Tensor], objective: Objective,
-                      chunk_size: int = 1024, teacher_keep: Optional[torch.Tensor] = None,
-                      teacher_lse: Optional[torch.Tensor] = None, reduce=None) -> ObjectiveSums:
+def chunked_objective(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: Optional[torch.Tensor],
+    teacher_weight: Optional[torch.Tensor],
+    labels: Optional[torch.Tensor],
+    objective: Objective,
+    chunk_size: int = 1024,
+    teacher_keep: Optional[torch.Tensor] = None,
+    teacher_lse: Optional[torch.Tensor] = None,
+    reduce=None,
+) -> ObjectiveSums:
     """Sums over rows of `objective` for student logits student_hidden @ student_weight.T.
 
     The rows are the counted positions only (select them before the call). The teacher
@@ -261,31 +306,51 @@ def chunked_objective(student_hidden: torch.Tensor, student_weight: torch.Tensor
         term_names += ("accept", "kept") + (("lk_kl",) if "lk_lambda" in objective.names else ())
     if student_hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
         zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
-        terms = {name: torch.zeros((), dtype=torch.float32, device=student_hidden.device) for name in term_names
-                 if name not in ("kept", "lk_kl")}
+        terms = {
+            name: torch.zeros((), dtype=torch.float32, device=student_hidden.device)
+            for name in term_names
+            if name not in ("kept", "lk_kl")
+        }
         if "lk_lambda" in objective.names and reduce is not None:  # the other ranks' lambda waits on ours
             reduce(terms["accept"].clone()), reduce(terms["accept"].clone())
         none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
         return ObjectiveSums(zero.float(), none.sum(), terms, none)
-    total, correct, sums, argmax = _ChunkedObjective.apply(student_hidden, student_weight, teacher_hidden,
-                                                   teacher_weight, labels, teacher_keep, teacher_lse, objective,
-                                                   chunk_size, term_names, reduce or (lambda x: x))
+    total, correct, sums, argmax = _ChunkedObjective.apply(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        labels,
+        teacher_keep,
+        teacher_lse,
+        objective,
+        chunk_size,
+        term_names,
+        reduce or (lambda x: x),
+    )
     internal = ("kept", "lk_kl")  # lk_lambda's pieces, not terms of their own
-    return ObjectiveSums(total, correct, {name: sums[i] for i, name in enumerate(term_names)
-                                         if name not in internal}, argmax)
+    return ObjectiveSums(
+        total, correct, {name: sums[i] for i, name in enumerate(term_names) if name not in internal}, argmax
+    )
 
 
-def shared_head_objective(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                          teacher_hidden: Optional[torch.Tensor], labels: torch.Tensor, objective: Objective,
-                          chunk_size: int) -> ObjectiveSums:
+def shared_head_objective(
+    student_hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    teacher_hidden: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    objective: Objective,
+    chunk_size: int,
+) -> ObjectiveSums:
     """The objective of a draft that reads the target's own frozen lm_head (GLIDE, DFlash): the
     teacher is the target's final hidden state through that same head. Plain CE takes the
     in-place chunked CE, the cheapest path (it logs no terms and no argmax)."""
     if objective == CE:
         total, correct = chunked_cross_entropy(student_hidden, lm_head_weight, labels, chunk_size)
         return ObjectiveSums(total, correct, {}, argmax=None)
-    return chunked_objective(student_hidden, lm_head_weight, teacher_hidden, lm_head_weight, labels, objective,
-                             chunk_size)
+    return chunked_objective(
+        student_hidden, lm_head_weight, teacher_hidden, lm_head_weight, labels, objective, chunk_size
+    )
 
 
 # -- the peers' newest losses, on per-position tensors (issue 35) ----------------------------------

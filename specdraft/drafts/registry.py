@@ -17,8 +17,9 @@ from specdraft.drafts.mtp.model import MTPDraft
 from specdraft.drafts.peagle.model import PEagleDraft
 from specdraft.errors import SpecdraftError
 
-FAMILIES: Dict[str, Type[Draft]] = {cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft,
-                                                                  MTPDraft, PEagleDraft)}
+FAMILIES: Dict[str, Type[Draft]] = {
+    cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft, MTPDraft, PEagleDraft)
+}
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 
 
@@ -31,8 +32,10 @@ def build_draft(draft_cfg, target_config, data=None) -> Draft:
 def draft_from_export_config(config: Dict[str, Any], source: Optional[str] = None) -> Draft:
     architecture = config.get("architecture")
     if architecture not in ARCHITECTURES:
-        raise SpecdraftError(f"{source or 'config.json'}: unknown draft architecture {architecture!r} "
-                             f"(known: {', '.join(ARCHITECTURES)})")
+        raise SpecdraftError(
+            f"{source or 'config.json'}: unknown draft architecture {architecture!r} "
+            f"(known: {', '.join(ARCHITECTURES)})"
+        )
     return ARCHITECTURES[architecture].from_export_config(config)
 
 

@@ -29,8 +29,7 @@ class DraftSpec:
     serving_format_names: ClassVar[Tuple[str, ...]] = ()
 
     @classmethod
-    def validate_config(cls, draft_cfg, target_config: Optional[Any], source: str,
-                        max_seq_length: int) -> None:
+    def validate_config(cls, draft_cfg, target_config: Optional[Any], source: str, max_seq_length: int) -> None:
         """Raise a one-line SpecdraftError naming the bad `draft.` key. target_config is None when
         the target directory has no readable config yet (checked again at training start)."""
 
@@ -64,6 +63,7 @@ def target_text_config(target_config):
 @dataclass
 class LayerDims:
     """The shape of one Llama-style decoder layer: the first fields of every family's dims."""
+
     hidden_size: int
     intermediate_size: int
     num_heads: int

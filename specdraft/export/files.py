@@ -23,13 +23,23 @@ from specdraft.drafts.base import Draft
 from specdraft.drafts.registry import draft_from_export_config
 from specdraft.drafts.base import DRAFT_PREFIX
 from specdraft.errors import SpecdraftError, write_failure
-from specdraft.rundir.layout import (CONFIG_NAME, EXPORT, MARKER, PTH_NAME, SAFETENSORS_NAME, TARGET_HEADS_NAME,
-                           TRAINING_CONFIG_NAME, marker_text)
+from specdraft.rundir.layout import (
+    CONFIG_NAME,
+    EXPORT,
+    MARKER,
+    PTH_NAME,
+    SAFETENSORS_NAME,
+    TARGET_HEADS_NAME,
+    TRAINING_CONFIG_NAME,
+    marker_text,
+)
 
 
-def extract_and_rename(state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX) -> "OrderedDict[str, torch.Tensor]":
+def extract_and_rename(
+    state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX
+) -> "OrderedDict[str, torch.Tensor]":
     """Keep the keys under `prefix`, with the prefix stripped."""
-    return OrderedDict((key[len(prefix):], value) for key, value in state_dict.items() if key.startswith(prefix))
+    return OrderedDict((key[len(prefix) :], value) for key, value in state_dict.items() if key.startswith(prefix))
 
 
 NATIVE_FILES = ("pth", "safetensors")
@@ -47,9 +57,18 @@ def serving_formats(draft, cfg: DictConfig) -> Sequence[str]:
     return list(configured)
 
 
-def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft, cfg: DictConfig,
-                       tokenizer=None, formats=NATIVE_FILES, target_heads=None,
-                       serving: Optional[Sequence[str]] = None, run_dir=None, step: Optional[int] = None) -> Path:
+def write_draft_export(
+    out_dir: Path,
+    state_dict: Dict[str, torch.Tensor],
+    draft,
+    cfg: DictConfig,
+    tokenizer=None,
+    formats=NATIVE_FILES,
+    target_heads=None,
+    serving: Optional[Sequence[str]] = None,
+    run_dir=None,
+    step: Optional[int] = None,
+) -> Path:
     """Write a complete draft export directory atomically (rank 0 only); its marker names the run
     and step it came from.
 
@@ -61,8 +80,10 @@ def write_draft_export(out_dir: Path, state_dict: Dict[str, torch.Tensor], draft
     serving = serving_formats(draft, cfg) if serving is None else serving
     for name in serving:  # checked before anything is written
         if name not in draft.serving_formats:
-            raise SpecdraftError(f"export format {name!r}: a {draft.family} draft has no such serving format "
-                                 f"(it has: {', '.join(['native', *draft.serving_formats])})")
+            raise SpecdraftError(
+                f"export format {name!r}: a {draft.family} draft has no such serving format "
+                f"(it has: {', '.join(['native', *draft.serving_formats])})"
+            )
     # a symlink the user gave is followed, never replaced: the export lands where it points
     out_dir = Path(os.path.realpath(out_dir))
     origin = {"run": None if run_dir is None else os.path.abspath(run_dir), "step": step}
@@ -95,9 +116,12 @@ def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, t
     for name in serving:  # e.g. speculators/ for vLLM, each with the run's training config
         draft.serving_formats[name](draft, tensors, tmp / name, str(cfg.target))
         OmegaConf.save(cfg, tmp / name / TRAINING_CONFIG_NAME, resolve=True)
-    description = dict(draft.export_config(), specdraft_version=__version__,
-                       target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
-                       dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""))
+    description = dict(
+        draft.export_config(),
+        specdraft_version=__version__,
+        target={"path": os.path.abspath(cfg.target), "config_hash": config_hash(cfg)},
+        dtype=str(next(iter(tensors.values())).dtype).replace("torch.", ""),
+    )
     (tmp / CONFIG_NAME).write_text(json.dumps(description, indent=2))
     OmegaConf.save(cfg, tmp / TRAINING_CONFIG_NAME, resolve=True)
     if tokenizer is not None:
@@ -106,6 +130,7 @@ def _write_export_files(tmp: Path, state_dict, draft, cfg, tokenizer, formats, t
 
 
 # -- reading an export back ------------------------------------------------------------------------
+
 
 def read_export_config(export_dir) -> Dict[str, Any]:
     path = Path(export_dir) / CONFIG_NAME

@@ -56,8 +56,10 @@ def planned_import(cfg: DictConfig, resuming: bool, log) -> Optional[ImportedDra
     if cfg.draft.init_from is None:
         return None
     if resuming:
-        log(f"draft.init_from: {cfg.draft.init_from} is not imported again: the run resumes from its own "
-            f"checkpoint, which holds the draft it started from")
+        log(
+            f"draft.init_from: {cfg.draft.init_from} is not imported again: the run resumes from its own "
+            f"checkpoint, which holds the draft it started from"
+        )
         return None
     return read_init_from(cfg, load_target_config(cfg.target))
 
@@ -67,8 +69,10 @@ def read_init_from(cfg: DictConfig, target_config) -> ImportedDraft:
     tensors = read_tensors(weights)
     fmt, family = detect(weights, config, tensors)
     if family != cfg.draft.type:
-        raise SpecdraftError(f"{weights}: a {family} draft ({fmt} files); this run trains draft.type "
-                             f"{cfg.draft.type!r} (set draft.type: {family})")
+        raise SpecdraftError(
+            f"{weights}: a {family} draft ({fmt} files); this run trains draft.type "
+            f"{cfg.draft.type!r} (set draft.type: {family})"
+        )
     with torch.device("meta"):  # shapes and names only: nothing is allocated
         draft = build_draft(cfg.draft, target_config)
     check_settings(draft, fmt, config, weights)
@@ -83,14 +87,17 @@ def read_init_from(cfg: DictConfig, target_config) -> ImportedDraft:
 def apply_import(draft: Draft, imported: ImportedDraft, data, log) -> None:
     """Load the checked tensors into the run's new draft (before the engine is built)."""
     draft.load_state_dict(imported.state, strict=True)
-    log(f"draft.init_from: {imported.fmt} draft {imported.path} ({len(imported.state)} tensors); "
-        f"optimizer, scheduler and step start fresh")
+    log(
+        f"draft.init_from: {imported.fmt} draft {imported.path} ({len(imported.state)} tensors); "
+        f"optimizer, scheduler and step start fresh"
+    )
     disagreement = draft.data_disagreement(data)
     if disagreement:
         log(f"draft.init_from: {disagreement}")
 
 
 # -- the files ---------------------------------------------------------------------------------------
+
 
 def locate(path: Path) -> Tuple[Path, Optional[Dict[str, Any]]]:
     """(the weights file, the config.json beside it or None) of a file, an export or a run."""
@@ -102,8 +109,9 @@ def locate(path: Path) -> Tuple[Path, Optional[Dict[str, Any]]]:
     for name in WEIGHT_FILES:
         if (path / name).is_file():
             return path / name, read_json(path / CONFIG_NAME)
-    raise SpecdraftError(f"{path}: no draft weights there ({', '.join(WEIGHT_FILES)}), and not a run directory "
-                         f"with step_<N>/ exports")
+    raise SpecdraftError(
+        f"{path}: no draft weights there ({', '.join(WEIGHT_FILES)}), and not a run directory with step_<N>/ exports"
+    )
 
 
 def read_json(path: Path) -> Optional[Dict[str, Any]]:
@@ -128,8 +136,10 @@ def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
     except pickle.UnpicklingError as err:
-        raise SpecdraftError(f"{path}: refused: the pickle asks for more than tensors, and it is read with "
-                             f"torch.load(weights_only=True) only ({one_line(err)})") from None
+        raise SpecdraftError(
+            f"{path}: refused: the pickle asks for more than tensors, and it is read with "
+            f"torch.load(weights_only=True) only ({one_line(err)})"
+        ) from None
     except Exception as err:  # a truncated zip, not a torch file at all
         raise SpecdraftError(f"{path}: not a readable torch file ({type(err).__name__}: {one_line(err)})") from None
     if not isinstance(loaded, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in loaded.items()):
@@ -149,20 +159,26 @@ def detect(weights: Path, config: Optional[Dict[str, Any]], tensors: Dict[str, t
     if config is not None and "architecture" in config and "dims" in config:
         cls = ARCHITECTURES.get(config["architecture"])
         if cls is None:
-            raise SpecdraftError(f"{weights.parent / CONFIG_NAME}: unknown draft architecture {config['architecture']!r}")
+            raise SpecdraftError(
+                f"{weights.parent / CONFIG_NAME}: unknown draft architecture {config['architecture']!r}"
+            )
         return "native", cls.family
     if config is not None and "speculators_model_type" in config:
         family = str(config["speculators_model_type"])
         if "speculators" not in getattr(FAMILIES.get(family), "file_formats", {}):
-            raise SpecdraftError(f"{weights.parent / CONFIG_NAME}: speculators_model_type {family!r}: specdraft reads "
-                                 f"speculators drafts of {', '.join(f for f, _ in with_format('speculators'))} only")
+            raise SpecdraftError(
+                f"{weights.parent / CONFIG_NAME}: speculators_model_type {family!r}: specdraft reads "
+                f"speculators drafts of {', '.join(f for f, _ in with_format('speculators'))} only"
+            )
         return "speculators", family
     for fmt, mark in FORMAT_MARKS.items():
         if any(name.startswith(mark) for name in tensors):
             return fmt, with_format(fmt)[0][0]
     shown = ", ".join(sorted(tensors)[:4])
-    raise SpecdraftError(f"{weights}: not a draft format specdraft reads (tensors {shown}, ...): expected our "
-                         f"export, a speculators export, the EAGLE / SGLang layout (midlayer.*) or LongSpec's GLIDE")
+    raise SpecdraftError(
+        f"{weights}: not a draft format specdraft reads (tensors {shown}, ...): expected our "
+        f"export, a speculators export, the EAGLE / SGLang layout (midlayer.*) or LongSpec's GLIDE"
+    )
 
 
 def with_format(fmt: str):
@@ -171,6 +187,7 @@ def with_format(fmt: str):
 
 
 # -- the names and the checks ------------------------------------------------------------------------
+
 
 def format_names(draft: Draft, fmt: str) -> Tuple[Dict[str, Optional[str]], Dict[str, torch.Tensor]]:
     """({the file's name: ours, or None for filler it writes and nobody reads}, {ours: value} of the
@@ -195,22 +212,27 @@ def check_settings(draft: Draft, fmt: str, config: Optional[Dict[str, Any]], sou
     for key, value in recorded.items():
         ours = getattr(draft.dims, key)
         if plain(value) != plain(ours):
-            raise SpecdraftError(f"{source}: the imported draft has draft.{key}={plain(value)}, this run's draft "
-                                 f"{plain(ours)} (set draft.{key}: {plain(value)})")
+            raise SpecdraftError(
+                f"{source}: the imported draft has draft.{key}={plain(value)}, this run's draft "
+                f"{plain(ours)} (set draft.{key}: {plain(value)})"
+            )
 
 
 def plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
-def check_tensors(draft: Draft, names: Dict[str, Optional[str]], tensors: Dict[str, torch.Tensor],
-                  source: Path) -> None:
+def check_tensors(
+    draft: Draft, names: Dict[str, Optional[str]], tensors: Dict[str, torch.Tensor], source: Path
+) -> None:
     """Every tensor of the run's draft is there, with its shape and kind; nothing else is."""
     expected = draft.state_dict()
     for theirs in tensors:
         if theirs not in names and theirs not in TARGET_TENSORS:
-            raise SpecdraftError(f"{source}: unexpected tensor {theirs!r}: this run's draft has no such tensor "
-                                 f"({config_key(draft, theirs)})")
+            raise SpecdraftError(
+                f"{source}: unexpected tensor {theirs!r}: this run's draft has no such tensor "
+                f"({config_key(draft, theirs)})"
+            )
     for theirs, ours in names.items():
         if ours is None:
             continue
@@ -218,9 +240,13 @@ def check_tensors(draft: Draft, names: Dict[str, Optional[str]], tensors: Dict[s
             raise SpecdraftError(f"{source}: missing tensor {theirs!r} ({config_key(draft, ours)})")
         got, want = tensors[theirs], expected[ours]
         if got.shape != want.shape:
-            raise SpecdraftError(f"{source}: tensor {theirs!r} has shape {tuple(got.shape)}, this run's draft needs "
-                                 f"{tuple(want.shape)} ({config_key(draft, ours)})")
-        if got.is_floating_point() != want.is_floating_point() or (not want.is_floating_point() and got.dtype != want.dtype):
+            raise SpecdraftError(
+                f"{source}: tensor {theirs!r} has shape {tuple(got.shape)}, this run's draft needs "
+                f"{tuple(want.shape)} ({config_key(draft, ours)})"
+            )
+        if got.is_floating_point() != want.is_floating_point() or (
+            not want.is_floating_point() and got.dtype != want.dtype
+        ):
             raise SpecdraftError(f"{source}: tensor {theirs!r} is {got.dtype}, this run's draft needs {want.dtype}")
 
 
@@ -229,5 +255,7 @@ def config_key(draft: Draft, name: str) -> str:
     for pattern, key in draft.tensor_keys:
         if fnmatch.fnmatchcase(name, pattern):
             return f"set {key} to match the imported draft"
-    return ("its shape comes from the target's config: the imported draft was made for another `target`, "
-            "or another draft.* key of its family")
+    return (
+        "its shape comes from the target's config: the imported draft was made for another `target`, "
+        "or another draft.* key of its family"
+    )

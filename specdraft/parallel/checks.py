@@ -11,7 +11,9 @@ def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None
     if size < 1:
         return f"must be >= 1, got {size}"
     if max_seq_length % size:
-        return f"{size} does not divide max_seq_length {max_seq_length} (each rank holds max_seq_length / {size} tokens)"
+        return (
+            f"{size} does not divide max_seq_length {max_seq_length} (each rank holds max_seq_length / {size} tokens)"
+        )
     if target_config is None or size == 1:
         return None
     text = target_config.get_text_config()
@@ -22,13 +24,16 @@ def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None
     if heads % size:
         return f"{size} does not divide the target's {heads} attention heads (each rank attends with heads / {size})"
     if kv_heads % size and size % kv_heads:
-        return (f"the target's {kv_heads} key/value heads and {size} do not divide one another (each rank reads "
-                f"kv_heads / {size} of them, or one repeated)")
+        return (
+            f"the target's {kv_heads} key/value heads and {size} do not divide one another (each rank reads "
+            f"kv_heads / {size} of them, or one repeated)"
+        )
     return None
 
 
-def sequence_parallel_key_refusal(size: int, max_seq_length: int, target_config, family, draft_cfg,
-                                  families: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+def sequence_parallel_key_refusal(
+    size: int, max_seq_length: int, target_config, family, draft_cfg, families: Dict[str, Any]
+) -> Optional[Tuple[str, str]]:
     """(key, why) of the first thing that stops `size` ranks sharing each sequence of this run:
     the draft family (Draft.sequence_parallel), the sizes, then a draft key that reads further
     into the next rank than a shard holds (Draft.sequence_parallel_reach); None if nothing does."""
@@ -41,6 +46,9 @@ def sequence_parallel_key_refusal(size: int, max_seq_length: int, target_config,
         return "sequence_parallel_size", why
     reach = family.sequence_parallel_reach(draft_cfg) if size > 1 else None
     if reach and reach[1] > max_seq_length // size:
-        return (f"draft.{reach[0]}", f"{reach[1]} reads past the next rank's tokens at sequence_parallel_size {size} "
-                                     f"(max_seq_length / {size} = {max_seq_length // size} each)")
+        return (
+            f"draft.{reach[0]}",
+            f"{reach[1]} reads past the next rank's tokens at sequence_parallel_size {size} "
+            f"(max_seq_length / {size} = {max_seq_length // size} each)",
+        )
     return None

@@ -71,8 +71,14 @@ def raise_everywhere(error: Optional[BaseException]) -> None:
         original, error = error, write_error(error)  # a full disk: one line, on every rank
         error.__cause__ = original
     reports = [None] * dist.get_world_size()
-    mine = None if error is None else (isinstance(error, SpecdraftError), f"{type(error).__name__}: {error}"
-                                       if not isinstance(error, SpecdraftError) else str(error))
+    mine = (
+        None
+        if error is None
+        else (
+            isinstance(error, SpecdraftError),
+            f"{type(error).__name__}: {error}" if not isinstance(error, SpecdraftError) else str(error),
+        )
+    )
     dist.all_gather_object(reports, mine)
     failing = next(rank for rank, report in enumerate(reports) if report is not None)
     user_error, message = reports[failing]

@@ -92,8 +92,9 @@ class SequenceShard:
         received = _all_to_all(send, self.group)  # (N, B, h/N, T/N, D): index j = heads of rank j
         return received.permute(1, 0, 2, 3, 4).reshape(B, self.size * h, T // self.size, D)
 
-    def attention(self, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  *args, **kwargs) -> torch.Tensor:
+    def attention(
+        self, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs
+    ) -> torch.Tensor:
         """core(q, k, v, ...) over the whole sequence with this rank's heads -> (B, hq, T/N, D).
         q (B, hq, T/N, D), k/v (B, hkv, T/N, D)."""
         if not self.parallel:
@@ -199,8 +200,10 @@ def sequence_parallel_groups(size: int) -> SequenceParallel:
     consecutive ranks. size 1: no group."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     if world % size:
-        raise SpecdraftError(f"key 'sequence_parallel_size': {size} does not divide the world size {world} "
-                             f"(ranks share sequences in groups of {size})")
+        raise SpecdraftError(
+            f"key 'sequence_parallel_size': {size} does not divide the world size {world} "
+            f"(ranks share sequences in groups of {size})"
+        )
     if size <= 1:
         return SequenceParallel(1, 0, None, rank, world)
     mine: Optional[Any] = None

@@ -35,7 +35,7 @@ def temp_target(name: str) -> "str | None":
     """The final name a temp name of fresh_name's form stands for, None for any other name."""
     if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
         return None
-    final = name[1:-len(TEMP_SUFFIX)].rsplit(".", 1)[0]
+    final = name[1 : -len(TEMP_SUFFIX)].rsplit(".", 1)[0]
     return final if is_temp_of(name, final) else None
 
 

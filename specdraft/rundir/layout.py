@@ -78,12 +78,12 @@ def slot_name(step: int) -> str:
 
 def step_of(name: str) -> Optional[int]:
     """The step of a slot or export name (step_<N>), None for any other name."""
-    digits = name[len(SLOT_PREFIX):]
+    digits = name[len(SLOT_PREFIX) :]
     return int(digits) if name.startswith(SLOT_PREFIX) and digits.isdigit() else None
 
 
 def slot_step(path: Path) -> int:
-    return int(path.name[len(SLOT_PREFIX):])
+    return int(path.name[len(SLOT_PREFIX) :])
 
 
 def config_file(run_dir) -> Path:
@@ -126,6 +126,7 @@ def draft_part(directory, name: Optional[str]) -> Path:
 
 # -- what specdraft owns --------------------------------------------------------------------------
 
+
 def marker_text(kind: str, **fields) -> str:
     return json.dumps({"kind": kind, **fields, "specdraft_version": __version__}, indent=1)
 
@@ -137,8 +138,11 @@ def marker_kind(directory) -> Optional[str]:
         marker = json.loads((Path(directory) / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict) or marker.get("kind") not in (RUN, EXPORT, REGENERATE) \
-            or "specdraft_version" not in marker:
+    if (
+        not isinstance(marker, dict)
+        or marker.get("kind") not in (RUN, EXPORT, REGENERATE)
+        or "specdraft_version" not in marker
+    ):
         return None
     return marker["kind"]
 
@@ -147,8 +151,10 @@ def committed_slots(ckpt: Path) -> List[Path]:
     """Slots with a COMMITTED marker, oldest first."""
     if not ckpt.is_dir():
         return []
-    return sorted((p for p in ckpt.iterdir() if p.is_dir() and step_of(p.name) is not None
-                   and (p / COMMITTED).is_file()), key=slot_step)
+    return sorted(
+        (p for p in ckpt.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / COMMITTED).is_file()),
+        key=slot_step,
+    )
 
 
 def is_run_dir(path) -> bool:

@@ -19,9 +19,21 @@ from typing import Optional
 
 from specdraft.rundir.atomic import is_temp_of, temp_target, write_atomic
 from specdraft.errors import SpecdraftError, write_error
-from specdraft.rundir.layout import (MARKER, REGENERATE, RUN, ckpt_dir, committed_slots, enclosing_run, is_export_dir,
-                           is_our_plot, is_regenerate_dir, is_run_dir, marker_kind, marker_text, step_of)
-
+from specdraft.rundir.layout import (
+    MARKER,
+    REGENERATE,
+    RUN,
+    ckpt_dir,
+    committed_slots,
+    enclosing_run,
+    is_export_dir,
+    is_our_plot,
+    is_regenerate_dir,
+    is_run_dir,
+    marker_kind,
+    marker_text,
+    step_of,
+)
 
 
 def claim_run_dir(run_dir, resume: str) -> None:
@@ -37,15 +49,21 @@ def claim_run_dir(run_dir, resume: str) -> None:
         raise SpecdraftError(f"{flag}: inside the specdraft run {outer}; choose an output_dir outside any run")
     if _non_empty(run_dir):
         if not is_run_dir(run_dir):
-            raise SpecdraftError(f"{flag}: exists, is not empty and is not a specdraft run ({_what(run_dir)}); "
-                                 f"specdraft never writes into it: choose a new or empty output_dir")
+            raise SpecdraftError(
+                f"{flag}: exists, is not empty and is not a specdraft run ({_what(run_dir)}); "
+                f"specdraft never writes into it: choose a new or empty output_dir"
+            )
         slots = committed_slots(ckpt_dir(run_dir))
         if slots and resume == "no":
-            raise SpecdraftError(f"{flag}: holds committed checkpoints (newest {slots[-1]}); resume=no would mix a "
-                                 f"new run into them: choose a new output_dir (resume=auto continues this run)")
+            raise SpecdraftError(
+                f"{flag}: holds committed checkpoints (newest {slots[-1]}); resume=no would mix a "
+                f"new run into them: choose a new output_dir (resume=auto continues this run)"
+            )
         if slots and resume != "auto" and not _within(Path(resume), run_dir):
-            raise SpecdraftError(f"{flag}: holds committed checkpoints of its own (newest {slots[-1]}) that "
-                                 f"resuming {resume} would overwrite: choose a new output_dir")
+            raise SpecdraftError(
+                f"{flag}: holds committed checkpoints of its own (newest {slots[-1]}) that "
+                f"resuming {resume} would overwrite: choose a new output_dir"
+            )
     existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
     for directory in (existing, ckpt_dir(run_dir)):
         if directory.is_dir():
@@ -90,13 +108,17 @@ def check_export_out(out, run_dir, default) -> None:
     run = enclosing_run(out)
     if run is not None and out.resolve() != Path(default).resolve():
         where = "is the specdraft run" if run == out.resolve() else "is inside the specdraft run"
-        raise SpecdraftError(f"{flag}: {where} {run}; its checkpoints and exports are never replaced: choose a "
-                             f"directory outside any run (default: {default})")
+        raise SpecdraftError(
+            f"{flag}: {where} {run}; its checkpoints and exports are never replaced: choose a "
+            f"directory outside any run (default: {default})"
+        )
     if not _non_empty(out):
         return
     if not is_export_dir(out):
-        raise SpecdraftError(f"{flag}: exists, is not empty and is not an export specdraft wrote ({_what(out)}); "
-                             f"specdraft never replaces it: choose a new or empty directory")
+        raise SpecdraftError(
+            f"{flag}: exists, is not empty and is not an export specdraft wrote ({_what(out)}); "
+            f"specdraft never replaces it: choose a new or empty directory"
+        )
     inner = next((Path(d) for d, _, _ in os.walk(out) if is_run_dir(d)), None)
     if inner is not None:
         raise SpecdraftError(f"{flag}: holds the specdraft run {inner}; replacing the export would delete it")
@@ -109,8 +131,10 @@ def claim_regenerate_out(out, rank: int = 0) -> None:
     flag = f"--out {out}"
     _refuse_file(out, flag)
     if _non_empty(out) and not is_regenerate_dir(out):
-        raise SpecdraftError(f"{flag}: exists, is not empty and is not a `specdraft regenerate` output "
-                             f"({_what(out)}); choose a new or empty directory")
+        raise SpecdraftError(
+            f"{flag}: exists, is not empty and is not a `specdraft regenerate` output "
+            f"({_what(out)}); choose a new or empty directory"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         if rank == 0 and marker_kind(out) != REGENERATE:
@@ -133,10 +157,13 @@ def check_plot_file(path, flag: str = "--plot") -> None:
 
 # -- helpers -----------------------------------------------------------------------------------------
 
+
 def _refuse_file(path: Path, flag: str) -> None:
     if path.is_symlink() and not path.exists():
-        raise SpecdraftError(f"{flag}: is a symlink to {os.readlink(path)}, which does not exist; specdraft never "
-                             f"replaces a link: create what it points to, or choose another path")
+        raise SpecdraftError(
+            f"{flag}: is a symlink to {os.readlink(path)}, which does not exist; specdraft never "
+            f"replaces a link: create what it points to, or choose another path"
+        )
     if path.exists() and not path.is_dir():
         raise SpecdraftError(f"{flag}: is a file, not a directory; specdraft never replaces it")
 

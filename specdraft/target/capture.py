@@ -51,10 +51,12 @@ class CaptureRequest:
     token_embeddings: Tuple[int, ...] = ()  # input embeddings of these token ids (DFlash's MASK)
 
     def merged(self, other: "CaptureRequest") -> "CaptureRequest":
-        return CaptureRequest(layers=tuple(sorted(set(self.layers) | set(other.layers))),
-                              last_layer_kv=self.last_layer_kv or other.last_layer_kv,
-                              final_hidden=self.final_hidden or other.final_hidden,
-                              token_embeddings=tuple(dict.fromkeys(self.token_embeddings + other.token_embeddings)))
+        return CaptureRequest(
+            layers=tuple(sorted(set(self.layers) | set(other.layers))),
+            last_layer_kv=self.last_layer_kv or other.last_layer_kv,
+            final_hidden=self.final_hidden or other.final_hidden,
+            token_embeddings=tuple(dict.fromkeys(self.token_embeddings + other.token_embeddings)),
+        )
 
     def needs_whole_stack(self, num_layers: int) -> bool:
         """The final norm's input or output is asked for: every layer runs to its end."""
@@ -89,8 +91,9 @@ def _is_zero3_partitioned(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def record_layer_inputs(base_model: nn.Module, layers: Sequence[int],
-                        stop_at_deepest: bool = False) -> Iterator[Dict[int, torch.Tensor]]:
+def record_layer_inputs(
+    base_model: nn.Module, layers: Sequence[int], stop_at_deepest: bool = False
+) -> Iterator[Dict[int, torch.Tensor]]:
     """While active, every forward of `base_model` records the hidden state entering each of
     `layers` (id L: entering the final norm) into the yielded dict.
 
@@ -110,6 +113,7 @@ def record_layer_inputs(base_model: nn.Module, layers: Sequence[int],
             recorded[layer_id] = hidden
             if stop and layer_id == deepest:
                 raise _DeepEnough()
+
         return hook
 
     for layer_id in layers:
@@ -158,17 +162,23 @@ def causal_attention(q, k, v, scale=None, window=None, sinks=None, softcap=None)
     (drafts/documents.py's document_attention) takes flex_attention for these on CUDA."""
     window = window if window is not None and window < q.shape[2] else None  # one covering T cuts nothing
     if window is None and sinks is None and softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return tiled_attention(q, k, v, scale, window, sinks, softcap)
 
 
 TARGET_QUERY_BLOCK = 128  # queries per tile of tiled_attention without a window
 
 
-def tiled_attention(q, k, v, scale: Optional[float] = None, window: Optional[int] = None,
-                    sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
-                    documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+def tiled_attention(
+    q,
+    k,
+    v,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    documents: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Causal attention of one sequence per row, computed as transformers' eager attention does
     (scores, soft-cap, mask, softmax with the sink logit, weights @ v), one query tile at a time:
     tiles of `window` queries over the keys [tile start - window + 1, tile end) with a windowed
@@ -180,7 +190,7 @@ def tiled_attention(q, k, v, scale: Optional[float] = None, window: Optional[int
     B, H, T, D = q.shape
     KV = k.shape[1]
     group = H // KV
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     tile = window if window is not None else TARGET_QUERY_BLOCK
     sink = None if sinks is None else sinks.to(q.dtype).view(1, KV, group, 1, 1)
     upcast = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 at least, as transformers' eager
@@ -210,23 +220,40 @@ def tiled_attention(q, k, v, scale: Optional[float] = None, window: Optional[int
     return torch.cat(outs, dim=2)
 
 
-def _core_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                    softcap=None, s_aux=None, specdraft_core: Optional[CoreAttention] = None,
-                    specdraft_shard: Optional[SequenceShard] = None, specdraft_kv: Optional[_LastLayerKV] = None,
-                    **_):
+def _core_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    specdraft_core: Optional[CoreAttention] = None,
+    specdraft_shard: Optional[SequenceShard] = None,
+    specdraft_kv: Optional[_LastLayerKV] = None,
+    **_,
+):
     """transformers' attention-function signature: (B, h, T/N, D) inputs -> (B, T/N, h, D), None.
     sliding_window / softcap / s_aux (the sinks): what the layer hands its attention function."""
     if not getattr(module, "is_causal", True):  # Gemma 3 with use_bidirectional_attention
-        raise SpecdraftError(f"capture: {type(module).__name__} attends bidirectionally (use_bidirectional_attention); "
-                             f"a draft's target is causal")
+        raise SpecdraftError(
+            f"capture: {type(module).__name__} attends bidirectionally (use_bidirectional_attention); "
+            f"a draft's target is causal"
+        )
     if specdraft_kv is not None:
         specdraft_kv.update(key, value, getattr(module, "layer_idx", None))
     shard = specdraft_shard or SequenceShard.whole(query.shape[2])
     sinks = s_aux
     if sinks is not None and shard.parallel:  # the core holds this rank's h/N heads (SequenceShard.to_heads)
         sinks = sinks.view(shard.size, -1)[shard.rank]
-    extras = {name: setting for name, setting in (("window", sliding_window), ("sinks", sinks), ("softcap", softcap))
-              if setting is not None}
+    extras = {
+        name: setting
+        for name, setting in (("window", sliding_window), ("sinks", sinks), ("softcap", softcap))
+        if setting is not None
+    }
     out = shard.attention(specdraft_core, query, key, value, scaling, **extras)
     return out.transpose(1, 2), None
 
@@ -264,17 +291,24 @@ def rotary_tables(base_model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor
         kind = config.layer_types[len(base_model.layers) - 1]
         return lambda x, positions: rotary_emb(x, positions, kind)
     if config.model_type == "gpt_oss":
+
         def doubled(x, positions):
             cos, sin = rotary_emb(x, positions)
             return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
         return doubled
     return rotary_emb
 
 
 @torch.no_grad()
-def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-            request: CaptureRequest, attention: Optional[CoreAttention] = None,
-            shard: Optional[SequenceShard] = None) -> TargetFeatures:
+def capture(
+    base_model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    request: CaptureRequest,
+    attention: Optional[CoreAttention] = None,
+    shard: Optional[SequenceShard] = None,
+) -> TargetFeatures:
     """One target pass over (B, T) tokens, only as deep as `request` needs -> TargetFeatures.
 
     attention: the core every layer attends with (None: one document per row, causal_attention).
@@ -287,9 +321,15 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     cos, sin = rotary(embeds, position_ids)
     num_layers = len(base_model.layers)
     whole = request.needs_whole_stack(num_layers)
-    features = TargetFeatures(input_embeds=embeds, cos=cos, sin=sin, hidden={}, position_ids=position_ids,
-                              rotary=lambda positions: rotary(embeds, positions),
-                              shard=shard if shard.parallel else None)
+    features = TargetFeatures(
+        input_embeds=embeds,
+        cos=cos,
+        sin=sin,
+        hidden={},
+        position_ids=position_ids,
+        rotary=lambda positions: rotary(embeds, positions),
+        shard=shard if shard.parallel else None,
+    )
     if request.token_embeddings:  # a module call, so ZeRO-3 gathers the table as for `embeds`
         # filled on the device (a tensor of a Python list would be a host-to-device copy per batch)
         ids = torch.stack([input_ids.new_full((), token) for token in request.token_embeddings])
@@ -306,12 +346,20 @@ def capture(base_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.
     # a dict of masks: transformers builds none; the layers read none
     layer_types = getattr(base_model.config, "layer_types", None) or ()
     no_masks = dict.fromkeys({"full_attention", "sliding_attention", *layer_types})
-    with record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded, \
-            core_attention_implementation(base_model):
+    with (
+        record_layer_inputs(base_model, request.layers, stop_at_deepest=stop_at_layer) as recorded,
+        core_attention_implementation(base_model),
+    ):
         try:
-            out = base_model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=no_masks,
-                             use_cache=False, specdraft_core=attention or causal_attention, specdraft_shard=shard,
-                             specdraft_kv=kv)
+            out = base_model(
+                inputs_embeds=embeds,
+                position_ids=position_ids,
+                attention_mask=no_masks,
+                use_cache=False,
+                specdraft_core=attention or causal_attention,
+                specdraft_shard=shard,
+                specdraft_kv=kv,
+            )
         except _DeepEnough:
             out = None
     features.hidden = {layer: recorded[layer] for layer in request.layers}

@@ -13,8 +13,20 @@ from specdraft.target.config_file import read_target_config, target_config_path
 # Decoder-only families whose base model exposes embed_tokens, rotary_emb and a K/V cache the
 # drafts read, each tested with every draft family (tests/test_target_matrix.py; docs/targets.md
 # says which family trains on which, and why the others refuse). Others may work but are not tested.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "mistral", "deepseek_v3",
-                         "glm4_moe", "phi3", "qwen3_next")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gpt_oss",
+    "gemma3_text",
+    "mistral",
+    "deepseek_v3",
+    "glm4_moe",
+    "phi3",
+    "qwen3_next",
+)
+
 
 def load_target_config(target_dir: str):
     """The target's transformers config: config.json read first (config_file: a missing or broken
@@ -24,8 +36,10 @@ def load_target_config(target_dir: str):
 
     config = AutoConfig.from_pretrained(target_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SpecdraftError(f"{target_config_path(target_dir)}: model_type '{config.model_type}' is not "
-                             f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise SpecdraftError(
+            f"{target_config_path(target_dir)}: model_type '{config.model_type}' is not "
+            f"supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     return config
 
 
@@ -42,8 +56,10 @@ def has_tokenizer(model_dir) -> bool:
 
 def check_tokenizer(model_dir, source: str) -> None:
     if not has_tokenizer(model_dir):
-        raise SpecdraftError(f"{source}: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                             f"copy the target model's tokenizer files into it")
+        raise SpecdraftError(
+            f"{source}: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            f"copy the target model's tokenizer files into it"
+        )
 
 
 def supported_positions(config) -> int:
@@ -64,10 +80,12 @@ def check_sequence_length(config, max_seq_length: int, source: str) -> None:
     limit = supported_positions(config)
     if max_seq_length > limit:
         scaled = "" if limit == config.max_position_embeddings else f" ({limit} with its rope scaling)"
-        raise SpecdraftError(f"{source}: key 'max_seq_length': {max_seq_length} is above the target's "
-                             f"max_position_embeddings {config.max_position_embeddings}{scaled}; positions past "
-                             f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
-                             f"covers it)")
+        raise SpecdraftError(
+            f"{source}: key 'max_seq_length': {max_seq_length} is above the target's "
+            f"max_position_embeddings {config.max_position_embeddings}{scaled}; positions past "
+            f"it were never trained (lower max_seq_length, or use a target whose rope scaling "
+            f"covers it)"
+        )
 
 
 def check_packed_documents(config, document_mask: bool, source: str) -> None:
@@ -76,6 +94,8 @@ def check_packed_documents(config, document_mask: bool, source: str) -> None:
     would hand one conversation's state to the next: refused, naming what trains as one stream."""
     kinds = set(getattr(getattr(config, "text_config", config), "layer_types", None) or ())
     if document_mask and "linear_attention" in kinds:
-        raise SpecdraftError(f"{source}: key 'document_mask': the target's linear-attention layers carry their "
-                             f"state across the packed conversations of a row, which the capture cannot reset at "
-                             f"their borders; set document_mask: false (each row one stream, LongSpec's packing)")
+        raise SpecdraftError(
+            f"{source}: key 'document_mask': the target's linear-attention layers carry their "
+            f"state across the packed conversations of a row, which the capture cannot reset at "
+            f"their borders; set document_mask: false (each row one stream, LongSpec's packing)"
+        )

@@ -38,5 +38,6 @@ def read_json(path: Path):
         return json.loads(Path(path).read_text())
     except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         text = str(error).strip()
-        raise SpecdraftError(f"{path}: not readable JSON ({text.splitlines()[0] if text else type(error).__name__})"
-                             ) from error
+        raise SpecdraftError(
+            f"{path}: not readable JSON ({text.splitlines()[0] if text else type(error).__name__})"
+        ) from error

@@ -9,9 +9,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from specdraft.errors import SpecdraftError
-from specdraft.target.checks import (SCALING_ROPE_TYPES, SUPPORTED_MODEL_TYPES, TOKENIZER_FILES,  # noqa: F401
-                                     check_packed_documents, check_sequence_length, check_tokenizer,  # (re-exported)
-                                     has_tokenizer, load_target_config, supported_positions)
+from specdraft.target.checks import (
+    check_tokenizer,
+    load_target_config,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_DTYPE = "auto"  # the checkpoint's own torch_dtype (config.json)
@@ -25,11 +26,12 @@ def load_target_tokenizer(model_dir):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as err:
-        raise SpecdraftError(f"target: the tokenizer in {model_dir} does not load ({str(err).splitlines()[0]})") from None
+        raise SpecdraftError(
+            f"target: the tokenizer in {model_dir} does not load ({str(err).splitlines()[0]})"
+        ) from None
 
 
-def load_frozen_target(target_dir: str, precision: str = "fp32",
-                       device: Optional[torch.device] = None) -> nn.Module:
+def load_frozen_target(target_dir: str, precision: str = "fp32", device: Optional[torch.device] = None) -> nn.Module:
     """AutoModelForCausalLM from a local directory, every parameter requires_grad=False.
 
     precision: fp32 / bf16 / fp16, or "auto" for the checkpoint's own dtype. device None: left on
@@ -39,7 +41,8 @@ def load_frozen_target(target_dir: str, precision: str = "fp32",
     if precision != AUTO_DTYPE and precision not in DTYPES:
         raise SpecdraftError(f"dtype {precision!r}: choose one of {AUTO_DTYPE}, {', '.join(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        target_dir, dtype=AUTO_DTYPE if precision == AUTO_DTYPE else DTYPES[precision])
+        target_dir, dtype=AUTO_DTYPE if precision == AUTO_DTYPE else DTYPES[precision]
+    )
     if device is not None:
         model.to(device)
     model.eval()

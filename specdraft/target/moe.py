@@ -34,13 +34,22 @@ def moe_shape(text) -> Optional[MoEShape]:
         return MoEShape(text.num_local_experts, top_k, text.intermediate_size, 0, tuple(layers))
     if hasattr(text, "first_k_dense_replace"):  # DeepSeek-V3, GLM-4.5
         first = text.first_k_dense_replace or 0
-        return MoEShape(text.n_routed_experts, top_k, text.moe_intermediate_size,
-                        (getattr(text, "n_shared_experts", 0) or 0) * text.moe_intermediate_size,
-                        tuple(i for i in layers if i >= first))
+        return MoEShape(
+            text.n_routed_experts,
+            top_k,
+            text.moe_intermediate_size,
+            (getattr(text, "n_shared_experts", 0) or 0) * text.moe_intermediate_size,
+            tuple(i for i in layers if i >= first),
+        )
     experts = getattr(text, "num_experts", None)
     if not experts or not top_k:
         return None
     dense = set(getattr(text, "mlp_only_layers", None) or ())
     step = getattr(text, "decoder_sparse_step", 1) or 1
-    return MoEShape(experts, top_k, text.moe_intermediate_size, getattr(text, "shared_expert_intermediate_size", 0) or 0,
-                    tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+    return MoEShape(
+        experts,
+        top_k,
+        text.moe_intermediate_size,
+        getattr(text, "shared_expert_intermediate_size", 0) or 0,
+        tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+    )

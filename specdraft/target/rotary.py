@@ -48,12 +48,13 @@ def rotary_refusal(target_config) -> Optional[str]:
     nested = per_layer_rope(target_config)
     if nested:
         thetas = ", ".join(f"{kind} {params.get('rope_theta')}" for kind, params in sorted(nested.items()))
-        return (f"rotates its layers with {len(nested)} rotary tables ({text.model_type}: rope_theta {thetas}), "
-                f"not one")
+        return f"rotates its layers with {len(nested)} rotary tables ({text.model_type}: rope_theta {thetas}), not one"
     factor = partial_rotary_factor(target_config)
     if factor < 1.0:
-        return (f"rotates only part of each head ({text.model_type}: partial_rotary_factor {factor:g}), its "
-                f"tables cover {factor:g} of the head")
+        return (
+            f"rotates only part of each head ({text.model_type}: partial_rotary_factor {factor:g}), its "
+            f"tables cover {factor:g} of the head"
+        )
     return None
 
 
@@ -66,8 +67,11 @@ def draft_rope_parameters(target_config) -> Dict[str, Any]:
     (src/speculators/models/utils.py, flatten_rope_parameters: the "sliding_attention" variant)."""
     text = _text(target_config)
     nested = per_layer_rope(target_config)
-    rope = dict(nested.get("sliding_attention", next(iter(nested.values()))) if nested else
-                getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                           "rope_theta": getattr(text, "rope_theta", 10000.0)})
+    rope = dict(
+        nested.get("sliding_attention", next(iter(nested.values())))
+        if nested
+        else getattr(text, "rope_parameters", None)
+        or {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    )
     rope.pop("partial_rotary_factor", None)
     return rope

@@ -23,8 +23,9 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     error = None
     if rank == 0:
         try:
-            build_packed_cache(files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking,
-                               strict=cfg.data_strict)
+            build_packed_cache(
+                files, tokenizer, cfg.max_seq_length, cache_dir, log, thinking=cfg.thinking, strict=cfg.data_strict
+            )
         except Exception as err:  # re-raised below on every rank, so no rank hangs at the barrier
             error = err
     failed = any_rank(error is not None)
@@ -43,6 +44,8 @@ def _data_and_cache(cfg: DictConfig):
 
 def _expect_cache(cache_dir: Path, rank: int) -> None:
     if not wait_visible(Path(cache_dir) / "meta.json"):
-        raise SpecdraftError(f"{cache_dir}: rank {rank} cannot see the packed data rank 0 built there: set "
-                             f"data_cache_dir to a directory every node shares, or run `specdraft data CONFIG` "
-                             f"on every node first")
+        raise SpecdraftError(
+            f"{cache_dir}: rank {rank} cannot see the packed data rank 0 built there: set "
+            f"data_cache_dir to a directory every node shares, or run `specdraft data CONFIG` "
+            f"on every node first"
+        )

@@ -68,20 +68,28 @@ def deepspeed_config(cfg: DictConfig, total_steps: int, draft_params: int = REDU
         "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         # Buckets sized to the draft: ZeRO allocates the whole reduce bucket every micro-step.
-        "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket,
-                              "allgather_bucket_size": bucket},
+        "zero_optimization": {"stage": cfg.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: nothing to compile (FusedAdam / CPUAdam build for ~60 s on first use)
-            "params": {"lr": cfg.learning_rate, "betas": [cfg.adam_beta1, cfg.adam_beta2],
-                       "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "torch_adam": True},
+            "params": {
+                "lr": cfg.learning_rate,
+                "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                "eps": cfg.adam_eps,
+                "weight_decay": cfg.weight_decay,
+                "torch_adam": True,
+            },
         },
         # Built by deepspeed.initialize, so save/load_checkpoint carry its state.
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": max(warmup, 1),
-                       "warmup_type": "linear", "warmup_min_ratio": 0.0,
-                       "cos_min_ratio": cfg.min_lr_ratio},
+            "params": {
+                "total_num_steps": max(total_steps, 1),
+                "warmup_num_steps": max(warmup, 1),
+                "warmup_type": "linear",
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": cfg.min_lr_ratio,
+            },
         },
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16"},
@@ -112,9 +120,11 @@ def resolve_target_placement(cfg: DictConfig, target_config, world_size: int) ->
         return "replicated"  # ZeRO 0-2 never partition parameters
     several = cfg.get("drafts") is not None
     if several and cfg.target_placement == "partitioned":
-        raise SpecdraftError("key 'target_placement': partitioned is not available to a run of several drafts (the "
-                             "target runs once outside the drafts' engines, replicated); use replicated or train "
-                             "the drafts one per run")
+        raise SpecdraftError(
+            "key 'target_placement': partitioned is not available to a run of several drafts (the "
+            "target runs once outside the drafts' engines, replicated); use replicated or train "
+            "the drafts one per run"
+        )
     if cfg.target_placement != "auto":
         return cfg.target_placement
     capacity = device_memory_bytes()
@@ -124,10 +134,12 @@ def resolve_target_placement(cfg: DictConfig, target_config, world_size: int) ->
     if need <= USABLE_FRACTION * capacity:
         return "replicated"
     if several:
-        raise SpecdraftError(f"target_placement auto: the target replicated and {len(cfg.drafts)} drafts need "
-                             f"~{need / 2**30:.1f} GiB per device, more than {USABLE_FRACTION:.0%} of its "
-                             f"{capacity / 2**30:.1f} GiB; a run of several drafts cannot partition the target: "
-                             f"train fewer drafts per run, or lower per_device_batch_size")
+        raise SpecdraftError(
+            f"target_placement auto: the target replicated and {len(cfg.drafts)} drafts need "
+            f"~{need / 2**30:.1f} GiB per device, more than {USABLE_FRACTION:.0%} of its "
+            f"{capacity / 2**30:.1f} GiB; a run of several drafts cannot partition the target: "
+            f"train fewer drafts per run, or lower per_device_batch_size"
+        )
     return "partitioned"
 
 
@@ -141,8 +153,13 @@ def device_memory_bytes():
     return accelerator.total_memory()
 
 
-def build_engine(cfg: DictConfig, model: TargetWithDraft, total_steps: int, target_placement: str = "partitioned",
-                 load_universal: bool = False):
+def build_engine(
+    cfg: DictConfig,
+    model: TargetWithDraft,
+    total_steps: int,
+    target_placement: str = "partitioned",
+    load_universal: bool = False,
+):
     """load_universal: the engine will load a universal checkpoint (resume at another world size
     or ZeRO stage)."""
     import deepspeed

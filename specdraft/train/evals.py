@@ -37,8 +37,15 @@ def measure_draft_tau(engine, target, tokenizer, prompts: list, temperature: flo
 
     module = engine.module
     with gathered(module.decoding_parameters()), steps_of_their_own(engine, [target, module.draft_model]):
-        stats = measure_tau(target, module.draft_model, tokenizer, prompts,
-                            max_new_tokens=EVAL_NEW_TOKENS, temperature=temperature, seed=seed)
+        stats = measure_tau(
+            target,
+            module.draft_model,
+            tokenizer,
+            prompts,
+            max_new_tokens=EVAL_NEW_TOKENS,
+            temperature=temperature,
+            seed=seed,
+        )
     values = {"eval/tau": stats["tau"]}
     if stats.get("mean_tv") is not None:
         values["eval/tv"] = stats["mean_tv"]

@@ -65,11 +65,15 @@ class StopSignals:
         if not self.received:
             self.received, self._first_at = signum, time.monotonic()
             if self.rank == 0:
-                _say(f"specdraft: {name}: stopping after this step to save a checkpoint (a second signal exits "
-                     f"at once, without saving)")
+                _say(
+                    f"specdraft: {name}: stopping after this step to save a checkpoint (a second signal exits "
+                    f"at once, without saving)"
+                )
         elif time.monotonic() - self._first_at > REPEAT_WINDOW_S:
-            _say(f"specdraft: {name} again (rank {self.rank}): exiting now without saving; the last committed "
-                 f"checkpoint is intact")
+            _say(
+                f"specdraft: {name} again (rank {self.rank}): exiting now without saving; the last committed "
+                f"checkpoint is intact"
+            )
             os._exit(128 + signum)
 
 

@@ -29,7 +29,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
                 continue

@@ -32,7 +32,7 @@ from specdraft.rundir.layout import config_file, draft_part, export_dir
 from specdraft.checkpoint.manager import CheckpointManager, DraftPart
 from specdraft.parallel.collectives import run_shared
 from specdraft.parallel.zero import gather_draft_state_dict
-from specdraft.train.engine import (build_engine, draft_parameter_count, init_distributed, resolve_target_placement)
+from specdraft.train.engine import build_engine, draft_parameter_count, init_distributed, resolve_target_placement
 from specdraft.export.files import BackgroundExporter, serving_formats, write_draft_export
 from specdraft.export.init_from import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
@@ -72,12 +72,18 @@ def train(cfg: DictConfig, log=print) -> TrainResult:
     # handlers come back whatever happens (train() runs in-process too: tests, notebooks)
     with contextlib.ExitStack() as closing:
         closing.callback(stop.restore)
-        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing, stop,
-                      sequence_parallel)
+        return _train(cfg, rank, world_size, log if rank == 0 else (lambda *_: None), closing, stop, sequence_parallel)
 
 
-def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib.ExitStack,
-           stop: StopSignals, sp: SequenceParallel) -> TrainResult:
+def _train(
+    cfg: DictConfig,
+    rank: int,
+    world_size: int,
+    log,
+    closing: contextlib.ExitStack,
+    stop: StopSignals,
+    sp: SequenceParallel,
+) -> TrainResult:
     from tqdm import tqdm
 
     # -- setup -------------------------------------------------------------------------------
@@ -88,22 +94,26 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     # gradient_accumulation_steps: the global batch is the checkpoint's.
     plan = checkpoints.plan_resume(log)
     # draft.init_from is read and checked now, before anything is written; never on a resume
-    imports = {name: planned_import(draft_view(cfg, name), resuming=plan is not None, log=log)
-               for name in draft_names(cfg)}
+    imports = {
+        name: planned_import(draft_view(cfg, name), resuming=plan is not None, log=log) for name in draft_names(cfg)
+    }
     # Before anything is loaded: output_dir is new, empty or this run's, and takes files.
     run_shared(lambda: claim_run_dir(run_dir, str(cfg.resume)))
     tokenizer = load_target_tokenizer(cfg.target)
     data = prepare_data(cfg, tokenizer, rank, log)
     # the ranks of one SP group read the same batches: batches are dealt to data-parallel ranks
     data_rank, data_world = sp.data_rank, sp.data_world
-    sampler = ShardedBatchSampler(len(data), cfg.per_device_batch_size, data_rank, data_world, cfg.seed,
-                                  cfg.gradient_accumulation_steps)
+    sampler = ShardedBatchSampler(
+        len(data), cfg.per_device_batch_size, data_rank, data_world, cfg.seed, cfg.gradient_accumulation_steps
+    )
     total_steps = planned_steps(cfg, sampler)
 
     target = load_frozen_target(cfg.target, cfg.precision)
     placement = resolve_target_placement(cfg, target.config, world_size)
-    trainees = [build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log, sp)
-                for name in draft_names(cfg)]
+    trainees = [
+        build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log, sp)
+        for name in draft_names(cfg)
+    ]
     several = trainees[0].name is not None
     if several:  # outside every engine: placed as an engine places its module
         target.to(trainees[0].engine.device)
@@ -123,15 +133,18 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     for t in trainees:
         if t.draft.describe():
             log(f"specdraft: {t.label}: {t.draft.describe()}")
-    drafts = ", ".join(f"{t.label}, {draft_parameter_count(t.engine.module) / 1e6:.2f}M trainable params"
-                       for t in trainees)
+    drafts = ", ".join(
+        f"{t.label}, {draft_parameter_count(t.engine.module) / 1e6:.2f}M trainable params" for t in trainees
+    )
     if several:  # what the memory model counts: one target, every draft, the union of their captures
         peak = estimate_run_peak(target.config, cfg, world_size, placement).total
         drafts = f"{len(trainees)} drafts from one target pass ({drafts}; ~{peak / 2**30:.2f} GiB per device)"
-    log(f"specdraft: {drafts}, "
+    log(
+        f"specdraft: {drafts}, "
         f"{len(data)} sequences x {cfg.max_seq_length} tokens, {total_steps} steps, "
         f"ZeRO-{cfg.zero_stage}{f' (target {placement})' if cfg.zero_stage == 3 else ''}, {cfg.precision}, "
-        f"{world_size} rank(s){f', {sp.size} per sequence' if sp.size > 1 else ''}")
+        f"{world_size} rank(s){f', {sp.size} per sequence' if sp.size > 1 else ''}"
+    )
 
     metrics = run_shared(lambda: MetricsLogger(run_dir, cfg, enabled=rank == 0), on_rank=None)
 
@@ -139,8 +152,9 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
         run_shared(lambda: metrics.log(step, values))
 
     eval_prompts = load_eval_prompts(cfg, tokenizer)
-    progress = closing.enter_context(tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train",
-                                          unit="step"))
+    progress = closing.enter_context(
+        tqdm(total=total_steps, initial=state.step, disable=rank != 0, desc="train", unit="step")
+    )
     result = TrainResult(steps=total_steps, run_dir=run_dir)
     exporter = BackgroundExporter()
     started = time.perf_counter()
@@ -151,8 +165,12 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     while state.step < total_steps:
         for micro in range(cfg.gradient_accumulation_steps):
             batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
-            options = [t.draft.sample_batch_options(batch_generator(cfg.seed, state.step, micro * data_world + data_rank),
-                                                    cfg.max_seq_length) for t in trainees]
+            options = [
+                t.draft.sample_batch_options(
+                    batch_generator(cfg.seed, state.step, micro * data_world + data_rank), cfg.max_seq_length
+                )
+                for t in trainees
+            ]
             if several:
                 outs = forward_drafts(target, [t.engine for t in trainees], batch, options, sp)
             else:
@@ -175,11 +193,13 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
                 step_losses, own = t.window.reduce()  # the loop's one host sync per draft and log interval
                 (result.losses if t.name is None else result.draft_losses.setdefault(t.name, [])).extend(step_losses)
                 result.window_losses.setdefault(t.name, []).append(
-                    (state.step - len(step_losses) + 1, state.step, own["loss"]))
+                    (state.step - len(step_losses) + 1, state.step, own["loss"])
+                )
                 own.update(lr=t.engine.get_lr()[0])
                 values.update(t.prefixed(own))
-            values.update(tokens_per_s=_rate(state, start_step, cfg, data_world, elapsed),
-                          samples_seen=state.samples_seen)
+            values.update(
+                tokens_per_s=_rate(state, start_step, cfg, data_world, elapsed), samples_seen=state.samples_seen
+            )
             log_metrics(state.step, values)
             if several:
                 progress.set_postfix({t.name: f"{values[t.name + '/loss']:.3f}" for t in trainees})
@@ -190,8 +210,10 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
             for t in trainees:
                 tau = measure_draft_tau(t.engine, target, tokenizer, eval_prompts, cfg.eval_temperature, cfg.seed)
                 log_metrics(state.step, t.prefixed(tau))
-                log(f"step {state.step}: {'' if t.name is None else t.name + ' '}tau {tau['eval/tau']:.2f} "
-                    f"on {len(eval_prompts)} held-out prompts")
+                log(
+                    f"step {state.step}: {'' if t.name is None else t.name + ' '}tau {tau['eval/tau']:.2f} "
+                    f"on {len(eval_prompts)} held-out prompts"
+                )
 
         if state.step % cfg.save_steps == 0 or last or stop_signal:
             run_shared(exporter.wait)  # the previous export's failure (rank 0) stops every rank here
@@ -219,22 +241,29 @@ def _train(cfg: DictConfig, rank: int, world_size: int, log, closing: contextlib
     elapsed = time.perf_counter() - started
     result.tokens_per_second = _rate(state, start_step, cfg, data_world, elapsed)
     if result.losses:
-        log(f"done: {state.step} steps, loss {_first_and_last(result.window_losses[None])}, "
-            f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}")
+        log(
+            f"done: {state.step} steps, loss {_first_and_last(result.window_losses[None])}, "
+            f"{result.tokens_per_second:,.0f} tokens/s, draft written to {result.export_dir}"
+        )
     elif result.draft_losses:
         losses = ", ".join(f"{name} {_first_and_last(result.window_losses[name])}" for name in result.draft_losses)
-        log(f"done: {state.step} steps, loss {losses}, {result.tokens_per_second:,.0f} tokens/s, drafts written "
-            f"to {result.export_dir}/<name>/")
+        log(
+            f"done: {state.step} steps, loss {losses}, {result.tokens_per_second:,.0f} tokens/s, drafts written "
+            f"to {result.export_dir}/<name>/"
+        )
     else:  # resumed a finished run: say so instead of silently doing nothing
         result.export_dir = export_dir(run_dir, state.step)
-        log(f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
-            f"its draft is in {result.export_dir} (another output_dir trains anew)")
+        log(
+            f"done: the run in {run_dir} had already reached step {state.step} of {total_steps}; "
+            f"its draft is in {result.export_dir} (another output_dir trains anew)"
+        )
     return result
 
 
 @dataclass
 class Trainee:
     """One draft of the run and its engine. name None: a one-draft run (its files as ever)."""
+
     name: Optional[str]
     cfg: DictConfig  # the run as this draft alone would be configured (config.draft_view)
     engine: Any
@@ -254,8 +283,18 @@ class Trainee:
         return values if self.name is None else {f"{self.name}/{key}": value for key, value in values.items()}
 
 
-def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, plan, placement: str,
-                  total_steps: int, log, sp: SequenceParallel = SequenceParallel()) -> Trainee:
+def build_trainee(
+    cfg: DictConfig,
+    name: Optional[str],
+    target,
+    data,
+    imported,
+    plan,
+    placement: str,
+    total_steps: int,
+    log,
+    sp: SequenceParallel = SequenceParallel(),
+) -> Trainee:
     """Draft `name` of the run and its engine. A one-draft run's engine holds the target beside the
     draft (TargetWithDraft); a draft of several runs outside it (DraftWithLoss)."""
     view = draft_view(cfg, name)
@@ -274,12 +313,14 @@ def build_trainee(cfg: DictConfig, name: Optional[str], target, data, imported, 
     return Trainee(name, view, engine)
 
 
-def write_exports(out_dir: Path, parts: List[DraftPart], trainees: List[Trainee], tokenizer, run_dir: Path,
-                  step: int) -> None:
+def write_exports(
+    out_dir: Path, parts: List[DraftPart], trainees: List[Trainee], tokenizer, run_dir: Path, step: int
+) -> None:
     """Rank 0, on the export thread: each draft's export (a draft of several in out_dir/<name>/)."""
     for part, t in zip(parts, trainees):
-        write_draft_export(draft_part(out_dir, t.name), part.weights, t.draft, t.cfg, tokenizer, run_dir=run_dir,
-                           step=step)
+        write_draft_export(
+            draft_part(out_dir, t.name), part.weights, t.draft, t.cfg, tokenizer, run_dir=run_dir, step=step
+        )
 
 
 def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
@@ -293,8 +334,9 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
     return out
 
 
-def forward_drafts(target, engines: list, batch: dict, options: List[dict],
-                   sp: SequenceParallel = SequenceParallel()) -> List[DraftLoss]:
+def forward_drafts(
+    target, engines: list, batch: dict, options: List[dict], sp: SequenceParallel = SequenceParallel()
+) -> List[DraftLoss]:
     """Several drafts, one target pass: the target captures the union of the drafts' requests
     once (no_grad), then each draft reads its part: forward, backward, step on its own engine."""
     device = engines[0].device
@@ -304,13 +346,26 @@ def forward_drafts(target, engines: list, batch: dict, options: List[dict],
     # a draft that moves the target's positions (GLIDE's anchor_offset) is alone in its run (config
     # check): its positions are the target pass's, as in forward_step
     moved = [own["position_ids"] for own in options if "position_ids" in own]
-    features = target_features(target.model, request, inputs["input_ids"], inputs.get("document_positions"),
-                               inputs.get("document_ids"), position_ids=moved[0] if moved else None,
-                               shard=sp.shard(inputs["input_ids"].shape[1]))
+    features = target_features(
+        target.model,
+        request,
+        inputs["input_ids"],
+        inputs.get("document_positions"),
+        inputs.get("document_ids"),
+        position_ids=moved[0] if moved else None,
+        shard=sp.shard(inputs["input_ids"].shape[1]),
+    )
     outs = []
     for engine, own in zip(engines, options):
-        out: DraftLoss = engine(features, target.lm_head.weight, inputs["input_ids"], inputs["loss_mask"],
-                                inputs.get("document_ids"), host=host, **own)
+        out: DraftLoss = engine(
+            features,
+            target.lm_head.weight,
+            inputs["input_ids"],
+            inputs["loss_mask"],
+            inputs.get("document_ids"),
+            host=host,
+            **own,
+        )
         engine.backward(out.loss)
         engine.step()
         outs.append(out)
@@ -318,6 +373,7 @@ def forward_drafts(target, engines: list, batch: dict, options: List[dict],
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
 
 def model_inputs(batch: dict, document_mask: bool) -> dict:
     """What the model reads of a packed batch. document_mask: per-document positions and
@@ -352,8 +408,10 @@ def seed_everything(seed: int) -> None:
 
 def _first_and_last(windows: List[Tuple[int, int, float]]) -> str:
     """`5.123 (steps 1-10) -> 2.400 (steps 291-300)`: the progress bar's first and last `loss=`."""
+
     def one(first: int, last: int, loss: float) -> str:
         return f"{loss:.3f} (step{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''})"
+
     return f"{one(*windows[0])} -> {one(*windows[-1])}"
 
 
@@ -361,5 +419,3 @@ def _rate(state: TrainState, start_step: int, cfg: DictConfig, world_size: int, 
     steps = state.step - start_step
     tokens = steps * cfg.gradient_accumulation_steps * cfg.per_device_batch_size * cfg.max_seq_length * world_size
     return tokens / max(elapsed, 1e-9)
-
-

@@ -72,8 +72,13 @@ def parameter_counts(target_config, draft_cfg, models=None) -> Dict[str, int]:
     # the largest layer: a MoE target's sparse layers (DeepSeek-V3's first three are dense)
     per_layer = max(sum(p.numel() for p in layer.parameters()) for layer in target.model.layers)
     embed = target.get_input_embeddings().weight.numel()
-    return {"target": sum(p.numel() for p in target.parameters()), "draft": sum(p.numel() for p in draft.parameters()),
-            "target_layer": per_layer, "embed": embed, "layers": text.num_hidden_layers}
+    return {
+        "target": sum(p.numel() for p in target.parameters()),
+        "draft": sum(p.numel() for p in draft.parameters()),
+        "target_layer": per_layer,
+        "embed": embed,
+        "layers": text.num_hidden_layers,
+    }
 
 
 def reduce_bucket_elements(draft_params: int) -> int:
@@ -143,8 +148,14 @@ def attention_tile_bytes(text, B: int, T: int, p: int, documents: bool, sequence
     return B * heads * max(tiles, default=0) * per_element
 
 
-def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
-                  documents: Optional[bool] = None, sequence_parallel: Optional[int] = None) -> MemoryEstimate:
+def estimate_peak(
+    target_config,
+    cfg,
+    world_size: int,
+    target_placement: str = "replicated",
+    documents: Optional[bool] = None,
+    sequence_parallel: Optional[int] = None,
+) -> MemoryEstimate:
     """cfg: the run config (precision, zero_stage, per_device_batch_size, max_seq_length,
     loss_chunk_size, document_mask, draft.*). documents: batches have document borders
     (default: cfg.document_mask): a family's own term where it has one (the capture builds no
@@ -187,13 +198,23 @@ def estimate_peak(target_config, cfg, world_size: int, target_placement: str = "
     # -- the family's own terms, and the target's pass ---------------------------------------
     chunk = max(cfg.loss_chunk_size, 0)  # 0: each loss sizes its chunk from its logits' vocab, as at run time
     with_documents = cfg.document_mask if documents is None else documents
-    terms = draft.memory_terms(MemoryShape(B=B, T=T, dtype_bytes=p, chunk=chunk, documents=bool(with_documents),
-                                           target=text, whole_T=whole if S > 1 else 0))
+    terms = draft.memory_terms(
+        MemoryShape(
+            B=B,
+            T=T,
+            dtype_bytes=p,
+            chunk=chunk,
+            documents=bool(with_documents),
+            target=text,
+            whole_T=whole if S > 1 else 0,
+        )
+    )
     transient = {k: terms.pop(k) for k in ("draft activations", "loss chunk + hidden grads") if k in terms}
     est.parts.update(terms)
     # the capture builds no (B, 1, T, T) mask: its core attention is document-aware (target/capture.py)
-    capture_transient = capture_working_set(text, tokens, p, S) \
-        + attention_tile_bytes(text, B, whole, p, bool(with_documents), S)
+    capture_transient = capture_working_set(text, tokens, p, S) + attention_tile_bytes(
+        text, B, whole, p, bool(with_documents), S
+    )
     if capture_transient > sum(transient.values()):
         est.parts["capture working set (transient)"] = capture_transient
     else:
@@ -206,8 +227,9 @@ CAPTURE = "capture features"
 TRANSIENT = ("draft activations", "loss chunk + hidden grads", "capture working set (transient)")
 
 
-def estimate_run_peak(target_config, cfg, world_size: int, target_placement: str = "replicated",
-                      documents: Optional[bool] = None) -> MemoryEstimate:
+def estimate_run_peak(
+    target_config, cfg, world_size: int, target_placement: str = "replicated", documents: Optional[bool] = None
+) -> MemoryEstimate:
     """estimate_peak of a whole run: one draft's, or for a run of several drafts (`drafts:`) one
     target and every draft. The drafts' weights, gradients, optimizer states and own terms add up;
     the target, its masks and the captured features (the union of the drafts' requests, read by
@@ -227,8 +249,9 @@ def estimate_run_peak(target_config, cfg, world_size: int, target_placement: str
                 est.parts[part] = value
             elif part != CAPTURE and part not in TRANSIENT:
                 est.parts[f"{name}: {part}"] = value
-    est.parts[CAPTURE] = union_capture_bytes(target_config, request, cfg.per_device_batch_size, cfg.max_seq_length,
-                                             BYTES[cfg.precision])
+    est.parts[CAPTURE] = union_capture_bytes(
+        target_config, request, cfg.per_device_batch_size, cfg.max_seq_length, BYTES[cfg.precision]
+    )
     est.parts["largest working set (transient)"] = transient
     return est
 
@@ -240,6 +263,11 @@ def union_capture_bytes(target_config, request: CaptureRequest, B: int, T: int, 
     H, heads = text.hidden_size, text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     hd = getattr(text, "head_dim", None) or H // heads
-    per_token = H + 2 * hd + len(request.layers) * H + (2 * kv * hd if request.last_layer_kv else 0) \
+    per_token = (
+        H
+        + 2 * hd
+        + len(request.layers) * H
+        + (2 * kv * hd if request.last_layer_kv else 0)
         + (H if request.final_hidden else 0)
+    )
     return B * T * per_token * dtype_bytes

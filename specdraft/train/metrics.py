@@ -61,11 +61,17 @@ def _start_wandb(cfg: DictConfig, run_dir: Path) -> Optional[object]:
     try:
         import wandb
     except ImportError:
-        raise SpecdraftError("key 'wandb.project' is set but wandb is not installed "
-                             "(pip install 'specdraft[wandb]')") from None
+        raise SpecdraftError(
+            "key 'wandb.project' is set but wandb is not installed (pip install 'specdraft[wandb]')"
+        ) from None
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)  # offline: no network, sync later
-    return wandb.init(project=cfg.wandb.project, name=cfg.wandb.run_name, dir=str(run_dir),
-                      config=OmegaConf.to_container(cfg, resolve=True), mode=cfg.wandb.mode)
+    return wandb.init(
+        project=cfg.wandb.project,
+        name=cfg.wandb.run_name,
+        dir=str(run_dir),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        mode=cfg.wandb.mode,
+    )
 
 
 class LossWindow:
@@ -95,13 +101,16 @@ class LossWindow:
         """Every rank: (the mean loss of each step since the last reduce, the window's metrics)."""
         names = sorted(self.metrics)  # the same names on every rank: one family, one loss
         steps = torch.stack(self._steps)  # (steps, 3)
-        extra = [torch.as_tensor(v, dtype=torch.float64, device=steps.device).reshape(())
-                 for name in names for v in self.metrics[name]]
+        extra = [
+            torch.as_tensor(v, dtype=torch.float64, device=steps.device).reshape(())
+            for name in names
+            for v in self.metrics[name]
+        ]
         flat = torch.cat([steps.flatten(), torch.stack(extra)]) if extra else steps.flatten()
         flat = all_reduce(flat).tolist()  # the one host sync
         n = steps.shape[0]
-        totals = [flat[3 * i:3 * i + 3] for i in range(n)]
-        rest = flat[3 * n:]
+        totals = [flat[3 * i : 3 * i + 3] for i in range(n)]
+        rest = flat[3 * n :]
         self._steps, self.metrics = [], {}
         loss_sum = sum(row[0] for row in totals)
         tokens = max(sum(row[1] for row in totals), 1.0)

@@ -18,9 +18,15 @@ from specdraft.target.capture import CaptureRequest, TargetFeatures, capture
 from specdraft.transfer import to_device
 
 
-def target_features(base_model: nn.Module, request: CaptureRequest, input_ids: torch.Tensor,
-                    document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                    position_ids: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None) -> TargetFeatures:
+def target_features(
+    base_model: nn.Module,
+    request: CaptureRequest,
+    input_ids: torch.Tensor,
+    document_positions: Optional[torch.Tensor] = None,
+    document_ids: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    shard: Optional[SequenceShard] = None,
+) -> TargetFeatures:
     """The one target pass of a micro-batch (see TargetWithDraft.forward for the arguments).
     shard: sequence parallelism (the whole batch in, this rank's tokens' features out)."""
     B, T = input_ids.shape
@@ -29,13 +35,19 @@ def target_features(base_model: nn.Module, request: CaptureRequest, input_ids: t
     if position_ids is not None:
         document_positions = to_device(position_ids, input_ids.device)[document_positions]
     # causal inside each document, no (T, T) mask (documents.py)
-    return capture(base_model, input_ids, document_positions.expand(B, T), request, document_attention(document_ids),
-                   shard)
+    return capture(
+        base_model, input_ids, document_positions.expand(B, T), request, document_attention(document_ids), shard
+    )
 
 
 class TargetWithDraft(nn.Module):
-    def __init__(self, target_causal_lm: nn.Module, draft: Draft, loss_chunk_size: int = 0,
-                 sequence_parallel: SequenceParallel = SequenceParallel()):
+    def __init__(
+        self,
+        target_causal_lm: nn.Module,
+        draft: Draft,
+        loss_chunk_size: int = 0,
+        sequence_parallel: SequenceParallel = SequenceParallel(),
+    ):
         super().__init__()
         self.sequence_parallel = sequence_parallel  # the ranks sharing each sequence (size 1: none)
         self.model = target_causal_lm.model  # frozen decoder stack (transformers' names)
@@ -57,18 +69,39 @@ class TargetWithDraft(nn.Module):
         draft (its drafter may read weights directly) and the lm_head weight the drafter copies."""
         return [*self.draft_model.parameters(), self.lm_head.weight]
 
-    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                document_positions: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, host: Optional[HostBatch] = None,
-                **options) -> DraftLoss:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        document_positions: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **options,
+    ) -> DraftLoss:
         """document_positions / document_ids (B, T): each token's position inside its document and
         its document (packed data); None: one document per row. position_ids (T,): a draft's
         position map (Anchor-Offset) from a position in the document to the position used.
         host: the same batch on the host, where the loss reads which rows count (no device sync)."""
-        features = target_features(self.model, self.draft_model.capture_request(), input_ids, document_positions,
-                                   document_ids, position_ids, self.sequence_parallel.shard(input_ids.shape[1]))
-        return self.draft_model.training_loss(features, self.lm_head.weight, input_ids, loss_mask,
-                                              self.loss_chunk_size, documents=document_ids, host=host, **options)
+        features = target_features(
+            self.model,
+            self.draft_model.capture_request(),
+            input_ids,
+            document_positions,
+            document_ids,
+            position_ids,
+            self.sequence_parallel.shard(input_ids.shape[1]),
+        )
+        return self.draft_model.training_loss(
+            features,
+            self.lm_head.weight,
+            input_ids,
+            loss_mask,
+            self.loss_chunk_size,
+            documents=document_ids,
+            host=host,
+            **options,
+        )
 
     def train(self, mode: bool = True):
         # The target stays in eval mode whatever the engine asks (no dropout in a frozen model).
@@ -100,8 +133,23 @@ class DraftWithLoss(nn.Module):
     def decoding_parameters(self) -> list:
         return list(self.draft_model.parameters())  # the target's lm_head is whole outside the engines
 
-    def forward(self, features: TargetFeatures, lm_head_weight: torch.Tensor, input_ids: torch.Tensor,
-                loss_mask: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
-                host: Optional[HostBatch] = None, **options) -> DraftLoss:
-        return self.draft_model.training_loss(features, lm_head_weight, input_ids, loss_mask, self.loss_chunk_size,
-                                              documents=document_ids, host=host, **options)
+    def forward(
+        self,
+        features: TargetFeatures,
+        lm_head_weight: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        document_ids: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **options,
+    ) -> DraftLoss:
+        return self.draft_model.training_loss(
+            features,
+            lm_head_weight,
+            input_ids,
+            loss_mask,
+            self.loss_chunk_size,
+            documents=document_ids,
+            host=host,
+            **options,
+        )

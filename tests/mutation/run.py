@@ -36,8 +36,16 @@ from mutations import Mutation, all_mutations  # noqa: E402
 
 
 def copy_tree(destination: Path) -> None:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = REPO / name
         if source.is_file():  # deleted-but-tracked files are skipped
@@ -48,10 +56,23 @@ def copy_tree(destination: Path) -> None:
 
 def run_tests(tree: Path, args: Tuple[str, ...], timeout: int, first_failure: bool = True) -> Tuple[str, float, str]:
     """-> ("passed" | "failed" | "timeout", seconds, the FAILED/ERROR lines or the last lines)."""
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
-               DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
-    command = [sys.executable, "-m", "pytest", *(["-x"] if first_failure else []), "-q", "-p", "no:cacheprovider",
-               *args]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(tree),
+        PYTHONDONTWRITEBYTECODE="1",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *(["-x"] if first_failure else []),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *args,
+    ]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
@@ -140,9 +161,16 @@ def unmutated_failures(results, args, print_lock) -> List[str]:
     -> the ones that fail there (a kill by such a test proves nothing). A kill without a named
     test (a timeout, a crash) runs that mutation's own tests; their files are returned if they fail."""
     killers = list(dict.fromkeys(killer for _, status, _, killer in results if status == "killed" and killer))
-    unnamed = list(dict.fromkeys(arg for m, status, _, killer in results if status == "killed" and not killer
-                                 for arg in m.tests if not arg.startswith("-")))
-    batches = [tuple(killers[i::args.workers]) for i in range(args.workers)] + [tuple(unnamed)]
+    unnamed = list(
+        dict.fromkeys(
+            arg
+            for m, status, _, killer in results
+            if status == "killed" and not killer
+            for arg in m.tests
+            if not arg.startswith("-")
+        )
+    )
+    batches = [tuple(killers[i :: args.workers]) for i in range(args.workers)] + [tuple(unnamed)]
     batches = [b for b in batches if b]
 
     def check(tree: Path, batch: Tuple[str, ...]) -> List[str]:
@@ -159,14 +187,22 @@ def unmutated_failures(results, args, print_lock) -> List[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-k", dest="select", action="append", default=[],
-                        help="only mutations whose name contains this (repeatable: any of them)")
+    parser.add_argument(
+        "-k",
+        dest="select",
+        action="append",
+        default=[],
+        help="only mutations whose name contains this (repeatable: any of them)",
+    )
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test run")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip the unmutated run of the killing tests")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="mutants run at once, each in its own copy of the tree (default: one per core)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the killing tests")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="mutants run at once, each in its own copy of the tree (default: one per core)",
+    )
     args = parser.parse_args(argv)
 
     mutations = [m for m in all_mutations() if not args.select or any(k in m.name for k in args.select)]
@@ -197,6 +233,7 @@ def main(argv=None) -> int:
 
     results: List[Tuple[Mutation, str, float, str]] = in_parallel(mutations, judge, args.workers)
     broken = [] if args.no_baseline else unmutated_failures(results, args, print_lock)
+
     def trusted(m: Mutation, status: str, killer: str) -> str:
         suspect = killer in broken if killer else any(arg in broken for arg in m.tests)
         return "broken-test" if status == "killed" and suspect else status
@@ -207,8 +244,10 @@ def main(argv=None) -> int:
     errors = [m.name for m, status, _ in results if status == "error"]
     broken = [m.name for m, status, _ in results if status == "broken-test"]
     killed = sum(status == "killed" for _, status, _ in results)
-    print(f"\n{killed}/{len(results)} killed, {len(survived)} survived, {len(errors)} not applicable, "
-          f"{len(broken)} killed by a test that fails unmutated; {time.perf_counter() - started:.0f}s in all")
+    print(
+        f"\n{killed}/{len(results)} killed, {len(survived)} survived, {len(errors)} not applicable, "
+        f"{len(broken)} killed by a test that fails unmutated; {time.perf_counter() - started:.0f}s in all"
+    )
     for name in survived:
         print(f"  SURVIVED: {name}")
     for name in errors:

@@ -30,79 +30,58 @@ on CPU with packed data; all are made from the one rule in `block_visible`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, HostBatch, TargetFeatures, rows_where,
-                                   target_layer_shape, target_text_config, uncapturable_layer)
-from specdraft.drafts.dflash.blocks import (BlockVisibility, TrainingBlocks, block_attention, loss_weights,
-                                           own_blocks, sample_training_blocks)
+from specdraft.drafts.base import (
+    MemoryShape,
+    CaptureRequest,
+    Draft,
+    DraftLoss,
+    HostBatch,
+    TargetFeatures,
+    rows_where,
+    target_layer_shape,
+    target_text_config,
+    uncapturable_layer,
+)
+from specdraft.drafts.dflash.blocks import (
+    BlockVisibility,
+    TrainingBlocks,
+    loss_weights,
+    own_blocks,
+    sample_training_blocks,
+)
 from specdraft.drafts.dflash.decode import DFlashDrafter
-from specdraft.drafts.dflash.options import (LOSS_WEIGHTINGS, DFlashBackboneSpec, DFlashDims,  # noqa: F401
-                                            DFlashOptions, default_target_layers)  # (re-exported)
+from specdraft.drafts.dflash.options import (
+    DFlashBackboneSpec,
+    DFlashDims,
+)
 from specdraft.drafts.dflash.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.documents import attention_path
-from specdraft.drafts.layers import GatedMLP, Projections, RMSNorm, apply_rope
+from specdraft.drafts.layers import RMSNorm
+from specdraft.drafts.dflash.layer import BlockHead, DFlashLayer
 from specdraft.drafts.dflash.dpace import dpace_slot_loss, row_cross_entropy
-from specdraft.drafts.objectives import (CE, Objective, answer_labels, chunked_objective,
-                                        dpace_weights, objective_from_options, shared_head_objective, term_metrics)
+from specdraft.drafts.objectives import (
+    CE,
+    Objective,
+    answer_labels,
+    chunked_objective,
+    dpace_weights,
+    shared_head_objective,
+    term_metrics,
+)
+from specdraft.drafts.objective_options import objective_from_options
 from specdraft.parallel.sequence import SequenceShard
-
-@dataclass
-class BlockHead:
-    """What a head makes of block hidden states: logits = features @ weight.T, one matmul, so that
-    the chunked objective computes them a chunk of rows at a time; confidence: each slot's logit of
-    P(the slot is accepted), None for a head without one (DFlash's). state: what a sequential head
-    carries to the next slot (DSpark's rnn Markov head), None otherwise."""
-
-    features: torch.Tensor  # (..., F)
-    weight: torch.Tensor  # (V, F)
-    confidence: Optional[torch.Tensor] = None  # (...,)
-    state: Optional[torch.Tensor] = None
-
-    def logits(self) -> torch.Tensor:
-        return self.features @ self.weight.t().to(self.features.dtype)
 
 
 # -- layers ----------------------------------------------------------------------------------------
 
-class DFlashAttention(Projections):
-    """Queries from the block; keys/values from the context and the block, one set of projections."""
-
-    def __init__(self, d: DFlashDims):
-        super().__init__(d)
-        self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
-        self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps)
-
-    def keys_values(self, x, cos, sin) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, H) at rotary tables cos/sin (B, T, D) -> K (RoPE applied), V: (B, KV, T, D)."""
-        k = apply_rope(self.k_norm(self.heads(self.k_proj(x))), cos, sin)
-        return k, self.heads(self.v_proj(x))
-
-    def forward(self, x, cos, sin, context_k, context_v, visibility: Optional[BlockVisibility]):
-        q = apply_rope(self.q_norm(self.heads(self.q_proj(x))), cos, sin)  # (B, Hq, Q, D)
-        k, v = self.keys_values(x, cos, sin)
-        return self.output(block_attention(q, torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2),
-                                           visibility))
-
-
-class DFlashLayer(nn.Module):
-    def __init__(self, d: DFlashDims):
-        super().__init__()
-        self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.self_attn = DFlashAttention(d)
-        self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = GatedMLP(d.hidden_size, d.intermediate_size, d.hidden_act)
-
-    def forward(self, x, cos, sin, context_k, context_v, visibility):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, visibility)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 # -- the draft -------------------------------------------------------------------------------------
+
 
 class DFlashBackbone(DFlashBackboneSpec, Draft):
     """DFlash's backbone with no head of its own (the target's lm_head): the DFlash family as it is
@@ -132,20 +111,25 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         self.init_linear_weights(self.dims.initializer_range)
 
     def describe(self) -> str:
-        return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, "
-                          f"{self.dims.num_layers} draft layers, blocks of {self.dims.block_size}",
-                          *self.describe_refusals()])
+        return "; ".join(
+            [
+                f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, "
+                f"{self.dims.num_layers} draft layers, blocks of {self.dims.block_size}",
+                *self.describe_refusals(),
+            ]
+        )
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return uncapturable_layer(self.dims.target_layers, self.dims.target_num_layers)
 
     # -- building ---------------------------------------------------------------------------------
 
-
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "DFlashBackbone":
-        return cls(cls.dims_type(**cls.dims_fields(target_config, draft_cfg)),
-                   objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        return cls(
+            cls.dims_type(**cls.dims_fields(target_config, draft_cfg)),
+            objective=objective_from_options(draft_cfg, default=cls.default_loss),
+        )
 
     @classmethod
     def dims_fields(cls, target_config, draft_cfg) -> Dict[str, Any]:
@@ -173,8 +157,11 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         )
 
     def capture_request(self) -> CaptureRequest:
-        return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)),
-                              token_embeddings=(self.dims.mask_token_id,), final_hidden=self.objective.needs_teacher)
+        return CaptureRequest(
+            layers=tuple(sorted(self.dims.target_layers)),
+            token_embeddings=(self.dims.mask_token_id,),
+            final_hidden=self.objective.needs_teacher,
+        )
 
     # -- the backbone: block embeddings + context -> block hidden states ---------------------------
 
@@ -212,23 +199,29 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         DFlash's is the target's lm_head."""
         return lm_head_weight
 
-    def block_head(self, hidden: torch.Tensor, previous_tokens: Optional[torch.Tensor], head_weight: torch.Tensor,
-                   state: Optional[torch.Tensor] = None) -> BlockHead:
+    def block_head(
+        self,
+        hidden: torch.Tensor,
+        previous_tokens: Optional[torch.Tensor],
+        head_weight: torch.Tensor,
+        state: Optional[torch.Tensor] = None,
+    ) -> BlockHead:
         """hidden (..., S', H) of S' consecutive slots; previous_tokens (..., S'): each slot's
         previous token (the token before the one it predicts; the anchor for slots <= first_slot),
         read by heads that condition on it; state: a sequential head's, from the slot before.
         DFlash has no head: its logits are the target's lm_head applied to the hidden states."""
         return BlockHead(hidden, head_weight)
 
-    def head_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                    previous_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def head_logits(
+        self, hidden: torch.Tensor, lm_head_weight: torch.Tensor, previous_tokens: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Block hidden states (..., S, H) -> logits (..., S, V), through block_head."""
         return self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight)).logits()
 
     # -- training ---------------------------------------------------------------------------------
 
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, Any]:
-        return {"anchor_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
+        return {"anchor_seed": int(torch.randint(0, 2**62, (1,), generator=generator))}
 
     def training_blocks(self, input_ids, loss_mask, anchor_seed: int, documents=None) -> TrainingBlocks:
         return sample_training_blocks(input_ids, loss_mask, self.layout, self.dims.max_anchors, anchor_seed, documents)
@@ -244,43 +237,82 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         context_kv = self.context_keys_values(context, shard.gather(features.cos), shard.gather(features.sin))
         T = context.shape[1]
         anchor_embeds = features.input_embeds.gather(
-            1, (blocks.anchors - shard.start)[..., None].expand(B, A, features.input_embeds.shape[-1]))
+            1, (blocks.anchors - shard.start)[..., None].expand(B, A, features.input_embeds.shape[-1])
+        )
         positions = shard.gather(features.position_ids.expand(B, shard.local_length))
         cos, sin = features.rotary(blocks.slot_positions(positions).flatten(1))
-        hidden = self(anchor_embeds, features.token_embeds[0], cos, sin, context_kv,
-                      BlockVisibility(blocks.anchors, T, self.layout.block_size, blocks.context_start))
+        hidden = self(
+            anchor_embeds,
+            features.token_embeds[0],
+            cos,
+            sin,
+            context_kv,
+            BlockVisibility(blocks.anchors, T, self.layout.block_size, blocks.context_start),
+        )
         return hidden.view(B, A, self.layout.block_size, -1)
 
-    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, anchor_seed: int = 0, documents: Optional[torch.Tensor] = None,
-                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight,
+        input_ids,
+        loss_mask,
+        chunk_size: int,
+        anchor_seed: int = 0,
+        documents: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **_,
+    ) -> DraftLoss:
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         # on the host; anchors among every token when the teacher terms learn them all
-        host_blocks = self.training_blocks(host.input_ids, self.objective.taught(host.loss_mask), anchor_seed,
-                                           host.documents)
+        host_blocks = self.training_blocks(
+            host.input_ids, self.objective.taught(host.loss_mask), anchor_seed, host.documents
+        )
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         group_tokens = shard.host_count(host_blocks.counted)  # on the host: the whole sequence's, every rank alike
         host_blocks = own_blocks(host_blocks, shard, static=attention_path(input_ids.device) == "flex")
         if host_blocks.anchors.shape[1] == 0:  # a row too short for one block: nothing to learn
             none = torch.zeros((), dtype=torch.long, device=input_ids.device)
-            metrics = {f"block_{j + 1}/{name}": (none.float(), none) for j in range(self.layout.predictions)
-                       for name in ("loss", "accuracy")}  # the same names as every other batch
+            metrics = {
+                f"block_{j + 1}/{name}": (none.float(), none)
+                for j in range(self.layout.predictions)
+                for name in ("loss", "accuracy")
+            }  # the same names as every other batch
             return DraftLoss(loss=self.fc.weight.sum() * 0.0, tokens=none, correct=none.clone(), metrics=metrics)
         blocks = host_blocks.to(input_ids.device)
         hidden = self.training_hidden(features, blocks)
-        label_is_answer = host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(
-            host_blocks.counted).bool()
+        label_is_answer = (
+            host.loss_mask.gather(1, host_blocks.label_positions.flatten(1)).view_as(host_blocks.counted).bool()
+        )
         final_hidden = features.final_hidden
         if final_hidden is not None and shard.parallel:  # the teacher of a block's last label may be on the next rank
             final_hidden = shard.extend_right(final_hidden, self.layout.span)
-        return self.block_loss(hidden, blocks, host_blocks.counted, label_is_answer, lm_head_weight, chunk_size,
-                               final_hidden, blocks.previous_tokens(input_ids, self.layout.first_slot),
-                               shard=shard, group_tokens=group_tokens)
+        return self.block_loss(
+            hidden,
+            blocks,
+            host_blocks.counted,
+            label_is_answer,
+            lm_head_weight,
+            chunk_size,
+            final_hidden,
+            blocks.previous_tokens(input_ids, self.layout.first_slot),
+            shard=shard,
+            group_tokens=group_tokens,
+        )
 
-    def block_loss(self, hidden, blocks: TrainingBlocks, counted: torch.Tensor, label_is_answer: torch.Tensor,
-                   lm_head_weight, chunk_size: int, final_hidden: Optional[torch.Tensor] = None,
-                   previous_tokens: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None,
-                   group_tokens: Optional[int] = None) -> DraftLoss:
+    def block_loss(
+        self,
+        hidden,
+        blocks: TrainingBlocks,
+        counted: torch.Tensor,
+        label_is_answer: torch.Tensor,
+        lm_head_weight,
+        chunk_size: int,
+        final_hidden: Optional[torch.Tensor] = None,
+        previous_tokens: Optional[torch.Tensor] = None,
+        shard: Optional[SequenceShard] = None,
+        group_tokens: Optional[int] = None,
+    ) -> DraftLoss:
         """Weighted objective of each block's predictions: sum_j w_j * objective_j / counted tokens
         (speculators' normalisation). hidden (B, A, S, H); counted (B, A, P) bool on the host;
         final_hidden (B, T, Ht): the target's, when the objective reads its distribution (the
@@ -295,14 +327,17 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         device = hidden.device
         if final_hidden is not None:  # each block's anchor as a row of final_hidden.flatten(0, 1)
             start = 0 if shard is None else shard.start  # final_hidden's first token
-            anchor_rows = (torch.arange(B, device=device)[:, None] * final_hidden.shape[1]
-                           + blocks.anchors - start).flatten()
+            anchor_rows = (
+                torch.arange(B, device=device)[:, None] * final_hidden.shape[1] + blocks.anchors - start
+            ).flatten()
         total = hidden.new_zeros((), dtype=torch.float32)
         tokens = torch.zeros((), dtype=torch.long, device=device)
         correct = torch.zeros((), dtype=torch.long, device=device)
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         head = self.block_head(hidden, previous_tokens, self.head_weight(lm_head_weight))  # (B, A, S, F)
-        dpace = self.dpace_row_weights(head, blocks, counted, chunk_size) if self.dims.loss_weighting == "dpace" else None
+        dpace = (
+            self.dpace_row_weights(head, blocks, counted, chunk_size) if self.dims.loss_weighting == "dpace" else None
+        )
         for j in range(self.layout.predictions):
             slot = counted[..., j]
             rows, n = rows_where(slot, device)  # over the (B * A) blocks
@@ -316,11 +351,11 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
             elif head.weight is lm_head_weight:  # the target's own head: its cheapest path
                 out = shared_head_objective(student, lm_head_weight, teacher, ce_labels, objective, chunk_size)
             else:  # a head of the draft's own: the teacher is still the target's lm_head
-                out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective,
-                                        chunk_size)
+                out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective, chunk_size)
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
-            extra, extra_metrics = self.head_terms(head, first + j, rows, student, teacher, lm_head_weight,
-                                                   chunk_size, n)
+            extra, extra_metrics = self.head_terms(
+                head, first + j, rows, student, teacher, lm_head_weight, chunk_size, n
+            )
             if dpace is not None:  # D-PACE's weights are inside out.loss; gamma weighs only a head's own term
                 total = total + out.loss + weights[j] * extra
             else:
@@ -338,8 +373,9 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         loss, weight = shard.token_mean(total, group_tokens, tokens)
         return DraftLoss(loss=loss, tokens=weight, correct=correct, metrics=metrics)
 
-    def dpace_row_weights(self, head: BlockHead, blocks: TrainingBlocks, counted: torch.Tensor,
-                          chunk_size: int) -> torch.Tensor:
+    def dpace_row_weights(
+        self, head: BlockHead, blocks: TrainingBlocks, counted: torch.Tensor, chunk_size: int
+    ) -> torch.Tensor:
         """(B*A, P) D-PACE weights of the blocks' predicting slots from their CE (a no-grad head pass)."""
         first, device = self.layout.first_slot, head.features.device
         mask = counted.flatten(0, 1)  # (B*A, P) on the host
@@ -350,9 +386,17 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
             ce[rows, j] = row_cross_entropy(slot[rows], head.weight, blocks.labels[..., j].flatten()[rows], chunk_size)
         return dpace_weights(ce, mask.to(device), self.dims.dpace_alpha)
 
-    def head_terms(self, head: BlockHead, slot: int, rows: torch.Tensor, student: torch.Tensor,
-                   teacher: Optional[torch.Tensor], lm_head_weight: torch.Tensor, chunk_size: int,
-                   n: torch.Tensor) -> Tuple[Any, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+    def head_terms(
+        self,
+        head: BlockHead,
+        slot: int,
+        rows: torch.Tensor,
+        student: torch.Tensor,
+        teacher: Optional[torch.Tensor],
+        lm_head_weight: torch.Tensor,
+        chunk_size: int,
+        n: torch.Tensor,
+    ) -> Tuple[Any, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """A head's own loss at one slot, summed over its counted rows (weighted like the slot's
         objective), and its metrics {name: (sum, count)}. DFlash's head has none."""
         return 0.0, {}
@@ -384,25 +428,35 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         # rotated queries, the attention output (4 heads hd), k_proj's output and its normalised
         # keys (2 kv hd), MLP gate/up/act/product (4I); the 4 norms (2 H-sized, q_norm, k_norm)
         # keep their inputs in fp32
-        per_slot = ((6 * H + 4 * heads * hd + 2 * kv * hd + 4 * I) * p
-                    + shape.fp32_norm_inputs(2 * H + heads * hd + kv * hd))
+        per_slot = (6 * H + 4 * heads * hd + 2 * kv * hd + 4 * I) * p + shape.fp32_norm_inputs(
+            2 * H + heads * hd + kv * hd
+        )
         layers = 1 if self.gradient_checkpointing else d.num_layers  # whose activations are held at once
         terms = {
             # the captured layers (n Ht), input embeddings (H), cos/sin (2 hd), the final hidden
             # state when a teacher is read
-            "capture features": shape.capture_features(len(d.target_layers) * d.target_hidden_size + H + 2 * hd
-                                                       + teacher),
+            "capture features": shape.capture_features(
+                len(d.target_layers) * d.target_hidden_size + H + 2 * hd + teacher
+            ),
             # the context: fc's output and its norm (2H), per layer its keys/values with k_norm and
             # RoPE copies (4 kv hd) and their copy in cat(context, block) (2 kv hd); the block
             # slots: per layer a decoder layer's saved tensors and their keys/values in that cat
             # (checkpointed: each layer keeps its input, and one layer comes back at a time)
             "draft activations": context * (2 * H + d.num_layers * 6 * kv * hd) * p
-                                 + block * (layers * (per_slot + 2 * kv * hd * p) + 2 * H * p
-                                            + (d.num_layers * H * p if self.gradient_checkpointing else 0)),
+            + block
+            * (
+                layers * (per_slot + 2 * kv * hd * p)
+                + 2 * H * p
+                + (d.num_layers * H * p if self.gradient_checkpointing else 0)
+            ),
             # one loss call per predicting slot, over that slot of every block
-            "loss chunk + hidden grads": shape.loss_chunk(blocks * d.layout.predictions, d.vocab_size, H,
-                                                          teacher=self.objective.needs_teacher,
-                                                          calls=d.layout.predictions),
+            "loss chunk + hidden grads": shape.loss_chunk(
+                blocks * d.layout.predictions,
+                d.vocab_size,
+                H,
+                teacher=self.objective.needs_teacher,
+                calls=d.layout.predictions,
+            ),
             # which keys each block slot sees, dense for SDPA off GPU: (B, 1, A S, T + A S) bools,
             # and per layer the float bias SDPA makes of it, kept for the backward
             "block mask": block * (shape.context_T + block // shape.B) * (1 + 4 * layers),

@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafts.base import document_starts
-from specdraft.drafts.dflash.options import BlockLayout  # noqa: F401 (re-exported)
+from specdraft.drafts.dflash.options import BlockLayout
 from specdraft.drafts.documents import attention_path, flex_attention, make_block_mask
 from specdraft.transfer import to_device
 
 
 # -- which keys a block query sees ---------------------------------------------------------------
+
 
 @dataclass
 class BlockVisibility:
@@ -58,8 +59,13 @@ class BlockVisibility:
         if self._block_mask is None:
             # the mask_mod holds tensors and ints only (what a compiled create_block_mask guards on)
             anchors, start, T, S = self.anchors, self.context_start, self.context_len, self.block_size
-            self._block_mask = make_block_mask(lambda b, h, q, kv: block_visible(anchors, start, T, S, b, q, kv),
-                                               anchors.shape[0], self.query_len, T + self.query_len, anchors.device)
+            self._block_mask = make_block_mask(
+                lambda b, h, q, kv: block_visible(anchors, start, T, S, b, q, kv),
+                anchors.shape[0],
+                self.query_len,
+                T + self.query_len,
+                anchors.device,
+            )
         return self._block_mask
 
 
@@ -107,17 +113,21 @@ def per_conversation_attention(q, k, v, visibility: BlockVisibility) -> torch.Te
             end = int(visibility.anchors[b, first:last].max())  # no block here sees context >= its anchor
 
             def keys(x):  # (1, Hkv, (end - start) + count S, D): its context, then its blocks
-                return torch.cat([x[b:b + 1, :, start:end], x[b:b + 1, :, T + first * S:T + last * S]], dim=2)
+                return torch.cat([x[b : b + 1, :, start:end], x[b : b + 1, :, T + first * S : T + last * S]], dim=2)
 
-            local = BlockVisibility(visibility.anchors[b:b + 1, first:last] - start, end - start, S)
-            parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, first * S:last * S], keys(k), keys(v),
-                                                        attn_mask=local.dense(), enable_gqa=gqa))
+            local = BlockVisibility(visibility.anchors[b : b + 1, first:last] - start, end - start, S)
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q[b : b + 1, :, first * S : last * S], keys(k), keys(v), attn_mask=local.dense(), enable_gqa=gqa
+                )
+            )
             first = last
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)
 
 
 # -- the blocks training builds -------------------------------------------------------------------
+
 
 @dataclass
 class TrainingBlocks:
@@ -153,12 +163,24 @@ class TrainingBlocks:
     def to(self, device) -> "TrainingBlocks":
         """Drawn on the host (where the loss reads which rows count), copied to the model's device."""
         move = lambda t: to_device(t, device)  # noqa: E731  pinned, asynchronous
-        return TrainingBlocks(move(self.anchors), move(self.valid), move(self.labels), move(self.counted),
-                              self.block_size, None if self.context_start is None else move(self.context_start))
+        return TrainingBlocks(
+            move(self.anchors),
+            move(self.valid),
+            move(self.labels),
+            move(self.counted),
+            self.block_size,
+            None if self.context_start is None else move(self.context_start),
+        )
 
 
-def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, layout: BlockLayout,
-                           max_anchors: int, seed: int, documents: Optional[torch.Tensor] = None) -> TrainingBlocks:
+def sample_training_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    layout: BlockLayout,
+    max_anchors: int,
+    seed: int,
+    documents: Optional[torch.Tensor] = None,
+) -> TrainingBlocks:
     """Anchors drawn uniformly without replacement among the candidates of each row.
 
     A candidate anchor a has context (a >= 1), all its labels inside the row (a + span < T) and a
@@ -174,10 +196,10 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     count = max(0, min(max_anchors, last))
     candidate = torch.zeros(B, T, dtype=torch.bool, device=device)
     if last >= 1:
-        candidate[:, 1:last + 1] = loss_mask[:, 2:last + 2].bool()
+        candidate[:, 1 : last + 1] = loss_mask[:, 2 : last + 2].bool()
         if documents is not None:  # context and the first label in the anchor's conversation
-            candidate[:, 1:last + 1] &= documents[:, 2:last + 2] == documents[:, 1:last + 1]
-            candidate[:, 1:last + 1] &= documents[:, 0:last] == documents[:, 1:last + 1]
+            candidate[:, 1 : last + 1] &= documents[:, 2 : last + 2] == documents[:, 1 : last + 1]
+            candidate[:, 1 : last + 1] &= documents[:, 0:last] == documents[:, 1 : last + 1]
     # per-batch randomness from the loop's seed, drawn on the CPU: the same anchors on any device
     scores = torch.rand((B, T), generator=torch.Generator().manual_seed(seed)).to(device)
     scores = torch.where(candidate, scores, torch.full_like(scores, -1.0))
@@ -192,7 +214,9 @@ def sample_training_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, lay
     counted = loss_mask.gather(1, label_pos.flatten(1)).view_as(label_pos).bool() & valid[..., None]
     context_start = None
     if documents is not None:
-        counted &= documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
+        counted &= (
+            documents.gather(1, label_pos.flatten(1)).view_as(label_pos) == documents.gather(1, anchors)[..., None]
+        )
         context_start = document_starts(documents).gather(1, anchors)
     return TrainingBlocks(anchors, valid, labels, counted, block_size=layout.block_size, context_start=context_start)
 
@@ -219,9 +243,14 @@ def own_blocks(blocks: TrainingBlocks, shard, static: bool = False) -> TrainingB
         return torch.where(keep.view(*keep.shape, *([1] * (x.dim() - 2))), taken, torch.full_like(taken, fill))
 
     anchors = pick(blocks.anchors, shard.start)
-    return TrainingBlocks(anchors, pick(blocks.valid, False), pick(blocks.labels, 0), pick(blocks.counted, False),
-                          blocks.block_size, None if blocks.context_start is None else torch.where(
-                              keep, blocks.context_start.gather(1, order), anchors))
+    return TrainingBlocks(
+        anchors,
+        pick(blocks.valid, False),
+        pick(blocks.labels, 0),
+        pick(blocks.counted, False),
+        blocks.block_size,
+        None if blocks.context_start is None else torch.where(keep, blocks.context_start.gather(1, order), anchors),
+    )
 
 
 def loss_weights(layout: BlockLayout, gamma: float) -> List[float]:

@@ -82,12 +82,15 @@ class DFlashDrafter(Drafter):
     def block_hidden(self, anchor_token: int, n: int) -> torch.Tensor:
         """One draft forward of the block anchored at x_n -> its hidden states (1, S, H)."""
         if self.length != n:
-            raise RuntimeError(f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
-                               f"the decoding loop must pass the target's hidden states to observe_target()")
+            raise RuntimeError(
+                f"DFlash drafter holds context of {self.length} positions, the round needs {n}: "
+                f"the decoding loop must pass the target's hidden states to observe_target()"
+            )
         anchor = self.embed_tokens(torch.tensor([[anchor_token]], device=self.embed_tokens.weight.device))
         cos, sin = self._rotary(torch.arange(n, n + self.layout.block_size, device=self.device))
-        return self.draft(anchor.to(self.device, self.dtype), self.mask_embed, cos, sin,
-                          list(zip(self.keys, self.values)), None)  # (1, S, H)
+        return self.draft(
+            anchor.to(self.device, self.dtype), self.mask_embed, cos, sin, list(zip(self.keys, self.values)), None
+        )  # (1, S, H)
 
     @torch.no_grad()
     def block_logits(self, anchor_token: int, n: int) -> torch.Tensor:
@@ -97,7 +100,7 @@ class DFlashDrafter(Drafter):
 
     def predictions(self, anchor_token: int, n: int) -> torch.Tensor:
         """(P, V): row j = logits of the token at n + 1 + j, given x_n (one forward)."""
-        return self.block_logits(anchor_token, n)[self.layout.first_slot:]
+        return self.block_logits(anchor_token, n)[self.layout.first_slot :]
 
     def _round(self, tokens, target_cache) -> torch.Tensor:
         n = cache_length(target_cache)  # tokens[n] = x_n, the last verified token
@@ -114,7 +117,9 @@ class DFlashDrafter(Drafter):
 
     def propose_tree(self, tokens, target_cache, widths: Sequence[int]) -> DraftTree:
         logprobs = F.log_softmax(self._round(tokens, target_cache), dim=-1)  # (P, V)
-        widths = list(widths)[:logprobs.shape[0]]
+        widths = list(widths)[: logprobs.shape[0]]
         # every node at depth d takes slot d's distribution: the block drafts its positions jointly,
         # not conditioned on the path, so the beam ranks paths by the sum of slot log-probs
-        return grow_tree(logprobs[0], widths, lambda rows, new_tokens, depth: logprobs[depth].expand(len(new_tokens), -1))
+        return grow_tree(
+            logprobs[0], widths, lambda rows, new_tokens, depth: logprobs[depth].expand(len(new_tokens), -1)
+        )

@@ -121,12 +121,18 @@ class DFlashBackboneSpec(DraftSpec):
             fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
         smallest = 1 if draft_cfg.sample_from_anchor else 2
         if draft_cfg.block_size < smallest:
-            fail("block_size", f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
-                               f"(a block must predict a token), got {draft_cfg.block_size}")
+            fail(
+                "block_size",
+                f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
+                f"(a block must predict a token), got {draft_cfg.block_size}",
+            )
         layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
         if max_seq_length < layout.span + 2:
-            fail("block_size", f"a block spans {layout.span + 1} positions after its context; "
-                               f"max_seq_length {max_seq_length} leaves no room for one")
+            fail(
+                "block_size",
+                f"a block spans {layout.span + 1} positions after its context; "
+                f"max_seq_length {max_seq_length} leaves no room for one",
+            )
         if not draft_cfg.loss_decay_gamma > 0:
             fail("loss_decay_gamma", f"must be > 0, got {draft_cfg.loss_decay_gamma}")
         weighting = draft_cfg.get("loss_weighting", "decay")
@@ -135,8 +141,10 @@ class DFlashBackboneSpec(DraftSpec):
         if weighting == "dpace":
             objective = objective_from_options(draft_cfg, default=cls.default_loss)
             if objective != CE:  # D-PACE's confidence is exp(-CE) of the very term it weighs
-                fail("loss_weighting", f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), "
-                                       f"got {objective}")
+                fail(
+                    "loss_weighting",
+                    f"'dpace' needs draft.loss: ce (its weights come from each slot's CE), got {objective}",
+                )
             alpha = draft_cfg.get("dpace_alpha", 0.5)
             if not 0.0 < alpha <= 1.0:
                 fail("dpace_alpha", f"must be in (0, 1], got {alpha}")
@@ -147,14 +155,20 @@ class DFlashBackboneSpec(DraftSpec):
         text = target_text_config(target_config)
         rotary = rotary_refusal(target_config)
         if rotary:
-            fail("type", f"{cls.label} rotates its own queries and keys over whole heads with one rotary table, "
-                         f"the target's (servers rebuild it from the exported transformer_layer_config); the "
-                         f"target {rotary}")
+            fail(
+                "type",
+                f"{cls.label} rotates its own queries and keys over whole heads with one rotary table, "
+                f"the target's (servers rebuild it from the exported transformer_layer_config); the "
+                f"target {rotary}",
+            )
         num_target_layers = text.num_hidden_layers
         bad = [x for x in cls.resolved_target_layers(draft_cfg, target_config) if not 0 <= x <= num_target_layers]
         if bad:
-            fail("target_layers", f"{bad} outside the target's layer ids 0..{num_target_layers} "
-                                  f"(input of layer i; {num_target_layers} = the last layer's output)")
+            fail(
+                "target_layers",
+                f"{bad} outside the target's layer ids 0..{num_target_layers} "
+                f"(input of layer i; {num_target_layers} = the last layer's output)",
+            )
         mask_id = draft_cfg.mask_token_id
         if mask_id is not None and not 0 <= mask_id < text.vocab_size:
             fail("mask_token_id", f"{mask_id} is not a token id of the target (vocab size {text.vocab_size})")

@@ -33,8 +33,11 @@ CONFIG_NAME = "config.json"
 NOT_EXPORTED = ("mask_delta",)
 # speculators' config field -> the draft key it records: what an import (draft.init_from) reads
 # back of what speculators_config writes (tests/test_imports.py checks the two agree)
-SPECULATORS_SETTINGS = {"aux_hidden_state_layer_ids": "target_layers", "sample_from_anchor": "sample_from_anchor",
-                        "mask_token_id": "mask_token_id"}
+SPECULATORS_SETTINGS = {
+    "aux_hidden_state_layer_ids": "target_layers",
+    "sample_from_anchor": "sample_from_anchor",
+    "mask_token_id": "mask_token_id",
+}
 
 
 def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -43,9 +46,11 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
         raise SpecdraftError(uncapturable)
     delta = state_dict["mask_delta"]
     if bool((delta != 0).any()):
-        raise SpecdraftError("speculators' DFlash format embeds MASK with the target's row of mask_token_id "
-                             "only; this draft trained its own MASK row (draft.train_mask_embedding: true), "
-                             "so it can be exported natively only")
+        raise SpecdraftError(
+            "speculators' DFlash format embeds MASK with the target's row of mask_token_id "
+            "only; this draft trained its own MASK row (draft.train_mask_embedding: true), "
+            "so it can be exported natively only"
+        )
     return {k: v for k, v in state_dict.items() if k not in NOT_EXPORTED}
 
 
@@ -89,24 +94,38 @@ def speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype
         "dtype": str(dtype).replace("torch.", ""),
         "speculators_config": {
             "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft.layout.predictions,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": draft.layout.predictions,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target_dir),
-                         "architectures": list(getattr(target_config, "architectures", None) or [])},
+            "verifier": {
+                "name_or_path": str(target_dir),
+                "architectures": list(getattr(target_config, "architectures", None) or []),
+            },
         },
     }
 
 
-def write_speculators_export(draft, state_dict: Dict[str, torch.Tensor], out_dir, target_dir: str,
-                             make_config: Callable[..., dict] = speculators_config) -> Path:
+def write_speculators_export(
+    draft,
+    state_dict: Dict[str, torch.Tensor],
+    out_dir,
+    target_dir: str,
+    make_config: Callable[..., dict] = speculators_config,
+) -> Path:
     """Write config.json + model.safetensors into out_dir (created; the caller makes it atomic).
     make_config: the config.json of the family (a family on DFlash's backbone passes its own)."""
     from safetensors.torch import save_file
 
     target_config = load_target_config(str(target_dir))
-    tensors = {k: v.detach().to("cpu").contiguous().clone()
-               for k, v in speculators_state_dict(draft, state_dict).items()}
+    tensors = {
+        k: v.detach().to("cpu").contiguous().clone() for k, v in speculators_state_dict(draft, state_dict).items()
+    }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})

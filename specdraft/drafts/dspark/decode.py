@@ -36,8 +36,12 @@ def keep_nodes(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     new_id[index] = torch.arange(index.numel(), device=index.device)
     parents = tree.parents[index]
     parents = torch.where(parents >= 0, new_id[parents.clamp_min(0)], parents)
-    return DraftTree(tree.tokens[index], parents, None if tree.q is None else tree.q[index],
-                     None if tree.scores is None else tree.scores[index])
+    return DraftTree(
+        tree.tokens[index],
+        parents,
+        None if tree.q is None else tree.q[index],
+        None if tree.scores is None else tree.scores[index],
+    )
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -46,8 +50,9 @@ class DSparkDrafter(DFlashDrafter):
     def __init__(self, draft, target, confidence_threshold: Optional[float] = None):
         super().__init__(draft, target)
         # decoding's stop; the config's draft.confidence_threshold unless eval overrides it
-        self.confidence_threshold = float(draft.dims.confidence_threshold if confidence_threshold is None
-                                          else confidence_threshold)
+        self.confidence_threshold = float(
+            draft.dims.confidence_threshold if confidence_threshold is None else confidence_threshold
+        )
 
     def _head(self, hidden: torch.Tensor, previous: torch.Tensor, state):
         """One slot for N rows: hidden (N, H), previous (N,) -> (logits (N, V) float, confidence (N,), state)."""
@@ -63,7 +68,7 @@ class DSparkDrafter(DFlashDrafter):
         previous = torch.tensor([anchor], device=self.device)
         state = None
         for slot in range(self.layout.first_slot + 1):
-            logits, confidence, state = self._head(hidden[slot:slot + 1], previous, state)
+            logits, confidence, state = self._head(hidden[slot : slot + 1], previous, state)
         return hidden, logits[0], float(confidence[0]), state
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator) -> DraftTree:
@@ -77,8 +82,9 @@ class DSparkDrafter(DFlashDrafter):
             drafted.append(token)
             qs.append(q)
             if j + 1 < min(gamma, self.layout.predictions):
-                row, conf, state = self._head(hidden[first + j + 1:first + j + 2],
-                                              torch.tensor([token], device=self.device), state)
+                row, conf, state = self._head(
+                    hidden[first + j + 1 : first + j + 2], torch.tensor([token], device=self.device), state
+                )
                 logits, confidence = row[0], float(conf[0])
         return chain(drafted, torch.stack(qs)) if drafted else empty_tree()
 
@@ -94,11 +100,13 @@ class DSparkDrafter(DFlashDrafter):
             count = len(new_tokens)
             state = carried["state"]
             logits, confidence, carried["state"] = self._head(
-                hidden[first + depth].expand(count, -1), new_tokens.to(self.device),
-                None if state is None else state[rows.to(state.device)])
+                hidden[first + depth].expand(count, -1),
+                new_tokens.to(self.device),
+                None if state is None else state[rows.to(state.device)],
+            )
             logprobs = F.log_softmax(logits, dim=-1)
             # a node whose next slot falls below the threshold gets no children (dropped below)
             return logprobs.masked_fill((confidence < self.confidence_threshold)[:, None], float("-inf"))
 
-        tree = grow_tree(F.log_softmax(logits, dim=-1), list(widths)[:self.layout.predictions], expand)
+        tree = grow_tree(F.log_softmax(logits, dim=-1), list(widths)[: self.layout.predictions], expand)
         return keep_nodes(tree, torch.isfinite(tree.scores.cpu())) if self.confidence_threshold > 0 else tree

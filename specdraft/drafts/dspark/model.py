@@ -30,13 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.dflash.backbone import BlockHead, DFlashBackbone, DFlashDims
+from specdraft.drafts.dflash.backbone import DFlashBackbone, DFlashDims
+from specdraft.drafts.dflash.layer import BlockHead
 from specdraft.drafts.dspark.decode import DSparkDrafter
-from specdraft.drafts.dspark.options import (DEFAULT_LOSS, MARKOV_HEAD_TYPES, DSparkOptions,  # noqa: F401
-                                             DSparkSpec, check_dspark_options)  # (re-exported)
+from specdraft.drafts.dspark.options import (
+    DEFAULT_LOSS,
+    DSparkSpec,
+)
 from specdraft.drafts.dspark.speculators import FILE_FORMAT as SPECULATORS_FILES, write_speculators_export
 from specdraft.drafts.loss import default_chunk_size
-from specdraft.drafts.objectives import Objective, parse_objective
+from specdraft.drafts.objectives import Objective
+from specdraft.drafts.objective_options import parse_objective
+
 
 @dataclass
 class DSparkDims(DFlashDims):
@@ -63,8 +68,9 @@ class MarkovHead(nn.Module):
         elif head_type == "rnn":  # [gate; candidate; output] over [state; previous embedding; hidden]
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def forward(self, previous_tokens: torch.Tensor, hidden: torch.Tensor, state: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, previous_tokens: torch.Tensor, hidden: torch.Tensor, state: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """previous_tokens (..., S'), hidden (..., S', H) of consecutive slots, state (..., r) from the
         slot before (rnn) -> (e (..., S', r), m (..., S', r), state after the last slot)."""
         e = self.markov_w1(previous_tokens.long())
@@ -77,7 +83,9 @@ class MarkovHead(nn.Module):
             state = e.new_zeros(*e.shape[:-2], self.rank)
         outputs = []
         for s in range(e.shape[-2]):
-            gate, candidate, out = self.joint_proj(torch.cat([state, e[..., s, :], hidden[..., s, :]], dim=-1)).chunk(3, -1)
+            gate, candidate, out = self.joint_proj(torch.cat([state, e[..., s, :], hidden[..., s, :]], dim=-1)).chunk(
+                3, -1
+            )
             gate = torch.sigmoid(gate)
             state = gate * state + (1.0 - gate) * torch.tanh(candidate)
             outputs.append(torch.tanh(out))
@@ -96,8 +104,14 @@ class ConfidenceHead(nn.Module):
 
 
 @torch.no_grad()
-def acceptance_targets(student: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
-                       teacher_weight: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
+def acceptance_targets(
+    student: torch.Tensor,
+    weight: torch.Tensor,
+    teacher: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+) -> torch.Tensor:
     """(N,) float32: would each row's drafted token be accepted? student @ weight.T are the draft's
     logits, teacher @ teacher_weight.T the target's. temperature > 0: speculative sampling's
     acceptance probability there, sum_v min(p_v, q_v) = 1 - TV(p, q); 0: greedy, 1 where the
@@ -122,18 +136,25 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
     import_settings = (*DFlashBackbone.import_settings, "markov_head_type", "confidence_with_markov")
-    tensor_keys = (*DFlashBackbone.tensor_keys, ("markov_head.gate_proj.*", "draft.markov_head_type"),
-                   ("markov_head.joint_proj.*", "draft.markov_head_type"), ("markov_head.*", "draft.markov_rank"),
-                   ("confidence_head.*", "draft.confidence_with_markov"))
+    tensor_keys = (
+        *DFlashBackbone.tensor_keys,
+        ("markov_head.gate_proj.*", "draft.markov_head_type"),
+        ("markov_head.joint_proj.*", "draft.markov_head_type"),
+        ("markov_head.*", "draft.markov_rank"),
+        ("confidence_head.*", "draft.confidence_with_markov"),
+    )
 
     def __init__(self, dims: DSparkDims, objective: Optional[Objective] = None):
         super().__init__(dims, objective or parse_objective(DEFAULT_LOSS))
         self.markov_head = MarkovHead(dims.vocab_size, dims.markov_rank, dims.hidden_size, dims.markov_head_type)
-        self.confidence_head = ConfidenceHead(dims.hidden_size + (dims.markov_rank if dims.confidence_with_markov else 0))
+        self.confidence_head = ConfidenceHead(
+            dims.hidden_size + (dims.markov_rank if dims.confidence_with_markov else 0)
+        )
         self.init_linear_weights(dims.initializer_range)
         with torch.no_grad():  # speculators' init of the previous-token table
             self.markov_head.markov_w1.weight.copy_(
-                torch.randn(self.markov_head.markov_w1.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.01)
+                torch.randn(self.markov_head.markov_w1.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.01
+            )
             for module in self.modules():
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     module.bias.zero_()
@@ -141,17 +162,22 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
             self.serving_formats = {}
 
     def describe(self) -> str:
-        return (f"{super().describe()}; {self.dims.markov_head_type} Markov head of rank {self.dims.markov_rank}, "
-                f"confidence head")
+        return (
+            f"{super().describe()}; {self.dims.markov_head_type} Markov head of rank {self.dims.markov_rank}, "
+            f"confidence head"
+        )
 
     @classmethod
     def dims_fields(cls, target_config, draft_cfg) -> Dict[str, Any]:
-        return dict(super().dims_fields(target_config, draft_cfg), markov_rank=int(draft_cfg.markov_rank),
-                    markov_head_type=str(draft_cfg.markov_head_type),
-                    confidence_with_markov=bool(draft_cfg.confidence_with_markov),
-                    confidence_loss_weight=float(draft_cfg.confidence_loss_weight),
-                    confidence_temperature=float(draft_cfg.confidence_temperature),
-                    confidence_threshold=float(draft_cfg.confidence_threshold))
+        return dict(
+            super().dims_fields(target_config, draft_cfg),
+            markov_rank=int(draft_cfg.markov_rank),
+            markov_head_type=str(draft_cfg.markov_head_type),
+            confidence_with_markov=bool(draft_cfg.confidence_with_markov),
+            confidence_loss_weight=float(draft_cfg.confidence_loss_weight),
+            confidence_temperature=float(draft_cfg.confidence_temperature),
+            confidence_threshold=float(draft_cfg.confidence_threshold),
+        )
 
     def capture_request(self):
         # the confidence target always reads the target's distribution
@@ -172,20 +198,31 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
             raise ValueError("DSpark's head reads each slot's previous token")
         e, m, state = self.markov_head(previous_tokens, hidden, state)
         confidence_in = torch.cat([hidden, e.to(hidden.dtype)], dim=-1) if self.dims.confidence_with_markov else hidden
-        return BlockHead(torch.cat([hidden, m.to(hidden.dtype)], dim=-1), head_weight,
-                         self.confidence_head(confidence_in), state)
+        return BlockHead(
+            torch.cat([hidden, m.to(hidden.dtype)], dim=-1), head_weight, self.confidence_head(confidence_in), state
+        )
 
     def head_terms(self, head, slot, rows, student, teacher, lm_head_weight, chunk_size, n):
         """The confidence BCE at one slot against its acceptance (acceptance_targets), and its
         calibration: Brier score, accuracy at 0.5, the mean predicted and the mean target."""
         logit = head.confidence[:, :, slot].flatten()[rows].float()
-        accepted = acceptance_targets(student.detach(), head.weight.detach(), teacher, lm_head_weight,
-                                      self.dims.confidence_temperature, chunk_size)
+        accepted = acceptance_targets(
+            student.detach(),
+            head.weight.detach(),
+            teacher,
+            lm_head_weight,
+            self.dims.confidence_temperature,
+            chunk_size,
+        )
         bce = F.binary_cross_entropy_with_logits(logit, accepted, reduction="sum")
         predicted = logit.detach().sigmoid()
-        metrics = {"confidence/bce": (bce.detach(), n), "confidence/brier": (((predicted - accepted) ** 2).sum(), n),
-                   "confidence/accuracy": (((predicted >= 0.5) == (accepted >= 0.5)).sum(), n),
-                   "confidence/predicted": (predicted.sum(), n), "confidence/target": (accepted.sum(), n)}
+        metrics = {
+            "confidence/bce": (bce.detach(), n),
+            "confidence/brier": (((predicted - accepted) ** 2).sum(), n),
+            "confidence/accuracy": (((predicted >= 0.5) == (accepted >= 0.5)).sum(), n),
+            "confidence/predicted": (predicted.sum(), n),
+            "confidence/target": (accepted.sum(), n),
+        }
         return self.dims.confidence_loss_weight * bce, metrics
 
     def memory_terms(self, shape):
@@ -193,8 +230,10 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
         d, p = self.dims, shape.dtype_bytes
         # the head's (V, H + r) weight and, in the backward, its fp32 gradient; per block slot the
         # Markov and confidence features
-        terms["DSpark heads"] = d.vocab_size * (d.hidden_size + d.markov_rank) * (p + 4) \
+        terms["DSpark heads"] = (
+            d.vocab_size * (d.hidden_size + d.markov_rank) * (p + 4)
             + self.trained_blocks(shape) * d.block_size * 4 * (d.hidden_size + d.markov_rank) * p
+        )
         return terms
 
     def make_drafter(self, target) -> DSparkDrafter:

@@ -22,21 +22,29 @@ from specdraft.drafts.dflash import speculators as dflash_speculators
 
 # speculators' config field -> the draft key it records, besides DFlash's (read back by an import)
 HEAD_SETTINGS = {"markov_head_type": "markov_head_type", "confidence_head_with_markov": "confidence_with_markov"}
-FILE_FORMAT = FileFormat(dflash_speculators.FILE_FORMAT.state_dict,
-                         config_fields({**dflash_speculators.SPECULATORS_SETTINGS, **HEAD_SETTINGS}),
-                         dflash_speculators.FILE_FORMAT.implied)
+FILE_FORMAT = FileFormat(
+    dflash_speculators.FILE_FORMAT.state_dict,
+    config_fields({**dflash_speculators.SPECULATORS_SETTINGS, **HEAD_SETTINGS}),
+    dflash_speculators.FILE_FORMAT.implied,
+)
 
 
 def dspark_speculators_config(draft, target_config, target_dir: str, dtype: torch.dtype) -> dict:
     dims = draft.dims
     config = dflash_speculators.speculators_config(draft, target_config, target_dir, dtype)
-    config.update(architectures=["DSparkDraftModel"], speculators_model_type="dspark",
-                  markov_rank=dims.markov_rank, markov_head_type=dims.markov_head_type,
-                  enable_confidence_head=True, confidence_head_with_markov=dims.confidence_with_markov)
+    config.update(
+        architectures=["DSparkDraftModel"],
+        speculators_model_type="dspark",
+        markov_rank=dims.markov_rank,
+        markov_head_type=dims.markov_head_type,
+        enable_confidence_head=True,
+        confidence_head_with_markov=dims.confidence_with_markov,
+    )
     config["speculators_config"]["algorithm"] = "dspark"
     return config
 
 
 # DFlash's writer with this config
-write_speculators_export = functools.partial(dflash_speculators.write_speculators_export,
-                                             make_config=dspark_speculators_config)
+write_speculators_export = functools.partial(
+    dflash_speculators.write_speculators_export, make_config=dspark_speculators_config
+)

@@ -65,10 +65,11 @@ class Eagle3Drafter(Drafter):
         """Feed indices fed..n-1 (target states, next tokens) -> (hidden, logits) of index n-1."""
         cache = self.cache
         start, visible = cache.catch_up(n, self.device)
-        embeds = self._embed(tokens[start + 1:n + 1][None])  # (1, count, H) x_{t+1}
+        embeds = self._embed(tokens[start + 1 : n + 1][None])  # (1, count, H) x_{t+1}
         positions = torch.arange(start + 1, n + 1, device=self.device)
-        hidden, head_in, k, v = self.draft.step(embeds, cache.states[None, start:n], positions,
-                                                cache.keys, cache.values, visible)
+        hidden, head_in, k, v = self.draft.step(
+            embeds, cache.states[None, start:n], positions, cache.keys, cache.values, visible
+        )
         cache.fed_up_to(n, append_kv(cache.keys, k), append_kv(cache.values, v))
         return hidden[:, -1:], self.draft.logits(head_in[:, -1])  # (1, 1, H), (1, N)
 
@@ -76,8 +77,9 @@ class Eagle3Drafter(Drafter):
     def _draft_step(self, token_ids: torch.Tensor, hidden, keys, values, position: int):
         """Rows r: token_ids[r] at `position` after keys[r] (all visible) -> hidden, logits, k, v."""
         positions = torch.tensor([position], device=self.device)
-        hidden, head_in, k, v = self.draft.step(self._embed(token_ids[:, None]), hidden, positions, keys, values,
-                                                visible=None)
+        hidden, head_in, k, v = self.draft.step(
+            self._embed(token_ids[:, None]), hidden, positions, keys, values, visible=None
+        )
         return hidden, self.draft.logits(head_in[:, -1]), append_kv(keys, k), append_kv(values, v)
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
@@ -90,8 +92,9 @@ class Eagle3Drafter(Drafter):
             drafted.append(token)
             qs.append(q)
             if j < gamma:  # drafted token j: index n - 1 + j, position n + j
-                hidden, logits, keys, values = self._draft_step(torch.tensor([token], device=self.device), hidden,
-                                                                keys, values, n + j)
+                hidden, logits, keys, values = self._draft_step(
+                    torch.tensor([token], device=self.device), hidden, keys, values, n + j
+                )
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths):
@@ -101,8 +104,13 @@ class Eagle3Drafter(Drafter):
 
         def expand(parent_rows, new_tokens, depth):
             parent_rows = parent_rows.to(self.device)
-            h, lg, k, v = self._draft_step(new_tokens, rows["hidden"][parent_rows], rows["keys"][parent_rows],
-                                           rows["values"][parent_rows], n + depth)
+            h, lg, k, v = self._draft_step(
+                new_tokens,
+                rows["hidden"][parent_rows],
+                rows["keys"][parent_rows],
+                rows["values"][parent_rows],
+                n + depth,
+            )
             rows.update(hidden=h, keys=k, values=v)
             return F.log_softmax(self._target_logits(lg), dim=-1)
 

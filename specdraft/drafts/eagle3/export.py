@@ -41,9 +41,13 @@ CONFIG_NAME = "config.json"
 
 # speculators' config field -> the draft key it records: what an import (draft.init_from) reads
 # back of what speculators_config writes (tests/test_imports.py checks the two agree)
-SPECULATORS_SETTINGS = {"eagle_aux_hidden_state_layer_ids": "target_layers",
-                        "norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc",
-                        "fc_norm": "fc_norm", "norm_output": "norm_output"}
+SPECULATORS_SETTINGS = {
+    "eagle_aux_hidden_state_layer_ids": "target_layers",
+    "norm_before_residual": "norm_before_residual",
+    "norm_before_fc": "norm_before_fc",
+    "fc_norm": "fc_norm",
+    "norm_output": "norm_output",
+}
 
 
 def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
@@ -66,8 +70,10 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": d.ttt_steps}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(Path(target_dir).resolve()),
-                         "architectures": verifier.get("architectures", [])},
+            "verifier": {
+                "name_or_path": str(Path(target_dir).resolve()),
+                "architectures": verifier.get("architectures", []),
+            },
         },
     }
 
@@ -88,17 +94,23 @@ def sglang_config(draft) -> Dict[str, Any]:
     d = draft.dims
     config = d.transformer_layer_config()
     config.update(legacy_rope_keys(d.rope_parameters))
-    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                  draft_vocab_size=d.draft_vocab_size, target_hidden_size=d.target_hidden_size,
-                  norm_before_residual=d.norm_before_residual,
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(d.target_layers),
-                                "use_aux_hidden_state": True})
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        num_hidden_layers=1,
+        draft_vocab_size=d.draft_vocab_size,
+        target_hidden_size=d.target_hidden_size,
+        norm_before_residual=d.norm_before_residual,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(d.target_layers),
+            "use_aux_hidden_state": True,
+        },
+    )
     return config
 
 
 def sglang_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-            for k, v in state_dict.items()}
+    return {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in state_dict.items()}
 
 
 def sglang_settings(config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -117,8 +129,11 @@ def speculators_implied(draft) -> Dict[str, torch.Tensor]:
 
 
 FILE_FORMATS = {
-    "speculators": FileFormat(lambda draft, state: speculators_state_dict(draft, state),  # defined below
-                              config_fields(SPECULATORS_SETTINGS), speculators_implied),
+    "speculators": FileFormat(
+        lambda draft, state: speculators_state_dict(draft, state),  # defined below
+        config_fields(SPECULATORS_SETTINGS),
+        speculators_implied,
+    ),
     # SGLang's layout is the official EAGLE-3 releases' (midlayer.*, .bin or safetensors)
     "sglang": FileFormat(lambda draft, state: sglang_state_dict(state), sglang_settings),
 }
@@ -126,8 +141,11 @@ FILE_FORMATS = {
 
 def save_export(out_dir: Path, config: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
-              str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()},
+        str(out_dir / WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2))
 
 
@@ -142,8 +160,12 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
     refuse_unservable(draft, "speculators")
     tensors = speculators_state_dict(draft, state_dict)
-    heads = load_target_head_weights(target_dir, dtype=state_dict["fc.weight"].dtype,
-                                     expected_vocab=draft.dims.vocab_size, expected_hidden=draft.dims.hidden_size)
+    heads = load_target_head_weights(
+        target_dir,
+        dtype=state_dict["fc.weight"].dtype,
+        expected_vocab=draft.dims.vocab_size,
+        expected_hidden=draft.dims.hidden_size,
+    )
     tensors["embed_tokens.weight"] = heads.embed_tokens
     save_export(Path(out_dir), speculators_config(draft, target_dir), tensors)
 
@@ -156,8 +178,9 @@ def sglang_layer_ids(layers: List[int]) -> List[int]:
 def sglang_unsupported(dims) -> List[str]:
     """The serving flags set on this draft that SGLang's LlamaForCausalLMEagle3 does not read."""
     # its midlayer takes residual = hidden_states: no norm_before_residual either
-    return [flag for flag in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")
-            if getattr(dims, flag)]
+    return [
+        flag for flag in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output") if getattr(dims, flag)
+    ]
 
 
 def serving_refusal(dims, fmt: str) -> Optional[str]:
@@ -169,11 +192,15 @@ def serving_refusal(dims, fmt: str) -> Optional[str]:
     if fmt == "sglang":
         unsupported = sglang_unsupported(dims)
         if unsupported:
-            return (f"draft.{unsupported[0]}: SGLang's LlamaForCausalLMEagle3 has no such option "
-                    f"(export --format speculators for vLLM instead)")
+            return (
+                f"draft.{unsupported[0]}: SGLang's LlamaForCausalLMEagle3 has no such option "
+                f"(export --format speculators for vLLM instead)"
+            )
         if 0 in dims.target_layers:
-            return ("draft.target_layers: layer 0 (the embeddings) has no SGLang id (SGLang captures id + 1, "
-                    "so it would need -1); export --format speculators for vLLM instead")
+            return (
+                "draft.target_layers: layer 0 (the embeddings) has no SGLang id (SGLang captures id + 1, "
+                "so it would need -1); export --format speculators for vLLM instead"
+            )
     return None
 
 

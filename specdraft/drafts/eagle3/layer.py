@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3.export import serving_refusal
-from specdraft.drafts.eagle3.options import AUX_LAYERS, validate_layer_options  # noqa: F401 (re-exported)
+from specdraft.drafts.eagle3.options import AUX_LAYERS
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend
 from specdraft.target.rotary import draft_rope_parameters
 from specdraft.drafts.eagle3.ttt_attention import ttt_attention
@@ -55,12 +55,19 @@ def layer_dims(target_config, draft_cfg, family: str) -> Dict[str, Any]:
         layers, why = default_target_layers(text.num_hidden_layers)
         log.info("%s: capturing target layer inputs %s (%s)", family, layers, why)
     rope = draft_rope_parameters(target_config)  # its own Llama RoPE over its whole head (target/rotary.py)
-    return dict(**target_layer_shape(target_config), vocab_size=text.vocab_size,
-                draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
-                target_hidden_size=text.hidden_size, target_num_layers=text.num_hidden_layers, target_layers=layers,
-                rope_parameters=dict(rope), max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
-                norm_before_residual=bool(draft_cfg.norm_before_residual), fc_norm=bool(draft_cfg.fc_norm),
-                norm_before_fc=bool(draft_cfg.norm_before_fc))
+    return dict(
+        **target_layer_shape(target_config),
+        vocab_size=text.vocab_size,
+        draft_vocab_size=draft_cfg.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, text.vocab_size),
+        target_hidden_size=text.hidden_size,
+        target_num_layers=text.num_hidden_layers,
+        target_layers=layers,
+        rope_parameters=dict(rope),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+        norm_before_residual=bool(draft_cfg.norm_before_residual),
+        fc_norm=bool(draft_cfg.fc_norm),
+        norm_before_fc=bool(draft_cfg.norm_before_fc),
+    )
 
 
 @dataclass
@@ -82,14 +89,25 @@ class Eagle3Dims(LayerDims):
 
     def transformer_layer_config(self) -> Dict[str, Any]:
         """The draft layer as a Llama config dict (speculators' transformer_layer_config; SGLang's)."""
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "num_hidden_layers": 1, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "max_position_embeddings": self.max_position_embeddings,
-                "rope_parameters": dict(self.rope_parameters), "tie_word_embeddings": False,
-                "initializer_range": self.initializer_range}
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": dict(self.rope_parameters),
+            "tie_word_embeddings": False,
+            "initializer_range": self.initializer_range,
+        }
 
 
 class Eagle3Attention(Projections):
@@ -157,8 +175,11 @@ class Eagle3Base(Draft):
         self.dims = dims
         aux = len(dims.target_layers) * dims.target_hidden_size
         self.input_norm = RMSNorm(aux, dims.rms_norm_eps) if dims.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps)
-                                      for _ in dims.target_layers) if dims.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(dims.target_hidden_size, dims.rms_norm_eps) for _ in dims.target_layers)
+            if dims.fc_norm
+            else None
+        )
         self.fc = nn.Linear(aux, dims.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(dims)])
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -172,7 +193,6 @@ class Eagle3Base(Draft):
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return serving_refusal(self.dims, fmt)
 
-
     # -- the vocabulary maps ---------------------------------------------------------------
 
     def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -183,7 +203,9 @@ class Eagle3Base(Draft):
     def count_vocab_maps(self, data) -> None:
         """The maps of a new draft: the draft vocab's most frequent loss-masked target tokens of `data`."""
         if data is not None:
-            self.set_vocab_maps(*vocab_maps(count_target_tokens(data, self.dims.vocab_size), self.dims.draft_vocab_size))
+            self.set_vocab_maps(
+                *vocab_maps(count_target_tokens(data, self.dims.vocab_size), self.dims.draft_vocab_size)
+            )
 
     def has_vocab_maps(self) -> bool:
         return bool(self.t2d.any())
@@ -194,12 +216,17 @@ class Eagle3Base(Draft):
     def load_extra_state(self, state: Dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         d2t, t2d = state["d2t"], state["t2d"]
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise SpecdraftError(f"{source}: d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, this "
-                                 f"run's draft needs {tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}")
-        if self.has_vocab_maps() and not (torch.equal(d2t.to(self.d2t.device), self.d2t)
-                                          and torch.equal(t2d.to(self.t2d.device), self.t2d)):
-            raise SpecdraftError(f"{source}: its d2t/t2d vocabulary maps disagree with this run's draft "
-                                 f"(the maps are built once; resume or fine-tune with the same ones)")
+            raise SpecdraftError(
+                f"{source}: d2t/t2d have shapes {tuple(d2t.shape)}/{tuple(t2d.shape)}, this "
+                f"run's draft needs {tuple(self.d2t.shape)}/{tuple(self.t2d.shape)}"
+            )
+        if self.has_vocab_maps() and not (
+            torch.equal(d2t.to(self.d2t.device), self.d2t) and torch.equal(t2d.to(self.t2d.device), self.t2d)
+        ):
+            raise SpecdraftError(
+                f"{source}: its d2t/t2d vocabulary maps disagree with this run's draft "
+                f"(the maps are built once; resume or fine-tune with the same ones)"
+            )
         self.set_vocab_maps(d2t, t2d)
 
     def data_disagreement(self, data) -> Optional[str]:
@@ -224,15 +251,14 @@ class Eagle3Base(Draft):
         """One draft step over (B, T) inputs at `positions` (T,) -> (next hidden input, logits input,
         new keys, new values). visible (T, S + T) over past + new keys. positions (B, T): each row's own."""
         cos, sin = self.rotary_emb(embeds, positions if positions.dim() == 2 else positions[None])
-        out, k, v = self.run_layer(self.layers[0], embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype),
-                                   past_keys, past_values, visible)
+        out, k, v = self.run_layer(
+            self.layers[0], embeds, hidden, cos.to(embeds.dtype), sin.to(embeds.dtype), past_keys, past_values, visible
+        )
         normed = self.norm(out)
         return (normed if self.dims.norm_output else out), normed, k, v
 
-
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.lm_head(head_in)
-
 
     def external_parameters(self) -> List[nn.Parameter]:
         return [self.lm_head.weight]  # the chunked loss reads the head's weight directly
@@ -240,10 +266,8 @@ class Eagle3Base(Draft):
     def aux_hidden(self, features: TargetFeatures) -> torch.Tensor:
         return torch.cat([features.hidden[layer] for layer in self.dims.target_layers], dim=-1)
 
-
     def target_to_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """(vocab,) long: the draft id of each target token, -1 outside the draft vocab (a CE
         label the objective skips)."""
         index = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
         return index.index_copy_(0, draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
-

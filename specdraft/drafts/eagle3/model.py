@@ -31,21 +31,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where)
+from specdraft.drafts.base import MemoryShape, CaptureRequest, DraftLoss, HostBatch, TargetFeatures, rows_where
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.eagle3.decode import Eagle3Drafter
 from specdraft.drafts.eagle3.export import FILE_FORMATS, write_sglang, write_speculators
-from specdraft.drafts.eagle3.options import TEACHER_ROWS, Eagle3Options, Eagle3Spec  # noqa: F401 (re-exported)
-from specdraft.drafts.eagle3.layer import (AUX_LAYERS, DEFAULT_DRAFT_VOCAB, Eagle3Base, Eagle3Dims, TTTVisibility,  # noqa: F401
-                                           default_target_layers, layer_dims, validate_layer_options)  # re-exported
+from specdraft.drafts.eagle3.options import Eagle3Spec
+from specdraft.drafts.eagle3.layer import (
+    Eagle3Base,
+    Eagle3Dims,
+    TTTVisibility,
+    layer_dims,
+)
 from specdraft.drafts.lk import sum_over_ranks
-from specdraft.drafts.objectives import (Objective, ObjectiveSums, answer_labels, chunked_objective,
-                                        objective_from_options, parse_objective, term_metrics)
+from specdraft.drafts.objectives import Objective, ObjectiveSums, answer_labels, chunked_objective, term_metrics
+from specdraft.drafts.objective_options import objective_from_options, parse_objective
 from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.parallel.sequence import SequenceShard
 
 log = logging.getLogger(__name__)
-
 
 
 def ttt_visibility(T: int, step: int, device, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -70,31 +73,50 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
     serving_formats = {"speculators": write_speculators, "sglang": write_sglang}
     file_formats = FILE_FORMATS
     import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-    tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
-                   ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
+    tensor_keys = (
+        ("lm_head.weight", "draft.draft_vocab_size"),
+        ("d2t", "draft.draft_vocab_size"),
+        ("fc_norm.*", "draft.fc_norm"),
+        ("input_norm.*", "draft.norm_before_fc"),
+    )
 
     def __init__(self, dims: Eagle3Dims, objective: Objective = SOFT_CE, teacher_rows: str = "in_vocab"):
         super().__init__(dims)
         self.objective = objective  # what training_loss minimises (a training setting, not exported)
         self.teacher_rows = teacher_rows  # Eagle3Options.teacher_rows (a training setting, not exported)
 
-
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "Eagle3Draft":
-        draft = cls(Eagle3Dims(**layer_dims(target_config, draft_cfg, "eagle3"), ttt_steps=int(draft_cfg.ttt_steps),
-                               ttt_decay=float(draft_cfg.ttt_decay), norm_output=bool(draft_cfg.norm_output)),
-                    objective=objective_from_options(draft_cfg, default=cls.default_loss),
-                    teacher_rows=str(draft_cfg.teacher_rows))
+        draft = cls(
+            Eagle3Dims(
+                **layer_dims(target_config, draft_cfg, "eagle3"),
+                ttt_steps=int(draft_cfg.ttt_steps),
+                ttt_decay=float(draft_cfg.ttt_decay),
+                norm_output=bool(draft_cfg.norm_output),
+            ),
+            objective=objective_from_options(draft_cfg, default=cls.default_loss),
+            teacher_rows=str(draft_cfg.teacher_rows),
+        )
         draft.count_vocab_maps(data)
         return draft
 
     def describe(self) -> str:
-        return "; ".join([f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
-                          f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
-                          *self.describe_refusals()])
+        return "; ".join(
+            [
+                f"target layers {self.dims.target_layers} of {self.dims.target_num_layers}, draft vocab "
+                f"{self.dims.draft_vocab_size} of {self.dims.vocab_size}, {self.dims.ttt_steps} TTT steps",
+                *self.describe_refusals(),
+            ]
+        )
 
-    def unroll(self, aux: torch.Tensor, input_embeds: torch.Tensor, steps: int,
-               documents: Optional[torch.Tensor] = None, shard: Optional[SequenceShard] = None):
+    def unroll(
+        self,
+        aux: torch.Tensor,
+        input_embeds: torch.Tensor,
+        steps: int,
+        documents: Optional[torch.Tensor] = None,
+        shard: Optional[SequenceShard] = None,
+    ):
         """The TTT unroll over all positions at once: aux (B, T, 3 Ht) captured target states,
         input_embeds (B, T, H) embeddings of the input ids -> per step the (B, T, H) logits input
         (index t of step k predicts x_{t+2+k}). documents (B, T): packed conversations, each
@@ -120,30 +142,44 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
         # the final hidden state only when the objective reads the target's distribution
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
 
-    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, documents: Optional[torch.Tensor] = None,
-                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight,
+        input_ids,
+        loss_mask,
+        chunk_size: int,
+        documents: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **_,
+    ) -> DraftLoss:
         B, T = input_ids.shape
         shard = features.shard or SequenceShard.whole(T)
         dtype = self.fc.weight.dtype
-        heads = self.unroll(self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype),
-                            self.dims.ttt_steps, documents, shard)
+        heads = self.unroll(
+            self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype), self.dims.ttt_steps, documents, shard
+        )
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
-        final, in_vocab, extend, local = None, None, (self.dims.ttt_steps if shard.parallel else 0), shard.local_length  # SP: t+1+k may be next rank's
+        final, in_vocab, extend, local = (
+            None,
+            None,
+            (self.dims.ttt_steps if shard.parallel else 0),
+            shard.local_length,
+        )  # SP: t+1+k may be next rank's
         steps = []  # per TTT step, on the host: its counted rows, those with an answer label, the group's count
         for k in range(len(heads)):
             # index t of step k predicts x_{t+2+k}, taught by the target at t+1+k
             counted = torch.zeros(B, T, dtype=torch.bool, device=host.loss_mask.device)  # on the host, whole T
-            counted[:, :max(T - 2 - k, 0)] = taught[:, 2 + k:]
+            counted[:, : max(T - 2 - k, 0)] = taught[:, 2 + k :]
             if host.documents is not None:  # packed data: x_{t+2+k} in t's own conversation
-                counted[:, :max(T - 2 - k, 0)] &= host.documents[:, 2 + k:] == host.documents[:, :max(T - 2 - k, 0)]
+                counted[:, : max(T - 2 - k, 0)] &= host.documents[:, 2 + k :] == host.documents[:, : max(T - 2 - k, 0)]
             label_is_answer = torch.zeros_like(counted)
-            label_is_answer[:, :max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k:].bool()
+            label_is_answer[:, : max(T - 2 - k, 0)] = host.loss_mask[:, 2 + k :].bool()
             label_is_answer &= counted
             steps.append((shard.local(counted), shard.local(label_is_answer), shard.host_count(counted)))
         lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
@@ -159,30 +195,44 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
                 read = torch.zeros(B, local + extend, dtype=torch.bool)
                 for k, (counted, _, _) in enumerate(steps):
                     width = max(min(local, local + extend - 1 - k), 0)  # t+1+k within final's rows
-                    read[:, 1 + k:1 + k + width] |= counted[:, :width]
-                lse, top1 = teacher_vocab_pass(final, lm_head_weight, read.flatten().nonzero().flatten(), chunk_size,
-                                               draft_ids.numel(), logsumexp=want_lse, argmax=want_top)
+                    read[:, 1 + k : 1 + k + width] |= counted[:, :width]
+                lse, top1 = teacher_vocab_pass(
+                    final,
+                    lm_head_weight,
+                    read.flatten().nonzero().flatten(),
+                    chunk_size,
+                    draft_ids.numel(),
+                    logsumexp=want_lse,
+                    argmax=want_top,
+                )
                 in_vocab = None if top1 is None else self.t2d[top1]
         loss = None
         metrics: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         for k, head_in in enumerate(heads):
             counted, label_is_answer, group_tokens = steps[k]
             rows, tokens = rows_where(counted, input_ids.device)  # over this rank's (B, T/N)
-            labels = shard.local(F.pad(input_ids[:, 2 + k:], (0, 2 + k))).flatten()[rows]  # x_{t+2+k}
+            labels = shard.local(F.pad(input_ids[:, 2 + k :], (0, 2 + k))).flatten()[rows]  # x_{t+2+k}
             teacher_at = rows + rows // local * extend + 1 + k  # t+1+k in final's rows
             draft_labels, answers = None, label_is_answer.nonzero().shape[0]
             if to_draft is not None:  # CE learns the answer tokens only
                 draft_labels, answers = answer_labels(to_draft[labels], label_is_answer[counted])
-            out = ttt_step_loss(head_in.flatten(0, 1)[rows], self.lm_head.weight,
-                                None if final is None else final[teacher_at], teacher_rows, draft_labels,
-                                self.objective.over_rows(rows.numel(), answers), chunk_size,
-                                None if in_vocab is None else in_vocab[teacher_at],
-                                None if lse is None else lse[teacher_at], sum_over_ranks)
+            out = ttt_step_loss(
+                head_in.flatten(0, 1)[rows],
+                self.lm_head.weight,
+                None if final is None else final[teacher_at],
+                teacher_rows,
+                draft_labels,
+                self.objective.over_rows(rows.numel(), answers),
+                chunk_size,
+                None if in_vocab is None else in_vocab[teacher_at],
+                None if lse is None else lse[teacher_at],
+                sum_over_ranks,
+            )
             hits = (draft_ids[out.argmax] == labels).sum()
             step_loss, weight = shard.token_mean(out.loss, group_tokens, tokens)
             if k == 0:
                 first_weight = weight
-            weighted = step_loss * self.dims.ttt_decay ** k
+            weighted = step_loss * self.dims.ttt_decay**k
             loss = weighted if loss is None else loss + weighted
             metrics[f"ttt_{k}/loss"] = (out.loss.detach(), tokens)
             metrics[f"ttt_{k}/accuracy"] = (hits, tokens)
@@ -220,7 +270,8 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
             "draft activations": tokens * (H * p + held),  # fc's output, then the steps
             # every step's counted rows keep their hidden-state gradient until the backward, which
             # recomputes a chunk into the head's (Vd, H) gradient in fp32
-            "loss chunk + hidden grads": steps * tokens * H * p + Vd * H * 4
+            "loss chunk + hidden grads": steps * tokens * H * p
+            + Vd * H * 4
             + shape.loss_chunk(tokens, Vd, H, teacher, lk=self.objective.lk),
         }
         if teacher:  # the target lm_head's rows of the draft vocab, copied once, read by every step
@@ -232,14 +283,33 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
         return Eagle3Drafter(self, target)
 
 
-def ttt_step_loss(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective: Objective,
-                  chunk_size: int, teacher_keep: Optional[torch.Tensor] = None,
-                  teacher_lse: Optional[torch.Tensor] = None, reduce=None) -> ObjectiveSums:
+def ttt_step_loss(
+    student_hidden,
+    student_head,
+    teacher_hidden,
+    teacher_rows,
+    labels,
+    objective: Objective,
+    chunk_size: int,
+    teacher_keep: Optional[torch.Tensor] = None,
+    teacher_lse: Optional[torch.Tensor] = None,
+    reduce=None,
+) -> ObjectiveSums:
     """One TTT step's objective over its counted rows: the draft's own head over the draft vocab
     against the target restricted to it (teacher_rows: the target lm_head's rows of the draft
     vocab) and/or draft-vocab labels. teacher_keep (N,) bool: the rows the teacher terms count
     (draft.teacher_rows: in_vocab); a dropped row adds nothing, and the step's mean stays over
     all its counted rows, as SpecForge's sum over position_mask is divided by every position.
     LK: teacher_lse and reduce as chunked_objective's."""
-    return chunked_objective(student_hidden, student_head, teacher_hidden, teacher_rows, labels, objective,
-                             chunk_size, teacher_keep, teacher_lse, reduce)
+    return chunked_objective(
+        student_hidden,
+        student_head,
+        teacher_hidden,
+        teacher_rows,
+        labels,
+        objective,
+        chunk_size,
+        teacher_keep,
+        teacher_lse,
+        reduce,
+    )

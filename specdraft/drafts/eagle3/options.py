@@ -55,11 +55,13 @@ def validate_layer_options(draft_cfg, target_config, fail) -> None:
         fail("type", f"EAGLE-3 reads {AUX_LAYERS} distinct target layers; the target has {num_layers}")
     for layer in layers:
         if not 0 <= layer <= num_layers:
-            fail("target_layers", f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
-                                  f"of each of its {num_layers} layers, {num_layers} = the last output)")
+            fail(
+                "target_layers",
+                f"layer {layer} is outside the target (ids 0..{num_layers}: the input "
+                f"of each of its {num_layers} layers, {num_layers} = the last output)",
+            )
     if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size > text.vocab_size:
-        fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab "
-                                 f"({text.vocab_size})")
+        fail("draft_vocab_size", f"{draft_cfg.draft_vocab_size} is larger than the target vocab ({text.vocab_size})")
 
 
 class Eagle3Spec(DraftSpec):

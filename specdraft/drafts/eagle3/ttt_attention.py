@@ -30,8 +30,9 @@ def _per_query_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor],
-                  documents=None) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: List[torch.Tensor], values: List[torch.Tensor], documents=None
+) -> torch.Tensor:
     """q (B, Hq, T, D): step k's queries; keys/values: k + 1 tensors (B, Hkv, T, D), step 0 first.
     documents (B, T) of packed data (or its PackedDocuments, built once per batch): the causal keys
     of the query's own conversation only, without a (T, T) mask on CPU and CUDA (documents.py).

@@ -22,8 +22,8 @@ def count_target_tokens(data, vocab_size: int) -> np.ndarray:
     """(V,) int64 occurrences of each target id among the loss-masked tokens of `data` (PackedData)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for start in range(0, len(data), ROWS_PER_BLOCK):
-        tokens = np.asarray(data.tokens[start:start + ROWS_PER_BLOCK])
-        mask = np.asarray(data.loss_mask[start:start + ROWS_PER_BLOCK]).astype(bool)
+        tokens = np.asarray(data.tokens[start : start + ROWS_PER_BLOCK])
+        mask = np.asarray(data.loss_mask[start : start + ROWS_PER_BLOCK]).astype(bool)
         ids = tokens[mask].astype(np.int64)
         ids = ids[ids < vocab_size]  # tokenizer-only ids beyond the model's vocab are never predicted
         counts += np.bincount(ids, minlength=vocab_size)
@@ -55,6 +55,8 @@ def vocab_disagreement(counts: np.ndarray, t2d: torch.Tensor) -> str:
     outside = int((top & ~t2d).sum())
     total = max(int(counts.sum()), 1)
     covered, own = (float(counts[m.numpy()].sum()) / total for m in (t2d, top))
-    return (f"{outside} of the data's {int(top.sum())} most frequent answer tokens are outside the imported draft "
-            f"vocabulary of {n} (it covers {covered:.1%} of the data's answer tokens, the data's own top {n} would "
-            f"cover {own:.1%}); the imported d2t/t2d are kept, not recounted")
+    return (
+        f"{outside} of the data's {int(top.sum())} most frequent answer tokens are outside the imported draft "
+        f"vocabulary of {n} (it covers {covered:.1%} of the data's answer tokens, the data's own top {n} would "
+        f"cover {own:.1%}); the imported d2t/t2d are kept, not recounted"
+    )

@@ -39,8 +39,11 @@ class SlidingWindowCache:
             keys = torch.cat([self.keys, keys], dim=2)
             values = torch.cat([self.values, values], dim=2)
             index = torch.cat([self.index, index])
-        self.keys, self.values, self.index = (keys[:, :, -self.window:], values[:, :, -self.window:],
-                                              index[-self.window:])
+        self.keys, self.values, self.index = (
+            keys[:, :, -self.window :],
+            values[:, :, -self.window :],
+            index[-self.window :],
+        )
         return keys, values, index
 
     def crop(self, length: int) -> None:
@@ -51,7 +54,6 @@ class SlidingWindowCache:
 
     def __len__(self) -> int:
         return 0 if self.index is None else int(self.index.numel())
-
 
 
 class GlideDrafter(Drafter):
@@ -88,8 +90,9 @@ class GlideDrafter(Drafter):
         self.length = min(self.length, length)
 
     @torch.no_grad()
-    def _logits(self, ids: torch.Tensor, index: torch.Tensor, cross_limit: torch.Tensor, target_cache,
-                cache: SlidingWindowCache) -> torch.Tensor:
+    def _logits(
+        self, ids: torch.Tensor, index: torch.Tensor, cross_limit: torch.Tensor, target_cache, cache: SlidingWindowCache
+    ) -> torch.Tensor:
         # ids (R, T) at token indices index (T,) -> logits (R, T, V); R rows share one index
         ids, index, cross_limit = ids.to(self.device), index.to(self.device), cross_limit.to(self.device)
         embeds = self.embed_tokens(ids).to(self.dtype)  # (R, T, H)
@@ -97,8 +100,7 @@ class GlideDrafter(Drafter):
         keys, values = last_layer_kv(target_cache)  # (1, KV, S, D)
         rows = ids.shape[0]
         keys, values = keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1)
-        hidden = self.draft(embeds, cos.to(self.dtype), sin.to(self.dtype), keys, values,
-                            cross_limit, index, cache)
+        hidden = self.draft(embeds, cos.to(self.dtype), sin.to(self.dtype), keys, values, cross_limit, index, cache)
         return self.draft.logits(hidden, self.lm_head).float()
 
     def _catch_up(self, tokens: torch.Tensor, target_cache) -> torch.Tensor:
@@ -110,7 +112,7 @@ class GlideDrafter(Drafter):
         # only x_n's output is used. The others just fill the self-attention cache, whose K/V
         # come from the token embeddings alone (one layer), so their cross limit does not matter.
         # Tokens accepted last round are fed here again (their drafted entries were in the fork).
-        logits = self._logits(tokens[self.length:n + 1][None], index, index - 1, target_cache, self.cache)
+        logits = self._logits(tokens[self.length : n + 1][None], index, index - 1, target_cache, self.cache)
         self.length = n + 1
         return logits[0, -1]
 
@@ -125,8 +127,9 @@ class GlideDrafter(Drafter):
             qs.append(q)
             if j < gamma:  # token j sits at index n + j and reads the cache up to n - 1
                 index = torch.tensor([n + j, n - 1], device=self.device)  # token index, cross limit
-                logits = self._logits(torch.tensor([[token]], device=self.device), index[:1], index[1:],
-                                      target_cache, fork)[0, -1]
+                logits = self._logits(
+                    torch.tensor([[token]], device=self.device), index[:1], index[1:], target_cache, fork
+                )[0, -1]
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths):

@@ -24,8 +24,10 @@ from specdraft.rundir.layout import CONFIG_NAME, PTH_NAME
 from specdraft.target.config_file import read_target_config, target_config_path
 
 # ours -> LongSpec's; every other name is the same in both
-RENAMED = {"cross_layernorm.weight": "post_self_attention_layernorm.weight",
-           "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight"}
+RENAMED = {
+    "cross_layernorm.weight": "post_self_attention_layernorm.weight",
+    "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight",
+}
 UNUSED = ("cross_attn.k_proj", "cross_attn.v_proj")  # present in LongSpec's layer, never read
 
 

@@ -21,16 +21,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.drafts.base import (MemoryShape, CaptureRequest, Draft, DraftLoss, FileFormat, HostBatch,
-                                   TargetFeatures, document_starts, rows_where, target_layer_shape)
+from specdraft.drafts.base import (
+    MemoryShape,
+    CaptureRequest,
+    Draft,
+    DraftLoss,
+    FileFormat,
+    HostBatch,
+    TargetFeatures,
+    document_starts,
+    rows_where,
+    target_layer_shape,
+)
 from specdraft.drafts.glide.longspec import longspec_refusal, longspec_state_dict, write_longspec
 from specdraft.drafts.glide.decode import GlideDrafter, SlidingWindowCache
-from specdraft.drafts.glide.options import (GlideOptions, GlideSpec, resolved_attention_bias,  # noqa: F401 (re-exported)
-                                            target_attention_bias, target_refusal)
-from specdraft.drafts.layers import (GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend,
-                                    lagged_cross_attention, sliding_window_attention, window_mask_elements)
-from specdraft.drafts.objectives import (CE, Objective, answer_labels, objective_from_options,
-                                        shared_head_objective, term_metrics)
+from specdraft.drafts.glide.options import (
+    GlideSpec,
+    resolved_attention_bias,
+)
+from specdraft.drafts.layers import (
+    GatedMLP,
+    LayerDims,
+    Projections,
+    RMSNorm,
+    apply_rope,
+    attend,
+    lagged_cross_attention,
+    sliding_window_attention,
+    window_mask_elements,
+)
+from specdraft.drafts.objectives import CE, Objective, answer_labels, shared_head_objective, term_metrics
+from specdraft.drafts.objective_options import objective_from_options
 from specdraft.parallel.sequence import SequenceShard
 
 
@@ -51,8 +72,16 @@ class GlideSelfAttention(Projections):
     def __init__(self, d: GlideDims):
         super().__init__(d, bias=d.attention_bias)
 
-    def forward(self, x, cos, sin, index=None, cache: Optional[SlidingWindowCache] = None, documents=None,
-                shard: Optional[SequenceShard] = None):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        index=None,
+        cache: Optional[SlidingWindowCache] = None,
+        documents=None,
+        shard: Optional[SequenceShard] = None,
+    ):
         # index None: a whole training sequence 0..T-1 (documents (B, T) or None), no cache;
         # shard: this rank's tokens of it (sequence parallelism; documents are the whole sequence's)
         q = rope(self.heads(self.q_proj(x)), cos, sin)
@@ -75,8 +104,18 @@ class GlideCrossAttention(Projections):
     def __init__(self, d: GlideDims):
         super().__init__(d, keys_values=False, bias=d.attention_bias)
 
-    def forward(self, x, cos, sin, target_keys, target_values, limit=None, lag: int = 0, documents=None,
-                shard: Optional[SequenceShard] = None):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        target_keys,
+        target_values,
+        limit=None,
+        lag: int = 0,
+        documents=None,
+        shard: Optional[SequenceShard] = None,
+    ):
         # limit (T,): the last target position query t may read; < 0 means none.
         # limit None: a whole training sequence, query t reads up to t - lag (of its document)
         q = rope(self.heads(self.q_proj(x)), cos, sin)
@@ -118,18 +157,21 @@ class GlideDraft(GlideSpec, Draft):
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "GlideDraft":
         shape = target_layer_shape(target_config)
-        return cls(GlideDims(
-            **shape,
-            target_kv_heads=shape["num_kv_heads"],
-            sliding_window=int(draft_cfg.sliding_window),
-            max_lag=int(draft_cfg.max_lag),
-            final_norm=bool(draft_cfg.final_norm),
-            anchor_offset=bool(draft_cfg.anchor_offset),
-            max_sink_tokens=int(draft_cfg.max_sink_tokens),
-            max_position_offset=int(draft_cfg.max_position_offset),
-            # .get: a draft config written before the key existed means the default (the target's)
-            attention_bias=resolved_attention_bias(draft_cfg.get("attention_bias"), target_config),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+        return cls(
+            GlideDims(
+                **shape,
+                target_kv_heads=shape["num_kv_heads"],
+                sliding_window=int(draft_cfg.sliding_window),
+                max_lag=int(draft_cfg.max_lag),
+                final_norm=bool(draft_cfg.final_norm),
+                anchor_offset=bool(draft_cfg.anchor_offset),
+                max_sink_tokens=int(draft_cfg.max_sink_tokens),
+                max_position_offset=int(draft_cfg.max_position_offset),
+                # .get: a draft config written before the key existed means the default (the target's)
+                attention_bias=resolved_attention_bias(draft_cfg.get("attention_bias"), target_config),
+            ),
+            objective=objective_from_options(draft_cfg, default=cls.default_loss),
+        )
 
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return longspec_refusal(self.dims) if fmt == "longspec" else None
@@ -142,8 +184,17 @@ class GlideDraft(GlideSpec, Draft):
 
     # -- the layer -------------------------------------------------------------------------
 
-    def forward(self, input_embeds, cos, sin, target_keys, target_values, cross_limit, index,
-                cache: Optional[SlidingWindowCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_embeds,
+        cos,
+        sin,
+        target_keys,
+        target_values,
+        cross_limit,
+        index,
+        cache: Optional[SlidingWindowCache] = None,
+    ) -> torch.Tensor:
         """input_embeds (B, T, H) at token indices `index` (T,) -> draft hidden states (B, T, H).
 
         cross_limit (T,): the last target K/V position each query may read (< 0: none).
@@ -154,17 +205,26 @@ class GlideDraft(GlideSpec, Draft):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.norm(x) if self.norm is not None else x
 
-    def forward_sequence(self, input_embeds, cos, sin, target_keys, target_values, lag: int,
-                         documents: Optional[torch.Tensor] = None,
-                         shard: Optional[SequenceShard] = None) -> torch.Tensor:
+    def forward_sequence(
+        self,
+        input_embeds,
+        cos,
+        sin,
+        target_keys,
+        target_values,
+        lag: int,
+        documents: Optional[torch.Tensor] = None,
+        shard: Optional[SequenceShard] = None,
+    ) -> torch.Tensor:
         """Training: whole sequences at token indices 0..T-1; query t reads target K/V up to t - lag;
         documents (B, T) confines both attentions to each token's own document. -> (B, T, H).
         shard: sequence parallelism, the inputs and output are this rank's T/N tokens (documents
         the whole sequence's); both attentions exchange heads (SequenceShard.attention)."""
         x = input_embeds
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents=documents, shard=shard)
-        x = x + self.cross_attn(self.cross_layernorm(x), cos, sin, target_keys, target_values, lag=lag,
-                                documents=documents, shard=shard)
+        x = x + self.cross_attn(
+            self.cross_layernorm(x), cos, sin, target_keys, target_values, lag=lag, documents=documents, shard=shard
+        )
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.norm(x) if self.norm is not None else x
 
@@ -180,9 +240,11 @@ class GlideDraft(GlideSpec, Draft):
             # saved per token: 10 H-sized tensors (norm in/out, residuals, o_proj / cross / MLP
             # outputs), q/k/v + RoPE copies + attention outputs (self 4 heads hd + 3 kv hd, cross
             # 3 heads hd), MLP gate/up/silu/product (4I); the 3 RMSNorms keep their inputs in fp32
-            "draft activations": tokens * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p
-                                           + shape.fp32_norm_inputs(3 * H)),
-            "loss chunk + hidden grads": shape.loss_chunk(tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher),
+            "draft activations": tokens
+            * ((10 * H + 7 * heads * hd + 3 * kv * hd + 4 * I) * p + shape.fp32_norm_inputs(3 * H)),
+            "loss chunk + hidden grads": shape.loss_chunk(
+                tokens, shape.target.vocab_size, H, teacher=self.objective.needs_teacher
+            ),
         }
         # one conversation per row longer than the window: the self-attention's band mask
         # (layers.sliding_window_attention), as the float bias SDPA makes of it and keeps for the
@@ -208,15 +270,33 @@ class GlideDraft(GlideSpec, Draft):
         options: Dict[str, Any] = {"lag": lag}
         if self.dims.anchor_offset:
             options["position_ids"] = anchor_offset_positions(
-                seq_len, self.dims.max_sink_tokens, self.dims.max_position_offset, generator)
+                seq_len, self.dims.max_sink_tokens, self.dims.max_position_offset, generator
+            )
         return options
 
-    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, lag: int = 1, documents: Optional[torch.Tensor] = None,
-                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight,
+        input_ids,
+        loss_mask,
+        chunk_size: int,
+        lag: int = 1,
+        documents: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **_,
+    ) -> DraftLoss:
         """documents (B, T) or None: packed documents; attention and labels stay inside each one."""
-        hidden = self.forward_sequence(features.input_embeds, features.cos, features.sin, features.last_keys,
-                                       features.last_values, lag, documents, features.shard)
+        hidden = self.forward_sequence(
+            features.input_embeds,
+            features.cos,
+            features.sin,
+            features.last_keys,
+            features.last_values,
+            lag,
+            documents,
+            features.shard,
+        )
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)
@@ -264,12 +344,10 @@ def counted_predictions(loss_mask: torch.Tensor, documents: Optional[torch.Tenso
     return counted
 
 
-def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int,
-                            generator: torch.Generator) -> torch.Tensor:
+def anchor_offset_positions(seq_len: int, max_sink: int, max_offset: int, generator: torch.Generator) -> torch.Tensor:
     """Anchor-Offset position ids: s sink positions 0..s-1, the rest shifted by a random offset."""
     sinks = int(torch.randint(0, max_sink + 1, (1,), generator=generator))
     offset = int(torch.randint(0, max_offset + 1, (1,), generator=generator))
     positions = torch.arange(seq_len, device="cpu")  # drawn on the host; TargetWithDraft moves it
     positions[sinks:] += offset
     return positions
-

@@ -70,11 +70,13 @@ def target_refusal(target_config) -> Optional[str]:
     text = target_text_config(target_config)
     if getattr(text, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3, Kimi-K2)
         qk = text.qk_nope_head_dim + text.qk_rope_head_dim
-        return (f"GLIDE's cross-attention takes keys and values of one head width (head_dim "
-                f"{text.head_dim}), RoPE over the whole head; {text.model_type} attends with MLA: per head keys "
-                f"of {qk} ({text.qk_nope_head_dim} without RoPE + {text.qk_rope_head_dim} with interleaved RoPE) "
-                f"and values of {text.v_head_dim}, decompressed from a cached latent of {text.kv_lora_rank}, "
-                f"which it cannot take")
+        return (
+            f"GLIDE's cross-attention takes keys and values of one head width (head_dim "
+            f"{text.head_dim}), RoPE over the whole head; {text.model_type} attends with MLA: per head keys "
+            f"of {qk} ({text.qk_nope_head_dim} without RoPE + {text.qk_rope_head_dim} with interleaved RoPE) "
+            f"and values of {text.v_head_dim}, decompressed from a cached latent of {text.kv_lora_rank}, "
+            f"which it cannot take"
+        )
     return None
 
 

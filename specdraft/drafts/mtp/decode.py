@@ -84,8 +84,14 @@ class MTPDrafter(Drafter):
         """Feed indices fed..n-1 (target hidden h_t, token x_{t+1}) -> the output at index n-1 (1, 1, H)."""
         cache = self.cache
         start, visible = cache.catch_up(n, self.device)
-        out, keys, values = self._pass(cache.states[None, start:n], tokens[start + 1:n + 1][None],
-                                       torch.arange(start, n, device=self.device), cache.keys, cache.values, visible)
+        out, keys, values = self._pass(
+            cache.states[None, start:n],
+            tokens[start + 1 : n + 1][None],
+            torch.arange(start, n, device=self.device),
+            cache.keys,
+            cache.values,
+            visible,
+        )
         cache.fed_up_to(n, keys, values)
         return out[:, -1:]
 
@@ -105,8 +111,9 @@ class MTPDrafter(Drafter):
             drafted.append(token)
             qs.append(q)
             if j < gamma:  # drafted token j (x_{n+j}) sits at index n - 1 + j, position n - 1 + j
-                hidden, keys, values = self._draft_step(torch.tensor([token], device=self.device), hidden, keys,
-                                                        values, n - 1 + j)
+                hidden, keys, values = self._draft_step(
+                    torch.tensor([token], device=self.device), hidden, keys, values, n - 1 + j
+                )
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths):
@@ -116,8 +123,13 @@ class MTPDrafter(Drafter):
 
         def expand(parent_rows, new_tokens, depth):
             parent_rows = parent_rows.to(self.device)
-            h, k, v = self._draft_step(new_tokens.to(self.device), rows["hidden"][parent_rows],
-                                       rows["keys"][parent_rows], rows["values"][parent_rows], n - 1 + depth)
+            h, k, v = self._draft_step(
+                new_tokens.to(self.device),
+                rows["hidden"][parent_rows],
+                rows["keys"][parent_rows],
+                rows["values"][parent_rows],
+                n - 1 + depth,
+            )
             rows.update(hidden=h, keys=k, values=v)
             return F.log_softmax(self._logits(h[:, -1]), dim=-1)
 

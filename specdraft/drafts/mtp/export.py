@@ -69,16 +69,22 @@ def read_target_mtp(target_dir: str, expected: Dict[str, torch.Tensor]) -> Dict[
     stored = load_target_tensors(target_dir, layout.prefix)
     ours = ours_from_target({key: value for key, value in stored.items() if layout.holds(key)}, layout)
     if not ours:
-        raise SpecdraftError(f"{target_dir}: no {layout.prefix}* tensors in its weight files (draft.type mtp "
-                             f"fine-tunes a target's native MTP layer)")
+        raise SpecdraftError(
+            f"{target_dir}: no {layout.prefix}* tensors in its weight files (draft.type mtp "
+            f"fine-tunes a target's native MTP layer)"
+        )
     missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
     if missing or unexpected:
-        raise SpecdraftError(f"{target_dir}: its MTP layer does not match the layer its config describes "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise SpecdraftError(
+            f"{target_dir}: its MTP layer does not match the layer its config describes "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     for name, value in ours.items():
         if tuple(value.shape) != tuple(expected[name].shape):
-            raise SpecdraftError(f"{target_dir}: its MTP tensor {name} has shape {tuple(value.shape)}, the layer "
-                                 f"its config describes needs {tuple(expected[name].shape)}")
+            raise SpecdraftError(
+                f"{target_dir}: its MTP tensor {name} has shape {tuple(value.shape)}, the layer "
+                f"its config describes needs {tuple(expected[name].shape)}"
+            )
     return {name: value.to(expected[name].dtype) for name, value in ours.items()}
 
 
@@ -92,11 +98,12 @@ def speculators_config(draft, target_dir: str) -> Dict[str, Any]:
         "num_nextn_predict_layers": 1,
         "speculators_config": {
             "algorithm": "mtp",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": draft.dims.num_speculative_steps}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft.dims.num_speculative_steps}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(Path(target_dir).resolve()),
-                         "architectures": verifier.get("architectures", [])},
+            "verifier": {
+                "name_or_path": str(Path(target_dir).resolve()),
+                "architectures": verifier.get("architectures", []),
+            },
         },
     }
 
@@ -106,9 +113,11 @@ def speculators_refusal(draft) -> Optional[str]:
     model_type = draft.dims.target_config.get("model_type")
     if model_type in SPECULATORS_MODEL_TYPES:
         return None
-    return (f"speculators' MTPDraftModel builds MTP layers for {', '.join(SPECULATORS_MODEL_TYPES)} targets only "
-            f"(its mtp_model_classes), not {model_type}; export --format stitched: the target with the trained "
-            f"layer, which vLLM serves with method mtp")
+    return (
+        f"speculators' MTPDraftModel builds MTP layers for {', '.join(SPECULATORS_MODEL_TYPES)} targets only "
+        f"(its mtp_model_classes), not {model_type}; export --format stitched: the target with the trained "
+        f"layer, which vLLM serves with method mtp"
+    )
 
 
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
@@ -117,8 +126,11 @@ def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path,
         raise SpecdraftError(refusal)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()},
-              str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()},
+        str(out_dir / WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
     (out_dir / CONFIG_NAME).write_text(json.dumps(speculators_config(draft, target_dir), indent=2))
 
 
@@ -132,12 +144,15 @@ def write_stitched(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, ta
     weight_map = target_weight_files(target_dir)
     stored = {key for key in weight_map if layout.holds(key)}
     if set(trained) != stored:
-        raise SpecdraftError(f"{target_dir}: its {layout.prefix}* tensors are not the trained layer's "
-                             f"({len(stored)} stored, {len(trained)} trained); stitch into the target it was trained on")
+        raise SpecdraftError(
+            f"{target_dir}: its {layout.prefix}* tensors are not the trained layer's "
+            f"({len(stored)} stored, {len(trained)} trained); stitch into the target it was trained on"
+        )
     rewrite = {Path(weight_map[key]).name for key in stored}
     if any(not name.endswith(".safetensors") for name in rewrite):
-        raise SpecdraftError(f"{target_dir}: its MTP layer is in a pickle (.bin) file; a stitched export "
-                             f"rewrites safetensors files only")
+        raise SpecdraftError(
+            f"{target_dir}: its MTP layer is in a pickle (.bin) file; a stitched export rewrites safetensors files only"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(target_dir.iterdir()):
         if path.is_dir():
@@ -158,8 +173,9 @@ def _rewrite(source: Path, dest: Path, trained: Dict[str, torch.Tensor]) -> None
         tensors = {}
         for key in file.keys():
             tensor = file.get_tensor(key)
-            tensors[key] = trained[key].detach().to("cpu", tensor.dtype).contiguous().clone() if key in trained \
-                else tensor
+            tensors[key] = (
+                trained[key].detach().to("cpu", tensor.dtype).contiguous().clone() if key in trained else tensor
+            )
     save_file(tensors, str(dest), metadata=metadata)
 
 

@@ -31,22 +31,31 @@ from specdraft.errors import SpecdraftError
 
 
 def _qwen3_next():
-    from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
-                                                                    Qwen3NextRotaryEmbedding)
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        Qwen3NextDecoderLayer,
+        Qwen3NextRMSNorm,
+        Qwen3NextRotaryEmbedding,
+    )
 
     return Qwen3NextDecoderLayer, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
 
 
 def _deepseek_v3():
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
-                                                                      DeepseekV3RotaryEmbedding)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+        DeepseekV3RotaryEmbedding,
+    )
 
     return DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding
 
 
 def _glm4_moe():
-    from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
-                                                                Glm4MoeRotaryEmbedding)
+    from transformers.models.glm4_moe.modeling_glm4_moe import (
+        Glm4MoeDecoderLayer,
+        Glm4MoeRMSNorm,
+        Glm4MoeRotaryEmbedding,
+    )
 
     return Glm4MoeDecoderLayer, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding
 
@@ -59,8 +68,9 @@ LAYER_CLASSES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "glm4_m
 
 def layer_classes(model_type: str):
     if model_type not in LAYER_CLASSES:
-        raise SpecdraftError(f"draft.type mtp: model_type {model_type!r} has no MTP layer here "
-                             f"(supported: {', '.join(LAYER_CLASSES)})")
+        raise SpecdraftError(
+            f"draft.type mtp: model_type {model_type!r} has no MTP layer here (supported: {', '.join(LAYER_CLASSES)})"
+        )
     return LAYER_CLASSES[model_type]()
 
 
@@ -91,8 +101,16 @@ def packed_document_attention(module, query, key, value, attention_mask, dropout
     if not isinstance(attention_mask, PackedDocuments):
         return sdpa(query, key, value, attention_mask), None
     if attention_mask.segments is not None:
-        rows = [torch.cat([sdpa(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], None)
-                           for s, e in row], dim=1) for b, row in enumerate(attention_mask.segments)]
+        rows = [
+            torch.cat(
+                [
+                    sdpa(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], None)
+                    for s, e in row
+                ],
+                dim=1,
+            )
+            for b, row in enumerate(attention_mask.segments)
+        ]
         return torch.cat(rows, dim=0), None
     if attention_mask.block_mask is not None:
         return flex_attention(query, key, value, attention_mask.block_mask, scale=scaling).transpose(1, 2), None
@@ -118,11 +136,16 @@ def build_mtp_layer(config) -> nn.Module:
             self.input_proj = nn.Linear(2 * H, H, bias=False)
             self.final_layernorm = norm_class(H, eps=eps)
 
-        def forward(self, hidden_states, token_embeddings, position_embeddings, attention_mask=None,
-                    past_key_values=None):
+        def forward(
+            self, hidden_states, token_embeddings, position_embeddings, attention_mask=None, past_key_values=None
+        ):
             x = torch.cat([self.token_layernorm(token_embeddings), self.hidden_layernorm(hidden_states)], dim=-1)
-            out = super().forward(hidden_states=self.input_proj(x), position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, past_key_values=past_key_values)
+            out = super().forward(
+                hidden_states=self.input_proj(x),
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+            )
             return self.final_layernorm(out[0] if isinstance(out, tuple) else out)
 
     return MTPLayer()
@@ -151,9 +174,11 @@ def rotary_embedding(config) -> nn.Module:
 
 TARGET_PREFIX = "mtp."
 EXACT = {"mtp.fc.weight": "mtp_layers.0.input_proj.weight", "mtp.norm.weight": "mtp_layers.0.final_layernorm.weight"}
-PREFIXES = (("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),
-            ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),
-            ("mtp.layers.0.", "mtp_layers.0."))
+PREFIXES = (
+    ("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),
+    ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),
+    ("mtp.layers.0.", "mtp_layers.0."),
+)
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -163,6 +188,7 @@ class CheckpointLayout:
     by `exact` names, else by the first of `prefixes` it starts with; `skipped`: tensors under the
     prefix that are the target's own (DeepSeek-V3 stores copies of its embeddings and head with the
     layer), neither read nor rewritten."""
+
     prefix: str
     exact: Dict[str, str]
     prefixes: Tuple[Tuple[str, str], ...]
@@ -180,12 +206,19 @@ def layer_after_the_stack(num_layers: int) -> CheckpointLayout:
     deepseek_mtp.py / glm4_moe_mtp.py: enorm, hnorm, eh_proj, shared_head.{norm,head}, the decoder
     layer's own names; transformers' conversion_mapping renames shared_head.norm to post_norm)."""
     p = f"model.layers.{num_layers}."
-    return CheckpointLayout(p, {p + "eh_proj.weight": "mtp_layers.0.input_proj.weight",
-                                p + "shared_head.norm.weight": "mtp_layers.0.final_layernorm.weight"},
-                            ((p + "hnorm.", "mtp_layers.0.hidden_layernorm."),
-                             (p + "enorm.", "mtp_layers.0.token_layernorm."),
-                             (p, "mtp_layers.0.")),
-                            skipped=(p + "embed_tokens.weight", p + "shared_head.head.weight"))
+    return CheckpointLayout(
+        p,
+        {
+            p + "eh_proj.weight": "mtp_layers.0.input_proj.weight",
+            p + "shared_head.norm.weight": "mtp_layers.0.final_layernorm.weight",
+        },
+        (
+            (p + "hnorm.", "mtp_layers.0.hidden_layernorm."),
+            (p + "enorm.", "mtp_layers.0.token_layernorm."),
+            (p, "mtp_layers.0."),
+        ),
+        skipped=(p + "embed_tokens.weight", p + "shared_head.head.weight"),
+    )
 
 
 def checkpoint_layout(model_type: str, num_layers: int) -> CheckpointLayout:
@@ -193,8 +226,9 @@ def checkpoint_layout(model_type: str, num_layers: int) -> CheckpointLayout:
     return QWEN3_NEXT_LAYOUT if model_type == "qwen3_next" else layer_after_the_stack(num_layers)
 
 
-def ours_from_target(tensors: Dict[str, torch.Tensor],
-                     layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> Dict[str, torch.Tensor]:
+def ours_from_target(
+    tensors: Dict[str, torch.Tensor], layout: CheckpointLayout = QWEN3_NEXT_LAYOUT
+) -> Dict[str, torch.Tensor]:
     """The target's MTP tensors (mtp.*, or model.layers.<L>.*) -> our state dict: renamed, and
     per-expert weights (mlp.experts.<i>.{gate,up,down}_proj.weight) fused as transformers holds
     them (experts.gate_up_proj (E, 2I, H) = [gate_i; up_i], experts.down_proj (E, H, I))."""
@@ -206,34 +240,37 @@ def ours_from_target(tensors: Dict[str, torch.Tensor],
         name = _rename(key, layout)
         head, sep, rest = name.partition(".experts.")
         index, _, proj = rest.partition(".")
-        if sep and index.isdigit() and proj[:-len(".weight")] in EXPERTS:
-            experts.setdefault(head + ".experts", {}).setdefault(int(index), {})[proj[:-len(".weight")]] = value
+        if sep and index.isdigit() and proj[: -len(".weight")] in EXPERTS:
+            experts.setdefault(head + ".experts", {}).setdefault(int(index), {})[proj[: -len(".weight")]] = value
         else:
             out[name] = value
     for prefix, by_index in experts.items():
         count = len(by_index)
         if sorted(by_index) != list(range(count)) or any(set(e) != set(EXPERTS) for e in by_index.values()):
-            raise SpecdraftError(f"the target's {prefix}: experts 0..{count - 1} with gate, up and down "
-                                 f"projections each expected")
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([by_index[i]["gate_proj"], by_index[i]["up_proj"]])
-                                                     for i in range(count)])
+            raise SpecdraftError(
+                f"the target's {prefix}: experts 0..{count - 1} with gate, up and down projections each expected"
+            )
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([by_index[i]["gate_proj"], by_index[i]["up_proj"]]) for i in range(count)]
+        )
         out[prefix + ".down_proj"] = torch.stack([by_index[i]["down_proj"] for i in range(count)])
     return out
 
 
-def target_from_ours(state: Dict[str, torch.Tensor],
-                     layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> Dict[str, torch.Tensor]:
+def target_from_ours(
+    state: Dict[str, torch.Tensor], layout: CheckpointLayout = QWEN3_NEXT_LAYOUT
+) -> Dict[str, torch.Tensor]:
     """Our state dict -> the target checkpoint's names and layout (ours_from_target inverted)."""
     out: Dict[str, torch.Tensor] = {}
     back_exact = {ours: theirs for theirs, ours in layout.exact.items()}
     for name, value in state.items():
         if name.endswith(".experts.gate_up_proj"):
-            prefix = _unrename(name[:-len(".gate_up_proj")], layout)
+            prefix = _unrename(name[: -len(".gate_up_proj")], layout)
             gate, up = value.chunk(2, dim=1)
             for i in range(value.shape[0]):
                 out[f"{prefix}.{i}.gate_proj.weight"], out[f"{prefix}.{i}.up_proj.weight"] = gate[i], up[i]
         elif name.endswith(".experts.down_proj"):
-            prefix = _unrename(name[:-len(".down_proj")], layout)
+            prefix = _unrename(name[: -len(".down_proj")], layout)
             for i in range(value.shape[0]):
                 out[f"{prefix}.{i}.down_proj.weight"] = value[i]
         else:
@@ -246,13 +283,12 @@ def _rename(key: str, layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> str:
         return layout.exact[key]
     for theirs, ours in layout.prefixes:
         if key.startswith(theirs):
-            return ours + key[len(theirs):]
+            return ours + key[len(theirs) :]
     raise SpecdraftError(f"the target's tensor {key}: not part of a native MTP layer this family knows")
 
 
 def _unrename(name: str, layout: CheckpointLayout = QWEN3_NEXT_LAYOUT) -> str:
     for theirs, ours in layout.prefixes:
         if name.startswith(ours):  # the two norms come before the whole layer's prefix
-            return theirs + name[len(ours):]
+            return theirs + name[len(ours) :]
     raise ValueError(f"{name}: not an MTP layer tensor")
-

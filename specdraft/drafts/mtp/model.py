@@ -29,15 +29,30 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import (CaptureRequest, Draft, DraftLoss, HostBatch, MemoryShape, TargetFeatures, rows_where,
-                                   target_text_config)
+from specdraft.drafts.base import (
+    CaptureRequest,
+    Draft,
+    DraftLoss,
+    HostBatch,
+    MemoryShape,
+    TargetFeatures,
+    rows_where,
+    target_text_config,
+)
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.mtp.decode import MTPDrafter
-from specdraft.drafts.mtp.export import (FILE_FORMAT, read_target_mtp, speculators_refusal, target_has_mtp,
-                                         target_layout, write_speculators, write_stitched)
+from specdraft.drafts.mtp.export import (
+    FILE_FORMAT,
+    read_target_mtp,
+    speculators_refusal,
+    target_has_mtp,
+    target_layout,
+    write_speculators,
+    write_stitched,
+)
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
-from specdraft.drafts.mtp.options import MTPOptions, MTPSpec  # noqa: F401 (re-exported)
+from specdraft.drafts.mtp.options import MTPSpec
 from specdraft.errors import SpecdraftError
 from specdraft.target.moe import moe_shape
 
@@ -59,7 +74,7 @@ class MTPDims:
 
 def step_weights(beta: float, steps: int) -> List[float]:
     """speculators' compute_step_weights: beta^k / sum_j beta^j, k = 0..steps-1."""
-    raw = [beta ** k for k in range(steps)]
+    raw = [beta**k for k in range(steps)]
     return [w / sum(raw) for w in raw]
 
 
@@ -76,8 +91,11 @@ def layer_config(target_config: Dict[str, Any]):
 
 def text_config_dict(target_config) -> Dict[str, Any]:
     text = target_text_config(target_config)
-    config = {k: v for k, v in text.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+    config = {
+        k: v
+        for k, v in text.to_dict().items()
+        if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")
+    }
     return dict(config, model_type=text.model_type)
 
 
@@ -88,6 +106,7 @@ class MTPDraft(MTPSpec, Draft):
     on_request_formats = ("stitched",)  # a copy of the whole target: written when asked for
     file_formats = {"speculators": FILE_FORMAT}
     target_model_types = tuple(LAYER_CLASSES)
+
     def __init__(self, dims: MTPDims):
         super().__init__()
         self.dims = dims
@@ -103,9 +122,13 @@ class MTPDraft(MTPSpec, Draft):
 
     @classmethod
     def from_target_config(cls, target_config, draft_cfg, data=None) -> "MTPDraft":
-        draft = cls(MTPDims(target_config=text_config_dict(target_config),
-                            num_speculative_steps=int(draft_cfg.num_speculative_steps),
-                            step_weight_beta=float(draft_cfg.step_weight_beta)))
+        draft = cls(
+            MTPDims(
+                target_config=text_config_dict(target_config),
+                num_speculative_steps=int(draft_cfg.num_speculative_steps),
+                step_weight_beta=float(draft_cfg.step_weight_beta),
+            )
+        )
         path = target_path(target_config)
         # a new draft starts as the target's own MTP layer (read from its files: not on the meta
         # device, and not for a config built in memory, which has no files: init_weights then)
@@ -128,8 +151,14 @@ class MTPDraft(MTPSpec, Draft):
 
     def step(self, hidden, embeds, cos, sin, attention_mask=None, past_key_values=None) -> torch.Tensor:
         """One pass of the layer: hidden, embeds (B, T, H) at rotary tables cos/sin (B, T, D)."""
-        return self.run_layer(self.mtp_layers[0], hidden, embeds, (cos.to(hidden.dtype), sin.to(hidden.dtype)),
-                              attention_mask, past_key_values)
+        return self.run_layer(
+            self.mtp_layers[0],
+            hidden,
+            embeds,
+            (cos.to(hidden.dtype), sin.to(hidden.dtype)),
+            attention_mask,
+            past_key_values,
+        )
 
     def unroll(self, final_hidden, input_embeds, cos, sin, documents: Optional[torch.Tensor] = None):
         """The K teacher-forced steps over rows t < V = T - K - 1 -> K outputs (B, V, H); step k's
@@ -141,25 +170,35 @@ class MTPDraft(MTPSpec, Draft):
         mask = None if documents is None else PackedDocuments.of(documents[:, :V])
         hidden, outputs = final_hidden[:, :V], []
         for k in range(steps):
-            hidden = self.step(hidden, input_embeds[:, k + 1:k + 1 + V], cos[:, :V], sin[:, :V], mask)
+            hidden = self.step(hidden, input_embeds[:, k + 1 : k + 1 + V], cos[:, :V], sin[:, :V], mask)
             outputs.append(hidden)
         return outputs
 
-    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask, chunk_size: int,
-                      documents: Optional[torch.Tensor] = None, host: Optional[HostBatch] = None, **_) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight,
+        input_ids,
+        loss_mask,
+        chunk_size: int,
+        documents: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **_,
+    ) -> DraftLoss:
         dtype = self.mtp_layers[0].input_proj.weight.dtype
-        outputs = self.unroll(features.final_hidden.to(dtype), features.input_embeds.to(dtype), features.cos,
-                              features.sin, documents)
+        outputs = self.unroll(
+            features.final_hidden.to(dtype), features.input_embeds.to(dtype), features.cos, features.sin, documents
+        )
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         weights = step_weights(self.dims.step_weight_beta, self.dims.num_speculative_steps)
         loss, metrics = None, {}
         for k, out in enumerate(outputs):
             V = out.shape[1]
-            counted = host.loss_mask[:, k + 2:k + 2 + V].bool()  # x_{t+k+2} is learned
+            counted = host.loss_mask[:, k + 2 : k + 2 + V].bool()  # x_{t+k+2} is learned
             if host.documents is not None:  # ... and in t's own conversation
-                counted = counted & (host.documents[:, k + 2:k + 2 + V] == host.documents[:, :V])
+                counted = counted & (host.documents[:, k + 2 : k + 2 + V] == host.documents[:, :V])
             rows, tokens = rows_where(counted, input_ids.device)
-            labels = input_ids[:, k + 2:k + 2 + V].flatten()[rows]
+            labels = input_ids[:, k + 2 : k + 2 + V].flatten()[rows]
             total, hits = chunked_cross_entropy(out.flatten(0, 1)[rows], lm_head_weight, labels, chunk_size)
             weighted = weights[k] * total / tokens.clamp_min(1)
             loss = weighted if loss is None else loss + weighted
@@ -220,11 +259,15 @@ def refuse_target_without_mtp(target_config, source: str) -> None:
     text = target_text_config(target_config)
     path = target_path(target_config) or "the target"
     if text.model_type not in LAYER_CLASSES:
-        raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-                             f"(model_type {text.model_type}) has none in transformers (targets with one: "
-                             f"qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and glm4_moe ones holding "
-                             f"model.layers.<num_hidden_layers>.*)")
+        raise SpecdraftError(
+            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+            f"(model_type {text.model_type}) has none in transformers (targets with one: "
+            f"qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and glm4_moe ones holding "
+            f"model.layers.<num_hidden_layers>.*)"
+        )
     if path != "the target" and not target_has_mtp(path):
         layout = target_layout(path)
-        raise SpecdraftError(f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-                             f"has none (no {layout.prefix}* tensors in its weight files)")
+        raise SpecdraftError(
+            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+            f"has none (no {layout.prefix}* tensors in its weight files)"
+        )

@@ -30,9 +30,11 @@ class MTPSpec(DraftSpec):
     # Qwen3-Next's capture cannot be sharded: Gated DeltaNet's recurrence runs through the whole
     # sequence (no head exchange makes it whole), so the layer's input h_t never exists per shard;
     # and the layer is transformers' decoder layer class, whose attention exchanges no heads
-    sequence_parallel_refusal = ("does not train on sequence shards: its layer is the target's own decoder layer "
-                                 "class (no head exchange), and Qwen3-Next's linear-attention layers do not run "
-                                 "in the sharded capture")
+    sequence_parallel_refusal = (
+        "does not train on sequence shards: its layer is the target's own decoder layer "
+        "class (no head exchange), and Qwen3-Next's linear-attention layers do not run "
+        "in the sharded capture"
+    )
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:

@@ -27,15 +27,17 @@ from typing import List, Optional, Tuple
 import torch
 
 
-def cod_sample(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float,
-               generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+def cod_sample(
+    valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float, generator: torch.Generator
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """valid (T,) bool on the host -> (anchor, depth), (N,) long each: depth 0 first (all T
     positions), then each depth's slots in increasing anchor order."""
     return slot_order(cod_anchors(valid, num_depths, ratio, ratio_min, generator))
 
 
-def cod_anchors(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float,
-                generator: torch.Generator) -> List[torch.Tensor]:
+def cod_anchors(
+    valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float, generator: torch.Generator
+) -> List[torch.Tensor]:
     """cod_sample's slots depth by depth: [arange(T), depth 1's anchors, ...], each sorted and a
     subset of the depth before's (the order cod_attention.py attends in without a mask)."""
     T = valid.shape[0]
@@ -43,7 +45,7 @@ def cod_anchors(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: f
     anchors = [torch.arange(T)]
     pool = valid_index[valid_index >= 1]
     for d in range(1, num_depths):
-        size = int(max(0, valid_index.numel() - d) * max(ratio ** d, ratio_min))
+        size = int(max(0, valid_index.numel() - d) * max(ratio**d, ratio_min))
         if size <= 0:
             break
         if pool.numel() >= size:
@@ -63,8 +65,13 @@ def slot_order(anchors_by_depth: List[torch.Tensor]) -> Tuple[torch.Tensor, torc
     return torch.cat(anchors_by_depth), torch.cat(depths)
 
 
-def cod_visibility(anchor: torch.Tensor, depth: torch.Tensor, documents=None,
-                   key_anchor: Optional[torch.Tensor] = None, key_depth: Optional[torch.Tensor] = None) -> torch.Tensor:
+def cod_visibility(
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    documents=None,
+    key_anchor: Optional[torch.Tensor] = None,
+    key_depth: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """(N, N) bool, speculators' create_peagle_mask_mod: a slot sees the depth-0 slots of anchors
     <= its own (its context, causally) and the slots of its own rollout at depths <= its own.
     documents (T,): a slot sees only slots whose anchor lies in its own conversation.
@@ -80,8 +87,10 @@ def cod_visibility(anchor: torch.Tensor, depth: torch.Tensor, documents=None,
     visible = context | rollout
     if documents is not None:
         last = documents.shape[-1] - 1
-        visible &= (documents.gather(-1, anchor.clamp(0, last))[..., :, None]
-                    == documents.gather(-1, key_anchor.clamp(0, last))[..., None, :])
+        visible &= (
+            documents.gather(-1, anchor.clamp(0, last))[..., :, None]
+            == documents.gather(-1, key_anchor.clamp(0, last))[..., None, :]
+        )
     return visible
 
 
@@ -91,7 +100,7 @@ def cod_capacity(length: int, num_depths: int, ratio: float, ratio_min: float) -
     the first n_d = 0, and n_d does not grow with d)."""
     sizes = []
     for d in range(1, num_depths):
-        size = int(max(0, length - d) * max(ratio ** d, ratio_min))
+        size = int(max(0, length - d) * max(ratio**d, ratio_min))
         if size <= 0:
             break
         sizes.append(size)
@@ -137,14 +146,15 @@ class CODBatch:
             order = torch.sort((~mine).to(torch.int8), dim=1, stable=True).indices[:, :size]  # own first, in order
             mine = mine.gather(1, order)
             anchors.append(torch.where(mine, anchor.gather(1, order), T))
-            depths.append(self.depth[first:first + size])
+            depths.append(self.depth[first : first + size])
             drawn.append(mine)
             sizes.append(size)
         return CODBatch(torch.cat(anchors, dim=1), torch.cat(depths), torch.cat(drawn, dim=1), tuple(sizes))
 
 
-def cod_sample_batch(valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float,
-                     generator: torch.Generator) -> CODBatch:
+def cod_sample_batch(
+    valid: torch.Tensor, num_depths: int, ratio: float, ratio_min: float, generator: torch.Generator
+) -> CODBatch:
     """valid (B, T) bool -> every row's COD slots (cod_anchors' rule, row by row independent),
     drawn with whole-batch tensor ops of shapes fixed by (B, T): depth d keeps the
     n_d = int(max(0, |valid| - d) * max(r^d, r_min)) members of its pool with the smallest of iid
@@ -155,11 +165,14 @@ def cod_sample_batch(valid: torch.Tensor, num_depths: int, ratio: float, ratio_m
     position = torch.arange(T, device=device)
     count = valid.sum(dim=1, keepdim=True)  # (B, 1) |valid| per row
     pool = valid & (position >= 1)
-    anchors, depths, drawn = [position.expand(B, T)], [torch.zeros(T, dtype=torch.long, device=device)], \
-        [torch.ones(B, T, dtype=torch.bool, device=device)]
+    anchors, depths, drawn = (
+        [position.expand(B, T)],
+        [torch.zeros(T, dtype=torch.long, device=device)],
+        [torch.ones(B, T, dtype=torch.bool, device=device)],
+    )
     sizes = cod_capacity(T, num_depths, ratio, ratio_min)
     for d, size in enumerate(sizes, start=1):
-        keep = ((count - d).clamp_min(0).double() * max(ratio ** d, ratio_min)).long()  # int() of a float64, per row
+        keep = ((count - d).clamp_min(0).double() * max(ratio**d, ratio_min)).long()  # int() of a float64, per row
         keys = torch.rand((B, T), generator=generator, dtype=torch.float64).to(device)
         keys = torch.where(pool, keys, torch.full_like(keys, 2.0))  # the pool first, in a uniform order
         rank = torch.empty_like(position.expand(B, T)).scatter_(1, keys.argsort(dim=1), position.expand(B, T))

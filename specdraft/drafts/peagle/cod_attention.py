@@ -112,6 +112,6 @@ def gathered_cod_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     local = slots.shard.local_length
     # one gather for keys and values: one collective, not two
     context = slots.shard.gather(torch.cat([k[:, :, :local], v[:, :, :local]], dim=1), dim=2)
-    keys = torch.cat([context[:, :k.shape[1]], k[:, :, local:]], dim=2)
-    values = torch.cat([context[:, k.shape[1]:], v[:, :, local:]], dim=2)
+    keys = torch.cat([context[:, : k.shape[1]], k[:, :, local:]], dim=2)
+    values = torch.cat([context[:, k.shape[1] :], v[:, :, local:]], dim=2)
     return attend(q, keys, values, slots.visible)

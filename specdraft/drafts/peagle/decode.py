@@ -38,7 +38,7 @@ class PEagleDrafter(Eagle3Drafter):
         count = n - start
         dev = self.device
         mask_embedding = self.draft.mask_embedding.to(dev, self.dtype)
-        fed = tokens[start + 1:n + 1].to(dev)
+        fed = tokens[start + 1 : n + 1].to(dev)
         real = self._embed(fed[None])[0]
         real = torch.where((fed == self.draft.dims.mask_token_id)[:, None], mask_embedding[None], real)  # one row
         embeds = torch.cat([real, mask_embedding.expand(m, -1)])
@@ -47,13 +47,13 @@ class PEagleDrafter(Eagle3Drafter):
         positions = torch.cat([torch.arange(start + 1, n + 1, device=dev), n + torch.arange(1, m + 1, device=dev)])
         visible = torch.zeros(count + m, start + count + m, dtype=torch.bool, device=dev)
         visible[:, :start] = True
-        visible[:count, start:start + count] = torch.ones(count, count, dtype=torch.bool, device=dev).tril()
-        visible[count:, start:start + count] = True
-        visible[count:, start + count:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        visible[:count, start : start + count] = torch.ones(count, count, dtype=torch.bool, device=dev).tril()
+        visible[count:, start : start + count] = True
+        visible[count:, start + count :] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
         _, head_in, k, v = self.draft.step(embeds[None], hidden[None], positions, cache.keys, cache.values, visible)
         keep = slice(0, count)  # the cache keeps the depth-0 entries only
         cache.fed_up_to(n, append_kv(cache.keys, k[:, :, keep]), append_kv(cache.values, v[:, :, keep]))
-        return self.draft.logits(head_in[0, count - 1:])
+        return self.draft.logits(head_in[0, count - 1 :])
 
     def propose_chain(self, tokens, target_cache, gamma, temperature, generator):
         logits = self._parallel(tokens, cache_length(target_cache), gamma)
@@ -65,8 +65,9 @@ class PEagleDrafter(Eagle3Drafter):
         return chain(drafted, torch.stack(qs))
 
     def propose_tree(self, tokens, target_cache, widths):
-        logprobs = F.log_softmax(self._target_logits(self._parallel(tokens, cache_length(target_cache), len(widths))),
-                                 dim=-1)
+        logprobs = F.log_softmax(
+            self._target_logits(self._parallel(tokens, cache_length(target_cache), len(widths))), dim=-1
+        )
 
         def expand(parent_rows, new_tokens, depth):
             return logprobs[depth].expand(len(new_tokens), -1)

@@ -23,22 +23,34 @@ from typing import Dict
 import torch
 
 from specdraft.drafts.base import FileFormat, config_fields
-from specdraft.drafts.eagle3.export import (SPECULATORS_SETTINGS, refuse_unservable, save_export, speculators_config,
-                                            speculators_implied, speculators_state_dict)
+from specdraft.drafts.eagle3.export import (
+    SPECULATORS_SETTINGS,
+    refuse_unservable,
+    save_export,
+    speculators_config,
+    speculators_implied,
+    speculators_state_dict,
+)
 from specdraft.errors import SpecdraftError
 from specdraft.target.weights import load_target_head_weights
 
 # speculators' config field -> the draft key it records (an import checks them); its P-EAGLE
 # forward reads lm_head(norm(out)) whatever norm_output says (one layer pass), so that one is moot
-PEAGLE_SETTINGS = {**{k: v for k, v in SPECULATORS_SETTINGS.items() if k != "norm_output"},
-                   "mask_token_id": "mask_token_id"}
+PEAGLE_SETTINGS = {
+    **{k: v for k, v in SPECULATORS_SETTINGS.items() if k != "norm_output"},
+    "mask_token_id": "mask_token_id",
+}
 OURS_ONLY = ("mask_embedding",)  # written into embed_tokens' mask row, not under its own name
 
 
 def peagle_config(draft, target_dir: str) -> Dict:
     config = speculators_config(draft, target_dir)
-    config.update(speculators_model_type="peagle", architectures=["PEagleSpeculator"],
-                  mask_token_id=int(draft.dims.mask_token_id), embed_requires_grad=True)
+    config.update(
+        speculators_model_type="peagle",
+        architectures=["PEagleSpeculator"],
+        mask_token_id=int(draft.dims.mask_token_id),
+        embed_requires_grad=True,
+    )
     config["speculators_config"]["algorithm"] = "peagle"
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = int(draft.dims.num_depths)
     return config
@@ -51,8 +63,12 @@ def peagle_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, t
 def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
     refuse_unservable(draft, "speculators")
     tensors = peagle_state_dict(draft, state_dict)
-    heads = load_target_head_weights(target_dir, dtype=state_dict["fc.weight"].dtype,
-                                     expected_vocab=draft.dims.vocab_size, expected_hidden=draft.dims.hidden_size)
+    heads = load_target_head_weights(
+        target_dir,
+        dtype=state_dict["fc.weight"].dtype,
+        expected_vocab=draft.dims.vocab_size,
+        expected_hidden=draft.dims.hidden_size,
+    )
     embed = heads.embed_tokens.clone()
     embed[draft.dims.mask_token_id] = state_dict["mask_embedding"].to(embed.dtype)
     tensors["embed_tokens.weight"] = embed
@@ -62,10 +78,13 @@ def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path,
 def mask_row(draft, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """An import reads the trained mask embedding back out of embed_tokens (the mask token's row)."""
     if "embed_tokens.weight" not in tensors:
-        raise SpecdraftError("a speculators P-EAGLE draft without embed_tokens.weight: its mask token's "
-                             "embedding (a trained row) is missing")
+        raise SpecdraftError(
+            "a speculators P-EAGLE draft without embed_tokens.weight: its mask token's "
+            "embedding (a trained row) is missing"
+        )
     return {"mask_embedding": tensors["embed_tokens.weight"][int(draft.dims.mask_token_id)].clone()}
 
 
-FILE_FORMATS = {"speculators": FileFormat(peagle_state_dict, config_fields(PEAGLE_SETTINGS), speculators_implied,
-                                          derived=mask_row)}
+FILE_FORMATS = {
+    "speculators": FileFormat(peagle_state_dict, config_fields(PEAGLE_SETTINGS), speculators_implied, derived=mask_row)
+}

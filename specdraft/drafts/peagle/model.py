@@ -36,12 +36,12 @@ from specdraft.drafts.peagle.cod_attention import CODSlots, GatheredCODSlots
 from specdraft.drafts.eagle3.layer import Eagle3Base, Eagle3Dims, layer_dims
 from specdraft.drafts.lk import sum_over_ranks
 from specdraft.drafts.loss import teacher_vocab_pass
-from specdraft.drafts.objectives import (answer_labels, chunked_objective,
-                                         objective_from_options, parse_objective, term_metrics)
+from specdraft.drafts.objectives import answer_labels, chunked_objective, term_metrics
+from specdraft.drafts.objective_options import objective_from_options, parse_objective
 from specdraft.drafts.peagle.cod import CODBatch, cod_sample_batch, cod_visibility
 from specdraft.drafts.peagle.decode import PEagleDrafter
 from specdraft.drafts.peagle.export import FILE_FORMATS, write_speculators
-from specdraft.drafts.peagle.options import PEagleOptions, PEagleSpec  # noqa: F401 (re-exported)
+from specdraft.drafts.peagle.options import PEagleSpec
 from specdraft.parallel.sequence import SequenceShard
 from specdraft.transfer import to_device
 
@@ -102,8 +102,12 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
     serving_formats = {"speculators": write_speculators}
     file_formats = FILE_FORMATS
     import_settings = ("target_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "mask_token_id")
-    tensor_keys = (("lm_head.weight", "draft.draft_vocab_size"), ("d2t", "draft.draft_vocab_size"),
-                   ("fc_norm.*", "draft.fc_norm"), ("input_norm.*", "draft.norm_before_fc"))
+    tensor_keys = (
+        ("lm_head.weight", "draft.draft_vocab_size"),
+        ("d2t", "draft.draft_vocab_size"),
+        ("fc_norm.*", "draft.fc_norm"),
+        ("input_norm.*", "draft.norm_before_fc"),
+    )
 
     def __init__(self, dims: PEagleDims, objective=KL):
         super().__init__(dims)
@@ -123,33 +127,49 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         mask = draft_cfg.mask_token_id
         if mask is None:
             mask = default_mask_token(target_config)
-            log.info("peagle: mask token %s (the target config's pad token, else its eos token, else its last "
-                     "id; a pad token that is also eos: its unk token, else its last id)", mask)
-        draft = cls(PEagleDims(
-            **layer_dims(target_config, draft_cfg, "peagle"),
-            ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens
-            ttt_decay=1.0,
-            norm_output=False,  # one layer pass: speculators' P-EAGLE reads lm_head(norm(out)) either way
-            mask_token_id=int(mask),
-            num_depths=int(draft_cfg.num_depths),
-            down_sample_ratio=float(draft_cfg.down_sample_ratio),
-            down_sample_ratio_min=float(draft_cfg.down_sample_ratio_min),
-        ), objective=objective_from_options(draft_cfg, default=cls.default_loss))
+            log.info(
+                "peagle: mask token %s (the target config's pad token, else its eos token, else its last "
+                "id; a pad token that is also eos: its unk token, else its last id)",
+                mask,
+            )
+        draft = cls(
+            PEagleDims(
+                **layer_dims(target_config, draft_cfg, "peagle"),
+                ttt_steps=int(draft_cfg.num_depths),  # speculators' speculative_tokens
+                ttt_decay=1.0,
+                norm_output=False,  # one layer pass: speculators' P-EAGLE reads lm_head(norm(out)) either way
+                mask_token_id=int(mask),
+                num_depths=int(draft_cfg.num_depths),
+                down_sample_ratio=float(draft_cfg.down_sample_ratio),
+                down_sample_ratio_min=float(draft_cfg.down_sample_ratio_min),
+            ),
+            objective=objective_from_options(draft_cfg, default=cls.default_loss),
+        )
         draft.count_vocab_maps(data)
         return draft
 
     def describe(self) -> str:
         d = self.dims
-        return "; ".join([f"target layers {d.target_layers} of {d.target_num_layers}, draft vocab "
-                          f"{d.draft_vocab_size} of {d.vocab_size}, {d.num_depths} depths (COD r={d.down_sample_ratio}, "
-                          f"r_min={d.down_sample_ratio_min}), mask token {d.mask_token_id}",
-                          *self.describe_refusals()])
+        return "; ".join(
+            [
+                f"target layers {d.target_layers} of {d.target_num_layers}, draft vocab "
+                f"{d.draft_vocab_size} of {d.vocab_size}, {d.num_depths} depths (COD r={d.down_sample_ratio}, "
+                f"r_min={d.down_sample_ratio_min}), mask token {d.mask_token_id}",
+                *self.describe_refusals(),
+            ]
+        )
 
     # -- the model ---------------------------------------------------------------------------
 
-    def slot_inputs(self, aux: torch.Tensor, input_embeds: torch.Tensor, anchor: torch.Tensor,
-                    depth: torch.Tensor, ids: Optional[torch.Tensor] = None,
-                    start: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    def slot_inputs(
+        self,
+        aux: torch.Tensor,
+        input_embeds: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: torch.Tensor,
+        ids: Optional[torch.Tensor] = None,
+        start: int = 0,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """B sequences' slots -> (embeds, hidden), (B, N, H) each. aux (B, T, 3 Ht) captured states,
         input_embeds (B, T, H) the target's embeddings of ids x_0..x_{T-1}; anchor (B, N), depth
         (N,) or (B, N). Depth 0 reads x_{a+1} (zeros past the end) and fc(aux[a]), deeper slots the
@@ -163,17 +183,29 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         real_embeds = input_embeds.gather(1, _rows((local + 1).clamp(0, width - 1), input_embeds))
         real_embeds = torch.where((local + 1 < width)[..., None], real_embeds, torch.zeros_like(real_embeds))
         # the mask token's row is one embedding row: where the text itself holds that token, it reads it too
-        is_mask = ~first if ids is None else \
-            ~first | (ids.gather(1, (anchor + 1).clamp(max=ids.shape[1] - 1)) == self.dims.mask_token_id)
+        is_mask = (
+            ~first
+            if ids is None
+            else ~first | (ids.gather(1, (anchor + 1).clamp(max=ids.shape[1] - 1)) == self.dims.mask_token_id)
+        )
         embeds = torch.where(is_mask[..., None], self.mask_embedding.to(real_embeds.dtype), real_embeds)
         fused = self.fuse(aux)
         states = fused.gather(1, _rows(local.clamp(0, aux.shape[1] - 1), fused))
         mask_state = self.fuse(self.mask_hidden.to(aux.dtype)[0]).to(states.dtype)  # (1, H)
         return embeds, torch.where(first[..., None], states, mask_state)
 
-    def draft_slots(self, aux, input_embeds, anchor, depth, documents=None, ids=None,
-                    by_depth: Optional[List[torch.Tensor]] = None,
-                    shard: Optional[SequenceShard] = None, sizes: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+    def draft_slots(
+        self,
+        aux,
+        input_embeds,
+        anchor,
+        depth,
+        documents=None,
+        ids=None,
+        by_depth: Optional[List[torch.Tensor]] = None,
+        shard: Optional[SequenceShard] = None,
+        sizes: Optional[Tuple[int, ...]] = None,
+    ) -> torch.Tensor:
         """One forward over B sequences' slots -> (B, N, H) the logits input (lm_head reads it);
         aux / input_embeds / anchor / depth as slot_inputs, documents and ids (B, T). sizes: the
         slots are CODBatch's (cod_sample_batch, `sizes` its places per depth), which attend
@@ -185,27 +217,48 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         by_depth: its slots as cod_anchors drew them (anchor, depth = slot_order(by_depth)), mask-free."""
         if anchor.dim() == 1:
             slots = None if by_depth is None else CODSlots.of(by_depth, aux.device, documents)
-            head = self._draft_slots(aux[None], input_embeds[None], anchor[None], depth,
-                                     None if documents is None else documents[None], None if ids is None else ids[None],
-                                     slots, shard)
+            head = self._draft_slots(
+                aux[None],
+                input_embeds[None],
+                anchor[None],
+                depth,
+                None if documents is None else documents[None],
+                None if ids is None else ids[None],
+                slots,
+                shard,
+            )
             return head[0]
         anchor = to_device(anchor, aux.device)
-        slots = None if sizes is None or (shard is not None and shard.parallel) else \
-            CODSlots.of_batch(anchor, sizes, documents)
+        slots = (
+            None
+            if sizes is None or (shard is not None and shard.parallel)
+            else CODSlots.of_batch(anchor, sizes, documents)
+        )
         return self._draft_slots(aux, input_embeds, anchor, depth, documents, ids, slots, shard)
 
-    def _draft_slots(self, aux, input_embeds, anchor, depth, documents, ids, slots: Optional[CODSlots],
-                     shard: Optional[SequenceShard]) -> torch.Tensor:
+    def _draft_slots(
+        self,
+        aux,
+        input_embeds,
+        anchor,
+        depth,
+        documents,
+        ids,
+        slots: Optional[CODSlots],
+        shard: Optional[SequenceShard],
+    ) -> torch.Tensor:
         device = aux.device
         anchor, depth = to_device(anchor, device), to_device(depth, device)
         start = 0
         if shard is not None and shard.parallel:
             start, local = shard.start, shard.local_length
-            key_anchor = torch.cat([torch.arange(shard.length, device=device).expand(anchor.shape[0], -1),
-                                    anchor[:, local:]], dim=1)
+            key_anchor = torch.cat(
+                [torch.arange(shard.length, device=device).expand(anchor.shape[0], -1), anchor[:, local:]], dim=1
+            )
             key_depth = torch.cat([torch.zeros(shard.length, dtype=depth.dtype, device=device), depth[local:]])
-            visible = GatheredCODSlots(shard, cod_visibility(anchor, depth, documents, key_anchor=key_anchor,
-                                                             key_depth=key_depth)[:, None])
+            visible = GatheredCODSlots(
+                shard, cod_visibility(anchor, depth, documents, key_anchor=key_anchor, key_depth=key_depth)[:, None]
+            )
         elif slots is None:
             visible = cod_visibility(anchor, depth, documents)[:, None]
         else:
@@ -221,7 +274,7 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         return CaptureRequest(layers=tuple(sorted(self.dims.target_layers)), final_hidden=self.objective.needs_teacher)
 
     def sample_batch_options(self, generator: torch.Generator, seq_len: int) -> Dict[str, int]:
-        return {"cod_seed": int(torch.randint(0, 2 ** 62, (1,), generator=generator))}
+        return {"cod_seed": int(torch.randint(0, 2**62, (1,), generator=generator))}
 
     def sample_slots(self, valid: torch.Tensor, cod_seed: int) -> CODBatch:
         """valid (B, T) bool -> every row's slots at fixed shapes (cod_sample_batch), drawn from
@@ -230,9 +283,18 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         d = self.dims
         return cod_sample_batch(valid, d.num_depths, d.down_sample_ratio, d.down_sample_ratio_min, generator)
 
-    def training_loss(self, features: TargetFeatures, lm_head_weight, input_ids, loss_mask,
-                      chunk_size: int, cod_seed: int = 0, documents: Optional[torch.Tensor] = None,
-                      host: Optional[HostBatch] = None, **_) -> DraftLoss:
+    def training_loss(
+        self,
+        features: TargetFeatures,
+        lm_head_weight,
+        input_ids,
+        loss_mask,
+        chunk_size: int,
+        cod_seed: int = 0,
+        documents: Optional[torch.Tensor] = None,
+        host: Optional[HostBatch] = None,
+        **_,
+    ) -> DraftLoss:
         B, T = input_ids.shape
         shard = features.shard or SequenceShard.whole(T)
         dtype = self.fc.weight.dtype
@@ -247,11 +309,11 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         taught = self.objective.taught(host.loss_mask).bool()
         # slot at o predicts x_{o+2}: valid where that token is taught, in o's own conversation
         valid = torch.zeros(B, T, dtype=torch.bool)
-        valid[:, :max(T - 2, 0)] = taught[:, 2:]
+        valid[:, : max(T - 2, 0)] = taught[:, 2:]
         if host.documents is not None:
-            valid[:, :max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, :max(T - 2, 0)]
+            valid[:, : max(T - 2, 0)] &= host.documents[:, 2:] == host.documents[:, : max(T - 2, 0)]
         answer = torch.zeros(B, T, dtype=torch.bool)
-        answer[:, :max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
+        answer[:, : max(T - 2, 0)] = host.loss_mask[:, 2:].bool()
         # drawn on the host copy over the whole batch and sequence (fixed shapes, no loop over
         # rows), alike on every rank of an SP group: the slots of SP=1; the loss picks its rows from them
         slots = self.sample_slots(valid, cod_seed)
@@ -260,8 +322,9 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         if shard.parallel:
             slots = slots.own(shard.start, shard.end)
             counted = counted_slots(slots, valid)
-        head = self.draft_slots(aux, embeds, slots.anchor, slots.depth, documents, input_ids, shard=shard,
-                                sizes=slots.sizes)  # (B, N, H)
+        head = self.draft_slots(
+            aux, embeds, slots.anchor, slots.depth, documents, input_ids, shard=shard, sizes=slots.sizes
+        )  # (B, N, H)
         picked = to_device(counted.flatten().nonzero().flatten(), device)  # host indices: no sync
         head_in = head.flatten(0, 1).index_select(0, picked)
         orig = slots.anchor + slots.depth
@@ -270,13 +333,16 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         is_answer = answer.gather(1, orig.clamp(max=T - 1))[counted]
         draft_ids = self.draft_to_target()
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None
-        final = shard.extend_right(features.final_hidden, extend).flatten(0, 1) if self.objective.needs_teacher else None
+        final = (
+            shard.extend_right(features.final_hidden, extend).flatten(0, 1) if self.objective.needs_teacher else None
+        )
         local_rows = shard.local_length + extend  # final's rows per batch row
         lse = None  # LK: the target's whole-vocab log-sum-exp, when the teacher rows are a draft vocab
         if self.objective.lk and draft_ids.numel() < lm_head_weight.shape[0]:  # at the rows a teacher reads
             read = (rows // T * local_rows + rows % T - shard.start + 1).unique()  # on the host, as teacher_at
-            lse, _ = teacher_vocab_pass(final, lm_head_weight, read, chunk_size, draft_ids.numel(), logsumexp=True,
-                                        argmax=False)
+            lse, _ = teacher_vocab_pass(
+                final, lm_head_weight, read, chunk_size, draft_ids.numel(), logsumexp=True, argmax=False
+            )
         ids = input_ids.flatten()
         to_draft = self.target_to_draft(draft_ids) if self.objective.needs_labels else None
         total_tokens = torch.full((), rows.numel(), dtype=torch.long, device=device)
@@ -290,10 +356,17 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
             draft_labels, answers = None, is_answer[pick].nonzero().shape[0]  # on the host: no value read
             if to_draft is not None:
                 draft_labels, answers = answer_labels(to_draft[labels], is_answer[pick])  # host mask: no sync
-            out = chunked_objective(head_in.index_select(0, to_device(pick, device)), self.lm_head.weight,
-                                    None if final is None else final[teacher_at], teacher_rows, draft_labels,
-                                    self.objective.over_rows(pick.numel(), answers), chunk_size,
-                                    teacher_lse=None if lse is None else lse[teacher_at], reduce=sum_over_ranks)
+            out = chunked_objective(
+                head_in.index_select(0, to_device(pick, device)),
+                self.lm_head.weight,
+                None if final is None else final[teacher_at],
+                teacher_rows,
+                draft_labels,
+                self.objective.over_rows(pick.numel(), answers),
+                chunk_size,
+                teacher_lse=None if lse is None else lse[teacher_at],
+                reduce=sum_over_ranks,
+            )
             hits = (draft_ids[out.argmax] == labels).sum()
             tokens = torch.full((), pick.numel(), dtype=torch.long, device=device)
             loss = out.loss if loss is None else loss + out.loss
@@ -306,8 +379,9 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         # one mean over every counted slot of every depth (speculators' loss_function); SP: this
         # rank's share of the sequence's mean, weighted by the group's counted slots
         if not shard.parallel:
-            return DraftLoss(loss=loss / total_tokens.clamp_min(1), tokens=total_tokens, correct=hits_all,
-                             metrics=metrics)
+            return DraftLoss(
+                loss=loss / total_tokens.clamp_min(1), tokens=total_tokens, correct=hits_all, metrics=metrics
+            )
         loss, weight = shard.token_mean(loss, group_tokens, total_tokens)
         return DraftLoss(loss=loss, tokens=weight, correct=hits_all, metrics=metrics)
 
@@ -323,12 +397,11 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         teacher, Vd = self.objective.needs_teacher, d.draft_vocab_size
         # slots per sequence: T at depth 0 plus sum_d max(r^d, r_min) T (an upper bound: the valid
         # positions are at most T)
-        per_token = 1 + sum(max(d.down_sample_ratio ** k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
+        per_token = 1 + sum(max(d.down_sample_ratio**k, d.down_sample_ratio_min) for k in range(1, d.num_depths))
         slots = shape.B * shape.T * per_token
         # per slot, saved for backward: EAGLE-3's step (the fused 2H input, norms, q/k/v, MLP) plus
         # fc's output gathered to each slot (fc runs once per position: its input is the capture's)
-        step = (11 * H + 2 * heads * hd + 2 * kv * hd + 4 * I) * p \
-            + shape.fp32_norm_inputs(3 * H)
+        step = (11 * H + 2 * heads * hd + 2 * kv * hd + 4 * I) * p + shape.fp32_norm_inputs(3 * H)
         terms = {
             "capture features": shape.capture_features(H + (3 + teacher) * d.target_hidden_size),
             "draft activations": slots * step,
@@ -336,12 +409,13 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
             # (its d diagonal keys and values per query head, sink-extended q/k/v, merged output:
             # heads hd (2d + 5)) plus the queries put at their anchors (heads hd) and the depth's
             # keys and values (2 kv hd); no (N, N) mask
-            "slot attention": shape.B * shape.T * p * sum(heads * hd * (2 * k + 6) + 2 * kv * hd
-                                                          for k in range(1, d.num_depths)),
+            "slot attention": shape.B
+            * shape.T
+            * p
+            * sum(heads * hd * (2 * k + 6) + 2 * kv * hd for k in range(1, d.num_depths)),
             # one loss call per depth: depth 0's B T rows are the largest chunk
-            "loss chunk + hidden grads": Vd * H * 4 + shape.loss_chunk(int(slots), Vd, H, teacher,
-                                                                         calls=max(1, int(per_token)),
-                                                                         lk=self.objective.lk),
+            "loss chunk + hidden grads": Vd * H * 4
+            + shape.loss_chunk(int(slots), Vd, H, teacher, calls=max(1, int(per_token)), lk=self.objective.lk),
         }
         if shape.whole_T > shape.T:  # sequence parallelism: T is this rank's shard
             n = shape.T * per_token  # the rank's slots per row: its T at depth 0, the deeper ones anchored in it
@@ -351,12 +425,12 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
             # float bias (p bytes; the bool mask it is made from is gone before the loss's peak)
             terms["slot attention"] = shape.B * keys * (2 * kv * hd + n) * p
             # the next rank's first rows: x_{a+1} for depth 0, the teacher at a+d+1 (extend_right copies)
-            terms["shard borders"] = shape.B * ((shape.T + 1) * H + teacher * (shape.T + d.num_depths)
-                                                * d.target_hidden_size) * p
+            terms["shard borders"] = (
+                shape.B * ((shape.T + 1) * H + teacher * (shape.T + d.num_depths) * d.target_hidden_size) * p
+            )
         if teacher:
             terms["teacher rows"] = Vd * d.target_hidden_size * p
         return terms
 
     def make_drafter(self, target: nn.Module) -> PEagleDrafter:
         return PEagleDrafter(self, target)
-
