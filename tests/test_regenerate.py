@@ -605,11 +605,11 @@ def test_sigterm_keeps_the_finished_rows_counts_them_and_exits_143(tiny_target_d
     assert again["rows"] == 4 and again["skipped_done"] == 8 and len(keys) == len(set(keys)) == 12
 
 
-def bar_rows(path: Path, total: int) -> int:
-    """The rows the progress bar (tqdm, on stderr) has counted so far."""
+def bar_answers(path: Path, total: int) -> int:
+    """The answers the progress bar (tqdm, on stderr) has counted so far (a row of one turn: one)."""
     import re
 
-    found = re.findall(rf"(\d+)/{total} \[", path.read_text(errors="replace")) if path.exists() else []
+    found = re.findall(rf"(\d+)/{total} answers \[", path.read_text(errors="replace")) if path.exists() else []
     return max(map(int, found), default=0)
 
 
@@ -641,12 +641,14 @@ def test_ctrl_c_writes_the_finished_rows_and_the_same_command_resumes_after_them
         "1000",
     ]
     stderr = tmp_path / "stderr.txt"
-    # rows finish 4 at a time (a wave); the pause after each generate call keeps the run going
+    # rows finish 4 at a time (a wave, one generate call); the pause after each call keeps the run
+    # going. The bar counts answers as they land: its 5th is in the second call, so the first
+    # call's 4 rows are finished (a signal inside a call loses that call's answers, by design)
     env = {**os.environ, "SPECDRAFT_REGENERATE_PAUSE_S": "0.5"}
     with open(stderr, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         deadline = time.monotonic() + 300
-        while proc.poll() is None and bar_rows(stderr, total) < 4 and time.monotonic() < deadline:
+        while proc.poll() is None and bar_answers(stderr, total) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, "the run ended before it was interrupted"
         proc.send_signal(signal.SIGINT)
