@@ -69,6 +69,8 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
                                  f"{preset!r} demo needs more than {p.prompt_rows}")
 
         # `specdraft regenerate` writes the answers (one implementation); its shards are the train files
+        log(f"[demo data] the target answers {len(train)} prompts, up to {p.max_new_tokens} tokens each, "
+            f"in batches of {p.generate_batch}")
         _write_jsonl(tmp / "source.jsonl", [{"id": str(i), "prompt": q} for i, q in enumerate(train)])
         summary = regenerate_rows(model, tokenizer, tmp / "source.jsonl", tmp / ANSWERS, target_dir, p,
                                   answer_temperature, seed, rows_per_shard=-(-len(train) // p.train_files))
