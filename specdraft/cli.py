@@ -120,37 +120,7 @@ def _cmd_eval(args) -> int:
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     thinking = None if args.thinking is None else args.thinking == "on"
     names = run_draft_names(args.path, args.draft)
-    common = dict(baseline=not args.no_baseline, progress=_prompt_bars)
-    if len(names) > 1:  # every draft of a several-draft run, side by side
-        if args.plot:
-            raise SpecdraftError("--plot: one draft at a time; add --draft NAME")
-        reports = {
-            name: evaluate(
-                args.path,
-                args.prompts,
-                method=args.method,
-                gamma=args.gamma,
-                tree=tree,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                thinking=thinking,
-                max_prompts=args.max_prompts,
-                record_tv=args.tv,
-                device=args.device,
-                dtype=args.dtype,
-                target=args.target,
-                confidence_threshold=args.confidence_threshold,
-                draft_name=name,
-                **common,
-            )
-            for name in names
-        }
-        print(json.dumps(reports, indent=2) if args.json else format_comparison(reports))
-        return 0
-    report = evaluate(
-        args.path,
-        args.prompts,
-        draft_name=names[0],
+    common = dict(
         method=args.method,
         gamma=args.gamma,
         tree=tree,
@@ -158,14 +128,21 @@ def _cmd_eval(args) -> int:
         temperature=args.temperature,
         thinking=thinking,
         max_prompts=args.max_prompts,
-        plot_path=args.plot,
         record_tv=args.tv,
         device=args.device,
         dtype=args.dtype,
         target=args.target,
         confidence_threshold=args.confidence_threshold,
-        **common,
+        baseline=not args.no_baseline,
+        progress=_prompt_bars,
     )
+    if len(names) > 1:  # every draft of a several-draft run, side by side
+        if args.plot:
+            raise SpecdraftError("--plot: one draft at a time; add --draft NAME")
+        reports = {name: evaluate(args.path, args.prompts, draft_name=name, **common) for name in names}
+        print(json.dumps(reports, indent=2) if args.json else format_comparison(reports))
+        return 0
+    report = evaluate(args.path, args.prompts, draft_name=names[0], plot_path=args.plot, **common)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
