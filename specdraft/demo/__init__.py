@@ -10,10 +10,15 @@ The names below load on first use (PEP 562), so `specdraft --help`, which reads 
 
 import importlib
 
-_WHERE = {"ensure_demo_assets": "specdraft.demo.assets", "specdraft_home": "specdraft.paths",
-          "DemoData": "specdraft.demo.dataset", "build_dataset": "specdraft.demo.dataset",
-          "PRESETS": "specdraft.demo.presets", "DemoPreset": "specdraft.demo.presets",
-          "build_target": "specdraft.demo.target"}
+_WHERE = {
+    "ensure_demo_assets": "specdraft.demo.assets",
+    "specdraft_home": "specdraft.paths",
+    "DemoData": "specdraft.demo.dataset",
+    "build_dataset": "specdraft.demo.dataset",
+    "PRESETS": "specdraft.demo.presets",
+    "DemoPreset": "specdraft.demo.presets",
+    "build_target": "specdraft.demo.target",
+}
 
 __all__ = sorted(_WHERE)
 

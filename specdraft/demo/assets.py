@@ -17,8 +17,9 @@ from specdraft.errors import SpecdraftError
 SEED = 0  # the demo is one fixed build; tests and users get the same target for a preset
 
 
-def ensure_demo_assets(home=None, preset: str = "demo", log=log_stderr,
-                       answer_temperature: float = 0.0) -> tuple[Path, DemoData]:
+def ensure_demo_assets(
+    home=None, preset: str = "demo", log=log_stderr, answer_temperature: float = 0.0
+) -> tuple[Path, DemoData]:
     """(target_dir, data) under `home/<preset>/{target,data}`, built on first use.
 
     `home` defaults to `$SPECDRAFT_HOME` (or ~/.cache/specdraft). A directory is reused when its

@@ -75,8 +75,10 @@ def remove_stale(directory: Path, log=log_stderr) -> None:
     if not directory.exists():
         return
     if read_stamp(directory) is None:
-        raise SpecdraftError(f"{directory} exists but was not built by `specdraft demo` "
-                             f"(no {STAMP}); move it away or set SPECDRAFT_HOME elsewhere")
+        raise SpecdraftError(
+            f"{directory} exists but was not built by `specdraft demo` "
+            f"(no {STAMP}); move it away or set SPECDRAFT_HOME elsewhere"
+        )
     log(f"{directory} was built from different settings; rebuilding it")
     shutil.rmtree(directory)
 

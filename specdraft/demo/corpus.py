@@ -18,10 +18,20 @@ from specdraft.errors import SpecdraftError
 
 # Directories that hold tests, third-party packages, data tables (encodings/*, pydoc_data) or
 # generated/demo code: not the idiomatic library code the demo target should learn.
-_SKIP_DIRS = frozenset({
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-    "encodings", "pydoc_data", "lib2to3", "turtledemo",
-})
+_SKIP_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "encodings",
+        "pydoc_data",
+        "lib2to3",
+        "turtledemo",
+    }
+)
 _MAX_FILE_BYTES = 256 * 1024  # a single huge file would dominate a few-MB corpus
 
 PROMPT_PREFIX = "Complete this Python function:\n\n"
@@ -36,6 +46,7 @@ class SourceFile:
 @dataclass(frozen=True)
 class FunctionExample:
     """One documented stdlib function, split where a chat model would be asked to continue."""
+
     qualname: str  # "json/decoder.py:JSONDecoder.decode"
     prompt: str  # PROMPT_PREFIX + signature + docstring (dedented)
     answer: str  # the body after the docstring (dedented with the signature, so still indented)
@@ -44,8 +55,9 @@ class FunctionExample:
 def stdlib_root() -> Path:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise SpecdraftError(f"Python standard library sources not found at {root}; the demo "
-                             "builds its target from them")
+        raise SpecdraftError(
+            f"Python standard library sources not found at {root}; the demo builds its target from them"
+        )
     return root
 
 
@@ -53,9 +65,9 @@ def read_corpus(max_bytes: int, seed: int) -> list[SourceFile]:
     """Stdlib *.py files (no tests), sorted, shuffled with `seed`, until `max_bytes` of text."""
     root = stdlib_root()
     paths = sorted(
-        p for p in root.rglob("*.py")
-        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-        and p.stat().st_size <= _MAX_FILE_BYTES
+        p
+        for p in root.rglob("*.py")
+        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]) and p.stat().st_size <= _MAX_FILE_BYTES
     )
     random.Random(seed).shuffle(paths)
     files, total = [], 0
@@ -104,13 +116,12 @@ def _functions(tree: ast.AST, prefix: str):
 
 def _split_function(node, lines: list[str], qualname: str) -> FunctionExample | None:
     doc = node.body[0]
-    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-            and isinstance(doc.value.value, str)):
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
         return None
     # Needs a body after the docstring, and every piece on its own lines (no `def f(): "d"; x`).
     if len(node.body) < 2 or doc.lineno == node.lineno or node.body[1].lineno <= doc.end_lineno:
         return None
-    source = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
+    source = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
     source_lines = source.splitlines()
     head_len = doc.end_lineno - node.lineno + 1  # def line .. last docstring line
     head = "\n".join(source_lines[:head_len])

@@ -43,8 +43,9 @@ class DemoData:
         return cls([directory / name for name in stamp["train_files"]], directory / PROMPTS_FILE)
 
 
-def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
-                  log=log_stderr, answer_temperature: float = 0.0) -> DemoData:
+def build_dataset(
+    target_dir, out_dir, preset: str = "demo", seed: int = 0, log=log_stderr, answer_temperature: float = 0.0
+) -> DemoData:
     """Write `out_dir/answers/shard-*.jsonl` (target-regenerated chats, `specdraft regenerate` shards)
     and `out_dir/prompts.jsonl`.
 
@@ -58,71 +59,119 @@ def build_dataset(target_dir, out_dir, preset: str = "demo", seed: int = 0,
     stamp = data_inputs(preset, seed, read_stamp(target_dir), answer_temperature)
     with building(out_dir, stamp, log) as tmp:
         functions = extract_functions(read_corpus(p.corpus_bytes, seed))
-        prompt_lens = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(
-            [chat_prompt(tokenizer, f.prompt) for f in functions], add_special_tokens=False)]
+        prompt_lens = [
+            len(e.ids)
+            for e in tokenizer.backend_tokenizer.encode_batch(
+                [chat_prompt(tokenizer, f.prompt) for f in functions], add_special_tokens=False
+            )
+        ]
         prompts = [f.prompt for f, n in zip(functions, prompt_lens) if n <= p.max_prompt_tokens]
         random.Random(seed).shuffle(prompts)
-        held_out = prompts[:p.prompt_rows]
-        train = prompts[p.prompt_rows:p.prompt_rows + p.train_rows]
+        held_out = prompts[: p.prompt_rows]
+        train = prompts[p.prompt_rows : p.prompt_rows + p.train_rows]
         if not held_out or not train:
-            raise SpecdraftError(f"only {len(prompts)} usable stdlib functions found; the "
-                                 f"{preset!r} demo needs more than {p.prompt_rows}")
+            raise SpecdraftError(
+                f"only {len(prompts)} usable stdlib functions found; the "
+                f"{preset!r} demo needs more than {p.prompt_rows}"
+            )
 
         # `specdraft regenerate` writes the answers (one implementation); its shards are the train files
-        log(f"[demo data] the target answers {len(train)} prompts, up to {p.max_new_tokens} tokens each, "
-            f"in batches of {p.generate_batch}")
+        log(
+            f"[demo data] the target answers {len(train)} prompts, up to {p.max_new_tokens} tokens each, "
+            f"in batches of {p.generate_batch}"
+        )
         _write_jsonl(tmp / "source.jsonl", [{"id": str(i), "prompt": q} for i, q in enumerate(train)])
-        summary = regenerate_rows(model, tokenizer, tmp / "source.jsonl", tmp / ANSWERS, target_dir, p,
-                                  answer_temperature, seed, rows_per_shard=-(-len(train) // p.train_files))
+        summary = regenerate_rows(
+            model,
+            tokenizer,
+            tmp / "source.jsonl",
+            tmp / ANSWERS,
+            target_dir,
+            p,
+            answer_temperature,
+            seed,
+            rows_per_shard=-(-len(train) // p.train_files),
+        )
         names = sorted(f"{ANSWERS}/{f.name}" for f in (tmp / ANSWERS).glob("shard-*.jsonl"))
         stamp["train_files"] = names
-        log(f"[demo data] regenerated {summary['rows']} answers ({summary['errors']} empty, dropped) "
-            f"in {summary['seconds']:.1f}s, {summary['tok_per_s']:.0f} answer tok/s")
-        answers = [turn["content"] for name in names for line in (tmp / name).read_text().splitlines()
-                   for turn in json.loads(line)["conversations"] if turn["role"] == "assistant"]
+        log(
+            f"[demo data] regenerated {summary['rows']} answers ({summary['errors']} empty, dropped) "
+            f"in {summary['seconds']:.1f}s, {summary['tok_per_s']:.0f} answer tok/s"
+        )
+        answers = [
+            turn["content"]
+            for name in names
+            for line in (tmp / name).read_text().splitlines()
+            for turn in json.loads(line)["conversations"]
+            if turn["role"] == "assistant"
+        ]
         log(f"[demo data] answers: {quality_of_texts(tokenizer, answers).line()}")
         _write_jsonl(tmp / PROMPTS_FILE, [{"prompt": q} for q in held_out])
         stamp.update(rows=summary["rows"], prompts=len(held_out))
-    log(f"[demo data] {summary['rows']} conversations in {len(names)} files, {len(held_out)} held-out "
-        f"prompts, in {out_dir}")
+    log(
+        f"[demo data] {summary['rows']} conversations in {len(names)} files, {len(held_out)} held-out "
+        f"prompts, in {out_dir}"
+    )
     return DemoData.from_dir(out_dir)
 
 
-def data_inputs(preset: str, seed: int, target_stamp: dict | None,
-                answer_temperature: float = 0.0) -> dict:
+def data_inputs(preset: str, seed: int, target_stamp: dict | None, answer_temperature: float = 0.0) -> dict:
     """What a dataset build depends on (its cache key): the answers come from that target, greedy
     (answer_temperature None; stamps written before sampled answers existed lack the key, which
     reads the same) or sampled at that temperature."""
     if answer_temperature < 0:
         raise SpecdraftError(f"answer temperature must be >= 0, got {answer_temperature}")
-    return {"kind": "data", "preset": get_preset(preset).fingerprint(), "seed": seed,
-            "target": target_stamp, "answer_temperature": float(answer_temperature) or None,
-            "answers_by": "specdraft regenerate"}  # per-row seeded sampling, shards with token_ids
+    return {
+        "kind": "data",
+        "preset": get_preset(preset).fingerprint(),
+        "seed": seed,
+        "target": target_stamp,
+        "answer_temperature": float(answer_temperature) or None,
+        "answers_by": "specdraft regenerate",
+    }  # per-row seeded sampling, shards with token_ids
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:
     """The text the target continues: the user turn and the opened assistant turn."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
-                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+    )
 
 
-def regenerate_rows(model, tokenizer, source, out_dir, target_dir, p, temperature: float, seed: int,
-                    rows_per_shard: int) -> dict:
+def regenerate_rows(
+    model, tokenizer, source, out_dir, target_dir, p, temperature: float, seed: int, rows_per_shard: int
+) -> dict:
     """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
     from specdraft.data.generation import HFBackend
     from specdraft.commands.regenerate import RegenerateConfig
     from specdraft.commands.regenerate import regenerate as run_regenerate
 
-    cfg = RegenerateConfig(target=str(target_dir), data=[str(source)], out=str(out_dir), temperature=temperature,
-                           max_new_tokens=p.max_new_tokens, max_length=1 << 30, seed=seed,
-                           batch_size=p.generate_batch, rows_per_shard=rows_per_shard)
+    cfg = RegenerateConfig(
+        target=str(target_dir),
+        data=[str(source)],
+        out=str(out_dir),
+        temperature=temperature,
+        max_new_tokens=p.max_new_tokens,
+        max_length=1 << 30,
+        seed=seed,
+        batch_size=p.generate_batch,
+        rows_per_shard=rows_per_shard,
+    )
     backend = HFBackend(model, tokenizer, cfg.sampling(), cfg.batch_size)
     # every row, in this process's own temp directory, even on one rank of a distributed demo
     return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=False, ranks=(0, 1))
 
 
-def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
-               log=log_stderr, temperature: float = 0.0, seed: int = 0) -> list[str]:
+def regenerate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    log=log_stderr,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[str]:
     """The target's answer to each user prompt (the text before its first special token, at most
     `max_new_tokens` tokens), by `specdraft regenerate`'s hf backend: batched with left padding;
     temperature 0 greedy, else sampled per prompt from a generator seeded by (seed, prompt index),
@@ -131,8 +180,10 @@ def regenerate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_
     from specdraft.commands.regenerate_rows import row_seed
 
     backend = HFBackend(model, tokenizer, Sampling(temperature, 1.0, max_new_tokens, 1 << 30), batch_size)
-    requests = [Request([{"role": "user", "content": q}], row_seed(seed, str(i), 0, 0), f"prompt {i}")
-                for i, q in enumerate(prompts)]
+    requests = [
+        Request([{"role": "user", "content": q}], row_seed(seed, str(i), 0, 0), f"prompt {i}")
+        for i, q in enumerate(prompts)
+    ]
     return [a.text for a in backend.generate(requests)]
 
 

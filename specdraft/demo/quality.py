@@ -76,8 +76,10 @@ class AnswerQuality:
     def line(self) -> str:
         tau = "" if self.lookup_tau is None else f", prompt lookup τ {self.lookup_tau:.2f}"
         ended = "" if self.ended is None else f", {self.ended:.0%} ended their turn"
-        return (f"{self.answers} answers, {self.mean_tokens:.0f} tokens on average{ended}: "
-                f"distinct-2 {self.distinct_2:.2f}, degenerate {self.degenerate:.0%}{tau}")
+        return (
+            f"{self.answers} answers, {self.mean_tokens:.0f} tokens on average{ended}: "
+            f"distinct-2 {self.distinct_2:.2f}, degenerate {self.degenerate:.0%}{tau}"
+        )
 
 
 def quality_of_texts(tokenizer, texts: Sequence[str]) -> AnswerQuality:
@@ -87,19 +89,35 @@ def quality_of_texts(tokenizer, texts: Sequence[str]) -> AnswerQuality:
     The data build prints it: log(f"[demo data] answers: {quality_of_texts(tokenizer, answers).line()}")"""
     ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)]
     return AnswerQuality(
-        answers=len(texts), distinct_2=distinct_2(ids), degenerate=degenerate_share(texts), lookup_tau=None,
-        mean_tokens=sum(map(len, ids)) / len(ids) if ids else 0.0, ended=None)
+        answers=len(texts),
+        distinct_2=distinct_2(ids),
+        degenerate=degenerate_share(texts),
+        lookup_tau=None,
+        mean_tokens=sum(map(len, ids)) / len(ids) if ids else 0.0,
+        ended=None,
+    )
 
 
-def measure_answer_quality(target, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                           stop: Sequence[int], gamma: int = LOOKUP_GAMMA) -> tuple[AnswerQuality, List[str]]:
+def measure_answer_quality(
+    target,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop: Sequence[int],
+    gamma: int = LOOKUP_GAMMA,
+) -> tuple[AnswerQuality, List[str]]:
     """The three figures of `target`'s greedy answers to `prompts` (token ids, chat-templated),
     and the answers' texts. One speculative pass per prompt with prompt lookup drafting `gamma`
     tokens: its output is the greedy answer (lossless), its acceptance is prompt lookup's τ.
     An answer is its tokens before the first stop token."""
     stop_set = set(stop)
-    generations = [speculative_generate(target, PromptLookupDrafter(), p, max_new_tokens=max_new_tokens,
-                                        gamma=gamma, stop_tokens=stop) for p in prompts]
+    generations = [
+        speculative_generate(
+            target, PromptLookupDrafter(), p, max_new_tokens=max_new_tokens, gamma=gamma, stop_tokens=stop
+        )
+        for p in prompts
+    ]
     answers, ended = [], []
     for g in generations:
         cut = next((i for i, t in enumerate(g.tokens) if t in stop_set), None)
@@ -107,21 +125,29 @@ def measure_answer_quality(target, tokenizer, prompts: Sequence[Sequence[int]], 
         ended.append(cut is not None)
     texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
     quality = AnswerQuality(
-        answers=len(answers), distinct_2=distinct_2(answers), degenerate=degenerate_share(texts),
+        answers=len(answers),
+        distinct_2=distinct_2(answers),
+        degenerate=degenerate_share(texts),
         lookup_tau=acceptance_stats(generations, gamma)["tau"],
         mean_tokens=sum(map(len, answers)) / len(answers) if answers else 0.0,
-        ended=sum(ended) / len(ended) if ended else 0.0)
+        ended=sum(ended) / len(ended) if ended else 0.0,
+    )
     return quality, texts
 
 
 # -- which prompts -------------------------------------------------------------------------------
 
+
 def _short_prompts(tokenizer, functions, max_prompt_tokens: int, seed: int) -> List[str]:
     """User messages of `functions` whose chat prompt fits `max_prompt_tokens`, seeded order."""
     import random
 
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f.prompt}],
-                                           add_generation_prompt=True, tokenize=False) for f in functions]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f.prompt}], add_generation_prompt=True, tokenize=False
+        )
+        for f in functions
+    ]
     lengths = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
     prompts = [f.prompt for f, n in zip(functions, lengths) if n <= max_prompt_tokens]
     random.Random(seed).shuffle(prompts)
@@ -134,14 +160,14 @@ def held_out_prompts(tokenizer, preset: str, seed: int) -> List[str]:
     target's pre-training text, as every function of the corpus is."""
     p = get_preset(preset)
     functions = extract_functions(read_corpus(p.corpus_bytes, seed))
-    return _short_prompts(tokenizer, functions, p.max_prompt_tokens, seed)[:p.prompt_rows]
+    return _short_prompts(tokenizer, functions, p.max_prompt_tokens, seed)[: p.prompt_rows]
 
 
 def unseen_prompts(tokenizer, after_bytes: int, seed: int, count: int, max_prompt_tokens: int) -> List[str]:
     """`count` prompts from stdlib files that a corpus of `after_bytes` does not read: functions no
     target built from at most that many bytes was pre-trained on."""
     seen = read_corpus(after_bytes, seed)
-    everything = read_corpus(10 ** 12, seed)  # the same seeded order, read to the end
+    everything = read_corpus(10**12, seed)  # the same seeded order, read to the end
     known = {f.prompt for f in extract_functions(seen)}
-    fresh = [f for f in extract_functions(everything[len(seen):]) if f.prompt not in known]
+    fresh = [f for f in extract_functions(everything[len(seen) :]) if f.prompt not in known]
     return _short_prompts(tokenizer, fresh, max_prompt_tokens, seed)[:count]

@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast,
-                          Qwen3NextForCausalLM)
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3NextForCausalLM,
+)
 
 from specdraft.demo.cache import building, log_stderr, no_progress_bars
 from specdraft.demo.corpus import FunctionExample, extract_functions, read_corpus
@@ -38,10 +44,11 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
     with building(out_dir, stamp, log) as tmp:
         t0, cpu0 = time.perf_counter(), time.process_time()
         files = read_corpus(p.corpus_bytes, seed)
-        tokenizer = train_tokenizer((f.text for f in files), p.vocab_size,
-                                    p.max_position_embeddings)
-        log(f"[demo target] tokenizer: vocab {len(tokenizer)} from {len(files)} stdlib files "
-            f"({sum(len(f.text) for f in files) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s")
+        tokenizer = train_tokenizer((f.text for f in files), p.vocab_size, p.max_position_embeddings)
+        log(
+            f"[demo target] tokenizer: vocab {len(tokenizer)} from {len(files)} stdlib files "
+            f"({sum(len(f.text) for f in files) / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f}s"
+        )
 
         t1, cpu = time.perf_counter(), this_cpu()
         stream = _token_stream(extract_functions(files), tokenizer, seed)
@@ -49,11 +56,15 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
         mtp = MTPHead(model.config, seed + 1) if p.architecture == "qwen3_next" else None
         params = sum(x.numel() for x in model.parameters())
         seen = p.train_steps * p.batch_size * p.seq_len
-        log(f"[demo target] training {params / 1e6:.2f}M params on {stream.numel() / 1e6:.2f}M "
-            f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len} in fp32 on {describe(cpu)}")
+        log(
+            f"[demo target] training {params / 1e6:.2f}M params on {stream.numel() / 1e6:.2f}M "
+            f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len} in fp32 on {describe(cpu)}"
+        )
         final_loss, final_mtp_loss = pretrain(model, stream, p, seed, log, mtp)
-        log(f"[demo target] trained in {time.perf_counter() - t1:.1f}s, final loss {final_loss:.3f}"
-            + (f", its MTP layer's {final_mtp_loss:.3f}" if mtp is not None else ""))
+        log(
+            f"[demo target] trained in {time.perf_counter() - t1:.1f}s, final loss {final_loss:.3f}"
+            + (f", its MTP layer's {final_mtp_loss:.3f}" if mtp is not None else "")
+        )
 
         with no_progress_bars():
             model.save_pretrained(tmp, max_shard_size=_shard_bytes(model, SHARDS))
@@ -63,18 +74,32 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
         tokenizer.save_pretrained(tmp)
         wall, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
         # the build's own figures, also kept in the stamp (bench/answer_quality.py prints them)
-        stamp.update(final_loss=final_loss, params=params, tokens_seen=seen,
-                     corpus_tokens=stream.numel(), build_seconds=round(wall, 1),
-                     build_cpu_seconds=round(cpu_seconds, 1), cpu=cpu)
-        log(f"[demo target] {p.name}: {params / 1e6:.2f}M params, {seen / 1e6:.2f}M tokens seen "
+        stamp.update(
+            final_loss=final_loss,
+            params=params,
+            tokens_seen=seen,
+            corpus_tokens=stream.numel(),
+            build_seconds=round(wall, 1),
+            build_cpu_seconds=round(cpu_seconds, 1),
+            cpu=cpu,
+        )
+        log(
+            f"[demo target] {p.name}: {params / 1e6:.2f}M params, {seen / 1e6:.2f}M tokens seen "
             f"({seen / stream.numel():.1f} passes over {stream.numel() / 1e6:.2f}M), final loss "
-            f"{final_loss:.3f}; built in {wall:.0f}s wall, {cpu_seconds:.0f}s CPU ({describe(cpu)})")
+            f"{final_loss:.3f}; built in {wall:.0f}s wall, {cpu_seconds:.0f}s CPU ({describe(cpu)})"
+        )
     log(f"[demo target] saved to {out_dir}")
     return out_dir
 
 
-def pretrain(model: PreTrainedModel, stream: torch.Tensor, p: DemoPreset, seed: int,
-             log=log_stderr, mtp: Optional[MTPHead] = None) -> tuple[float, Optional[float]]:
+def pretrain(
+    model: PreTrainedModel,
+    stream: torch.Tensor,
+    p: DemoPreset,
+    seed: int,
+    log=log_stderr,
+    mtp: Optional[MTPHead] = None,
+) -> tuple[float, Optional[float]]:
     """Next-token training on random windows of `stream`; returns the mean loss of the last
     `log_every` steps (and the MTP layer's, trained beside it when given). AdamW, linear warmup,
     cosine decay to 10%, gradient clipping at 1.0."""
@@ -86,7 +111,7 @@ def pretrain(model: PreTrainedModel, stream: torch.Tensor, p: DemoPreset, seed: 
     recent, recent_mtp, t0 = [], [], time.perf_counter()
     for step in range(1, p.train_steps + 1):
         starts = torch.randint(0, stream.numel() - p.seq_len, (p.batch_size,), generator=gen)
-        batch = torch.stack([stream[s:s + p.seq_len] for s in starts.tolist()])  # (B, T)
+        batch = torch.stack([stream[s : s + p.seq_len] for s in starts.tolist()])  # (B, T)
         # fp32 on every CPU: one recipe everywhere, and bf16 matmuls run ~20-47x slower than fp32
         # on a CPU without native bf16 (AVX2 only)
         if mtp is None:
@@ -95,17 +120,19 @@ def pretrain(model: PreTrainedModel, stream: torch.Tensor, p: DemoPreset, seed: 
         else:
             loss, mtp_loss = mtp.loss(model, batch)
             (loss + mtp_loss).backward()
-            recent_mtp = (recent_mtp + [mtp_loss.item()])[-p.log_every:]
+            recent_mtp = (recent_mtp + [mtp_loss.item()])[-p.log_every :]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        recent = (recent + [loss.item()])[-p.log_every:]
+        recent = (recent + [loss.item()])[-p.log_every :]
         if step % p.log_every == 0 or step == p.train_steps:
             tok_s = step * p.batch_size * p.seq_len / (time.perf_counter() - t0)
             mtp_text = f" (MTP layer {sum(recent_mtp) / len(recent_mtp):.3f})" if recent_mtp else ""
-            log(f"[demo target] step {step}/{p.train_steps} loss {sum(recent) / len(recent):.3f}{mtp_text} "
-                f"lr {sched.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s")
+            log(
+                f"[demo target] step {step}/{p.train_steps} loss {sum(recent) / len(recent):.3f}{mtp_text} "
+                f"lr {sched.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s"
+            )
     model.eval()
     return sum(recent) / len(recent), (sum(recent_mtp) / len(recent_mtp) if recent_mtp else None)
 
@@ -117,8 +144,7 @@ def _lr_factor(step: int, p: DemoPreset) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _token_stream(functions: list[FunctionExample], tokenizer: PreTrainedTokenizerFast,
-                  seed: int) -> torch.Tensor:
+def _token_stream(functions: list[FunctionExample], tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.Tensor:
     """The library's documented functions as ChatML turns (user: signature + docstring,
     assistant: body), concatenated in seeded order into one token stream.
 
@@ -126,10 +152,7 @@ def _token_stream(functions: list[FunctionExample], tokenizer: PreTrainedTokeniz
     that follows the template and ends its answer with <|im_end|>, which the regenerated dataset
     and speculative decoding rely on; at this size and budget it also learns the task far faster.
     """
-    chats = [
-        [{"role": "user", "content": f.prompt}, {"role": "assistant", "content": f.answer}]
-        for f in functions
-    ]
+    chats = [[{"role": "user", "content": f.prompt}, {"role": "assistant", "content": f.answer}] for f in functions]
     texts = tokenizer.apply_chat_template(chats, tokenize=False)
     encoded = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     docs = [e.ids for e in encoded]
@@ -144,21 +167,26 @@ def _new_model(p: DemoPreset, tokenizer: PreTrainedTokenizerFast, seed: int) -> 
     if p.architecture == "qwen3_next":
         model = Qwen3NextForCausalLM(qwen3_next_config(p, len(tokenizer), special_ids))
     else:
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=p.hidden_size,
-            intermediate_size=p.intermediate_size,
-            num_hidden_layers=p.num_hidden_layers,
-            num_attention_heads=p.num_attention_heads,
-            num_key_value_heads=p.num_key_value_heads,
-            max_position_embeddings=p.max_position_embeddings,
-            tie_word_embeddings=False,
-            dtype="float32",
-            **special_ids,
-        ))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=p.hidden_size,
+                intermediate_size=p.intermediate_size,
+                num_hidden_layers=p.num_hidden_layers,
+                num_attention_heads=p.num_attention_heads,
+                num_key_value_heads=p.num_key_value_heads,
+                max_position_embeddings=p.max_position_embeddings,
+                tie_word_embeddings=False,
+                dtype="float32",
+                **special_ids,
+            )
+        )
     # Chat generation ends at <|im_end|> (end of turn) or <|eos|> (end of document); greedy.
     model.generation_config = GenerationConfig(
-        bos_token_id=bos, eos_token_id=[im_end, eos], pad_token_id=pad, do_sample=False,
+        bos_token_id=bos,
+        eos_token_id=[im_end, eos],
+        pad_token_id=pad,
+        do_sample=False,
     )
     return model
 
@@ -172,5 +200,9 @@ def target_inputs(preset: str, seed: int) -> dict:
     """What a target build depends on (its cache key). The corpus is this Python's stdlib, so
     another Python version builds a different target. The CPU is recorded in the stamp, not
     keyed: a target copied to another machine stays usable."""
-    return {"kind": "target", "preset": get_preset(preset).fingerprint(), "seed": seed,
-            "python": platform.python_version()}
+    return {
+        "kind": "target",
+        "preset": get_preset(preset).fingerprint(),
+        "seed": seed,
+        "python": platform.python_version(),
+    }

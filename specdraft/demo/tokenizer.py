@@ -26,8 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int,
-                    model_max_length: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE (GPT-2 style: every byte is a token, so any text encodes losslessly).
 
     A newline is always a token of its own. Otherwise "\n" would merge with the indentation
@@ -36,10 +35,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     Isolated, the prompt's tokens are exactly a prefix of the full conversation's tokens.
     """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split("\n", behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split("\n", behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -50,7 +51,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
         additional_special_tokens=[IM_START, IM_END],
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
