@@ -93,6 +93,7 @@ PRESET_OVERRIDES = {
     },
 }
 PRESET_FAMILIES = {"smollm2": "glide,eagle3,peagle,dflash,dspark"}  # no MTP layer in SmolLM2
+PRESET_DATA = {"smollm2": "text"}  # its answers cost ~70 tokens/s to regenerate on a CPU core
 
 
 def parse_count(text: str) -> int:
@@ -145,6 +146,13 @@ def parse_args(argv=None):
         help="[LABEL=]run or export dir of an existing draft (repeatable; then nothing is trained)",
     )
     parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser.add_argument(
+        "--data-source",
+        choices=["answers", "text"],
+        default=None,
+        help="the preset's data: the target's regenerated answers, or stdlib text as written learnt by "
+        "distillation (specdraft/demo/text_data.py); default: text for smollm2, else answers",
+    )
     parser.add_argument(
         "--answer-temperature",
         type=float,
@@ -388,15 +396,26 @@ def main(argv=None) -> dict:
     )
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
-    target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
+    target_dir, prompts_file, data_glob, distilled = args.target, args.prompts, args.data, False
     if target_dir is None or prompts_file is None or (not args.draft and data_glob is None):
         from specdraft.demo.assets import ensure_demo_assets
 
         demo_target, demo_data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
         target_dir = target_dir or str(demo_target)
         prompts_file = prompts_file or str(demo_data.prompts_file)
+        if data_glob is None and (args.data_source or PRESET_DATA.get(args.preset)) == "text":
+            from specdraft.demo.assets import SEED
+            from specdraft.demo.text_data import ensure_text_data
+            from specdraft.paths import specdraft_home
+
+            text = ensure_text_data(specdraft_home(), args.preset, demo_data, SEED)
+            data_glob, distilled = str(text[0].parent / "shard-*.jsonl"), True
         data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "shard-*.jsonl")
     exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
+    if distilled:  # text as written teaches the target's distribution only through a teacher term
+        from specdraft.demo.text_data import distillation_overrides
+
+        budget = {**budget, **{f: [*budget.get(f, []), *distillation_overrides(CONFIGS[f])] for f in families}}
     for item in args.draft:
         label, _, path = item.rpartition("=")
         export = resolve_export(path)[0]

@@ -52,10 +52,19 @@ def _cmd_demo(args) -> int:
     config_path = demo_config_path(args.config)
     preset = args.preset or _preset_of(config_path)
     target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
+    files, objective = data.train_files, []
+    if args.data == "text":
+        from specdraft.demo.assets import SEED
+        from specdraft.demo.text_data import distillation_overrides, ensure_text_data
+        from specdraft.paths import specdraft_home
+
+        files = ensure_text_data(specdraft_home(), preset, data, SEED)
+        objective = distillation_overrides(config_path)
     overrides = [
         f"target={target_dir}",
-        f"data_files=[{','.join(str(f) for f in data.train_files)}]",
+        f"data_files=[{','.join(str(f) for f in files)}]",
         f"eval_prompts={data.prompts_file}",
+        *objective,
         *args.overrides,
     ]
     cfg = load_config(config_path, overrides)
@@ -256,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="train on the target's answers sampled at this temperature (a separate cached "
         "dataset); default 0: its greedy answers",
+    )
+    p.add_argument(
+        "--data",
+        default="answers",
+        choices=["answers", "text"],
+        help="answers: the target's own answers (regenerated once); text: stdlib functions as written "
+        "(nothing generated), learnt through a distillation objective (draft.loss kl when the family's "
+        "default is CE)",
     )
     p.add_argument("overrides", nargs="*")
     p.set_defaults(run=_cmd_demo)
