@@ -396,7 +396,7 @@ def main(argv=None) -> dict:
     )
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
-    target_dir, prompts_file, data_glob, distilled = args.target, args.prompts, args.data, False
+    target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
     if target_dir is None or prompts_file is None or (not args.draft and data_glob is None):
         from specdraft.demo.assets import ensure_demo_assets
 
@@ -409,10 +409,12 @@ def main(argv=None) -> dict:
             from specdraft.paths import specdraft_home
 
             text = ensure_text_data(specdraft_home(), args.preset, demo_data, SEED)
-            data_glob, distilled = str(text[0].parent / "shard-*.jsonl"), True
+            data_glob = str(text[0].parent / "shard-*.jsonl")
         data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "shard-*.jsonl")
     exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
-    if distilled:  # text as written teaches the target's distribution only through a teacher term
+    if (
+        args.data_source or (None if args.data else PRESET_DATA.get(args.preset))
+    ) == "text":  # text as written teaches the target's distribution only through a teacher term
         from specdraft.demo.text_data import distillation_overrides
 
         budget = {**budget, **{f: [*budget.get(f, []), *distillation_overrides(CONFIGS[f])] for f in families}}
