@@ -13,7 +13,8 @@ from helpers import random_llama
 from specdraft.demo.presets import PRESETS
 from specdraft.demo.target import build_target
 from specdraft.demo.assets import ensure_demo_assets
-from specdraft.demo.assets import SEED, _matches
+from specdraft.demo.assets import SEED
+from specdraft.demo.cache import stamp_matches as _matches
 from specdraft.demo.cache import STAMP, building, read_stamp
 from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
 from specdraft.demo.dataset import chat_prompt, data_inputs, regenerate

@@ -6,7 +6,7 @@ import math
 import time
 from pathlib import Path
 
-from specdraft.demo.cache import log_stderr, read_stamp, remove_stale
+from specdraft.demo.cache import log_stderr, read_stamp, remove_stale, stamp_matches
 from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
 from specdraft.demo.gguf_target import ensure_gguf_target
@@ -39,7 +39,7 @@ def ensure_demo_assets(
     ensure_demo_target(root, preset, log)
     target_stamp = read_stamp(target_dir)
 
-    if _matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp, answer_temperature)):
+    if stamp_matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp, answer_temperature)):
         log(f"[demo] reusing cached dataset {data_dir}")
     else:
         remove_stale(data_dir, log)
@@ -55,13 +55,9 @@ def ensure_demo_target(home=None, preset: str = "demo", log=log_stderr) -> Path:
     if isinstance(p, GgufPreset):  # a real model converted, not pre-trained
         return ensure_gguf_target(root, p, log)
     target_dir = root / preset / "target"
-    if _matches(read_stamp(target_dir), target_inputs(preset, SEED)):
+    if stamp_matches(read_stamp(target_dir), target_inputs(preset, SEED)):
         log(f"[demo] reusing cached target {target_dir}")
     else:
         remove_stale(target_dir, log)
         build_target(target_dir, preset, SEED, log)
     return target_dir
-
-
-def _matches(stamp: dict | None, expected: dict) -> bool:
-    return stamp is not None and all(stamp.get(k) == v for k, v in expected.items())

@@ -40,6 +40,11 @@ def read_stamp(directory: Path) -> dict | None:
         return None
 
 
+def stamp_matches(stamp: dict | None, expected: dict) -> bool:
+    """Whether a build's stamp (read_stamp; None: no complete build) records every `expected` input."""
+    return stamp is not None and all(stamp.get(k) == v for k, v in expected.items())
+
+
 @contextlib.contextmanager
 def building(out_dir: Path, stamp: dict, log=log_stderr):
     """Yield a temp dir next to `out_dir`; on success write `stamp` and rename it into place.

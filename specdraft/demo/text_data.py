@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from specdraft.demo.cache import building, log_stderr, read_stamp, remove_stale
+from specdraft.demo.cache import building, log_stderr, read_stamp, remove_stale, stamp_matches
 from specdraft.demo.corpus import extract_functions, read_corpus
 from specdraft.demo.dataset import DemoData
 from specdraft.demo.presets import get_preset
@@ -50,8 +50,7 @@ def ensure_text_data(root: Path, preset: str, data: DemoData, seed: int, log=log
     """root/<preset>/text/shard-*.jsonl, built on first use (seconds: nothing is generated)."""
     out_dir = Path(root) / preset / TEXT
     stamp = text_inputs(preset, seed, data.prompts_file)
-    stored = read_stamp(out_dir)
-    if stored is not None and all(stored.get(key) == value for key, value in stamp.items()):
+    if stamp_matches(read_stamp(out_dir), stamp):
         log(f"[demo] reusing cached text {out_dir}")
     else:
         remove_stale(out_dir, log)
