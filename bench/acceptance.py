@@ -159,6 +159,12 @@ def parse_args(argv=None):
         default=0.0,
         help="train on the demo target's answers sampled at this temperature (default 0: greedy)",
     )
+    parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="train each family in a run of its own (default: every family in one run of several "
+        "drafts, the target's forward shared; always apart with several --objectives)",
+    )
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument(
         "--tokens-seen",
@@ -276,6 +282,73 @@ def train_draft(
     return Path(train(cfg).export_dir)
 
 
+def several_drafts_config(
+    families: List[str],
+    target_dir,
+    data_glob,
+    prompts_file,
+    out_dir: Path,
+    steps: int,
+    shared=(),
+    per_family=None,
+    save_steps: Optional[int] = None,
+):
+    """One run training every family from one target pass (`drafts:`, named by family): each
+    family's demo config's draft section with its `draft.*` overrides from per_family; `shared`
+    (top-level keys) and the first family's config set the rest. Written to out_dir/several.yaml,
+    loaded and validated as `specdraft train` would."""
+    from omegaconf import OmegaConf
+
+    from specdraft.config import load_config
+
+    per_family = per_family or {}
+    drafts = {}
+    for family in families:
+        overrides = list(per_family.get(family, []))
+        misplaced = [o for o in overrides if not o.startswith("draft.")]
+        if misplaced:  # a top-level key would be shared by every draft of the run
+            raise SpecdraftError(f"{family}: {misplaced} are not draft.* keys; a run of several drafts shares them")
+        entry = OmegaConf.merge(
+            OmegaConf.load(CONFIGS[family]).get("draft") or {},
+            OmegaConf.from_dotlist([o[len("draft.") :] for o in overrides]),
+        )
+        drafts[family] = OmegaConf.to_container(entry)
+    base = OmegaConf.load(CONFIGS[families[0]])
+    base.pop("draft", None)
+    base.drafts = drafts
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir.parent / f"{out_dir.name}.yaml"
+    OmegaConf.save(base, path)
+    return load_config(
+        str(path),
+        [
+            f"target={target_dir}",
+            f"data_files={data_glob}",
+            f"eval_prompts={prompts_file}",
+            f"output_dir={out_dir}",
+            f"max_steps={steps}",
+            f"save_steps={save_steps or steps}",
+            "eval_steps=0",
+            "logging_steps=50",
+            "resume=no",
+            "seed=0",
+            *shared,
+        ],
+    )
+
+
+def train_together(families: List[str], target_dir, data_glob, prompts_file, out_dir: Path, steps: int, **kw) -> Path:
+    """several_drafts_config trained (anew, as train_draft); its last step's directory, one
+    export per family in <family>/."""
+    from specdraft.rundir.layout import is_run_dir
+    from specdraft.train.loop import train
+
+    if is_run_dir(out_dir):
+        shutil.rmtree(out_dir)
+    cfg = several_drafts_config(families, target_dir, data_glob, prompts_file, out_dir, steps, **kw)
+    return Path(train(cfg).export_dir)
+
+
 def tokens_per_step(cfg) -> int:
     """Tokens one optimizer step reads on one rank (the bench trains on one)."""
     return cfg.max_seq_length * cfg.per_device_batch_size * cfg.gradient_accumulation_steps
@@ -366,6 +439,7 @@ def slug(label: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    started = time.perf_counter()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -440,7 +514,32 @@ def main(argv=None) -> dict:
                     f"max_seq_length x per_device_batch_size"
                 )
             steps = steps_for_tokens(counts, per_step.pop())
-        for family in families:
+        together = len(families) > 1 and len(objectives) <= 1 and not args.apart
+        if together:  # one run, one target pass a step for every family (`drafts:`)
+            overrides, name = objectives[0] if objectives else ([], None)
+            t0 = time.perf_counter()
+            run_dir = out / "together"
+            save_every = gcd(*steps) if counts else None
+            last = train_together(
+                families,
+                target_dir,
+                data_glob,
+                prompts_file,
+                run_dir,
+                steps[-1],
+                shared=budget.get("*", []),
+                per_family={f: [*budget.get(f, []), *overrides] for f in families},
+                save_steps=save_every,
+            )
+            seconds = time.perf_counter() - t0
+            for family in families:
+                label = LABELS[family] + (f" {name}" if name else "")
+                keys[label], exports[label] = family, last / family
+                if counts:
+                    curve[label] = {count: run_dir / f"step_{s}" / family for count, s in zip(counts, steps)}
+            train_seconds["all in one run"] = seconds
+            print(f"[bench] trained {', '.join(families)} together for {steps[-1]} steps in {seconds:.0f}s", flush=True)
+        for family in [] if together else families:
             variants = objectives or [([], None)]
             for i, (overrides, name) in enumerate(variants):
                 label = LABELS[family] + (f" {name}" if name else "")
@@ -633,6 +732,9 @@ def main(argv=None) -> dict:
             lines.append(
                 "| prompt lookup | " + " | ".join(f"{lookup:.2f}" for _ in counts) + f" | {'yes' if same else 'NO'} |"
             )
+    total = time.perf_counter() - started
+    training = sum(train_seconds.values())
+    lines += ["", f"bench wall time {total:.0f}s: training {training:.0f}s, the rest {total - training:.0f}s"]
     lines.append("")
     lines += [f"τ {what}: {ours:.2f} / {ref:.2f} = {ours / ref:.2f}" for what, ours, ref in comparisons]
     ratios = {what: ours / ref for what, ours, ref in comparisons}
@@ -648,6 +750,7 @@ def main(argv=None) -> dict:
         "target": str(target_dir),
         "data": data_glob,
         "train_seconds": train_seconds,
+        "wall_seconds": total,
         "tokens_seen": {label: {str(c): r["tau"] for c, r in reports.items()} for label, reports in learning.items()},
         "steps": steps,
     }

@@ -100,8 +100,9 @@ def test_tokens_seen_are_counted_in_steps_of_the_shared_batch(capsys):
 
 
 def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny_data, tmp_path):
-    """One run per family to the largest count, its export at each count measured greedy: the last
-    point is the main table's chain row, each earlier one the export written at its step."""
+    """One run of every family to the largest count (one target pass a step), each family's export at
+    each count measured greedy: the last point is the main table's chain row, each earlier one the
+    export written at its step."""
     bench = load_bench("acceptance")
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
     per_step = 8 * 256  # the tiny demo configs' per_device_batch_size x max_seq_length
@@ -132,12 +133,15 @@ def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny
         ]
     )
     assert results["steps"] == [1, 3]
+    run = tmp_path / "demo" / "together"  # both families in one run of several drafts
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_1", "step_2", "step_3"]
+    assert list(results["train_seconds"]) == ["all in one run"]
     for family, label in (("glide", "GLIDE"), ("eagle3", "EAGLE-3")):
-        assert sorted(p.name for p in (tmp_path / "demo" / family).glob("step_*")) == ["step_1", "step_2", "step_3"]
+        assert results["exports"][label] == str(run / "step_3" / family)
         last = next(r for r in results["rows"] if r["label"] == label and r["gamma"] == 3)
         assert results["tokens_seen"][label][str(3 * per_step)] == last["tau"]
         # the first point is the step-1 export's own tau, measured as eval measures it
-        first = evaluate_export(tmp_path / "demo" / family / "step_1", tiny_data.prompts_file)
+        first = evaluate_export(run / "step_1" / family, tiny_data.prompts_file)
         assert results["tokens_seen"][label][str(per_step)] == first["tau"]
     table = (tmp_path / "demo" / "acceptance.md").read_text()
     assert f"| GLIDE | {results['tokens_seen']['GLIDE'][str(per_step)]:.2f} |" in table

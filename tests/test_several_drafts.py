@@ -106,6 +106,16 @@ def test_each_draft_is_configured_hashed_and_saved_as_its_run_alone(tiny_target_
     assert config_hash(load_config(str(tmp_path / "several.yaml"))) == config_hash(several)
 
 
+def test_resume_no_of_a_several_drafts_run_means_no_as_in_a_run_of_one(tiny_target_dir, data_dir, tmp_path):
+    """YAML reads a bare `no` as False; a run of one draft reads it back as "no", and so must a run
+    of several (it once kept False and looked for a checkpoint called 'False')."""
+    base = run_overrides(tiny_target_dir, data_dir, tmp_path / "out", tmp_path / "cache")
+    (tmp_path / "several.yaml").write_text("resume: no\n")
+    for path, extra in ((None, ["resume=no"]), (str(tmp_path / "several.yaml"), [])):
+        several = load_config(path, [*base, drafts_value(["g", "e3"]), *extra])
+        assert several.resume == "no" and draft_view(several, "g").resume == "no"
+
+
 def test_zero3_partitioned_target_is_refused_for_several_drafts(tiny_target_dir, data_dir, tmp_path):
     from specdraft.train.engine import resolve_target_placement
 

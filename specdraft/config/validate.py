@@ -98,11 +98,15 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
                 f"{name!r} is not a serving format of draft.type {cfg.draft.type!r} "
                 f"(it has: {', '.join(family.serving_format_names) or 'none besides native'})",
             )
-    if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
-        cfg.resume = "no"
+    _normalise_resume(cfg)
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_steps > 0 and cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")  # read only when tau is measured
+
+
+def _normalise_resume(cfg: DictConfig) -> None:
+    if str(cfg.resume).lower() in ("no", "false", "none", "off"):  # YAML reads a bare `no` as False
+        cfg.resume = "no"
 
 
 def _target_config_if_readable(target_dir: str):
@@ -121,6 +125,7 @@ def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> Non
         )
     if not isinstance(cfg.drafts, DictConfig) or len(cfg.drafts) == 0:
         raise SpecdraftError(f"{source}: key 'drafts': expected a mapping of draft names to draft sections")
+    _normalise_resume(cfg)  # the run's own key, not only each draft's view of it
     seen = {}
     for name in cfg.drafts:
         name = str(name)
