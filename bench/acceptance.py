@@ -471,19 +471,24 @@ def main(argv=None) -> dict:
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
+    text_wanted = data_glob is None and (args.data_source or PRESET_DATA.get(args.preset)) == "text"
+    if text_wanted and args.answer_temperature > 0:
+        sys.exit("--answer-temperature: the answers' temperature; the text data generates none (--data-source answers)")
+    if text_wanted:  # the text needs no answers: none are generated
+        from specdraft.demo.assets import SEED, ensure_held_out_prompts
+        from specdraft.demo.text_data import ensure_text_data
+        from specdraft.paths import specdraft_home
+
+        demo_target, demo_prompts = ensure_held_out_prompts(preset=args.preset)
+        target_dir, prompts_file = target_dir or str(demo_target), prompts_file or str(demo_prompts)
+        text = ensure_text_data(specdraft_home(), args.preset, demo_prompts, SEED)
+        data_glob = str(text[0].parent / "shard-*.jsonl")
     if target_dir is None or prompts_file is None or (not args.draft and data_glob is None):
         from specdraft.demo.assets import ensure_demo_assets
 
         demo_target, demo_data = ensure_demo_assets(preset=args.preset, answer_temperature=args.answer_temperature)
         target_dir = target_dir or str(demo_target)
         prompts_file = prompts_file or str(demo_data.prompts_file)
-        if data_glob is None and (args.data_source or PRESET_DATA.get(args.preset)) == "text":
-            from specdraft.demo.assets import SEED
-            from specdraft.demo.text_data import ensure_text_data
-            from specdraft.paths import specdraft_home
-
-            text = ensure_text_data(specdraft_home(), args.preset, demo_data, SEED)
-            data_glob = str(text[0].parent / "shard-*.jsonl")
         data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "shard-*.jsonl")
     exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
     if (

@@ -51,19 +51,23 @@ def _cmd_demo(args) -> int:
 
     config_path = demo_config_path(args.config)
     preset = args.preset or _preset_of(config_path)
-    target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
-    files, objective = data.train_files, []
-    if args.data == "text":
-        from specdraft.demo.assets import SEED
+    if args.data == "text":  # no answers: the target and the held-out prompts suffice
+        if args.answer_temperature > 0:
+            raise SpecdraftError("--answer-temperature: the answers' temperature; --data text generates none")
+        from specdraft.demo.assets import SEED, ensure_held_out_prompts
         from specdraft.demo.text_data import distillation_overrides, ensure_text_data
         from specdraft.paths import specdraft_home
 
-        files = ensure_text_data(specdraft_home(), preset, data, SEED)
+        target_dir, prompts_file = ensure_held_out_prompts(preset=preset)
+        files = ensure_text_data(specdraft_home(), preset, prompts_file, SEED)
         objective = distillation_overrides(config_path)
+    else:
+        target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
+        files, prompts_file, objective = data.train_files, data.prompts_file, []
     overrides = [
         f"target={target_dir}",
         f"data_files=[{','.join(str(f) for f in files)}]",
-        f"eval_prompts={data.prompts_file}",
+        f"eval_prompts={prompts_file}",
         *objective,
         *args.overrides,
     ]

@@ -148,6 +148,26 @@ def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny
     assert "| prompt lookup |" in table.split("τ against tokens seen")[1]
 
 
+def test_acceptance_bench_on_text_generates_no_answers(tiny_assets, tmp_path, monkeypatch):
+    """--data-source text reads the target, its held-out prompts and the stdlib text: in a home
+    holding only the target nothing is regenerated (no data/), and GLIDE learns the text by KL."""
+    import shutil
+
+    bench = load_bench("acceptance")
+    home = tmp_path / "home"
+    shutil.copytree(tiny_assets[0], home / "tiny" / "target")
+    monkeypatch.setenv("SPECDRAFT_HOME", str(home))
+    results = bench.main(
+        ["--preset", "tiny", "--data-source", "text", "--families", "glide", "--train-steps", "1"]
+        + ["--temperatures", "0", "--max-prompts", "1", "--max-new-tokens", "4", "--tree", ""]
+        + ["--out", str(tmp_path / "out")]
+    )
+    assert sorted(p.name for p in (home / "tiny").iterdir()) == ["prompts", "target", "text"]
+    assert results["data"] == str(home / "tiny" / "text" / "shard-*.jsonl")
+    config = (tmp_path / "out" / "tiny" / "glide" / "config.yaml").read_text()
+    assert "loss: kl" in config and f"eval_prompts: {home}/tiny/prompts/prompts.jsonl" in config
+
+
 def evaluate_export(export, prompts_file):
     from specdraft.commands.evaluate import evaluate
 

@@ -3,7 +3,7 @@ written, never a held-out prompt, and `specdraft demo --data text` training on i
 term."""
 
 import json
-from pathlib import Path
+import shutil
 
 import pytest
 
@@ -27,20 +27,19 @@ def test_the_text_is_every_function_as_written_but_the_held_out_ones(tiny_assets
 def test_the_text_is_built_once_and_rebuilt_when_the_held_out_prompts_change(tiny_assets, tmp_path):
     _, data = tiny_assets
     logged = []
-    files = ensure_text_data(tmp_path, "tiny", data, 0, log=logged.append)
+    files = ensure_text_data(tmp_path, "tiny", data.prompts_file, 0, log=logged.append)
     rows = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     held_out = {json.loads(line)["prompt"] for line in data.prompts_file.read_text().splitlines()}
     assert rows == text_rows(0, held_out) and len(files) == 4
     before = {f: f.stat().st_mtime_ns for f in files}
-    assert ensure_text_data(tmp_path, "tiny", data, 0, log=logged.append) == files
+    assert ensure_text_data(tmp_path, "tiny", data.prompts_file, 0, log=logged.append) == files
     assert {f: f.stat().st_mtime_ns for f in files} == before and "reusing cached text" in logged[-1]
     other = tmp_path / "other_prompts"
     other.mkdir()
     (other / "prompts.jsonl").write_text(json.dumps({"prompt": rows[0]["conversations"][0]["content"]}) + "\n")
-    moved = type(data)(data.train_files, other / "prompts.jsonl")
     rebuilt = [
         json.loads(line)
-        for f in ensure_text_data(tmp_path, "tiny", moved, 0, log=logged.append)
+        for f in ensure_text_data(tmp_path, "tiny", other / "prompts.jsonl", 0, log=logged.append)
         for line in f.read_text().splitlines()
     ]
     assert rows[0] not in rebuilt and len(rebuilt) == len(text_rows(0, set())) - 1
@@ -64,9 +63,12 @@ def test_text_is_learnt_through_a_teacher_term(name, expected):
 
 
 def test_demo_trains_on_the_text_with_distillation(tiny_assets, tmp_path, monkeypatch, capsys):
+    """`demo --data text` needs the target and the held-out prompts alone: no answer is generated (a
+    fresh home holding only the target), and the prompts are the dataset's own."""
     from specdraft.cli import main
 
-    home = Path(tiny_assets[0]).parents[1]
+    home = tmp_path / "home"
+    shutil.copytree(tiny_assets[0], home / "tiny" / "target")  # its stamp: reused, not rebuilt
     monkeypatch.setenv("SPECDRAFT_HOME", str(home))
     out = tmp_path / "run"
     assert (
@@ -90,5 +92,16 @@ def test_demo_trains_on_the_text_with_distillation(tiny_assets, tmp_path, monkey
     )
     config = (out / "config.yaml").read_text()
     assert "loss: kl" in config and f"{home}/tiny/text/shard-00000.jsonl" in config
+    assert sorted(p.name for p in (home / "tiny").iterdir()) == ["prompts", "target", "text"]  # no data/
+    assert (home / "tiny" / "prompts" / "prompts.jsonl").read_text() == tiny_assets[1].prompts_file.read_text()
+    assert f"eval_prompts: {home}/tiny/prompts/prompts.jsonl" in config
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and all("objective/kl" in r for r in logged)
+
+
+def test_demo_text_refuses_an_answer_temperature_in_one_line(capsys):
+    from specdraft.cli import main
+
+    assert main(["demo", "--preset", "tiny", "--data", "text", "--answer-temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--answer-temperature" in err and "--data text generates none" in err

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdraft.demo.cache import log_stderr, read_stamp, remove_stale, stamp_matches
 from specdraft.paths import specdraft_home
-from specdraft.demo.dataset import DemoData, build_dataset, data_inputs
+from specdraft.demo.dataset import DemoData, build_dataset, build_held_out_prompts, data_inputs, prompts_inputs
 from specdraft.demo.gguf_target import ensure_gguf_target
 from specdraft.demo.presets import GgufPreset, get_preset
 from specdraft.demo.target import build_target, target_inputs
@@ -46,6 +46,21 @@ def ensure_demo_assets(
         build_dataset(target_dir, data_dir, preset, SEED, log, answer_temperature)
     log(f"[demo] {preset} assets ready in {time.perf_counter() - t0:.1f}s")
     return target_dir, DemoData.from_dir(data_dir)
+
+
+def ensure_held_out_prompts(home=None, preset: str = "demo", log=log_stderr) -> tuple[Path, Path]:
+    """(target_dir, prompts_file): the preset's target and its held-out prompts alone,
+    `home/<preset>/prompts/prompts.jsonl`, the same prompts as its dataset's, built without the
+    dataset's answers (what `--data text` needs: the answers cost the target's generation)."""
+    root = Path(home) if home is not None else specdraft_home()
+    target_dir = ensure_demo_target(root, preset, log)
+    prompts_dir = root / preset / "prompts"
+    if stamp_matches(read_stamp(prompts_dir), prompts_inputs(preset, SEED, read_stamp(target_dir))):
+        log(f"[demo] reusing cached held-out prompts {prompts_dir}")
+    else:
+        remove_stale(prompts_dir, log)
+        build_held_out_prompts(target_dir, prompts_dir, preset, SEED, log)
+    return target_dir, prompts_dir / "prompts.jsonl"
 
 
 def ensure_demo_target(home=None, preset: str = "demo", log=log_stderr) -> Path:

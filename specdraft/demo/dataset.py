@@ -58,22 +58,7 @@ def build_dataset(
 
     stamp = data_inputs(preset, seed, read_stamp(target_dir), answer_temperature)
     with building(out_dir, stamp, log) as tmp:
-        functions = extract_functions(read_corpus(p.corpus_bytes, seed))
-        prompt_lens = [
-            len(e.ids)
-            for e in tokenizer.backend_tokenizer.encode_batch(
-                [chat_prompt(tokenizer, f.prompt) for f in functions], add_special_tokens=False
-            )
-        ]
-        prompts = [f.prompt for f, n in zip(functions, prompt_lens) if n <= p.max_prompt_tokens]
-        random.Random(seed).shuffle(prompts)
-        held_out = prompts[: p.prompt_rows]
-        train = prompts[p.prompt_rows : p.prompt_rows + p.train_rows]
-        if not held_out or not train:
-            raise SpecdraftError(
-                f"only {len(prompts)} usable stdlib functions found; the "
-                f"{preset!r} demo needs more than {p.prompt_rows}"
-            )
+        held_out, train = split_prompts(tokenizer, preset, seed)
 
         # `specdraft regenerate` writes the answers (one implementation); its shards are the train files
         log(
@@ -113,6 +98,46 @@ def build_dataset(
         f"prompts, in {out_dir}"
     )
     return DemoData.from_dir(out_dir)
+
+
+def split_prompts(tokenizer, preset: str, seed: int) -> tuple[list[str], list[str]]:
+    """The preset's stdlib prompts that fit its max_prompt_tokens, shuffled by seed: (the held-out
+    prompts, the prompts whose answers are regenerated for training). The same split wherever it is
+    taken, so the held-out prompts need no dataset (build_held_out_prompts)."""
+    p = get_preset(preset)
+    functions = extract_functions(read_corpus(p.corpus_bytes, seed))
+    prompt_lens = [
+        len(e.ids)
+        for e in tokenizer.backend_tokenizer.encode_batch(
+            [chat_prompt(tokenizer, f.prompt) for f in functions], add_special_tokens=False
+        )
+    ]
+    prompts = [f.prompt for f, n in zip(functions, prompt_lens) if n <= p.max_prompt_tokens]
+    random.Random(seed).shuffle(prompts)
+    held_out = prompts[: p.prompt_rows]
+    train = prompts[p.prompt_rows : p.prompt_rows + p.train_rows]
+    if not held_out or not train:
+        raise SpecdraftError(
+            f"only {len(prompts)} usable stdlib functions found; the {preset!r} demo needs more than {p.prompt_rows}"
+        )
+    return held_out, train
+
+
+def build_held_out_prompts(target_dir, out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -> Path:
+    """`out_dir/prompts.jsonl`: the dataset's held-out prompts alone, in seconds (no answer is
+    generated), for what needs only them: the text data and eval of `--data text`."""
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    with building(out_dir, prompts_inputs(preset, seed, read_stamp(target_dir)), log) as tmp:
+        _write_jsonl(tmp / PROMPTS_FILE, [{"prompt": q} for q in split_prompts(tokenizer, preset, seed)[0]])
+    log(f"[demo data] {get_preset(preset).prompt_rows} held-out prompts in {out_dir}")
+    return out_dir / PROMPTS_FILE
+
+
+def prompts_inputs(preset: str, seed: int, target_stamp: dict | None) -> dict:
+    """What the held-out prompts depend on: the preset (corpus, prompt count and length), the seed
+    and the target (its tokenizer measures the prompts)."""
+    return {"kind": "prompts", "preset": get_preset(preset).fingerprint(), "seed": seed, "target": target_stamp}
 
 
 def data_inputs(preset: str, seed: int, target_stamp: dict | None, answer_temperature: float = 0.0) -> dict:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from specdraft.demo.cache import building, log_stderr, read_stamp, remove_stale, stamp_matches
 from specdraft.demo.corpus import extract_functions, read_corpus
-from specdraft.demo.dataset import DemoData
 from specdraft.demo.presets import get_preset
 from specdraft.drafts import family_keys
 
@@ -46,15 +45,16 @@ def text_rows(seed: int, held_out: set) -> list:
     ]
 
 
-def ensure_text_data(root: Path, preset: str, data: DemoData, seed: int, log=log_stderr) -> list:
-    """root/<preset>/text/shard-*.jsonl, built on first use (seconds: nothing is generated)."""
+def ensure_text_data(root: Path, preset: str, prompts_file: Path, seed: int, log=log_stderr) -> list:
+    """root/<preset>/text/shard-*.jsonl, none of prompts_file's prompts in it, built on first use
+    (seconds: nothing is generated)."""
     out_dir = Path(root) / preset / TEXT
-    stamp = text_inputs(preset, seed, data.prompts_file)
+    stamp = text_inputs(preset, seed, prompts_file)
     if stamp_matches(read_stamp(out_dir), stamp):
         log(f"[demo] reusing cached text {out_dir}")
     else:
         remove_stale(out_dir, log)
-        held_out = {json.loads(line)["prompt"] for line in data.prompts_file.read_text().splitlines()}
+        held_out = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
         rows = text_rows(seed, held_out)
         with building(out_dir, stamp, log) as tmp:
             per_file = -(-len(rows) // TEXT_FILES)
