@@ -16,9 +16,11 @@ greedy with a chain (the learning curve: what more data buys), the last one also
 preset's CPU budget (PRESET_OVERRIDES) sets what every family shares and each family's cheaper
 shape (EAGLE-3 / P-EAGLE draft vocab, DFlash / DSpark anchors and layers).
 
-Training: each family with its demo config (configs/demo.yaml, demo-eagle3.yaml, demo-dflash.yaml)
-for --train-steps on the same data with the same seed, with its default objective or once per
---objectives entry ('SPEC[@T][:all]': a draft.loss value, its draft.distill_temperature and, with
+Training: every family in one run of several drafts (`drafts:`: the target's forward once a step
+for all of them; bench/several_drafts.py measures what that saves), or with --apart (and always
+with several --objectives) a run each; each family with its demo config (configs/demo.yaml,
+demo-eagle3.yaml, demo-dflash.yaml) for --train-steps on the same data with the same seed, with
+its default objective or once per --objectives entry ('SPEC[@T][:all]': a draft.loss value, its draft.distill_temperature and, with
 ':all', draft.distill_tokens=all: the teacher terms on every token). The data is the preset's demo
 set: the target's greedy answers, or with --answer-temperature T its answers sampled at T (a
 dataset of its own, cached beside the greedy one); the held-out eval prompts are the same.
