@@ -7,8 +7,10 @@ against prompt lookup (no model), greedy and sampled.
     python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0:all" \\
         --gamma 4 --tree ""                                     # one GLIDE per objective
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
-    python bench/acceptance.py --preset smollm2 --tokens-seen 30k,100k,300k   # a real chat model: tau
-                                                                # against tokens seen, every family
+    python bench/acceptance.py --preset smollm2 --tokens-seen 30k,92k,184k \\
+        --max-prompts 8 --max-new-tokens 48 --tree 3,6,6,6,6 --confidence-threshold ""
+                                            # a real chat model, every family: tau against tokens seen
+                                            # (75 minutes on 2 CPU cores)
 
 --tokens-seen: each family trains once, to the largest count, on the same batches (same seed, the
 same max_seq_length x per_device_batch_size tokens a step); its exports at each count are measured
