@@ -248,21 +248,24 @@ def family_config(
     from specdraft.config import load_config
 
     return load_config(
-        CONFIGS[family],
-        [
-            f"target={target_dir}",
-            f"data_files={data_glob}",
-            f"eval_prompts={prompts_file}",
-            f"output_dir={out_dir}",
-            f"max_steps={steps}",
-            f"save_steps={save_steps or steps}",
-            "eval_steps=0",
-            "logging_steps=50",
-            "resume=no",
-            "seed=0",
-            *overrides,
-        ],
+        CONFIGS[family], [*run_keys(target_dir, data_glob, prompts_file, out_dir, steps, save_steps), *overrides]
     )
+
+
+def run_keys(target_dir, data_glob, prompts_file, out_dir, steps: int, save_steps: Optional[int]) -> List[str]:
+    """What every run of this bench sets: its inputs, length, exports, a fresh start and seed 0."""
+    return [
+        f"target={target_dir}",
+        f"data_files={data_glob}",
+        f"eval_prompts={prompts_file}",
+        f"output_dir={out_dir}",
+        f"max_steps={steps}",
+        f"save_steps={save_steps or steps}",
+        "eval_steps=0",
+        "logging_steps=50",
+        "resume=no",
+        "seed=0",
+    ]
 
 
 def train_draft(
@@ -323,22 +326,7 @@ def several_drafts_config(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir.parent / f"{out_dir.name}.yaml"
     OmegaConf.save(base, path)
-    return load_config(
-        str(path),
-        [
-            f"target={target_dir}",
-            f"data_files={data_glob}",
-            f"eval_prompts={prompts_file}",
-            f"output_dir={out_dir}",
-            f"max_steps={steps}",
-            f"save_steps={save_steps or steps}",
-            "eval_steps=0",
-            "logging_steps=50",
-            "resume=no",
-            "seed=0",
-            *shared,
-        ],
-    )
+    return load_config(str(path), [*run_keys(target_dir, data_glob, prompts_file, out_dir, steps, save_steps), *shared])
 
 
 def train_together(families: List[str], target_dir, data_glob, prompts_file, out_dir: Path, steps: int, **kw) -> Path:
