@@ -6,7 +6,7 @@ import math
 import time
 from pathlib import Path
 
-from specdraft.demo.cache import log_stderr, read_stamp, remove_stale, stamp_matches
+from specdraft.demo.cache import log_stderr, read_stamp, reuse_or_build
 from specdraft.paths import specdraft_home
 from specdraft.demo.dataset import DemoData, build_dataset, build_held_out_prompts, data_inputs, prompts_inputs
 from specdraft.demo.gguf_target import ensure_gguf_target
@@ -39,11 +39,13 @@ def ensure_demo_assets(
     ensure_demo_target(root, preset, log)
     target_stamp = read_stamp(target_dir)
 
-    if stamp_matches(read_stamp(data_dir), data_inputs(preset, SEED, target_stamp, answer_temperature)):
-        log(f"[demo] reusing cached dataset {data_dir}")
-    else:
-        remove_stale(data_dir, log)
-        build_dataset(target_dir, data_dir, preset, SEED, log, answer_temperature)
+    reuse_or_build(
+        data_dir,
+        data_inputs(preset, SEED, target_stamp, answer_temperature),
+        lambda: build_dataset(target_dir, data_dir, preset, SEED, log, answer_temperature),
+        "dataset",
+        log,
+    )
     log(f"[demo] {preset} assets ready in {time.perf_counter() - t0:.1f}s")
     return target_dir, DemoData.from_dir(data_dir)
 
@@ -55,11 +57,13 @@ def ensure_held_out_prompts(home=None, preset: str = "demo", log=log_stderr) -> 
     root = Path(home) if home is not None else specdraft_home()
     target_dir = ensure_demo_target(root, preset, log)
     prompts_dir = root / preset / "prompts"
-    if stamp_matches(read_stamp(prompts_dir), prompts_inputs(preset, SEED, read_stamp(target_dir))):
-        log(f"[demo] reusing cached held-out prompts {prompts_dir}")
-    else:
-        remove_stale(prompts_dir, log)
-        build_held_out_prompts(target_dir, prompts_dir, preset, SEED, log)
+    reuse_or_build(
+        prompts_dir,
+        prompts_inputs(preset, SEED, read_stamp(target_dir)),
+        lambda: build_held_out_prompts(target_dir, prompts_dir, preset, SEED, log),
+        "held-out prompts",
+        log,
+    )
     return target_dir, prompts_dir / "prompts.jsonl"
 
 
@@ -70,9 +74,7 @@ def ensure_demo_target(home=None, preset: str = "demo", log=log_stderr) -> Path:
     if isinstance(p, GgufPreset):  # a real model converted, not pre-trained
         return ensure_gguf_target(root, p, log)
     target_dir = root / preset / "target"
-    if stamp_matches(read_stamp(target_dir), target_inputs(preset, SEED)):
-        log(f"[demo] reusing cached target {target_dir}")
-    else:
-        remove_stale(target_dir, log)
-        build_target(target_dir, preset, SEED, log)
+    reuse_or_build(
+        target_dir, target_inputs(preset, SEED), lambda: build_target(target_dir, preset, SEED, log), "target", log
+    )
     return target_dir

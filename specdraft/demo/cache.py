@@ -45,6 +45,16 @@ def stamp_matches(stamp: dict | None, expected: dict) -> bool:
     return stamp is not None and all(stamp.get(k) == v for k, v in expected.items())
 
 
+def reuse_or_build(out_dir: Path, expected: dict, build, what: str, log=log_stderr) -> None:
+    """Keep out_dir when its stamp records every `expected` input; else remove what is there
+    (remove_stale) and call build(), which writes it under a new stamp (building)."""
+    if stamp_matches(read_stamp(out_dir), expected):
+        log(f"[demo] reusing cached {what} {out_dir}")
+    else:
+        remove_stale(out_dir, log)
+        build()
+
+
 @contextlib.contextmanager
 def building(out_dir: Path, stamp: dict, log=log_stderr):
     """Yield a temp dir next to `out_dir`; on success write `stamp` and rename it into place.

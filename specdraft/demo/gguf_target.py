@@ -222,13 +222,12 @@ def gguf_target_inputs(p: GgufPreset) -> dict:
 
 def ensure_gguf_target(root, p: GgufPreset, log=log_stderr) -> Path:
     """root/<preset name>/target, converted on first use; reused while its stamp matches."""
-    from specdraft.demo.cache import remove_stale
+    from specdraft.demo.cache import remove_stale, stamp_matches
 
     target_dir = Path(root) / p.name / "target"
     expected = gguf_target_inputs(p)
     del expected["transformers"]  # recorded, not keyed: a cached target outlives an upgrade
-    stamp = read_stamp(target_dir)
-    if stamp is not None and all(stamp.get(k) == v for k, v in expected.items()):
+    if stamp_matches(read_stamp(target_dir), expected):
         log(f"[demo target] reusing cached target {target_dir}")
         return target_dir
     require_gguf_packages(p)  # before a download of ~100 MB

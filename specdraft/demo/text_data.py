@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from specdraft.demo.cache import building, log_stderr, read_stamp, remove_stale, stamp_matches
+from specdraft.demo.cache import building, log_stderr, read_stamp, reuse_or_build
 from specdraft.demo.corpus import extract_functions, read_corpus
 from specdraft.demo.presets import get_preset
 from specdraft.drafts import family_keys
@@ -50,10 +50,8 @@ def ensure_text_data(root: Path, preset: str, prompts_file: Path, seed: int, log
     (seconds: nothing is generated)."""
     out_dir = Path(root) / preset / TEXT
     stamp = text_inputs(preset, seed, prompts_file)
-    if stamp_matches(read_stamp(out_dir), stamp):
-        log(f"[demo] reusing cached text {out_dir}")
-    else:
-        remove_stale(out_dir, log)
+
+    def build():
         held_out = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
         rows = text_rows(seed, held_out)
         with building(out_dir, stamp, log) as tmp:
@@ -64,6 +62,8 @@ def ensure_text_data(root: Path, preset: str, prompts_file: Path, seed: int, log
                 (tmp / names[-1]).write_text("".join(json.dumps(r) + "\n" for r in rows[i : i + per_file]))
             stamp.update(rows=len(rows), files=names)
         log(f"[demo] {len(rows)} stdlib functions as written, for distillation, in {out_dir}")
+
+    reuse_or_build(out_dir, stamp, build, "text", log)
     return [out_dir / name for name in read_stamp(out_dir)["files"]]
 
 
