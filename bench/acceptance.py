@@ -302,8 +302,8 @@ def several_drafts_config(
 ):
     """One run training every family from one target pass (`drafts:`, named by family): each
     family's demo config's draft section with its `draft.*` overrides from per_family; `shared`
-    (top-level keys) and the first family's config set the rest. Written to out_dir/several.yaml,
-    loaded and validated as `specdraft train` would."""
+    (top-level keys) and the first family's config set the rest. Written beside out_dir
+    (<out_dir>.yaml), loaded and validated as `specdraft train` would."""
     from omegaconf import OmegaConf
 
     from specdraft.config import load_config
@@ -463,10 +463,11 @@ def main(argv=None) -> dict:
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
-    text_wanted = data_glob is None and (args.data_source or PRESET_DATA.get(args.preset)) == "text"
-    if text_wanted and args.answer_temperature > 0:
+    # text as written teaches the target's distribution only through a teacher term
+    distilled = (args.data_source or (None if args.data else PRESET_DATA.get(args.preset))) == "text"
+    if distilled and args.data is None and args.answer_temperature > 0:
         sys.exit("--answer-temperature: the answers' temperature; the text data generates none (--data-source answers)")
-    if text_wanted:  # the text needs no answers: none are generated
+    if distilled and args.data is None:  # the preset's text needs no answers: none are generated
         from specdraft.demo.assets import SEED, ensure_held_out_prompts
         from specdraft.demo.text_data import ensure_text_data
         from specdraft.paths import specdraft_home
@@ -483,9 +484,7 @@ def main(argv=None) -> dict:
         prompts_file = prompts_file or str(demo_data.prompts_file)
         data_glob = data_glob or str(Path(demo_data.train_files[0]).parent / "shard-*.jsonl")
     exports, keys, train_seconds = {}, {}, {}  # label -> export dir, last-line key, training wall seconds
-    if (
-        args.data_source or (None if args.data else PRESET_DATA.get(args.preset))
-    ) == "text":  # text as written teaches the target's distribution only through a teacher term
+    if distilled:
         from specdraft.demo.text_data import distillation_overrides
 
         budget = {**budget, **{f: [*budget.get(f, []), *distillation_overrides(CONFIGS[f])] for f in families}}
