@@ -7,10 +7,10 @@ against prompt lookup (no model), greedy and sampled.
     python bench/acceptance.py --families glide --objectives ce "0.9*tv + 0.1*ce@0.7" "kl@1.0:all" \\
         --gamma 4 --tree ""                                     # one GLIDE per objective
     python bench/acceptance.py --draft GLIDE=runs/demo --draft runs/demo-eagle3   # existing runs / exports
-    python bench/acceptance.py --preset smollm2 --tokens-seen 30k,92k,184k \\
+    python bench/acceptance.py --preset smollm2 --tokens-seen 30.72k,92.16k,122.88k \\
         --max-prompts 8 --max-new-tokens 48 --tree 3,6,6,6,6 --confidence-threshold ""
                                             # a real chat model, every family: tau against tokens seen
-                                            # (75 minutes on 2 CPU cores)
+                                            # (steps 120, 360, 480 of one sequence: see PRESET_OVERRIDES)
 
 --tokens-seen: each family trains once, to the largest count, on the same batches (same seed, the
 same max_seq_length x per_device_batch_size tokens a step); its exports at each count are measured
@@ -81,11 +81,14 @@ LABELS = {family: cls.label for family, cls in FAMILIES.items()}
 # What a preset's bench runs with on 2 CPU cores: "*" for every family (the same tokens per step),
 # then each family's cheaper shape. SmolLM2 (vocab 49,152): EAGLE-3's and P-EAGLE's heads over an
 # 8k draft vocab, DFlash / DSpark with 2 layers and 32 blocks a sequence, P-EAGLE 4 depths.
+# One sequence a step: at this few tokens more updates teach more per token (46k tokens of answers,
+# greedy chain tau: GLIDE 1.27 / 1.36 / 1.47 at 4 / 2 / 1 sequences a step, EAGLE-3 1.28 / 1.35 /
+# 1.42), for ~1.3x the seconds a token (docs/benchmarks/acceptance.md#sequences-a-step).
 PRESET_OVERRIDES = {
     "smollm2": {
         "*": [
             "max_seq_length=256",
-            "per_device_batch_size=4",
+            "per_device_batch_size=1",
             "learning_rate=1e-3",
             "warmup_proportion=0.05",
             "logging_steps=10",
@@ -97,7 +100,6 @@ PRESET_OVERRIDES = {
     },
 }
 PRESET_FAMILIES = {"smollm2": "glide,eagle3,peagle,dflash,dspark"}  # no MTP layer in SmolLM2
-PRESET_DATA = {"smollm2": "text"}  # its answers cost ~70 tokens/s to regenerate on a CPU core
 
 
 def parse_count(text: str) -> int:
@@ -155,7 +157,8 @@ def parse_args(argv=None):
         choices=["answers", "text"],
         default=None,
         help="the preset's data: the target's regenerated answers, or stdlib text as written learnt by "
-        "distillation (specdraft/demo/text_data.py); default: text for smollm2, else answers",
+        "distillation (specdraft/demo/text_data.py); default: answers, which taught more a token "
+        "(SmolLM2, 46k tokens: GLIDE tau 1.47 against 1.10)",
     )
     parser.add_argument(
         "--answer-temperature",
@@ -168,6 +171,15 @@ def parse_args(argv=None):
         action="store_true",
         help="train each family in a run of its own (default: every family in one run of several "
         "drafts, the target's forward shared; always apart with several --objectives)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="shared_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key every family's run takes, after the preset's (repeatable), e.g. "
+        "learning_rate=3e-3 per_device_batch_size=1",
     )
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument(
@@ -250,6 +262,21 @@ def family_config(
     return load_config(
         CONFIGS[family], [*run_keys(target_dir, data_glob, prompts_file, out_dir, steps, save_steps), *overrides]
     )
+
+
+def check_shared_overrides(items: List[str]) -> None:
+    """--set: keys of the run's own config, before any asset is built; not a draft's key (each family
+    has its own), nor one this bench sets for every run (run_keys)."""
+    from specdraft.config.load import check_overrides
+
+    reserved = {key.split("=", 1)[0] for key in run_keys("", "", "", "", 1, None)}
+    for item in items:
+        key = item.split("=", 1)[0]
+        if key in reserved:
+            raise SpecdraftError(f"'{item}': the bench sets {key} for every run")
+        if key == "draft" or key.startswith(("draft.", "drafts")):
+            raise SpecdraftError(f"'{item}': a draft key differs by family; --set takes a run's keys")
+    check_overrides(items)
 
 
 def run_keys(target_dir, data_glob, prompts_file, out_dir, steps: int, save_steps: Optional[int]) -> List[str]:
@@ -452,6 +479,12 @@ def main(argv=None) -> dict:
         print(f"bench/acceptance.py: {err}", file=sys.stderr)
         sys.exit(2)
     budget = PRESET_OVERRIDES.get(args.preset, {})
+    try:
+        check_shared_overrides(args.shared_overrides)
+    except SpecdraftError as err:
+        print(f"bench/acceptance.py: --set: {err}", file=sys.stderr)
+        sys.exit(2)
+    budget = {**budget, "*": [*budget.get("*", []), *args.shared_overrides]}
     unknown = sorted(set(families) - set(CONFIGS))
     if unknown:
         sys.exit(f"--families: unknown {unknown}; choose from {sorted(CONFIGS)}")
@@ -464,7 +497,7 @@ def main(argv=None) -> dict:
     # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
     # text as written teaches the target's distribution only through a teacher term
-    distilled = (args.data_source or (None if args.data else PRESET_DATA.get(args.preset))) == "text"
+    distilled = args.data_source == "text"
     if distilled and args.data is None and args.answer_temperature > 0:
         sys.exit("--answer-temperature: the answers' temperature; the text data generates none (--data-source answers)")
     if distilled and args.data is None:  # the preset's text needs no answers: none are generated
@@ -763,4 +796,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SpecdraftError as err:  # a bad key found where a run's config is built
+        print(f"bench/acceptance.py: {err}", file=sys.stderr)
+        sys.exit(2)

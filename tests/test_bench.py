@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +100,25 @@ def test_tokens_seen_are_counted_in_steps_of_the_shared_batch(capsys):
     assert exit_info.value.code == 2 and "a count such as 30k" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("lerning_rate=1e-3", "unknown key 'lerning_rate' (did you mean 'learning_rate'?)"),
+        ("learning_rate=fast", "key 'learning_rate': value 'fast' is not a valid float"),
+        ("max_steps=3", "the bench sets max_steps for every run"),
+        ("draft.ttt_steps=2", "a draft key differs by family"),
+    ],
+)
+def test_a_bad_set_is_refused_in_one_line_before_any_asset_is_built(item, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    bench = load_bench("acceptance")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--set", item, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "home").exists() and not (tmp_path / "out").exists()
+
+
 def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny_data, tmp_path):
     """One run of every family to the largest count (one target pass a step), each family's export at
     each count measured greedy: the last point is the main table's chain row, each earlier one the
@@ -128,12 +148,15 @@ def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny
             "3",
             "--tree",
             "",
+            "--set",
+            "learning_rate=0.0123",
             "--out",
             str(tmp_path),
         ]
     )
     assert results["steps"] == [1, 3]
     run = tmp_path / "demo" / "together"  # both families in one run of several drafts
+    assert OmegaConf.load(run / "config.yaml").learning_rate == 0.0123  # --set reaches the run
     assert sorted(p.name for p in run.glob("step_*")) == ["step_1", "step_2", "step_3"]
     assert list(results["train_seconds"]) == ["all in one run"]
     for family, label in (("glide", "GLIDE"), ("eagle3", "EAGLE-3")):

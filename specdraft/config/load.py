@@ -39,6 +39,12 @@ def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
     return cfg
 
 
+def check_overrides(overrides: List[str]) -> None:
+    """Each `key=value` names a schema key and a value of its type (SpecdraftError naming the
+    override), checked alone: before a file is read or a long job starts."""
+    _merge(OmegaConf.structured(TrainConfig), _parse_overrides(overrides), lambda key: _override_naming(key, overrides))
+
+
 def _merge(cfg: DictConfig, layer: DictConfig, source_of) -> DictConfig:
     """cfg <- layer; an error is one line led by source_of(the offending key)."""
     try:
