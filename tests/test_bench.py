@@ -119,6 +119,27 @@ def test_a_bad_set_is_refused_in_one_line_before_any_asset_is_built(item, messag
     assert not (tmp_path / "home").exists() and not (tmp_path / "out").exists()
 
 
+def test_a_bad_key_found_where_a_run_is_configured_is_one_line_from_the_command_line(tiny_data, tmp_path):
+    """A SpecdraftError raised while the script builds a run's config (here the target's directory,
+    checked by load_config) ends the script in one line with exit 2, not a traceback."""
+    import subprocess
+    import sys
+
+    data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
+    missing = tmp_path / "no-target"
+    args = ["--target", str(missing), "--prompts", str(tiny_data.prompts_file), "--data", data_glob]
+    args += ["--families", "glide", "--tokens-seen", "2048", "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "acceptance.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        == f"bench/acceptance.py: override 'target={missing}': key 'target': directory not found: {missing}"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_acceptance_bench_measures_tau_against_tokens_seen(tiny_target_dir, tiny_data, tmp_path):
     """One run of every family to the largest count (one target pass a step), each family's export at
     each count measured greedy: the last point is the main table's chain row, each earlier one the
