@@ -273,10 +273,13 @@ def check_shared_overrides(items: List[str]) -> None:
     for item in items:
         key = item.split("=", 1)[0]
         if key in reserved:
-            raise SpecdraftError(f"'{item}': the bench sets {key} for every run")
-        if key == "draft" or key.startswith(("draft.", "drafts")):
-            raise SpecdraftError(f"'{item}': a draft key differs by family; --set takes a run's keys")
-    check_overrides(items)
+            raise SpecdraftError(f"--set '{item}': the bench sets {key} for every run")
+        if key.split(".", 1)[0] in ("draft", "drafts"):
+            raise SpecdraftError(f"--set '{item}': a draft key differs by family; --set takes a run's keys")
+    try:
+        check_overrides(items)
+    except SpecdraftError as err:
+        raise SpecdraftError(f"--set: {err}") from None
 
 
 def run_keys(target_dir, data_glob, prompts_file, out_dir, steps: int, save_steps: Optional[int]) -> List[str]:
@@ -457,7 +460,16 @@ def slug(label: str) -> str:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    """The bench; a SpecdraftError (bad input, found early or where a run's config is built) ends
+    it in one line, exit 2."""
+    try:
+        return run_bench(parse_args(argv))
+    except SpecdraftError as err:
+        print(f"bench/acceptance.py: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_bench(args) -> dict:
     started = time.perf_counter()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None
@@ -465,25 +477,13 @@ def main(argv=None) -> dict:
     thresholds = [float(c) for c in args.confidence_threshold.split(",") if c.strip()]
     if any(not 0.0 <= c <= 1.0 for c in thresholds):
         sys.exit(f"--confidence-threshold {args.confidence_threshold}: each stop must lie in [0, 1]")
-    try:
-        if args.plot:
-            require_matplotlib()
-        objectives = [split_objective(text) for text in args.objectives]
-    except SpecdraftError as err:
-        print(f"bench/acceptance.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    if args.plot:
+        require_matplotlib()
+    objectives = [split_objective(text) for text in args.objectives]
     families = [f for f in (args.families or PRESET_FAMILIES.get(args.preset, "glide,eagle3,dflash")).split(",") if f]
-    try:
-        counts = [parse_count(c) for c in args.tokens_seen.split(",") if c.strip()]
-    except SpecdraftError as err:
-        print(f"bench/acceptance.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    counts = [parse_count(c) for c in args.tokens_seen.split(",") if c.strip()]
+    check_shared_overrides(args.shared_overrides)
     budget = PRESET_OVERRIDES.get(args.preset, {})
-    try:
-        check_shared_overrides(args.shared_overrides)
-    except SpecdraftError as err:
-        print(f"bench/acceptance.py: --set: {err}", file=sys.stderr)
-        sys.exit(2)
     budget = {**budget, "*": [*budget.get("*", []), *args.shared_overrides]}
     unknown = sorted(set(families) - set(CONFIGS))
     if unknown:
@@ -796,8 +796,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SpecdraftError as err:  # a bad key found where a run's config is built
-        print(f"bench/acceptance.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    main()
