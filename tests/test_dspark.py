@@ -10,6 +10,7 @@ from helpers import random_llama
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, check_family_keys, draft_family
 from specdraft.drafts.dflash.blocks import loss_weights, sample_training_blocks
+from specdraft.drafts.dspark import model as dspark_model
 from specdraft.drafts.dspark.model import DSparkDraft, acceptance_targets
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
@@ -113,10 +114,13 @@ def test_the_confidence_target_is_one_minus_tv_or_greedy_agreement():
 
 
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
-@pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, sample_from_anchor, temperature):
+@pytest.mark.parametrize("temperature", [1.0, 0.0, 0.7])
+def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(
+    target, sample_from_anchor, temperature, monkeypatch
+):
     """loss = (sum_j w_j [objective_j + alpha BCE(conf_j, a_j)]) / counted, a_j from the draft's
-    (Markov-biased) logits at slot j and the target's distribution at anchor + j."""
+    (Markov-biased) logits at slot j and the target's distribution at anchor + j. At the objective's
+    temperature (1) a_j is the objective's own per-row tv; at 0 and 0.7 it is computed apart."""
     draft = make_draft(
         target,
         sample_from_anchor=sample_from_anchor,
@@ -126,7 +130,10 @@ def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, 
     )
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(4))
     feats = features(target, draft, ids)
+    passes = []  # acceptance_targets: a second pass over the vocab, only where the objective's differs
+    monkeypatch.setattr(dspark_model, "acceptance_targets", lambda *a: passes.append(1) or acceptance_targets(*a))
     out = draft.training_loss(feats, target.lm_head.weight, ids, torch.ones_like(ids), 0, anchor_seed=5)
+    assert (len(passes) > 0) == (temperature != 1.0)
     blocks = draft.training_blocks(ids, torch.ones_like(ids), 5)
     with torch.no_grad():
         hidden = draft.training_hidden(feats, blocks)
@@ -146,7 +153,9 @@ def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(target, 
                 t = feats.final_hidden[b, anchor + j] @ target.lm_head.weight.t()
                 p, q = torch.softmax(t, -1), torch.softmax(z, -1)
                 tv = 0.5 * float((p - q).abs().sum())
-                accepted = float(z.argmax() == t.argmax()) if temperature == 0 else 1 - tv
+                p, q = torch.softmax(t / (temperature or 1), -1), torch.softmax(z / (temperature or 1), -1)
+                at_temperature = 1 - 0.5 * float((p - q).abs().sum())
+                accepted = float(z.argmax() == t.argmax()) if temperature == 0 else at_temperature
                 bce = float(
                     F.binary_cross_entropy_with_logits(head.confidence[b, a, first + j], torch.tensor(accepted))
                 )

@@ -79,6 +79,58 @@ def test_objective_equals_a_plain_pytorch_reference_in_loss_and_gradients(spec, 
     assert ("tv" in out.terms) == objective.needs_teacher
 
 
+@pytest.mark.parametrize("spec", ["0.9*tv + 0.1*ce", "kl", "ce", "lk_lambda"])
+def test_a_trained_tail_of_a_frozen_head_gets_the_gradient_autograd_gives_its_columns(spec):
+    """DSpark's head [lm_head | markov_w2]: weight_tail is the trained w2; its gradient (and the
+    hidden rows') equal autograd's through the whole concatenated weight, the frozen columns get
+    none, and the loss is the same as without a tail. lk_lambda takes the recomputing path."""
+    objective = parse_objective(spec, temperature=1.0 if spec == "lk_lambda" else 0.7)
+    hidden, weight, t_hidden, t_weight, labels = tensors()
+    rank = 5
+    frozen, tail = weight[:, : H - rank], weight[:, H - rank :].clone().requires_grad_(True)
+    ours = hidden.clone().requires_grad_(True)
+    out = chunked_objective(
+        ours, torch.cat([frozen, tail], dim=1), t_hidden, t_weight, labels, objective, 4, weight_tail=tail
+    )
+    out.loss.backward()
+
+    ref_hidden, ref_tail = hidden.clone().requires_grad_(True), tail.detach().clone().requires_grad_(True)
+    ref = chunked_objective(
+        ref_hidden, torch.cat([frozen, ref_tail], dim=1), t_hidden, t_weight, labels, objective, 4
+    )  # the recomputing path, through the whole weight
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.grad, ref_hidden.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(tail.grad, ref_tail.grad, rtol=1e-5, atol=1e-7)
+    assert tail.grad.shape == (V, rank) and torch.count_nonzero(tail.grad) > 0
+    if spec != "lk_lambda":  # and both equal plain autograd on whole logits
+        plain_hidden, plain_tail = hidden.clone().requires_grad_(True), tail.detach().clone().requires_grad_(True)
+        terms = reference_terms(
+            plain_hidden @ torch.cat([frozen, plain_tail], 1).t(), t_hidden @ t_weight.t(), labels, 0.7
+        )
+        sum(w * terms[name] for name, w in objective.weights).backward()
+        torch.testing.assert_close(tail.grad, plain_tail.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ours.grad, plain_hidden.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_tail_of_no_rows_is_connected_and_the_tail_must_be_the_weights_columns():
+    tail = torch.randn(V, 3, requires_grad=True)
+    out = chunked_objective(
+        torch.zeros(0, H, requires_grad=True),
+        torch.cat([torch.randn(V, H - 3), tail], 1),
+        torch.zeros(0, H),
+        torch.randn(V, H),
+        torch.zeros(0, dtype=torch.long),
+        parse_objective("tv"),
+        4,
+        weight_tail=tail,
+    )
+    out.loss.backward()
+    assert tail.grad.shape == (V, 3) and torch.count_nonzero(tail.grad) == 0
+    with pytest.raises(ValueError, match=r"weight_tail \(7, 3\): not columns of \(40, 16\)"):
+        chunked_objective(*tensors()[:4], None, parse_objective("tv"), 4, weight_tail=torch.zeros(7, 3))
+
+
 def test_a_mixture_equals_the_weighted_sum_of_its_terms():
     hidden, weight, t_hidden, t_weight, labels = tensors(seed=1)
     mixed, mixed_grad, _ = run(parse_objective({"tv": 0.9, "ce": 0.1}, 1.3), hidden, weight, t_hidden, t_weight, labels)
@@ -220,6 +272,11 @@ def test_every_tensor_is_made_on_the_inputs_device():
     out = chunked_objective(hidden, weight, t_hidden, t_weight, labels, parse_objective("tv+kl+soft_ce+ce"), 4)
     out.loss.backward()
     assert out.loss.device.type == out.correct.device.type == hidden.grad.device.type == "meta"
+    tail = torch.zeros(V, 3, device="meta", requires_grad=True)  # DSpark's trained tail
+    chunked_objective(
+        hidden, weight.detach(), t_hidden, t_weight, labels, parse_objective("tv+ce"), 4, weight_tail=tail
+    ).loss.backward()
+    assert tail.grad.device.type == "meta"
     assert all(v.device.type == "meta" for v in out.terms.values())
 
 

@@ -26,7 +26,9 @@ student head then spans that vocabulary too): one code path. Neither student nor
 ever exist for all rows at once: with a frozen head (GLIDE, DFlash) the forward pass computes loss
 and gradient one chunk of rows at a time and keeps only the (rows x hidden) gradient; a trained
 head (EAGLE-3, one call per TTT step) keeps only the inputs, and backward recomputes the chunks for
-both gradients, so no (vocab x hidden) gradient waits from forward to backward.
+both gradients, so no (vocab x hidden) gradient waits from forward to backward. A frozen head with
+a few trained columns (DSpark's [lm_head | markov_w2]: `weight_tail`) takes the frozen path and
+makes the tail's small (vocab x rank) gradient in the same pass.
 """
 
 from dataclasses import dataclass
@@ -75,8 +77,9 @@ def objective_terms(
     teacher_keep: Optional[torch.Tensor] = None,
     teacher_lse: Optional[torch.Tensor] = None,
     lk_lambda: Optional[torch.Tensor] = None,
-) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor]]:
-    """Row sums of each term (plus 'tv' whenever there is a teacher) and d(weighted sum)/d logits.
+) -> Tuple[Dict[str, torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Row sums of each term (plus 'tv' whenever there is a teacher), d(weighted sum)/d logits, and
+    each row's own tv (C,) when there is a teacher (1 - tv: DSpark's acceptance target), else None.
 
     student_logits / teacher_logits (C, V) float32 (consumed: teacher_logits is overwritten);
     labels (C,) long; teacher_keep (C,) bool or None: the rows the teacher terms count (the
@@ -88,6 +91,7 @@ def objective_terms(
     z = student_logits
     sums: Dict[str, torch.Tensor] = {}
     grad: Optional[torch.Tensor] = None
+    row_tv: Optional[torch.Tensor] = None
 
     def accumulate(term: torch.Tensor, weight: float) -> None:  # term is ours to overwrite
         nonlocal grad
@@ -131,7 +135,8 @@ def objective_terms(
         diff = p.neg_().add_(q)  # q - p, in p's storage
         if teacher_keep is not None:
             diff.mul_(teacher_keep[:, None])  # a dropped row: no tv, no gradient from the teacher
-        sums["tv"] = 0.5 * torch.linalg.vector_norm(diff, ord=1)
+        row_tv = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)  # (C,): 0 on a dropped row
+        sums["tv"] = row_tv.sum()
         if with_grad:
             # soft CE and KL differ by H(p), a constant: both have gradient (q - p) / T
             soft = objective.weight("soft_ce") + objective.weight("kl")
@@ -143,7 +148,7 @@ def objective_terms(
                 sign = diff.sign_()
                 sign.sub_(torch.linalg.vecdot(sign, q)[:, None]).mul_(q)
                 accumulate(sign, tv * 0.5 / T)
-    return sums, grad
+    return sums, grad, row_tv
 
 
 # -- all rows, chunked -------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class ObjectiveSums:
     correct: torch.Tensor  # 0-dim long: student argmax == label (teacher argmax without labels)
     terms: Dict[str, torch.Tensor]  # name -> 0-dim float32 sum over rows of that term (detached)
     argmax: Optional[torch.Tensor]  # (N,) long: the student's top-1 per row (EAGLE-3 maps it to target ids)
+    row_tv: Optional[torch.Tensor] = None  # (N,) float32 detached: each row's tv, when there is a teacher
 
 
 def _objective_chunks(
@@ -173,13 +179,15 @@ def _objective_chunks(
     lk_lambda=None,
 ):
     """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
-    argmax (N,)); fills grad_hidden (N, H) / grad_weight (V, H) fp32 with d(weighted sum) when given.
+    argmax (N,), each row's tv (N,) or an empty tensor without a teacher); fills grad_hidden (N, H) / grad_weight (V, H') fp32 with d(weighted sum) when
+    given; a narrower grad_weight (H' < H) is that of the weight's last H' columns (a trained tail).
     student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
     teacher_weight (V, Ht) or None, labels (N,) or None, teacher_keep (N,) bool or None."""
     device = student_hidden.device
     sums = torch.zeros(len(term_names), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     argmax = torch.empty(student_hidden.shape[0], dtype=torch.long, device=device)
+    row_tv = torch.empty(0 if teacher_hidden is None else student_hidden.shape[0], dtype=torch.float32, device=device)
     with_grad = grad_hidden is not None or grad_weight is not None
     for start in range(0, student_hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
@@ -193,15 +201,17 @@ def _objective_chunks(
         y = None if labels is None else labels[rows]
         keep = None if teacher_keep is None else teacher_keep[rows]
         lse = None if teacher_lse is None else teacher_lse[rows]
-        terms, grad = objective_terms(z, t, y, objective, with_grad, keep, lse, lk_lambda)
+        terms, grad, rows_tv = objective_terms(z, t, y, objective, with_grad, keep, lse, lk_lambda)
+        if rows_tv is not None:
+            row_tv[rows] = rows_tv
         sums += torch.stack([terms[name] for name in term_names])
         argmax[rows] = z.argmax(dim=-1)
         correct += (argmax[rows] == (y if y is not None else t.argmax(dim=-1))).sum()
         if grad_hidden is not None:
             grad_hidden[rows] = (grad.to(student_weight.dtype) @ student_weight).to(student_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight.addmm_(grad.t(), h.float())  # (V, H) += (V, C) @ (C, H)
-    return sums, correct, argmax
+        if grad_weight is not None:  # (V, H') += (V, C) @ (C, H'): the columns it is the gradient of
+            grad_weight.addmm_(grad.t(), h[:, h.shape[1] - grad_weight.shape[1] :].float())
+    return sums, correct, argmax, row_tv
 
 
 class _ChunkedObjective(torch.autograd.Function):
@@ -215,6 +225,7 @@ class _ChunkedObjective(torch.autograd.Function):
         labels,
         teacher_keep,
         teacher_lse,
+        weight_tail,
         objective: Objective,
         chunk_size: int,
         term_names: Tuple[str, ...],
@@ -225,16 +236,21 @@ class _ChunkedObjective(torch.autograd.Function):
         inputs = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_keep, teacher_lse)
         # lk_lambda's gradient needs the step's lambda, known after the last chunk: recompute too
         ctx.recompute = ctx.needs_input_grad[1] or "lk_lambda" in objective.names
+        tail_grad = ctx.needs_input_grad[7]
+        ctx.tail_dtype = None if weight_tail is None else weight_tail.dtype
         if ctx.recompute:
             # A trained head (EAGLE-3's) has a (V, H) gradient, which would be held from here to
             # backward once per call (per TTT step): keep the inputs and recompute the chunks there.
-            sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names)
-            ctx.save_for_backward(*inputs)
+            sums, correct, argmax, row_tv = _objective_chunks(*inputs, objective, chunk_size, term_names)
+            ctx.save_for_backward(*inputs, weight_tail)
             ctx.options = (objective, chunk_size, term_names)
-        else:  # a frozen head: the (N, H) gradient is made here, in the same pass as the loss
+        else:  # a frozen head: the (N, H) gradient (and a tail's (V, r)) is made here, in the same pass as the loss
             grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
-            sums, correct, argmax = _objective_chunks(*inputs, objective, chunk_size, term_names, grad_hidden)
-            ctx.save_for_backward(grad_hidden)
+            grad_tail = weight_tail.new_zeros(weight_tail.shape, dtype=torch.float32) if tail_grad else None
+            sums, correct, argmax, row_tv = _objective_chunks(
+                *inputs, objective, chunk_size, term_names, grad_hidden, grad_tail
+            )
+            ctx.save_for_backward(grad_hidden, grad_tail)
         ctx.lk_lambda = None
         if "lk_lambda" in objective.names:
             # lam from the mean acceptance of the step's rows (of every rank's: `reduce` sums over
@@ -247,26 +263,29 @@ class _ChunkedObjective(torch.autograd.Function):
             )
         # Python floats: a weights tensor made here would be a host-to-device copy per call
         total = sum(sums[i] * objective.weight(name) for i, name in enumerate(term_names))
-        ctx.mark_non_differentiable(correct, sums, argmax)
-        return total, correct, sums, argmax
+        ctx.mark_non_differentiable(correct, sums, argmax, row_tv)
+        return total, correct, sums, argmax, row_tv
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax):
-        grad_weight = None
+    def backward(ctx, grad_total, _grad_correct, _grad_sums, _grad_argmax, _grad_row_tv):
+        grad_weight = grad_tail = None
         if ctx.recompute:
-            inputs = ctx.saved_tensors
+            *inputs, weight_tail = ctx.saved_tensors
             student_hidden, student_weight = inputs[:2]
             grad_hidden = torch.empty_like(student_hidden) if ctx.needs_input_grad[0] else None
-            if ctx.needs_input_grad[1]:
-                grad_weight = torch.zeros(student_weight.shape, dtype=torch.float32, device=student_weight.device)
-            _objective_chunks(*inputs, *ctx.options, grad_hidden, grad_weight, ctx.lk_lambda)
-            if grad_weight is not None:
-                grad_weight = (grad_weight * grad_total).to(student_weight.dtype)
+            trained = student_weight if ctx.needs_input_grad[1] else weight_tail if ctx.needs_input_grad[7] else None
+            grad = None if trained is None else trained.new_zeros(trained.shape, dtype=torch.float32)
+            _objective_chunks(*inputs, *ctx.options, grad_hidden, grad, ctx.lk_lambda)
+            if grad is not None:
+                grad = (grad * grad_total).to(trained.dtype)
+            grad_weight, grad_tail = (grad, None) if ctx.needs_input_grad[1] else (None, grad)
         else:
-            (grad_hidden,), grad_weight = ctx.saved_tensors, None
+            grad_hidden, grad_tail = ctx.saved_tensors
+            if grad_tail is not None:
+                grad_tail = (grad_tail * grad_total).to(ctx.tail_dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, grad_tail, None, None, None, None
 
 
 def chunked_objective(
@@ -280,6 +299,7 @@ def chunked_objective(
     teacher_keep: Optional[torch.Tensor] = None,
     teacher_lse: Optional[torch.Tensor] = None,
     reduce=None,
+    weight_tail: Optional[torch.Tensor] = None,
 ) -> ObjectiveSums:
     """Sums over rows of `objective` for student logits student_hidden @ student_weight.T.
 
@@ -292,7 +312,14 @@ def chunked_objective(
     the draft vocab's rows (None: they are the whole vocab); reduce sums lk_lambda's acceptance
     statistics over the ranks (lk.sum_over_ranks; None: this rank's own), called on every rank. Its terms add
     "accept", the rows' summed acceptance sum_v min(p, q) (a metric).
+    weight_tail (V, r): the trained parameter that student_weight's last r columns hold (DSpark's
+    markov_w2 beside the frozen lm_head); it alone gets the weight's gradient, made in the forward
+    pass (a (V, r) tensor kept to backward) instead of a recomputed (V, H + r) one.
     """
+    if weight_tail is not None:
+        if weight_tail.shape[0] != student_weight.shape[0] or weight_tail.shape[1] > student_weight.shape[1]:
+            raise ValueError(f"weight_tail {tuple(weight_tail.shape)}: not columns of {tuple(student_weight.shape)}")
+        student_weight = student_weight.detach()  # its gradient is the tail's alone
     if objective.needs_teacher and (teacher_hidden is None or teacher_weight is None):
         raise ValueError(f"objective {objective} needs the teacher's hidden states and lm_head")
     if objective.needs_labels and labels is None:
@@ -305,7 +332,9 @@ def chunked_objective(
     if objective.lk:  # the acceptance statistics, lk_lambda's KL part
         term_names += ("accept", "kept") + (("lk_kl",) if "lk_lambda" in objective.names else ())
     if student_hidden.shape[0] == 0:  # an all-masked batch: zero loss, graph still connected
-        zero = student_hidden.sum() * 0.0 + (student_weight.sum() * 0.0 if student_weight.requires_grad else 0.0)
+        zero = student_hidden.sum() * 0.0 + sum(
+            w.sum() * 0.0 for w in (student_weight, weight_tail) if w is not None and w.requires_grad
+        )
         terms = {
             name: torch.zeros((), dtype=torch.float32, device=student_hidden.device)
             for name in term_names
@@ -315,7 +344,7 @@ def chunked_objective(
             reduce(terms["accept"].clone()), reduce(terms["accept"].clone())
         none = torch.zeros(0, dtype=torch.long, device=student_hidden.device)
         return ObjectiveSums(zero.float(), none.sum(), terms, none)
-    total, correct, sums, argmax = _ChunkedObjective.apply(
+    total, correct, sums, argmax, row_tv = _ChunkedObjective.apply(
         student_hidden,
         student_weight,
         teacher_hidden,
@@ -323,15 +352,15 @@ def chunked_objective(
         labels,
         teacher_keep,
         teacher_lse,
+        weight_tail,
         objective,
         chunk_size,
         term_names,
         reduce or (lambda x: x),
     )
     internal = ("kept", "lk_kl")  # lk_lambda's pieces, not terms of their own
-    return ObjectiveSums(
-        total, correct, {name: sums[i] for i, name in enumerate(term_names) if name not in internal}, argmax
-    )
+    terms = {name: sums[i] for i, name in enumerate(term_names) if name not in internal}
+    return ObjectiveSums(total, correct, terms, argmax, row_tv if teacher_hidden is not None else None)
 
 
 def shared_head_objective(

@@ -66,6 +66,7 @@ from specdraft.drafts.dflash.layer import BlockHead, DFlashLayer
 from specdraft.drafts.dflash.dpace import dpace_slot_loss, row_cross_entropy
 from specdraft.drafts.objectives import (
     CE,
+    ObjectiveSums,
     Objective,
     answer_labels,
     chunked_objective,
@@ -351,10 +352,19 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
             elif head.weight is lm_head_weight:  # the target's own head: its cheapest path
                 out = shared_head_objective(student, lm_head_weight, teacher, ce_labels, objective, chunk_size)
             else:  # a head of the draft's own: the teacher is still the target's lm_head
-                out = chunked_objective(student, head.weight, teacher, lm_head_weight, ce_labels, objective, chunk_size)
+                out = chunked_objective(
+                    student,
+                    head.weight,
+                    teacher,
+                    lm_head_weight,
+                    ce_labels,
+                    objective,
+                    chunk_size,
+                    weight_tail=head.trained_tail,
+                )
             hits = out.correct if ce_labels is labels else (out.argmax == labels).sum()  # vs the data's token
             extra, extra_metrics = self.head_terms(
-                head, first + j, rows, student, teacher, lm_head_weight, chunk_size, n
+                head, first + j, rows, student, teacher, lm_head_weight, chunk_size, n, out
             )
             if dpace is not None:  # D-PACE's weights are inside out.loss; gamma weighs only a head's own term
                 total = total + out.loss + weights[j] * extra
@@ -396,9 +406,11 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         lm_head_weight: torch.Tensor,
         chunk_size: int,
         n: torch.Tensor,
+        objective_out: ObjectiveSums,
     ) -> Tuple[Any, Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
         """A head's own loss at one slot, summed over its counted rows (weighted like the slot's
-        objective), and its metrics {name: (sum, count)}. DFlash's head has none."""
+        objective), and its metrics {name: (sum, count)}; objective_out: the slot's objective (its
+        per-row tv). DFlash's head has none."""
         return 0.0, {}
 
     # -- decoding ---------------------------------------------------------------------------------

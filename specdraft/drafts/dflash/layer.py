@@ -25,6 +25,9 @@ class BlockHead:
     weight: torch.Tensor  # (V, F)
     confidence: Optional[torch.Tensor] = None  # (...,)
     state: Optional[torch.Tensor] = None
+    # the trained parameter in weight's last columns when the rest is the frozen lm_head (DSpark's
+    # markov_w2): the objective makes its gradient alone (chunked_objective's weight_tail)
+    trained_tail: Optional[torch.Tensor] = None
 
     def logits(self) -> torch.Tensor:
         return self.features @ self.weight.t().to(self.features.dtype)

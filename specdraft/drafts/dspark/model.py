@@ -199,21 +199,29 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
         e, m, state = self.markov_head(previous_tokens, hidden, state)
         confidence_in = torch.cat([hidden, e.to(hidden.dtype)], dim=-1) if self.dims.confidence_with_markov else hidden
         return BlockHead(
-            torch.cat([hidden, m.to(hidden.dtype)], dim=-1), head_weight, self.confidence_head(confidence_in), state
+            torch.cat([hidden, m.to(hidden.dtype)], dim=-1),
+            head_weight,
+            self.confidence_head(confidence_in),
+            state,
+            trained_tail=self.markov_head.markov_w2.weight,
         )
 
-    def head_terms(self, head, slot, rows, student, teacher, lm_head_weight, chunk_size, n):
+    def head_terms(self, head, slot, rows, student, teacher, lm_head_weight, chunk_size, n, objective_out):
         """The confidence BCE at one slot against its acceptance (acceptance_targets), and its
         calibration: Brier score, accuracy at 0.5, the mean predicted and the mean target."""
         logit = head.confidence[:, :, slot].flatten()[rows].float()
-        accepted = acceptance_targets(
-            student.detach(),
-            head.weight.detach(),
-            teacher,
-            lm_head_weight,
-            self.dims.confidence_temperature,
-            chunk_size,
-        )
+        if objective_out.row_tv is not None and self.objective.temperature == self.dims.confidence_temperature:
+            # the slot's objective already compared the same two distributions at this temperature
+            accepted = (1.0 - objective_out.row_tv).clamp(0.0, 1.0)
+        else:
+            accepted = acceptance_targets(
+                student.detach(),
+                head.weight.detach(),
+                teacher,
+                lm_head_weight,
+                self.dims.confidence_temperature,
+                chunk_size,
+            )
         bce = F.binary_cross_entropy_with_logits(logit, accepted, reduction="sum")
         predicted = logit.detach().sigmoid()
         metrics = {
@@ -228,10 +236,12 @@ class DSparkDraft(DSparkSpec, DFlashBackbone):
     def memory_terms(self, shape):
         terms = super().memory_terms(shape)
         d, p = self.dims, shape.dtype_bytes
-        # the head's (V, H + r) weight and, in the backward, its fp32 gradient; per block slot the
-        # Markov and confidence features
+        # the head's (V, H + r) weight; per predicting slot markov_w2's fp32 (V, r) gradient, made
+        # in the forward pass and kept to the backward (chunked_objective's weight_tail); per block
+        # slot the Markov and confidence features
         terms["DSpark heads"] = (
-            d.vocab_size * (d.hidden_size + d.markov_rank) * (p + 4)
+            d.vocab_size * (d.hidden_size + d.markov_rank) * p
+            + self.layout.predictions * d.vocab_size * d.markov_rank * 4
             + self.trained_blocks(shape) * d.block_size * 4 * (d.hidden_size + d.markov_rank) * p
         )
         return terms
