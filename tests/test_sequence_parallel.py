@@ -191,8 +191,12 @@ def test_the_memory_model_holds_what_the_busiest_rank_holds_at_sp2(sp_results, f
     every trained token in rank 0's half: that rank holds every anchor, the case the model
     bounds, and the other rank's padding is not counted). Packed rows: EAGLE-3, P-EAGLE, GLIDE
     within 10% too; DFlash and DSpark attend per conversation on CPU, cheaper than the dense
-    block mask the model counts: at most 10% over, at most 20% under."""
-    for rows, low in (("one", 0.90), ("packed", 0.90 if family not in ("dflash", "dspark") else 0.80)):
+    block mask the model counts: at most 10% over, at most 20% under. DSpark one conversation a row:
+    at most 15% under, the model counting each block slot's loss-chunk temporaries beside the
+    slots' markov_w2 gradients (V x r fp32 each, made in the forward since 2026-11-28; measured
+    0.886 at SP=1, where the recomputing backward it replaced measured 0.905)."""
+    one = 0.85 if family == "dspark" else 0.90
+    for rows, low in (("one", one), ("packed", 0.90 if family not in ("dflash", "dspark") else 0.80)):
         for size in ("1", "2"):
             case = sp_results["memory"][f"{family}/{rows}"][size]
             ratio = max(case["ranks"]) / case["model"]

@@ -1169,8 +1169,8 @@ DSPARK: List[Mutation] = [
     Mutation(
         'dspark/markov-bias-dropped',
         DSPARK_PY,
-        'return BlockHead(\n            torch.cat([hidden, m.to(hidden.dtype)], dim=-1), head_weight,',
-        'return BlockHead(\n            torch.cat([hidden,0 * m.to(hidden.dtype)], dim=-1), head_weight,',
+        'return BlockHead(\n            torch.cat([hidden, m.to(hidden.dtype)], dim=-1),\n            head_weight,',
+        'return BlockHead(\n            torch.cat([hidden, 0 * m.to(hidden.dtype)], dim=-1),\n            head_weight,',
         DSPARK_TESTS,
         "the head's Markov bias never reaches the logits",
     ),
@@ -1216,8 +1216,8 @@ DSPARK: List[Mutation] = [
     Mutation(
         'dspark/confidence-target-without-markov',
         DSPARK_PY,
-        'accepted = acceptance_targets(\n            student.detach(),\n            head.weight.detach(),\n            teacher,\n            lm_head_weight,',
-        'accepted = acceptance_targets(\n            student.detach()[:, :lm_head_weight.shape[1]], lm_head_weight,\n            teacher,\n            lm_head_weight,',
+        'accepted = acceptance_targets(\n                student.detach(),\n                head.weight.detach(),\n                teacher,\n                lm_head_weight,',
+        'accepted = acceptance_targets(\n                student.detach()[:, :lm_head_weight.shape[1]], lm_head_weight,\n                teacher,\n                lm_head_weight,',
         DSPARK_TESTS,
         "the acceptance target from DFlash's logits, not the Markov-biased ones drafted",
     ),
