@@ -179,8 +179,9 @@ def _objective_chunks(
     lk_lambda=None,
 ):
     """One pass over the rows, a chunk at a time -> (sums of each term (len(term_names),), hits,
-    argmax (N,), each row's tv (N,) or an empty tensor without a teacher); fills grad_hidden (N, H) / grad_weight (V, H') fp32 with d(weighted sum) when
-    given; a narrower grad_weight (H' < H) is that of the weight's last H' columns (a trained tail).
+    argmax (N,), each row's tv (N,) or an empty tensor without a teacher); fills grad_hidden (N, H)
+    / grad_weight (V, H') fp32 with d(weighted sum) when given; a narrower grad_weight (H' < H) is
+    that of the weight's last H' columns (a trained tail).
     student_hidden (N, H), student_weight (V, H), teacher_hidden (N, Ht) or None,
     teacher_weight (V, Ht) or None, labels (N,) or None, teacher_keep (N,) bool or None."""
     device = student_hidden.device
