@@ -122,6 +122,9 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
+SAVES_PER_POINT = 4  # --tokens-seen: at most this many exports saved per measured point
+
+
 def steps_for_tokens(counts: List[int], tokens_per_step: int) -> List[int]:
     """Optimizer steps that see (at least) each count of tokens, in order, each at least 1."""
     steps = [max(1, -(-count // tokens_per_step)) for count in counts]
@@ -129,6 +132,18 @@ def steps_for_tokens(counts: List[int], tokens_per_step: int) -> List[int]:
         raise SpecdraftError(
             f"--tokens-seen: {counts} are {steps} steps of {tokens_per_step} tokens; "
             f"give increasing counts at least one step apart"
+        )
+    # the run exports every gcd(steps) steps to have each point: steps sharing no divisor would
+    # save five drafts at (nearly) every step
+    saves = steps[-1] // gcd(*steps)
+    if saves > SAVES_PER_POINT * len(steps):
+        first = steps[0]
+        multiples = [first * -(-step // first) for step in steps]
+        suggestion = ",".join(f"{step * tokens_per_step / 1000:g}k" for step in multiples)
+        raise SpecdraftError(
+            f"--tokens-seen: {counts} are steps {steps} of {tokens_per_step} tokens, which share the "
+            f"divisor {gcd(*steps)}: the run would save {saves} exports; give counts whose steps are "
+            f"multiples of one step count, e.g. {suggestion}"
         )
     return steps
 
@@ -192,8 +207,9 @@ def parse_args(argv=None):
         "--tokens-seen",
         default="",
         metavar="N,N,...",
-        help="train to the largest count and measure the exports at each (e.g. 30k,100k,300k): "
-        "tau against tokens seen; overrides --train-steps",
+        help="train to the largest count and measure the exports at each (e.g. 30.72k,92.16k,122.88k: "
+        "steps 120, 360, 480 of 256 tokens, exported every 120): tau against tokens seen; overrides "
+        "--train-steps",
     )
     parser.add_argument("--gamma", type=int, default=5, help="chain length of every drafter")
     parser.add_argument("--tree", default="4,16,16,16,16", help="tree widths per depth ('' for chains only)")

@@ -95,6 +95,12 @@ def test_tokens_seen_are_counted_in_steps_of_the_shared_batch(capsys):
     assert bench.steps_for_tokens([1000, 2048, 4097], 1024) == [1, 2, 5]  # each count at least seen
     with pytest.raises(bench.SpecdraftError, match="at least one step apart"):
         bench.steps_for_tokens([1000, 1024], 1024)  # both one step
+    # 118, 391, 1172 steps share no divisor: the run would export every step; the error offers
+    # counts whose steps are multiples of the first, and those pass
+    with pytest.raises(bench.SpecdraftError, match=r"save 1172 exports.*e\.g\. 30\.208k,120\.832k,302\.08k"):
+        bench.steps_for_tokens([30_000, 100_000, 300_000], 256)
+    assert bench.steps_for_tokens([30_208, 120_832, 302_080], 256) == [118, 472, 1180]
+    assert bench.steps_for_tokens([30_720, 61_440, 92_160, 122_880], 256) == [120, 240, 360, 480]  # the preset's
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--tokens-seen", "30k,lots"])
     assert exit_info.value.code == 2 and "a count such as 30k" in capsys.readouterr().err
