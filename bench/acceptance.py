@@ -135,14 +135,15 @@ def steps_for_tokens(counts: List[int], tokens_per_step: int) -> List[int]:
         )
     # the run exports every gcd(steps) steps to have each point: steps sharing no divisor would
     # save five drafts at (nearly) every step
-    saves = steps[-1] // gcd(*steps)
+    divisor = gcd(*steps)
+    saves = steps[-1] // divisor
     if saves > SAVES_PER_POINT * len(steps):
         first = steps[0]
         multiples = [first * -(-step // first) for step in steps]
         suggestion = ",".join(f"{step * tokens_per_step / 1000:g}k" for step in multiples)
         raise SpecdraftError(
             f"--tokens-seen: {counts} are steps {steps} of {tokens_per_step} tokens, which share the "
-            f"divisor {gcd(*steps)}: the run would save {saves} exports; give counts whose steps are "
+            f"divisor {divisor}: the run would save {saves} exports; give counts whose steps are "
             f"multiples of one step count, e.g. {suggestion}"
         )
     return steps
@@ -565,12 +566,12 @@ def run_bench(args) -> dict:
                     f"max_seq_length x per_device_batch_size"
                 )
             steps = steps_for_tokens(counts, per_step.pop())
+        save_every = gcd(*steps) if counts else None  # every point of the curve is an export
         together = len(families) > 1 and len(objectives) <= 1 and not args.apart
         if together:  # one run, one target pass a step for every family (`drafts:`)
             overrides, name = objectives[0] if objectives else ([], None)
             t0 = time.perf_counter()
             run_dir = out / "together"
-            save_every = gcd(*steps) if counts else None
             last = train_together(
                 families,
                 target_dir,
@@ -597,7 +598,6 @@ def run_bench(args) -> dict:
                 keys[label] = family + (f"_objective{i}" if i else "")
                 t0 = time.perf_counter()
                 run_dir = out / (family + (f"-{i}" if i else ""))
-                save_every = gcd(*steps) if counts else None
                 exports[label] = train_draft(
                     family,
                     target_dir,
