@@ -30,7 +30,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdraft.drafts.base import FileFormat
-from specdraft.drafts.mtp.layer import CheckpointLayout, checkpoint_layout, ours_from_target, target_from_ours
+from specdraft.drafts.mtp.layer import (
+    LAYER_CLASSES,
+    CheckpointLayout,
+    checkpoint_layout,
+    ours_from_target,
+    target_from_ours,
+)
+from specdraft.drafts.spec import target_text_config
 from specdraft.errors import SpecdraftError
 from specdraft.target.config_file import read_target_config
 from specdraft.target.weights import load_target_tensors, target_weight_files
@@ -60,6 +67,30 @@ def target_layout(target_dir: str) -> CheckpointLayout:
 def target_has_mtp(target_dir: str) -> bool:
     layout = target_layout(target_dir)
     return any(layout.holds(key) for key in target_weight_files(target_dir))
+
+
+def target_path(target_config) -> str:
+    """The directory the target's config was read from (transformers records it)."""
+    return str(getattr(target_config, "_name_or_path", "") or "")
+
+
+def refuse_target_without_mtp(target_config, source: str) -> None:
+    """draft.type mtp fine-tunes a layer the target ships: a target without one is refused, by path."""
+    text = target_text_config(target_config)
+    path = target_path(target_config) or "the target"
+    if text.model_type not in LAYER_CLASSES:
+        raise SpecdraftError(
+            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+            f"(model_type {text.model_type}) has none in transformers (targets with one: "
+            f"qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and glm4_moe ones holding "
+            f"model.layers.<num_hidden_layers>.*)"
+        )
+    if path != "the target" and not target_has_mtp(path):
+        layout = target_layout(path)
+        raise SpecdraftError(
+            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
+            f"has none (no {layout.prefix}* tensors in its weight files)"
+        )
 
 
 def read_target_mtp(target_dir: str, expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

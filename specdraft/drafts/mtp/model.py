@@ -45,15 +45,13 @@ from specdraft.drafts.mtp.export import (
     FILE_FORMAT,
     read_target_mtp,
     speculators_refusal,
-    target_has_mtp,
-    target_layout,
+    target_path,
     write_speculators,
     write_stitched,
 )
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
 from specdraft.drafts.mtp.options import MTPSpec
-from specdraft.errors import SpecdraftError
 from specdraft.target.moe import moe_shape
 
 
@@ -247,27 +245,3 @@ class MTPDraft(MTPSpec, Draft):
             # logits at a time against the target's (frozen) lm_head
             "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, c.vocab_size, H),
         }
-
-
-def target_path(target_config) -> str:
-    """The directory the target's config was read from (transformers records it)."""
-    return str(getattr(target_config, "_name_or_path", "") or "")
-
-
-def refuse_target_without_mtp(target_config, source: str) -> None:
-    """draft.type mtp fine-tunes a layer the target ships: a target without one is refused, by path."""
-    text = target_text_config(target_config)
-    path = target_path(target_config) or "the target"
-    if text.model_type not in LAYER_CLASSES:
-        raise SpecdraftError(
-            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-            f"(model_type {text.model_type}) has none in transformers (targets with one: "
-            f"qwen3_next checkpoints holding mtp.* tensors, deepseek_v3 and glm4_moe ones holding "
-            f"model.layers.<num_hidden_layers>.*)"
-        )
-    if path != "the target" and not target_has_mtp(path):
-        layout = target_layout(path)
-        raise SpecdraftError(
-            f"{source}: key 'draft.type': mtp fine-tunes a target's native MTP layer; {path} "
-            f"has none (no {layout.prefix}* tensors in its weight files)"
-        )

@@ -1,5 +1,5 @@
 """What the configuration knows of MTP without building it: its `draft.` keys and their checks (a
-target with a config is checked for an MTP layer by model.py, which the target's config already
+target with a config is checked for an MTP layer by export.py, which the target's config already
 brought torch for). The model is model.py's MTPDraft, which inherits MTPSpec."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class MTPSpec(DraftSpec):
             fail("num_speculative_steps", f"must be <= max_seq_length - 2 ({max_seq_length - 2})")
         if not float(draft_cfg.step_weight_beta) > 0:
             fail("step_weight_beta", f"must be > 0, got {draft_cfg.step_weight_beta}")
-        if target_config is not None:  # the target's weight files: read by model.py's helpers
-            from specdraft.drafts.mtp.model import refuse_target_without_mtp
+        if target_config is not None:  # the target's weight files: read by export.py's helpers
+            from specdraft.drafts.mtp.export import refuse_target_without_mtp
 
             refuse_target_without_mtp(target_config, source)
