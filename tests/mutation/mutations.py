@@ -1265,6 +1265,7 @@ DSPARK: List[Mutation] = [
 # target's names and layout, the stitched target, the drafter's positions and hidden input
 MTP_PY = "specdraft/drafts/mtp/model.py"
 MTP_LAYER_PY = "specdraft/drafts/mtp/layer.py"
+MTP_EXPORT_PY = "specdraft/drafts/mtp/export.py"
 MTP_TESTS = "tests/test_mtp.py"
 MTP_SEMANTICS = f"{MTP_TESTS}::test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_k_plus_2"
 MTP_SPECULATORS = f"{MTP_TESTS}::test_speculators_loads_the_export_and_computes_our_logits_and_loss"
@@ -1320,7 +1321,7 @@ MTP: List[Mutation] = [
     ),
     Mutation(
         "mtp/target-without-mtp-accepted",
-        MTP_PY,
+        MTP_EXPORT_PY,
         'if path != "the target" and not target_has_mtp(path):',
         "if False:",
         (f"{MTP_TESTS}::test_a_target_without_an_mtp_layer_is_refused_in_one_line",),
