@@ -227,6 +227,39 @@ def test_slot_without_committed_is_refused(tiny_target_dir, data_dir, tmp_path, 
     assert _snapshot(victim) == before
 
 
+@pytest.mark.parametrize("resume", ["slot", "auto"])
+def test_a_slot_of_a_version_that_did_not_write_a_file_is_refused_not_moved_aside(
+    tiny_target_dir, data_dir, tmp_path, victim, resume
+):
+    """A slot saved before the frozen draft state was carried lists no draft_frozen.safetensors: it
+    is intact, so resume=auto must not take it for damage and fall back to step 0."""
+    for slot in slots_of(victim):
+        record = json.loads((slot / COMMITTED).read_text())
+        frozen = [name for name in record["files"] if name.endswith("draft_frozen.safetensors")]
+        assert frozen
+        for name in frozen:
+            del record["files"][name]
+            (slot / name).unlink()
+        (slot / COMMITTED).write_text(json.dumps(record))
+    before = _snapshot(victim)
+    if resume == "slot":
+        message = _resume_error(tiny_target_dir, data_dir, tmp_path, victim / "ckpt" / "step_12")
+    else:  # the run's own directory, resumed in place
+        cfg = load_config(
+            None, run_overrides(tiny_target_dir, data_dir, victim, tmp_path / "cache", max_steps=14, save_steps=6)
+        )
+        with pytest.raises(SpecdraftError) as err:
+            train(cfg, **quiet)
+        message = str(err.value)
+    assert "step_12/draft_frozen.safetensors: not listed in COMMITTED" in message and "\n" not in message
+    assert _snapshot(victim) == before  # nothing moved aside, nothing written
+    assert not (tmp_path / "new_run" / "ckpt").exists()
+
+
+def slots_of(run_dir):
+    return sorted(p for p in (run_dir / "ckpt").iterdir() if (p / COMMITTED).is_file())
+
+
 def test_truncated_optimizer_file_is_refused_before_unpickling(tiny_target_dir, data_dir, tmp_path, victim):
     optim = next((victim / "ckpt" / "step_12").glob("*optim_states.pt"))
     optim.write_bytes(optim.read_bytes()[:100])

@@ -222,7 +222,10 @@ class CheckpointManager:
 
             def verify():  # every rank checks the files it will read, before anything unpickles them
                 record = slots.read_commit(slot)
-                slots.verify_files(slot, record, self._files_to_verify(record))
+                names = self._files_to_verify(record)
+                # a file the manifest does not list: another version's slot, refused below (not damage)
+                listed = None if names is None else [name for name in names if name in record.get("files", {})]
+                slots.verify_files(slot, record, listed)
                 return record
 
             run_shared(visible, on_rank=None)
@@ -234,6 +237,7 @@ class CheckpointManager:
                 moved = run_shared(lambda: slots.move_aside(slot))
                 log(f"resume: skipped {slot} ({err}); moved it to {moved}")
                 continue
+            slots.refuse_unlisted(slot, record, frozen_files(record))
             check_compatible(slot, record, self.cfg, self.target_identity)
             adopt_global_batch(slot, record, self.cfg, self.world_size, log)
             return ResumePlan(slot, record, self._needs_universal(slot, record))

@@ -120,7 +120,9 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
             raise SpecdraftError(f"{slot_dir / name}: not in the {COMMITTED} manifest (refusing to load it)")
         names = sorted(expected)
     for name in names:
-        path, entry = slot_dir / name, expected[name]
+        path, entry = slot_dir / name, expected.get(name)
+        if entry is None:
+            raise SpecdraftError(unlisted_error(slot_dir, name))
         if not path.is_file():
             raise SpecdraftError(f"{path}: listed in {COMMITTED} but missing")
         if path.stat().st_size != entry["bytes"]:
@@ -131,6 +133,23 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
             raise SpecdraftError(f"{path}: sha256 does not match the {COMMITTED} manifest (modified)")
         if path.suffix == PICKLE_SUFFIX:  # a valid manifest proves who wrote the manifest, not what the pickle runs
             safe_load.check(path)
+
+
+def unlisted_error(slot_dir: Path, name: str) -> str:
+    return (
+        f"{slot_dir / name}: not listed in {COMMITTED} (a slot saved by a specdraft that did not write "
+        f"it); it cannot be resumed by this version: resume it with the version that saved it, or "
+        f"start anew (resume=no, or another output_dir)"
+    )
+
+
+def refuse_unlisted(slot_dir: Path, record: dict, names: List[str]) -> None:
+    """A slot whose manifest lacks a file this version reads is intact but of another version:
+    refused in one line (never moved aside as damaged). Decided from the record alone, so every
+    rank raises it together."""
+    for name in names:
+        if name not in record.get("files", {}):
+            raise SpecdraftError(unlisted_error(slot_dir, name))
 
 
 def record_names(record: dict) -> List[Optional[str]]:
