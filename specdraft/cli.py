@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         default="native",
         help="native (pth + safetensors + config.json), pth, safetensors, or a serving format of "
-        "the draft's family: speculators (vLLM), sglang (EAGLE-3), longspec (GLIDE)",
+        "the draft's family: speculators (vLLM), sglang (EAGLE-3), longspec (GLIDE), stitched (MTP: the "
+        "target with the trained layer in place)",
     )
     p.add_argument("--out", default=None, help="default: RUN_DIR/export_step_<N>")
     p.add_argument(

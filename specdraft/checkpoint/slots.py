@@ -139,7 +139,7 @@ def unlisted_error(slot_dir: Path, name: str) -> str:
     return (
         f"{slot_dir / name}: not listed in {COMMITTED} (a slot saved by a specdraft that did not write "
         f"it); it cannot be resumed by this version: resume it with the version that saved it, or "
-        f"start anew (resume=no, or another output_dir)"
+        f"start anew in another output_dir (draft.init_from a step_<N>/ export to keep its weights)"
     )
 
 

@@ -56,7 +56,7 @@ class TrainConfig:
     adam_beta2: float = 0.95  # AdamW beta2
     adam_eps: float = 1e-6  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
-    num_train_epochs: int = 1  # used when max_steps < 0
+    num_train_epochs: int = 1  # used when max_steps <= 0
     max_steps: int = -1  # optimizer steps; overrides num_train_epochs when > 0
     warmup_proportion: float = 0.1  # linear warmup over this share of the steps ...
     warmup_steps: int = -1  # ... unless given in steps here
@@ -78,10 +78,15 @@ class TrainConfig:
     sequence_parallel_size: int = 1
     loss_chunk_size: int = 0  # tokens per cross-entropy chunk; 0: from the vocab (~256 MiB fp32 logits)
     output_dir: str = "runs/default"  # the run directory: config.yaml, ckpt/, step_<N>/ exports, metrics
-    export_formats: Optional[List[str]] = None  # serving formats each save writes beside native; None: the family's
+    # serving formats each save writes beside native; None: the family's formats that can serve the
+    # draft as trained, less the on-request ones (GLIDE's longspec, MTP's stitched), written only
+    # when named here or by `specdraft export --format`
+    export_formats: Optional[List[str]] = None
     draft: DraftConfig = field(default_factory=DraftConfig)
-    # several drafts trained from one target pass: {name: the keys of a `draft:` section, plus
-    # PER_DRAFT_KEYS}; None: the one `draft:` above (see "several drafts" below)
+    # several drafts trained from one target pass: {name: the keys of a `draft:` section, plus any of
+    # learning_rate, weight_decay, adam_beta1, adam_beta2, adam_eps, max_grad_norm, warmup_proportion,
+    # warmup_steps, min_lr_ratio, export_formats for that draft alone}; None: the one `draft:` above
+    # ([several drafts](training.md#sweep-the-families-in-one-run-drafts))
     drafts: Optional[Dict[str, Any]] = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -11,7 +11,8 @@ again (its checkpoint holds the draft it started from, trained since).
 The formats, told from the files:
     native       our export (config.json with architecture + dims), a run's step_<N>/, or a run
                  directory (its newest step_<N>/)
-    speculators  config.json with speculators_model_type (eagle3, dflash, dspark) + model.safetensors
+    speculators  config.json with speculators_model_type (eagle3, dflash, dspark, peagle, mtp)
+                 + model.safetensors
     sglang       the EAGLE / SGLang layout: midlayer.*, fc, d2t, t2d (a .bin, .pth or safetensors)
     longspec     LongSpec's GLIDE draft_model_weights.pth (post_cross_attention_layernorm, ...)
 Each format's names are its writer's (Draft.file_formats), read backwards: no second copy here.
@@ -39,6 +40,7 @@ from specdraft.target.model import load_target_config
 WEIGHT_FILES = (SAFETENSORS_NAME, "pytorch_model.bin", PTH_NAME)  # looked for in a directory, in this order
 # the target's own tensors a file may carry beside the draft's (our speculators export writes
 # embed_tokens; speculators' models hold the verifier's head and norm): the run reads the target's
+# (a speculators P-EAGLE's embed_tokens gives its mask token's row: FileFormat.derived)
 TARGET_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 # the tensors that tell the formats without a config of their own apart
 FORMAT_MARKS = {"sglang": "midlayer.", "longspec": "post_cross_attention_layernorm.weight"}
