@@ -72,46 +72,66 @@ def options(family):
     }.get(family, {})
 
 
+# targets with windowed layers (window 8 < T = 32, so a window crosses the shard border at 16):
+# gpt-oss (alternating sliding / full, attention sinks split by head) and Gemma 3 (local layers with
+# their own RoPE, the last one local), every family that trains on each, one objective
+WINDOWED = {"gpt_oss": FAMILIES, "gemma3_text": ("glide", "eagle3", "peagle")}
+
+
+def windowed_target(model_type):
+    from target_zoo import BUILDERS
+
+    model_class, config = BUILDERS[model_type]()
+    config.vocab_size, config.sliding_window = 96, 8
+    torch.manual_seed(0)
+    return model_class(config).eval().requires_grad_(False)
+
+
 def model_part(sp):
-    target = random_llama(vocab=96, layers=4, heads=4, kv_heads=2)
+    targets = {"": random_llama(vocab=96, layers=4, heads=4, kv_heads=2)}
+    cases = [("", family, objective) for family in FAMILIES for objective in OBJECTIVES]
+    cases += [("", family, objective) for family in ("eagle3", "peagle") for objective in LK]
+    for model_type, families in WINDOWED.items():
+        targets[f"{model_type}/"] = windowed_target(model_type)
+        cases += [(f"{model_type}/", family, "ce") for family in families]
     ids, loss_mask, documents, positions = batch()
     report = {}
-    for family in FAMILIES:
-        for objective in OBJECTIVES + (LK if family in ("eagle3", "peagle") else ()):
-            runs = []
-            for parallel in (None, sp):
-                draft = draft_for(family, objective, target)
-                model = (
-                    TargetWithDraft(target, draft, sequence_parallel=parallel)
-                    if parallel
-                    else TargetWithDraft(target, draft)
-                )
-                out = model(ids, loss_mask, positions, documents, **options(family))
-                out.loss.backward()
-                grads = {
-                    n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                    for n, p in draft.named_parameters()
-                    if p.requires_grad
-                }
-                loss, weight, correct = out.loss.detach().double(), out.tokens.double(), out.correct.double()
-                if parallel is not None:  # what DeepSpeed and the loop make of the ranks' values
-                    for g in grads.values():
-                        dist.all_reduce(g)
-                        g /= sp.size
-                    sums = torch.stack([loss * weight, weight, correct])
-                    dist.all_reduce(sums)
-                    loss, weight, correct = sums[0] / sums[1], sums[1], sums[2]
-                runs.append((loss, weight, correct, grads))
-            (l0, w0, c0, g0), (l1, w1, c1, g1) = runs
-            worst = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0)
-            report[f"{family}/{objective}"] = {
-                "loss": [l0.item(), l1.item()],
-                "tokens": [w0.item(), w1.item()],
-                "correct": [c0.item(), c1.item()],
-                "grad_rel": worst,
-                "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
-                "params": len(g0),
+    for prefix, family, objective in cases:
+        target = targets[prefix]
+        runs = []
+        for parallel in (None, sp):
+            draft = draft_for(family, objective, target)
+            model = (
+                TargetWithDraft(target, draft, sequence_parallel=parallel)
+                if parallel
+                else TargetWithDraft(target, draft)
+            )
+            out = model(ids, loss_mask, positions, documents, **options(family))
+            out.loss.backward()
+            grads = {
+                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in draft.named_parameters()
+                if p.requires_grad
             }
+            loss, weight, correct = out.loss.detach().double(), out.tokens.double(), out.correct.double()
+            if parallel is not None:  # what DeepSpeed and the loop make of the ranks' values
+                for g in grads.values():
+                    dist.all_reduce(g)
+                    g /= sp.size
+                sums = torch.stack([loss * weight, weight, correct])
+                dist.all_reduce(sums)
+                loss, weight, correct = sums[0] / sums[1], sums[1], sums[2]
+            runs.append((loss, weight, correct, grads))
+        (l0, w0, c0, g0), (l1, w1, c1, g1) = runs
+        worst = max(((g0[n] - g1[n]).abs().max() / g0[n].abs().max().clamp_min(1e-12)).item() for n in g0)
+        report[f"{prefix}{family}/{objective}"] = {
+            "loss": [l0.item(), l1.item()],
+            "tokens": [w0.item(), w1.item()],
+            "correct": [c0.item(), c1.item()],
+            "grad_rel": worst,
+            "grad_nonzero": sum(int(g.abs().sum() > 0) for g in g0.values()),
+            "params": len(g0),
+        }
     report["gather/permuted_gradient"] = gather_permuted_gradient(sp)
     return report
 

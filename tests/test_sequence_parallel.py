@@ -82,6 +82,26 @@ def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, 
     assert not (tmp_path / "run").exists()
 
 
+def test_windowed_layers_shard_and_linear_attention_layers_are_refused():
+    """A window applies over the whole sequence after the head exchange (the sharded capture and
+    every family's loss at SP=2 on gpt-oss and Gemma 3: below); a Gated DeltaNet layer's state
+    runs token by token through the whole sequence and is refused."""
+    from transformers import Gemma3TextConfig, GptOssConfig, Qwen3NextConfig
+
+    from specdraft.parallel.checks import sequence_parallel_refusal
+
+    shape = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    windowed = ["sliding_attention", "full_attention"] * 2
+    for config in (GptOssConfig(layer_types=windowed, **shape), Gemma3TextConfig(layer_types=windowed, **shape)):
+        assert sequence_parallel_refusal(2, 64, config) is None
+    hybrid = Qwen3NextConfig(layer_types=["linear_attention", "full_attention"] * 2, **shape)
+    assert sequence_parallel_refusal(2, 64, hybrid) == (
+        "the target has linear_attention layers (layer_types): their state runs through the whole sequence "
+        "in order, so its capture is not sharded (sequence parallelism shards attention only)"
+    )
+    assert sequence_parallel_refusal(1, 64, hybrid) is None
+
+
 def test_heads_and_kv_heads_that_sp_does_not_divide_are_named():
     from specdraft.parallel.checks import sequence_parallel_refusal
 
@@ -171,7 +191,10 @@ def model_results(sp_results):
 @pytest.mark.parametrize(
     "family,objective",
     [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle") for o in ("ce", "kl")]
-    + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")],
+    + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")]
+    # windowed targets (sp_script.WINDOWED: window 8 across the shard border)
+    + [(f"gpt_oss/{f}", "ce") for f in ("glide", "eagle3", "dflash", "dspark", "peagle")]
+    + [(f"gemma3_text/{f}", "ce") for f in ("glide", "eagle3", "peagle")],
 )
 def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, family, objective):
     r = model_results[f"{family}/{objective}"]

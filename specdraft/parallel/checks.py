@@ -6,6 +6,13 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 
+# layer kinds whose capture runs sharded: after the head exchange each rank's core attends the whole
+# sequence (parallel/sequence.py), so a window (and gpt-oss's sinks, split by head) applies as it
+# does on one rank. A linear-attention layer (Qwen3-Next's Gated DeltaNet) carries a recurrent
+# state from token to token that no head exchange makes whole.
+SHARDED_LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
 def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None) -> Optional[str]:
     """Why `size` ranks cannot share each sequence, in one line naming the numbers; None if they can."""
     if size < 1:
@@ -19,8 +26,12 @@ def sequence_parallel_refusal(size: int, max_seq_length: int, target_config=None
     text = target_config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
-        return "the target has layers that are not full attention (sliding or linear): its capture is not sharded"
+    unsharded = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind not in SHARDED_LAYER_KINDS})
+    if unsharded:
+        return (
+            f"the target has {', '.join(unsharded)} layers (layer_types): their state runs through the whole "
+            f"sequence in order, so its capture is not sharded (sequence parallelism shards attention only)"
+        )
     if heads % size:
         return f"{size} does not divide the target's {heads} attention heads (each rank attends with heads / {size})"
     if kv_heads % size and size % kv_heads:
