@@ -61,7 +61,7 @@ docs: $(STAMP)
 	$(VENV)/bin/python -m specdraft.commands.config_reference > docs/config-reference.md
 	$(VENV)/bin/python -m mkdocs build --strict
 
-# Every bench script, then one summary table of their key=value last lines.
+# The CPU bench scripts (bench/summary.py's SCRIPTS), then one summary table of their key=value last lines.
 bench: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/python bench/summary.py
 
