@@ -122,6 +122,28 @@ def parse_count(text: str) -> int:
     return int(round(value))
 
 
+# written in --out/<preset> when the bench makes it: the runs there are the bench's, trained anew
+# each time; a non-empty directory without it is someone else's, and nothing in it is deleted
+BENCH_MARKER = "specdraft_bench.json"
+
+
+def check_bench_out(out: Path) -> None:
+    """--out/<preset>: new, empty, or one this bench wrote (its marker); else one line, before
+    anything is written or deleted."""
+    if out.exists() and not out.is_dir():
+        raise SpecdraftError(f"--out: {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / BENCH_MARKER).is_file():
+        raise SpecdraftError(
+            f"--out: {out} exists, is not empty and was not written by this bench (no {BENCH_MARKER}); "
+            f"the bench retrains the runs in it, so it never writes there: choose a new or empty --out"
+        )
+
+
+def mark_bench_out(out: Path, script: str = "bench/acceptance.py") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / BENCH_MARKER).write_text(json.dumps({"written_by": script}) + "\n")
+
+
 SAVES_PER_POINT = 4  # --tokens-seen: at most this many exports saved per measured point
 
 
@@ -332,7 +354,8 @@ def train_draft(
     save_steps: Optional[int] = None,
 ) -> Path:
     """family_config trained; its last export. A run this bench left in out_dir before is trained
-    anew (resume=no never mixes into it)."""
+    anew (resume=no never mixes into it): out_dir lies in a directory the caller has checked is
+    the bench's (check_bench_out)."""
     from specdraft.rundir.layout import is_run_dir
     from specdraft.train.loop import train
 
@@ -516,6 +539,7 @@ def run_bench(args) -> dict:
     out = Path(args.out) / (
         args.preset if args.answer_temperature <= 0 else f"{args.preset}-answers-T{args.answer_temperature:g}"
     )
+    check_bench_out(out)
 
     # -- assets: target, prompts, data, drafts --------------------------------------------------
     target_dir, prompts_file, data_glob = args.target, args.prompts, args.data
@@ -567,6 +591,7 @@ def run_bench(args) -> dict:
                 )
             steps = steps_for_tokens(counts, per_step.pop())
         save_every = gcd(*steps) if counts else None  # every point of the curve is an export
+        mark_bench_out(out)
         together = len(families) > 1 and len(objectives) <= 1 and not args.apart
         if together:  # one run, one target pass a step for every family (`drafts:`)
             overrides, name = objectives[0] if objectives else ([], None)
@@ -792,7 +817,7 @@ def run_bench(args) -> dict:
     text = "\n".join(lines)
     print(text)
     print(" ".join(headline))
-    out.mkdir(parents=True, exist_ok=True)
+    mark_bench_out(out)
     results = {
         "rows": rows,
         "ratios": ratios,

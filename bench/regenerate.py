@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 import acceptance  # noqa: E402  (bench/acceptance.py: training and τ)
 from specdraft.commands.regenerate_rows import SHARD_GLOB  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
 
 # the three training sets, in table order: label (acceptance.py's drafter label) -> description
 ANSWERS = {
@@ -276,6 +277,12 @@ def main(argv=None) -> dict:
         sys.exit(f"--parts: choose from throughput, value; got {args.parts!r}")
     preset = get_preset(args.preset)
     out = Path(args.out) / args.preset
+    try:  # its throughput runs and GLIDE runs are deleted and redone: only in a directory of its own
+        acceptance.check_bench_out(out)
+    except SpecdraftError as err:
+        print(f"bench/regenerate.py: {err}", file=sys.stderr)
+        sys.exit(2)
+    acceptance.mark_bench_out(out, "bench/regenerate.py")
     target_dir, greedy = ensure_demo_assets(args.home, preset=args.preset)
     results: dict = {"target": str(target_dir)}
     lines, headline = [], []

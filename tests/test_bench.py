@@ -125,6 +125,32 @@ def test_a_bad_set_is_refused_in_one_line_before_any_asset_is_built(item, messag
     assert not (tmp_path / "home").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("script", ["acceptance", "regenerate"])
+def test_an_out_the_bench_did_not_write_is_refused_and_its_runs_kept(script, capsys, tmp_path, monkeypatch):
+    """The bench retrains the runs under --out/<preset> (rmtree of a run dir): a user's own run
+    there (here runs/tiny/glide, a real run directory) is never deleted: one line, exit 2, before
+    any asset is built; the bench's own directory (its marker) is taken again."""
+    from specdraft.rundir.ownership import start_run_dir
+
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    users_run = tmp_path / "runs" / "tiny" / "glide"
+    start_run_dir(users_run)
+    (users_run / "weeks_of_training.txt").write_text("kept")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "runs").rglob("*"))
+    bench = load_bench(script)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--preset", "tiny", "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert f"--out: {tmp_path / 'runs' / 'tiny'} exists, is not empty and was not written by this bench" in err
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "runs").rglob("*")) == before
+    assert not (tmp_path / "home").exists()
+    acceptance = load_bench("acceptance")
+    acceptance.mark_bench_out(tmp_path / "ours")
+    (tmp_path / "ours" / "glide").mkdir()
+    acceptance.check_bench_out(tmp_path / "ours")  # the bench's own: no refusal
+
+
 def test_a_bad_key_found_where_a_run_is_configured_is_one_line_from_the_command_line(tiny_data, tmp_path):
     """A SpecdraftError raised while the script builds a run's config (here the target's directory,
     checked by load_config) ends the script in one line with exit 2, not a traceback."""
