@@ -120,9 +120,7 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
             raise SpecdraftError(f"{slot_dir / name}: not in the {COMMITTED} manifest (refusing to load it)")
         names = sorted(expected)
     for name in names:
-        path, entry = slot_dir / name, expected.get(name)
-        if entry is None:
-            raise SpecdraftError(unlisted_error(slot_dir, name))
+        path, entry = slot_dir / name, expected[name]  # callers pass listed names (refuse_unlisted)
         if not path.is_file():
             raise SpecdraftError(f"{path}: listed in {COMMITTED} but missing")
         if path.stat().st_size != entry["bytes"]:
@@ -135,21 +133,17 @@ def verify_files(slot_dir: Path, record: dict, names: Optional[List[str]] = None
             safe_load.check(path)
 
 
-def unlisted_error(slot_dir: Path, name: str) -> str:
-    return (
-        f"{slot_dir / name}: not listed in {COMMITTED} (a slot saved by a specdraft that did not write "
-        f"it); it cannot be resumed by this version: resume it with the version that saved it, or "
-        f"start anew in another output_dir (draft.init_from a step_<N>/ export to keep its weights)"
-    )
-
-
 def refuse_unlisted(slot_dir: Path, record: dict, names: List[str]) -> None:
     """A slot whose manifest lacks a file this version reads is intact but of another version:
     refused in one line (never moved aside as damaged). Decided from the record alone, so every
     rank raises it together."""
     for name in names:
         if name not in record.get("files", {}):
-            raise SpecdraftError(unlisted_error(slot_dir, name))
+            raise SpecdraftError(
+                f"{slot_dir / name}: not listed in {COMMITTED} (a slot saved by a specdraft that did not "
+                f"write it); it cannot be resumed by this version: resume it with the version that saved "
+                f"it, or start anew in another output_dir (draft.init_from a step_<N>/ export to keep its weights)"
+            )
 
 
 def record_names(record: dict) -> List[Optional[str]]:
