@@ -1,6 +1,7 @@
 """Training in-process on one CPU rank: the loss really falls, and ZeRO stages agree."""
 
 import json
+import math
 
 import pytest
 
@@ -223,3 +224,70 @@ def test_a_distillation_objective_trains_under_zero3_and_tau_is_measured_sampled
     assert result.losses[-1] < result.losses[0]
     tau = [r for r in rows if "eval/tau" in r]
     assert len(tau) == 1 and 1.0 <= tau[0]["eval/tau"] <= 5.0 and 0.0 <= tau[0]["eval/tv"] <= 1.0
+
+
+# -- the learning rate of the first updates -----------------------------------------------------
+# learning_rate 1e-2, 3 steps, min_lr_ratio 0: linear warmup k / w, then cosine over the updates
+# after it, (1 + cos(pi * (k - w - 1) / (3 - w))) / 2, written out by hand.
+FIRST_THREE_LRS = {
+    0: [1e-2, 7.5e-3, 2.5e-3],  # no warmup: update 1 at the peak, cos(pi/3), cos(2 pi/3)
+    1: [1e-2, 1e-2, 5e-3],  # the peak at update 1, cosine from update 2
+    4: [2.5e-3, 5e-3, 7.5e-3],  # still warming up: 1/4, 2/4, 3/4
+}
+
+
+@pytest.mark.parametrize("warmup", sorted(FIRST_THREE_LRS))
+def test_every_update_from_the_first_runs_at_the_scheduled_learning_rate(
+    warmup, tiny_target_dir, data_dir, tmp_path, monkeypatch
+):
+    """DeepSpeed's WarmupCosineLR ran updates 1 and 2 at lr 0, whatever the warmup: the weights
+    after step 2 were the initial ones."""
+    import torch
+
+    import specdraft.train.loop as loop
+
+    weights = []  # the draft's trainable weights: initial, then after each update
+
+    def snapshot(engine):
+        weights.append([p.detach().clone() for p in engine.module.draft_model.parameters() if p.requires_grad])
+
+    def build_engine(*args, **kwargs):
+        engine = build_engine.__wrapped__(*args, **kwargs)
+        snapshot(engine)
+        step = engine.step
+
+        def step_then_snapshot(*a, **k):
+            step(*a, **k)
+            snapshot(engine)
+
+        engine.step = step_then_snapshot
+        return engine
+
+    build_engine.__wrapped__ = loop.build_engine
+    monkeypatch.setattr(loop, "build_engine", build_engine)
+    train_run(tiny_target_dir, data_dir, tmp_path, "lr", max_steps=3, save_steps=3, warmup_steps=warmup)
+    logged = [json.loads(line) for line in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in logged if "lr" in r] == pytest.approx(FIRST_THREE_LRS[warmup], rel=1e-12)
+    assert len(weights) == 4
+    for before, after in zip(weights, weights[1:]):  # every update, the first included, moved every tensor
+        assert all(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+def test_a_slot_saved_with_deepspeeds_scheduler_resumes_on_the_same_update():
+    """Slots written before train/schedule.py hold WarmupCosineLR's state: after n updates its
+    last_batch_iteration is n - 1. The schedule carries on at update n + 1; anything else is refused."""
+    import torch
+
+    from specdraft.errors import SpecdraftError
+    from specdraft.train.schedule import WarmupCosine
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    schedule = WarmupCosine(optimizer, warmup=4, total=10, min_ratio=0.0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-3)  # update 1
+    schedule.load_state_dict({"last_batch_iteration": 1})  # two updates taken
+    assert schedule.updates == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(7.5e-3)  # update 3
+    assert schedule.lr_of_last_update() == pytest.approx(5e-3)
+    schedule.load_state_dict(schedule.state_dict() | {"updates": 5})
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * (1 + math.cos(math.pi / 6)) / 2)  # update 6
+    with pytest.raises(SpecdraftError, match=r"holds \['step_count'\]: neither"):
+        schedule.load_state_dict({"step_count": 3})

@@ -15,6 +15,7 @@ from specdraft.target.model import hold_weights_as_buffers
 from specdraft.errors import SpecdraftError
 from specdraft.train.memory import REDUCE_BUCKET, USABLE_FRACTION, estimate_run_peak, reduce_bucket_elements
 from specdraft.train.model import DraftWithLoss, TargetWithDraft
+from specdraft.train.schedule import WarmupCosine
 from specdraft.checkpoint.safe_load import load_weights_only
 
 
@@ -61,8 +62,11 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
+def warmup_updates(cfg: DictConfig, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps >= 0 else int(cfg.warmup_proportion * total_steps)
+
+
 def deepspeed_config(cfg: DictConfig, total_steps: int, draft_params: int = REDUCE_BUCKET) -> dict:
-    warmup = cfg.warmup_steps if cfg.warmup_steps >= 0 else int(cfg.warmup_proportion * total_steps)
     bucket = reduce_bucket_elements(draft_params)
     config = {
         "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
@@ -78,17 +82,6 @@ def deepspeed_config(cfg: DictConfig, total_steps: int, draft_params: int = REDU
                 "eps": cfg.adam_eps,
                 "weight_decay": cfg.weight_decay,
                 "torch_adam": True,
-            },
-        },
-        # Built by deepspeed.initialize, so save/load_checkpoint carry its state.
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(total_steps, 1),
-                "warmup_num_steps": max(warmup, 1),
-                "warmup_type": "linear",
-                "warmup_min_ratio": 0.0,
-                "cos_min_ratio": cfg.min_lr_ratio,
             },
         },
         "bf16": {"enabled": cfg.precision == "bf16"},
@@ -174,10 +167,13 @@ def build_engine(
     config = deepspeed_config(cfg, total_steps, draft_parameter_count(model))
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
+    warmup = warmup_updates(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=optimizer_groups(model, cfg.weight_decay),
         config=config,
+        # Called with the optimizer DeepSpeed builds; save/load_checkpoint carry its state.
+        lr_scheduler=lambda optimizer: WarmupCosine(optimizer, warmup, max(total_steps, 1), cfg.min_lr_ratio),
     )
     load_weights_only(engine)
     return engine

@@ -195,7 +195,7 @@ def _train(
                 result.window_losses.setdefault(t.name, []).append(
                     (state.step - len(step_losses) + 1, state.step, own["loss"])
                 )
-                own.update(lr=t.engine.get_lr()[0])
+                own.update(lr=t.engine.lr_scheduler.lr_of_last_update())
                 values.update(t.prefixed(own))
             values.update(
                 tokens_per_s=_rate(state, start_step, cfg, data_world, elapsed), samples_seen=state.samples_seen
