@@ -108,7 +108,7 @@ MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
 def full_optimizer_state(engine) -> dict:
     """{draft param name: {fp32, exp_avg, exp_avg_sq}} as whole flat tensors, gathered from a live
     engine's optimizer partitions (every rank must call)."""
-    names = {param: name for name, param in engine.module.draft_model.named_parameters()}
+    names = {param: name for name, param in engine.module.draft_model.named_parameters() if param.requires_grad}
     if engine.zero_optimization_stage() == 3:  # DeepSpeed's accessors gather ZeRO-3 partitions
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -414,3 +414,104 @@ def loss_step_peak_against_model(model, target_config, cfg, fixed, seq: int):
         model(ids, torch.ones_like(ids), **options).loss.backward()
     estimate = memory.estimate_peak(target_config, cfg, world_size=1, documents=False)
     return live.peak, estimate.total - sum(estimate.parts[name] for name in fixed), estimate.parts
+
+
+# -- what a run's updates did, for the resume tests ----------------------------------------------
+
+
+class TrainingSpy:
+    """Wraps train/loop.py's build_engine and forward_step (in-process runs): keeps the last
+    engine built, the first micro-batch it trained on, and after the build and every update a
+    snapshot of the draft's trainable weights and Adam state, {name: {fp32, exp_avg, exp_avg_sq}}
+    (fp32 only before the first update), or what `record` makes of it (digests, in a script).
+    `monkeypatch`: pytest's, or anything with its setattr(obj, name, value)."""
+
+    def __init__(self, monkeypatch, record=lambda state: state):
+        import specdraft.train.loop as loop
+
+        self.engine, self.first_batch, self.snapshots = None, None, []
+        build, forward = loop.build_engine, loop.forward_step
+
+        def build_engine(*args, **kwargs):
+            self.engine = build(*args, **kwargs)
+            self.snapshots = [record(self.trainable_weights())]
+            step = self.engine.step
+
+            def step_then_snapshot(*a, **k):
+                updates = self.engine.global_steps
+                step(*a, **k)
+                if self.engine.global_steps > updates:  # not a micro-step inside an accumulation
+                    self.snapshots.append(record(full_optimizer_state(self.engine)))
+
+            self.engine.step = step_then_snapshot
+            return self.engine
+
+        def forward_step(engine, batch, options):
+            if self.first_batch is None:
+                self.first_batch = (batch, options)
+            return forward(engine, batch, options)
+
+        monkeypatch.setattr(loop, "build_engine", build_engine)
+        monkeypatch.setattr(loop, "forward_step", forward_step)
+
+    def trainable_weights(self) -> dict:
+        draft = self.engine.module.draft_model
+        return {
+            n: {"fp32": p.detach().float().reshape(-1).clone()} for n, p in draft.named_parameters() if p.requires_grad
+        }
+
+    def loss(self, weights: dict) -> float:
+        """The training loss of the draft with these trainable weights on the first micro-batch
+        of the run (no update)."""
+        import torch
+
+        from specdraft.drafts.base import HostBatch
+
+        batch, options = self.first_batch
+        draft = self.engine.module.draft_model
+        params = {n: p for n, p in draft.named_parameters() if p.requires_grad}
+        kept = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(weights[name]["fp32"].view_as(param))
+            host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+            out = self.engine.module(**batch, host=host, **options)
+            for name, param in params.items():
+                param.copy_(kept[name])
+        return out.loss.item()
+
+
+def digests(snapshot: dict) -> dict:
+    """{name: {key: sha256 of the tensor's bytes}}: a snapshot small enough for a result file."""
+    import hashlib
+
+    return {
+        name: {key: hashlib.sha256(value.numpy().tobytes()).hexdigest() for key, value in state.items()}
+        for name, state in snapshot.items()
+    }
+
+
+def assert_every_update_moved_everything(snapshots: list) -> None:
+    """Each update changed every trainable tensor, and from the second on every Adam moment
+    (snapshots of tensors, or their digests)."""
+    for k, (before, after) in enumerate(zip(snapshots, snapshots[1:]), start=1):
+        for name, state in after.items():
+            for key, value in state.items():
+                if key in before[name]:
+                    assert not same(before[name][key], value), f"update {k} left {name}.{key} unchanged"
+
+
+def assert_same_states(resumed: list, original: list) -> None:
+    """The resumed run's snapshots are the original's, bit for bit."""
+    assert len(resumed) == len(original), (len(resumed), len(original))
+    for k, (ours, theirs) in enumerate(zip(resumed, original)):
+        assert ours.keys() == theirs.keys()
+        for name, state in theirs.items():
+            for key, value in state.items():
+                assert same(ours[name][key], value), f"resumed snapshot {k}: {name}.{key} differs"
+
+
+def same(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b

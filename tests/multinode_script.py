@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from specdraft.rundir.layout import COMMITTED  # noqa: E402
 from specdraft.checkpoint.manager import PAUSE_ENV  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 from specdraft.checkpoint.slots import committed_slots  # noqa: E402
+from helpers import TrainingSpy, digests  # noqa: E402
 
 mode, plan_file, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 plan = json.loads(Path(plan_file).read_text())
@@ -52,6 +54,8 @@ rank = int(os.environ["RANK"])
 results = work / "results"
 results.mkdir(parents=True, exist_ok=True)
 quiet = dict(log=lambda *a: None)
+# after the engine's build and each update: the digest of every trainable tensor and Adam moment
+updates = TrainingSpy(types.SimpleNamespace(setattr=setattr), record=digests)
 
 
 def config(run: dict, output_dir: Path):
@@ -69,7 +73,7 @@ def dump(path: Path, value) -> None:
 if mode == "one_node":
     for run in plan["runs"]:
         losses = train(config(run, work / "one_node" / run["name"]), **quiet).losses
-        dump(results / f"{run['name']}.one_node.rank{rank}.json", {"losses": losses})
+        dump(results / f"{run['name']}.one_node.rank{rank}.json", {"losses": losses, "updates": updates.snapshots})
     # Twelve engines and process groups in one process: the interpreter's teardown of their threads
     # has aborted a rank ("terminate called without an active exception") after every result was
     # written. The results are on disk; leave without that teardown.
@@ -135,6 +139,15 @@ def spy_writes(writes: list) -> None:
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save
+    import safetensors.torch
+
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(tensors, filename, *args, **kwargs):  # safetensors' Rust writer: no audit event either
+        note(filename)
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    safetensors.torch.save_file = save_file  # read at call time (checkpoint/frozen_state.py's import)
 
 
 def start_child(run: dict, job: str, port: int, output_dir: Path, pause: float = 0.0) -> int:
@@ -156,7 +169,7 @@ def start_child(run: dict, job: str, port: int, output_dir: Path, pause: float =
         spy_writes(writes)
         lines = []
         losses = train(cfg, log=lines.append).losses
-        result = {"losses": losses, "log": lines, "writes": writes}
+        result = {"losses": losses, "log": lines, "writes": writes, "updates": updates.snapshots}
         code = 0
     except BaseException as err:  # a peer killed mid-save: this rank's collective fails
         traceback.print_exc()

@@ -22,7 +22,7 @@ from specdraft.config import config_hash, draft_view, load_config, save_config
 from specdraft.errors import SpecdraftError
 from specdraft.checkpoint.slots import committed_slots, verify_slot
 
-STEPS = 4
+STEPS = 5
 # small drafts of four families; each name is the folder the draft's files go to
 SECTIONS = {
     "g": {"type": "glide", "max_lag": 2},
@@ -137,13 +137,13 @@ def test_zero3_partitioned_target_is_refused_for_several_drafts(tiny_target_dir,
 
 @pytest.fixture(scope="module")
 def runs(tiny_target_dir, tmp_path_factory):
-    """Three drafts together and two together (saving every step, keeping 2 slots), and each of
+    """Three drafts together and two together (saving every step, keeping 3 slots), and each of
     the four drafts alone, on the same data and seed."""
     from helpers import write_chat_files
 
     root = tmp_path_factory.mktemp("several")
     write_chat_files(root / "data")
-    common = dict(max_steps=STEPS, save_steps=1, keep_last=2)
+    common = dict(max_steps=STEPS, save_steps=1, keep_last=3)
     lines = []
     from specdraft.train.loop import train
 
@@ -203,7 +203,7 @@ def test_each_draft_trains_bit_for_bit_as_it_does_alone(runs, together, names):
 def test_one_slot_commits_every_draft_and_keep_last_holds_for_the_set(runs):
     root, results = runs
     slots = committed_slots(root / "three" / "ckpt")
-    assert [s.name for s in slots] == [f"step_{STEPS - 1}", f"step_{STEPS}"]  # keep_last: 2
+    assert [s.name for s in slots] == [f"step_{STEPS - 2}", f"step_{STEPS - 1}", f"step_{STEPS}"]  # keep_last: 3
     for slot in slots:
         record = verify_slot(slot)
         assert list(record["drafts"]) == ["g", "e3", "ds"] and record["step"] == int(slot.name[5:])
@@ -216,11 +216,15 @@ def test_one_slot_commits_every_draft_and_keep_last_holds_for_the_set(runs):
 
 
 def test_resume_falls_back_to_the_older_slot_and_continues_every_draft_exactly(runs, tiny_target_dir):
+    """The two newest slots each lose one draft's file: the run goes back to step 3 and takes
+    updates 4 and 5 again, every draft's weights exactly as before (update 5 runs at the rate the
+    loaded schedule gives: the optimizer's own state brings back only update 4's)."""
     root, results = runs
     run_dir = root / "three_resumed"
     shutil.copytree(root / "three", run_dir)
-    damaged = run_dir / "ckpt" / f"step_{STEPS}" / "e3" / "mp_rank_00_model_states.pt"
-    damaged.write_bytes(damaged.read_bytes()[:-8])  # one draft's file of the newest slot
+    for step, name in ((STEPS, "e3"), (STEPS - 1, "g")):
+        damaged = run_dir / "ckpt" / f"step_{step}" / name / "mp_rank_00_model_states.pt"
+        damaged.write_bytes(damaged.read_bytes()[:-8])
     lines = []
     from specdraft.train.loop import train
 
@@ -233,15 +237,20 @@ def test_resume_falls_back_to_the_older_slot_and_continues_every_draft_exactly(r
             root / "cache",
             max_steps=STEPS,
             save_steps=1,
-            keep_last=2,
+            keep_last=3,
             drafts=sections(["g", "e3", "ds"]),
         ),
     )
     resumed = train(cfg, log=lines.append)
-    assert any(line.startswith("resume: skipped") and f"step_{STEPS}" in line for line in lines), lines
-    assert any(line == f"resumed from {run_dir / 'ckpt' / f'step_{STEPS - 1}'} at step {STEPS - 1}" for line in lines)
-    for name in ("g", "e3", "ds"):  # the whole set went back one step, and continued as before
-        assert resumed.draft_losses[name] == results["three"].draft_losses[name][STEPS - 1 :]
+    assert sum(line.startswith("resume: skipped") for line in lines) == 2, lines
+    assert any(line == f"resumed from {run_dir / 'ckpt' / f'step_{STEPS - 2}'} at step {STEPS - 2}" for line in lines)
+    for name in ("g", "e3", "ds"):  # the whole set went back, and continued as before
+        assert resumed.draft_losses[name] == results["three"].draft_losses[name][STEPS - 2 :]
+        exports = [load_file(str(root / "three" / f"step_{step}" / name / "model.safetensors")) for step in (3, 4, 5)]
+        for before, after in zip(exports, exports[1:]):  # each update moved every trained tensor
+            assert all(not torch.equal(before[key], after[key]) for key in trainable_names(cfg, name)), name
+        again = load_file(str(run_dir / f"step_{STEPS}" / name / "model.safetensors"))
+        assert all(torch.equal(again[key], exports[-1][key]) for key in exports[-1]), name
     # another set of drafts does not resume these slots
     cfg = load_config(
         None,
@@ -254,6 +263,16 @@ def test_resume_falls_back_to_the_older_slot_and_continues_every_draft_exactly(r
     cfg = load_config(None, run_overrides(tiny_target_dir, root / "data", run_dir, root / "cache", max_steps=STEPS))
     with pytest.raises(SpecdraftError, match="this run trains one draft"):
         train(cfg, log=lambda *a: None)
+
+
+def trainable_names(cfg, name: str) -> list:
+    """The names of a draft's trained tensors (its buffers and frozen parameters never move)."""
+    from specdraft.drafts.registry import build_draft
+    from specdraft.target.model import load_target_config
+
+    with torch.device("meta"):
+        draft = build_draft(draft_view(cfg, name).draft, load_target_config(cfg.target))
+    return [key for key, param in draft.named_parameters() if param.requires_grad]
 
 
 # -- the memory model ------------------------------------------------------------------------------
