@@ -1,7 +1,8 @@
 # `make demo`: venv + install + the offline CPU demo.   `make test`: both venvs + pytest (which
 # builds the docs with mkdocs --strict).   `make docs`: the documentation site into site/
-# (`.venv/bin/mkdocs serve` to read it).   `make mutation`: semantic mutants of drafts/ and decode/
-# against the tests (slow; see docs/architecture.md).
+# (`.venv/bin/mkdocs serve` to read it).   `make mutation`: every semantic mutant of the package
+# against the tests (slow; see docs/architecture.md; `make test` runs a few of them,
+# tests/test_mutants_killed.py).
 VENV   ?= .venv
 PYTHON ?= python3
 # The CPU wheel; with a CUDA build already in your own environment, `pip install -e .` keeps it.

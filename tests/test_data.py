@@ -171,6 +171,22 @@ def test_sampler_position_carries_over_to_another_world_size(new_world, new_accu
         mismatched.load_state_dict(before_samplers[0].state_dict())
 
 
+def test_a_resume_in_a_later_epoch_continues_that_epochs_order():
+    """Stopped in epoch 1 (its own permutation, not epoch 0's): the resumed sampler continues that
+    epoch's order where it stopped. 40 sequences, global batch 8: 5 steps per epoch."""
+    straight = [ShardedBatchSampler(40, 4, r, 2, seed=11) for r in range(2)]
+    seen = _steps(straight, 1, 12)  # epochs 0, 1 and two steps of epoch 2
+    assert sorted(seen[0] + seen[1] + seen[2] + seen[3] + seen[4]) == list(range(40))
+    assert seen[5:10] != seen[0:5]  # each epoch its own order
+    stopped = [ShardedBatchSampler(40, 4, r, 2, seed=11) for r in range(2)]
+    _steps(stopped, 1, 7)
+    resumed = [ShardedBatchSampler(40, 4, r, 2, seed=11) for r in range(2)]
+    for sampler in resumed:
+        sampler.load_state_dict(stopped[0].state_dict())
+    assert resumed[0].state_dict()["epoch"] == 1
+    assert _steps(resumed, 1, 5) == seen[7:12]
+
+
 @pytest.mark.parametrize(
     "turns,reason,detail",
     [

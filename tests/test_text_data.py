@@ -8,41 +8,120 @@ import shutil
 import pytest
 
 from specdraft.config import PACKAGED_CONFIGS
-from specdraft.demo.corpus import extract_functions, read_corpus
+from specdraft.demo import text_data
+from specdraft.demo.corpus import SourceFile
 from specdraft.demo.text_data import TEXT_BYTES, distillation_overrides, ensure_text_data, text_rows
 
+# A corpus of one file, and by hand the chats it gives: each documented function with a body after
+# its docstring, in file order, dedented; the others (no docstring, nothing after it) give none.
+SHAPES = SourceFile(
+    "shapes.py",
+    '''"""Shapes."""
 
-def test_the_text_is_every_function_as_written_but_the_held_out_ones(tiny_assets):
-    target_dir, data = tiny_assets
+
+def area(w, h):
+    """The area of a w by h rectangle."""
+    return w * h
+
+
+def undocumented(x):
+    return x
+
+
+class Square:
+    def side(self):
+        """Its side."""
+        if self.big:
+            return 2
+        return 1
+
+    def only_doc(self):
+        """Nothing after the docstring."""
+
+
+def perimeter(w, h):
+    """The perimeter.
+
+    Twice the sum of the sides.
+    """
+    total = w + h
+    return 2 * total
+
+
+async def fetch(url):
+    """Fetch url."""
+    return await get(url)
+
+
+def scale(x):
+    """Scaled."""
+
+    return 3 * x
+''',
+)
+ASK = "Complete this Python function:\n\n"
+AREA = (ASK + 'def area(w, h):\n    """The area of a w by h rectangle."""', "    return w * h")
+SIDE = (ASK + 'def side(self):\n    """Its side."""', "    if self.big:\n        return 2\n    return 1")
+PERIMETER = (
+    ASK + 'def perimeter(w, h):\n    """The perimeter.\n\n    Twice the sum of the sides.\n    """',
+    "    total = w + h\n    return 2 * total",
+)
+FETCH = (ASK + 'async def fetch(url):\n    """Fetch url."""', "    return await get(url)")
+SCALE = (ASK + 'def scale(x):\n    """Scaled."""', "    return 3 * x")
+
+
+def chat(prompt: str, answer: str) -> dict:
+    return {"conversations": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture
+def shapes_corpus(monkeypatch):
+    """text_rows reads SHAPES as its corpus; the (bytes, seed) it asked for are recorded."""
+    asked = []
+    monkeypatch.setattr(text_data, "read_corpus", lambda max_bytes, seed: asked.append((max_bytes, seed)) or [SHAPES])
+    return asked
+
+
+def test_the_text_is_every_function_as_written_but_the_held_out_ones(shapes_corpus):
+    assert text_rows(7, set()) == [chat(*f) for f in (AREA, SIDE, PERIMETER, FETCH, SCALE)]
+    assert text_rows(7, {PERIMETER[0], ASK + "def elsewhere():"}) == [chat(*f) for f in (AREA, SIDE, FETCH, SCALE)]
+    assert shapes_corpus == [(TEXT_BYTES, 7), (TEXT_BYTES, 7)]
+
+
+def test_the_stdlib_text_holds_the_held_out_prompts_nowhere(tiny_assets):
+    """On the real corpus: the held-out prompts are its functions, each a row until held out, and
+    removing them removes nothing else."""
+    _, data = tiny_assets
     held_out = {json.loads(line)["prompt"] for line in data.prompts_file.read_text().splitlines()}
-    functions = extract_functions(read_corpus(TEXT_BYTES, 0))
-    rows = text_rows(0, held_out)
-    assert held_out and held_out <= {f.prompt for f in functions}  # the prompts' functions are in the corpus
-    assert [(r["conversations"][0]["content"], r["conversations"][1]["content"]) for r in rows] == [
-        (f.prompt, f.answer) for f in functions if f.prompt not in held_out
-    ]
+    every, rows = text_rows(0, set()), text_rows(0, held_out)
+    prompts = [r["conversations"][0]["content"] for r in every]
+    assert held_out and held_out <= set(prompts) and len(set(prompts)) == len(prompts)
+    assert rows == [r for r in every if r["conversations"][0]["content"] not in held_out]
+    assert all(p.startswith(ASK) for p in prompts) and all(r["conversations"][1]["content"].strip() for r in every)
     assert len(rows) > 1000  # enough text for hundreds of thousands of tokens
 
 
-def test_the_text_is_built_once_and_rebuilt_when_the_held_out_prompts_change(tiny_assets, tmp_path):
-    _, data = tiny_assets
+def test_the_text_is_built_once_and_rebuilt_when_the_held_out_prompts_change(shapes_corpus, tmp_path):
     logged = []
-    files = ensure_text_data(tmp_path, "tiny", data.prompts_file, 0, log=logged.append)
-    rows = [json.loads(line) for f in files for line in f.read_text().splitlines()]
-    held_out = {json.loads(line)["prompt"] for line in data.prompts_file.read_text().splitlines()}
-    assert rows == text_rows(0, held_out) and len(files) == 4
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PERIMETER[0]}) + "\n")
+    files = ensure_text_data(tmp_path, "tiny", prompts, 0, log=logged.append)
+    assert [[json.loads(line) for line in f.read_text().splitlines()] for f in files] == [
+        [chat(*f)]
+        for f in (AREA, SIDE, FETCH, SCALE)  # 4 rows in 4 files
+    ]
     before = {f: f.stat().st_mtime_ns for f in files}
-    assert ensure_text_data(tmp_path, "tiny", data.prompts_file, 0, log=logged.append) == files
+    assert ensure_text_data(tmp_path, "tiny", prompts, 0, log=logged.append) == files
     assert {f: f.stat().st_mtime_ns for f in files} == before and "reusing cached text" in logged[-1]
     other = tmp_path / "other_prompts"
     other.mkdir()
-    (other / "prompts.jsonl").write_text(json.dumps({"prompt": rows[0]["conversations"][0]["content"]}) + "\n")
+    (other / "prompts.jsonl").write_text(json.dumps({"prompt": AREA[0]}) + "\n")
     rebuilt = [
         json.loads(line)
         for f in ensure_text_data(tmp_path, "tiny", other / "prompts.jsonl", 0, log=logged.append)
         for line in f.read_text().splitlines()
     ]
-    assert rows[0] not in rebuilt and len(rebuilt) == len(text_rows(0, set())) - 1
+    assert rebuilt == [chat(*f) for f in (SIDE, PERIMETER, FETCH, SCALE)]
 
 
 @pytest.mark.parametrize(

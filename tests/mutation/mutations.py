@@ -2072,6 +2072,528 @@ TARGETS = [
 ]
 
 
+# Crash-safe checkpoints (issue 55, item 7): the manifest, its verification, the commit, pruning
+# and the resume's choice of slot; then what a resume loads back into the engine.
+SLOTS_PY = "specdraft/checkpoint/slots.py"
+DRAFT_PARTS_PY = "specdraft/checkpoint/draft_parts.py"
+LAYOUT_PY = "specdraft/rundir/layout.py"
+CKPT_TESTS = "tests/test_checkpoint.py"
+RESUME_TESTS = "tests/test_resume.py"
+SLOTS_UNIT = "tests/test_slots.py"
+RESUME_EXACT = f"{CKPT_TESTS}::test_a_resume_brings_back_the_weights_the_optimizer_and_the_schedule"
+SLOT_FILES: List[Mutation] = [
+    Mutation(
+        "slots/manifest-lists-deepspeeds-files-only",
+        SLOTS_PY,
+        "        if name not in files:\n            fsync_file(path)\n            files[name] = file_entry(path)",
+        "        if name not in files:\n            pass",
+        (f"{RESUME_TESTS}::test_auto_resume_moves_a_trapped_slot_aside_and_resumes_the_one_before",),
+        "the frozen state and zero_to_fp32.py are committed unhashed (and every resume refuses them)",
+    ),
+    Mutation(
+        "slots/commit-before-the-files-are-durable",
+        SLOTS_PY,
+        "            fsync_file(path)\n            written[str(Path(path).relative_to(slot_dir))]",
+        "            written[str(Path(path).relative_to(slot_dir))]",
+        ("tests/test_distributed.py::test_every_rank_fsyncs_its_own_files_before_the_commit",),
+        "a rank's checkpoint file is committed before it is fsynced (a power loss keeps a committed, empty file)",
+    ),
+    Mutation(
+        "slots/commit-marker-before-the-directory-sync",
+        SLOTS_PY,
+        "    fsync_dir(slot_dir)\n    pause()\n    write_atomic(slot_dir / COMMITTED",
+        "    pause()\n    write_atomic(slot_dir / COMMITTED",
+        (f"{SLOTS_UNIT}::test_commit_syncs_the_slot_before_its_marker_and_the_marker_before_latest",),
+        "COMMITTED is written before the slot's directory entries are durable",
+    ),
+    Mutation(
+        "slots/verify-skips-the-sha256",
+        SLOTS_PY,
+        'if file_sha256(path) != entry["sha256"]:',
+        "if False:",
+        (f"{CKPT_TESTS}::test_manifest_mismatch_is_refused",),
+        "a file modified at its size resumes",
+    ),
+    Mutation(
+        "slots/verify-skips-the-size",
+        SLOTS_PY,
+        'if path.stat().st_size != entry["bytes"]:',
+        "if False:",
+        (f"{CKPT_TESTS}::test_truncated_optimizer_file_is_refused_before_unpickling",),
+        "a truncated file is hashed whole before it is refused, and reported as modified",
+    ),
+    Mutation(
+        "slots/verify-skips-the-pickle-check",
+        SLOTS_PY,
+        "            safe_load.check(path)",
+        "            pass",
+        (f"{RESUME_TESTS}::test_a_booby_trapped_optimizer_state_is_refused_without_running_it",),
+        "a pickle with a valid manifest is unpickled without checking what it calls",
+    ),
+    Mutation(
+        "slots/verify-accepts-files-outside-the-manifest",
+        SLOTS_PY,
+        "for name in sorted(present - set(expected)):",
+        "for name in sorted(present - present):",
+        (f"{SLOTS_UNIT}::test_verification_refuses_a_file_no_commit_listed",),
+        "a file planted in a slot is loaded (the consolidation reads the whole slot) though no commit listed it",
+    ),
+    Mutation(
+        "slots/verify-missing-file-is-not-a-refusal",
+        SLOTS_PY,
+        "        if not path.is_file():\n            raise",
+        "        if False:\n            raise",
+        (f"{SLOTS_UNIT}::test_verification_refuses_a_listed_file_that_is_gone_in_one_line",),
+        "a listed file that is gone fails with a traceback (FileNotFoundError), and resume=auto stops there",
+    ),
+    Mutation(
+        "slots/prune-keeps-the-oldest",
+        SLOTS_PY,
+        "keep = committed_slots(ckpt_dir)[-keep_last:]",
+        "keep = committed_slots(ckpt_dir)[:keep_last]",
+        (f"{CKPT_TESTS}::test_keep_last_prunes_old_slots",),
+        "pruning keeps the oldest slots (and so deletes nothing, or the newest)",
+    ),
+    Mutation(
+        "slots/prune-keeps-one-too-many",
+        SLOTS_PY,
+        "keep = committed_slots(ckpt_dir)[-keep_last:]",
+        "keep = committed_slots(ckpt_dir)[-keep_last - 1 :]",
+        (f"{CKPT_TESTS}::test_keep_last_prunes_old_slots",),
+    ),
+    Mutation(
+        "slots/remove-deletes-while-committed",
+        SLOTS_PY,
+        "    if marker.exists():\n        marker.unlink()\n        fsync_dir(path)\n    shutil.rmtree(path)",
+        "    shutil.rmtree(path)",
+        (f"{CKPT_TESTS}::test_a_committed_slot_is_uncommitted_before_it_is_deleted",),
+        "a slot is deleted with its COMMITTED in place: a crash midway leaves a committed half-slot",
+    ),
+    Mutation(
+        "slots/newest-slot-by-name",
+        LAYOUT_PY,
+        "(p / COMMITTED).is_file()),\n        key=slot_step,",
+        "(p / COMMITTED).is_file()),\n        key=lambda p: p.name,",
+        (f"{CKPT_TESTS}::test_resume_auto_continues_an_interrupted_run",),
+        "step_10 sorts before step_9: the newest slot is the wrong one",
+    ),
+    Mutation(
+        "slots/auto-resume-takes-the-oldest",
+        CHECKPOINT_PY,
+        "[[str(p) for p in reversed(slots.committed_slots(self.ckpt_dir))]]",
+        "[[str(p) for p in slots.committed_slots(self.ckpt_dir)]]",
+        (f"{RESUME_TESTS}::test_auto_resume_moves_a_trapped_slot_aside_and_resumes_the_one_before",),
+        "resume=auto continues from the oldest committed slot",
+    ),
+    Mutation(
+        "slots/auto-resume-stops-at-a-damaged-slot",
+        CHECKPOINT_PY,
+        "                if not auto:\n                    raise",
+        "                if True:\n                    raise",
+        (f"{RESUME_TESTS}::test_auto_resume_moves_a_trapped_slot_aside_and_resumes_the_one_before",),
+        "resume=auto refuses to start where the slot before the damaged one would do",
+    ),
+    Mutation(
+        "slots/a-rank-verifies-only-the-frozen-state",
+        CHECKPOINT_PY,
+        "        return files_rank_loads(record, self.rank)",
+        "        return frozen_files(record)",
+        (f"{CKPT_TESTS}::test_manifest_mismatch_is_refused",),
+        "the DeepSpeed files a rank loads are not checked against the manifest",
+    ),
+    Mutation(
+        "slots/resume-skips-the-compatibility-check",
+        CHECKPOINT_PY,
+        "            check_compatible(slot, record, self.cfg, self.target_identity)",
+        "            pass",
+        ("tests/test_user_files.py::test_a_resume_refused_for_a_changed_config_names_each_key_and_both_values",),
+        "a slot resumes under another draft config, target, precision or seed",
+    ),
+    Mutation(
+        "slots/rollback-keeps-the-later-slots",
+        SLOTS_PY,
+        "for later in (p for p in committed_slots(ckpt) if slot_step(p) > step):",
+        "for later in (p for p in committed_slots(ckpt) if False):",
+        ("tests/test_user_files.py::test_a_rollback_to_an_older_slot_sets_the_later_ones_aside_and_continues_exactly",),
+        "after a rollback resume=auto continues the abandoned trajectory (and the new saves collide with it)",
+    ),
+]
+
+# What a resume loads into the engine: DeepSpeed's load_checkpoint with each part turned off.
+# custom_load_fn is what DeepSpeed calls instead of module.load_state_dict: a no-op leaves the
+# fresh build's weights (at ZeRO-0; ZeRO 1-3 restore the module from the optimizer's fp32 copy).
+RESUME_LOADS = (
+    f"{RESUME_TESTS}::test_sigterm_stops_at_a_step_boundary_commits_it_and_the_resume_continues_exactly",
+    RESUME_EXACT,
+    "tests/test_target_matrix.py",
+    "tests/test_multinode.py",
+    "tests/test_sequence_parallel.py",
+    "tests/test_several_drafts.py",
+)
+LOADING: List[Mutation] = [
+    Mutation(
+        "loading/resume-without-the-weights",
+        DRAFT_PARTS_PY,
+        "        load_module_strict=False,\n",
+        "        load_module_strict=False,\n        custom_load_fn=lambda src, dst: None,\n",
+        (f"{RESUME_TESTS}::test_a_slot_resumes_at_another_thread_count_zero_stage_and_world_size",) + RESUME_LOADS[1:],
+        "a resume keeps the fresh draft's weights (refused by the fingerprint check)",
+    ),
+    Mutation(
+        "loading/resume-without-the-optimizer-state",
+        DRAFT_PARTS_PY,
+        "load_optimizer_states=True,",
+        "load_optimizer_states=False,",
+        RESUME_LOADS,
+        "a resume restarts Adam's moments and step count",
+    ),
+    Mutation(
+        "loading/resume-without-the-scheduler-state",
+        DRAFT_PARTS_PY,
+        "load_lr_scheduler_states=True,",
+        "load_lr_scheduler_states=False,",
+        RESUME_LOADS,
+        "a resume restarts the learning-rate schedule at its warmup",
+    ),
+]
+
+# Where a command may write (specdraft/rundir/): ownership markers, refusals, atomic writes.
+OWNERSHIP_PY = "specdraft/rundir/ownership.py"
+ATOMIC_PY = "specdraft/rundir/atomic.py"
+USER_FILES = "tests/test_user_files.py"
+RUNDIR_UNIT = "tests/test_rundir.py"
+RUNDIR: List[Mutation] = [
+    Mutation(
+        "rundir/a-users-folder-taken-as-output-dir",
+        OWNERSHIP_PY,
+        "        if not is_run_dir(run_dir):\n",
+        "        if False:\n",
+        (f"{USER_FILES}::test_train_refuses_a_users_folder_before_loading_anything",),
+        "`train` writes into a non-empty folder that is not a run",
+    ),
+    Mutation(
+        "rundir/a-users-marker-taken-for-ours",
+        LAYOUT_PY,
+        '        or "specdraft_version" not in marker\n',
+        "",
+        (f"{USER_FILES}::test_a_users_specdraft_jsonl_or_own_specdraft_json_is_never_taken_for_our_marker",),
+        "a user's own specdraft.json with a kind field makes their folder ours",
+    ),
+    Mutation(
+        "rundir/any-marker-is-an-export",
+        LAYOUT_PY,
+        "return Path(path).is_dir() and marker_kind(path) == EXPORT",
+        "return Path(path).is_dir() and marker_kind(path) is not None",
+        (f"{RUNDIR_UNIT}::test_export_out_is_never_a_folder_of_our_other_kinds",),
+        "`export --out` replaces a regenerate output (or any folder with our marker)",
+    ),
+    Mutation(
+        "rundir/export-into-a-run",
+        OWNERSHIP_PY,
+        "if run is not None and out.resolve() != Path(default).resolve():",
+        "if False:",
+        (f"{USER_FILES}::test_export_refuses_a_users_folder_a_file_and_any_run",),
+        "`export --out` replaces a run or a folder inside one",
+    ),
+    Mutation(
+        "rundir/resume-no-mixes-into-committed-slots",
+        OWNERSHIP_PY,
+        'if slots and resume == "no":',
+        "if False:",
+        (f"{USER_FILES}::test_resume_no_into_committed_checkpoints_is_refused_naming_the_newest",),
+        "resume=no starts a new run in a folder of committed slots",
+    ),
+    Mutation(
+        "rundir/a-run-inside-a-run",
+        OWNERSHIP_PY,
+        "outer = enclosing_run(run_dir.resolve().parent)",
+        "outer = None",
+        (f"{USER_FILES}::test_output_dir_dot_inside_a_run_is_that_run_and_a_link_into_another_run_is_refused",),
+        "output_dir inside another run is taken",
+    ),
+    Mutation(
+        "rundir/a-users-folder-taken-by-regenerate",
+        OWNERSHIP_PY,
+        "if _non_empty(out) and not is_regenerate_dir(out):",
+        "if False:",
+        (f"{USER_FILES}::test_regenerate_refuses_a_users_folder_and_a_file",),
+        "`regenerate --out` writes into a user's folder",
+    ),
+    Mutation(
+        "rundir/a-users-png-replaced-by-a-plot",
+        OWNERSHIP_PY,
+        "if path.exists() and not is_our_plot(path):",
+        "if False:",
+        (f"{USER_FILES}::test_eval_plot_refuses_a_users_file_and_a_directory",),
+        "`eval --plot` overwrites a file it did not write",
+    ),
+    Mutation(
+        "rundir/any-hidden-tmp-is-ours",
+        ATOMIC_PY,
+        "    return name.startswith(prefix) and name.endswith(TEMP_SUFFIX) and len(name) == len(prefix) + 8 + len(TEMP_SUFFIX)",
+        "    return name.startswith(prefix) and name.endswith(TEMP_SUFFIX)",
+        (f"{USER_FILES}::test_a_restarted_run_clears_the_half_written_export_a_crash_left_and_nothing_else",),
+        "a restarted run deletes a user's `.step_2.notes.tmp` as a crashed export",
+    ),
+    Mutation(
+        "rundir/write-in-place",
+        ATOMIC_PY,
+        "        os.replace(tmp, path)\n",
+        "        shutil.copyfile(tmp, path)\n        tmp.unlink()\n",
+        (f"{RUNDIR_UNIT}::test_write_atomic_replaces_the_file_and_never_writes_into_the_old_one",),
+        "write_atomic rewrites the file in place: a crash midway leaves it half-written",
+    ),
+    Mutation(
+        "rundir/rename-before-fsync",
+        ATOMIC_PY,
+        "        fsync_file(tmp)\n        os.replace(tmp, path)",
+        "        os.replace(tmp, path)",
+        (f"{RUNDIR_UNIT}::test_write_atomic_makes_the_data_durable_before_the_rename_and_the_rename_after",),
+        "the rename lands before the data: a power loss leaves an empty file under the final name",
+    ),
+    Mutation(
+        "rundir/rename-not-made-durable",
+        ATOMIC_PY,
+        "        raise\n    fsync_dir(path.parent)",
+        "        raise",
+        (f"{RUNDIR_UNIT}::test_write_atomic_makes_the_data_durable_before_the_rename_and_the_rename_after",),
+        "the rename is not fsynced into its directory: a power loss brings the old file back",
+    ),
+    Mutation(
+        "rundir/publish-deletes-the-old-first",
+        ATOMIC_PY,
+        "        old = fresh_name(final_dir, ASIDE_SUFFIX)\n        os.replace(final_dir, old)",
+        "        shutil.rmtree(final_dir)",
+        (f"{RUNDIR_UNIT}::test_a_publish_that_fails_at_the_rename_keeps_the_old_export",),
+        "an export is deleted before its replacement is in place: a failure between leaves neither",
+    ),
+    Mutation(
+        "rundir/publish-unsynced-files",
+        ATOMIC_PY,
+        "    fsync_tree(tmp_dir)\n",
+        "",
+        (f"{RUNDIR_UNIT}::test_publish_dir_syncs_every_file_before_the_rename_and_deletes_the_old_one_last",),
+        "an export directory is renamed into place before its files are durable",
+    ),
+]
+
+# The sampler's position: a resume continues at the next unseen sequence.
+SAMPLER_PY = "specdraft/data/sampler.py"
+SAMPLER_TESTS = "tests/test_data.py"
+SAMPLER_RESUME = f"{SAMPLER_TESTS}::test_sampler_shards_are_disjoint_and_resume_exactly"
+SAMPLER: List[Mutation] = [
+    Mutation(
+        "sampler/resume-one-batch-late",
+        SAMPLER_PY,
+        '        self.position = state["position"]',
+        '        self.position = state["position"] + self.global_batch',
+        (SAMPLER_RESUME,),
+        "a resume skips a global batch",
+    ),
+    Mutation(
+        "sampler/resume-one-batch-early",
+        SAMPLER_PY,
+        '            "position": self.position,',
+        '            "position": max(0, self.position - self.global_batch),',
+        (SAMPLER_RESUME,),
+        "a resume repeats the last global batch",
+    ),
+    Mutation(
+        "sampler/resume-in-epoch-zero",
+        SAMPLER_PY,
+        '        self.epoch = state["epoch"]',
+        "        self.epoch = 0",
+        (f"{SAMPLER_TESTS}::test_a_resume_in_a_later_epoch_continues_that_epochs_order",),
+        "a resume after the first epoch replays the first epoch's order",
+    ),
+    Mutation(
+        "sampler/ranks-share-a-micro-batch",
+        SAMPLER_PY,
+        "start = self.position + self.rank * self.batch_size",
+        "start = self.position",
+        (SAMPLER_RESUME,),
+        "every rank trains on the same sequences",
+    ),
+    Mutation(
+        "sampler/one-order-for-every-epoch",
+        SAMPLER_PY,
+        "np.random.default_rng([self.seed, self.epoch])",
+        "np.random.default_rng([self.seed, 0])",
+        (f"{SAMPLER_TESTS}::test_a_resume_in_a_later_epoch_continues_that_epochs_order",),
+        "every epoch repeats the first one's order",
+    ),
+]
+
+# The target's own attention in the capture (target/capture.py's tiles, drafts/documents.py's
+# flex path and the per-document split): sliding windows, attention sinks, soft-capping, MLA.
+ARCH_TESTS = "tests/test_capture_architectures.py"
+CORE = f"{ARCH_TESTS}::test_the_core_applies_window_sinks_and_softcap_inside_documents"
+CAPTURED = f"{ARCH_TESTS}::test_the_capture_equals_transformers_on_packed_documents"
+TARGET_ATTENTION: List[Mutation] = [
+    Mutation(
+        "target-attention/tile-window-plus-1",
+        CAPTURE_PY,
+        "visible = visible & (t - s < window)",
+        "visible = visible & (t - s <= window)",
+        (f"{CORE}[24-None-None-slices]", CORE),
+        "CPU: a windowed layer's query sees one key beyond its window",
+    ),
+    Mutation(
+        "target-attention/tile-misses-its-oldest-key",
+        CAPTURE_PY,
+        "first = 0 if window is None else max(0, start - window + 1)",
+        "first = 0 if window is None else max(0, start - window + 2)",
+        (f"{CORE}[24-None-None-slices]", CORE),
+        "CPU: the first query of each tile loses the oldest key of its window",
+    ),
+    Mutation(
+        "target-attention/tile-sinks-dropped",
+        CAPTURE_PY,
+        "        if sink is not None:\n            logits",
+        "        if False:\n            logits",
+        (f"{CORE}[None-True-None-slices]", CORE),
+        "CPU: gpt-oss's sinks leave the softmax's denominator",
+    ),
+    Mutation(
+        "target-attention/tile-softcap-skipped",
+        CAPTURE_PY,
+        "            scores = torch.tanh(scores / softcap) * softcap",
+        "            scores = scores",
+        (f"{CORE}[24-True-3.0-slices]", CORE),
+        "CPU: the layer's logit soft-cap is not applied",
+    ),
+    Mutation(
+        "target-attention/tile-softcap-applied-twice",
+        CAPTURE_PY,
+        "            scores = torch.tanh(scores / softcap) * softcap",
+        "            scores = torch.tanh(torch.tanh(scores / softcap)) * softcap",
+        (f"{CORE}[24-True-3.0-slices]", CORE),
+        "CPU: the soft-cap is applied to already capped scores",
+    ),
+    Mutation(
+        "target-attention/window-not-handed-to-the-core",
+        CAPTURE_PY,
+        '("window", sliding_window)',
+        '("window", None)',
+        (f"{CAPTURED}[qwen2-slices]", CAPTURED),
+        "the capture ignores each layer's sliding window",
+    ),
+    Mutation(
+        "target-attention/sinks-not-handed-to-the-core",
+        CAPTURE_PY,
+        "    sinks = s_aux\n",
+        "    sinks = None\n",
+        (f"{CAPTURED}[gpt_oss-slices]", CAPTURED),
+        "the capture drops gpt-oss's attention sinks",
+    ),
+    Mutation(
+        "target-attention/softcap-not-handed-to-the-core",
+        CAPTURE_PY,
+        '("softcap", softcap)',
+        '("softcap", None)',
+        (f"{CAPTURED}[gemma2-slices]", CAPTURED),
+        "the capture drops Gemma 2's soft-cap",
+    ),
+    Mutation(
+        "target-attention/layer-scaling-ignored",
+        CAPTURE_PY,
+        "out = shard.attention(specdraft_core, query, key, value, scaling, **extras)",
+        "out = shard.attention(specdraft_core, query, key, value, None, **extras)",
+        (f"{CAPTURED}[gemma3_text-slices]", CAPTURED),
+        "Gemma's query_pre_attn_scalar (and DeepSeek's mscale) replaced by head_dim ** -0.5",
+    ),
+    Mutation(
+        "target-attention/sp-rank-takes-the-first-heads-sinks",
+        CAPTURE_PY,
+        "sinks = sinks.view(shard.size, -1)[shard.rank]",
+        "sinks = sinks.view(shard.size, -1)[0]",
+        (f"{ARCH_TESTS}::test_sequence_parallel_ranks_capture_their_shard_of_the_same_features[gpt_oss]",),
+        "under SP every rank attends with the sinks of rank 0's heads",
+    ),
+    Mutation(
+        "target-attention/flex-window-plus-1",
+        DOCUMENTS_PY,
+        "(q - kv < window) & (documents[b, q] == documents[b, kv])",
+        "(q - kv <= window) & (documents[b, q] == documents[b, kv])",
+        (f"{CORE}[24-None-None-flex]", CORE),
+        "CUDA: a packed query of a windowed layer sees one key beyond its window",
+    ),
+    Mutation(
+        "target-attention/flex-window-ignores-documents",
+        DOCUMENTS_PY,
+        "(q - kv < window) & (documents[b, q] == documents[b, kv])",
+        "(q - kv < window)",
+        (f"{CORE}[24-None-None-flex]", CORE),
+        "CUDA: a windowed layer attends across the border into the previous conversation",
+    ),
+    Mutation(
+        "target-attention/flex-one-row-window-plus-1",
+        DOCUMENTS_PY,
+        "                return (q >= kv) & (q - kv < window)\n",
+        "                return (q >= kv) & (q - kv <= window)\n",
+        (f"{CORE}[24-None-None-flex]", CORE),
+        "CUDA, one conversation per row: a query sees one key beyond its window",
+    ),
+    Mutation(
+        "target-attention/flex-sinks-dropped",
+        DOCUMENTS_PY,
+        "        if sinks is None:\n            return flex_attention(",
+        "        if True:\n            return flex_attention(",
+        (f"{CORE}[None-True-None-flex]", CORE),
+        "CUDA: gpt-oss's sinks leave the softmax's denominator",
+    ),
+    Mutation(
+        "target-attention/flex-sinks-sign",
+        DOCUMENTS_PY,
+        "torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])",
+        "torch.sigmoid(sinks.to(lse.dtype)[None, :, None] - lse)",
+        (f"{CORE}[None-True-None-flex]", CORE),
+        "CUDA: the sink's share of the softmax is taken for the keys'",
+    ),
+    Mutation(
+        "target-attention/flex-softcap-skipped",
+        DOCUMENTS_PY,
+        "            return torch.tanh(score / softcap) * softcap",
+        "            return score",
+        (f"{CORE}[24-True-3.0-flex]", CORE),
+        "CUDA: the layer's logit soft-cap is not applied",
+    ),
+    Mutation(
+        "target-attention/slices-window-dropped",
+        DOCUMENTS_PY,
+        "        return tiled_attention(q, k, v, scale, window, sinks, softcap, ids)",
+        "        return tiled_attention(q, k, v, scale, None, sinks, softcap, ids)",
+        (f"{CORE}[24-None-None-slices]", CORE),
+        "CPU: packed documents are attended without the layer's window",
+    ),
+    Mutation(
+        "target-attention/dense-ignores-documents",
+        DOCUMENTS_PY,
+        "    return attend(q, k, v, documents.ids)",
+        "    return attend(q, k, v)",
+        (f"{CORE}[None-True-None-dense]", CORE),
+        "other devices: a windowed layer attends across conversations",
+    ),
+    # MLA (DeepSeek-V3): keys of qk_nope + qk_rope dims, RoPE on the last qk_rope, values of v_head_dim
+    Mutation(
+        "target-attention/mla-values-as-wide-as-the-keys",
+        CAPTURE_PY,
+        "v[:, :, None, first:end]).reshape(B, H, end - start, -1)",
+        "v[:, :, None, first:end]).reshape(B, H, end - start, D)",
+        (f"{CORE}[None-True-None-slices]", CORE),
+        "the tiles take MLA's values (v_head_dim) to be as wide as its keys (qk_nope + qk_rope)",
+    ),
+    Mutation(
+        "target-attention/mla-rope-table-over-the-whole-head",
+        CAPTURE_PY,
+        'if config.model_type == "gpt_oss":',
+        'if config.model_type in ("gpt_oss", "deepseek_v3"):',
+        (f"{ARCH_TESTS}::test_the_rotary_tables_are_the_ones_the_last_layer_applies",),
+        "MLA's decoupled RoPE table (qk_rope dims) is stretched over the no-RoPE dims too",
+    ),
+]
+
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "data-spans": DATA_SPANS,
     "glide": GLIDE,
@@ -2091,6 +2613,11 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "losses": LOSS_FORMULAS,
     "teacher": TEACHER,
     "targets": TARGETS,
+    "slots": SLOT_FILES,
+    "loading": LOADING,
+    "rundir": RUNDIR,
+    "sampler": SAMPLER,
+    "target-attention": TARGET_ATTENTION,
 }
 
 
