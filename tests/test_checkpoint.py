@@ -173,7 +173,9 @@ def test_zero3_export_equals_zero2_export(zero_runs, work):
     three = load_file(str(work / "full3" / "step_12" / "model.safetensors"))
     assert set(two) == set(three)
     for key in two:
-        torch.testing.assert_close(two[key], three[key], rtol=1e-6, atol=1e-7)
+        # ZeRO-3 reduces in another order than ZeRO-2; over 12 updates (all at a rate above 0 since
+        # train/schedule.py: the first two used to run at 0) that drifts to ~2e-7 (rel 6e-6)
+        torch.testing.assert_close(two[key], three[key], rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
