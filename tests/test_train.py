@@ -242,35 +242,14 @@ def test_every_update_from_the_first_runs_at_the_scheduled_learning_rate(
 ):
     """DeepSpeed's WarmupCosineLR ran updates 1 and 2 at lr 0, whatever the warmup: the weights
     after step 2 were the initial ones."""
-    import torch
+    from helpers import TrainingSpy, assert_every_update_moved_everything
 
-    import specdraft.train.loop as loop
-
-    weights = []  # the draft's trainable weights: initial, then after each update
-
-    def snapshot(engine):
-        weights.append([p.detach().clone() for p in engine.module.draft_model.parameters() if p.requires_grad])
-
-    def build_engine(*args, **kwargs):
-        engine = build_engine.__wrapped__(*args, **kwargs)
-        snapshot(engine)
-        step = engine.step
-
-        def step_then_snapshot(*a, **k):
-            step(*a, **k)
-            snapshot(engine)
-
-        engine.step = step_then_snapshot
-        return engine
-
-    build_engine.__wrapped__ = loop.build_engine
-    monkeypatch.setattr(loop, "build_engine", build_engine)
+    spy = TrainingSpy(monkeypatch)
     train_run(tiny_target_dir, data_dir, tmp_path, "lr", max_steps=3, save_steps=3, warmup_steps=warmup)
     logged = [json.loads(line) for line in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in logged if "lr" in r] == pytest.approx(FIRST_THREE_LRS[warmup], rel=1e-12)
-    assert len(weights) == 4
-    for before, after in zip(weights, weights[1:]):  # every update, the first included, moved every tensor
-        assert all(not torch.equal(b, a) for b, a in zip(before, after))
+    assert len(spy.snapshots) == 4
+    assert_every_update_moved_everything(spy.snapshots)  # the first update included
 
 
 def test_a_slot_saved_with_deepspeeds_scheduler_resumes_on_the_same_update():

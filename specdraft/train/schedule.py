@@ -18,8 +18,6 @@ leave `last_batch_iteration` at n - 1).
 from __future__ import annotations
 
 import math
-from typing import List
-
 from specdraft.errors import SpecdraftError
 
 
@@ -50,10 +48,6 @@ class WarmupCosine:
     def step(self, *_, **__) -> None:
         self.updates += 1
         self._apply()
-
-    def get_last_lr(self) -> List[float]:
-        """The rates the next update will run at (torch's meaning)."""
-        return [group["lr"] for group in self.optimizer.param_groups]
 
     def lr_of_last_update(self) -> float:
         """What the most recent update ran at (the first group's peak times its ratio): the rate a
