@@ -1,4 +1,4 @@
-"""`specdraft train|config|data|demo|inspect|export|consolidate|eval|regenerate`.
+"""`specdraft train|capture|config|data|demo|inspect|export|consolidate|eval|regenerate`.
 
 A user mistake (SpecdraftError) is one line on stderr and exit code 2, never a traceback.
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so `--help` is instant.
@@ -34,6 +34,14 @@ def _cmd_data(args) -> int:
     from specdraft.commands.data_report import data_report
 
     data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
+    return 0
+
+
+def _cmd_capture(args) -> int:
+    from specdraft.config import load_config
+    from specdraft.commands.capture import capture
+
+    capture(load_config(args.config, args.overrides))
     return 0
 
 
@@ -242,6 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per row: source, tokens, trained, trained_text")
     p.set_defaults(run=_cmd_data)
+
+    p = commands.add_parser(
+        "capture",
+        help="run the target once over the training rows and write its features to feature_cache: "
+        "CONFIG.yaml [key=value ...]",
+        epilog=keys_help,
+    )
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for train (feature_cache=DIR)")
+    p.set_defaults(run=_cmd_capture)
 
     p = commands.add_parser(
         "config", help="print CONFIG.yaml [key=value ...] resolved with every default", epilog=keys_help

@@ -22,6 +22,10 @@ PRECISIONS = ("fp32", "bf16")
 
 
 TARGET_PLACEMENTS = ("auto", "replicated", "partitioned")
+PACKINGS = ("stream", "whole")
+FEATURE_CACHE_MODES = ("offline", "hybrid")
+FEATURE_CACHE_DTYPES = ("fp32", "bf16", "fp8")
+FP8_SCALES = ("token", "token_layer")
 
 
 @dataclass
@@ -48,6 +52,23 @@ class TrainConfig:
     # packed conversations: positions restart and attention stops at each conversation border
     # (target and draft); false: a window is one stream across borders (LongSpec's packing)
     document_mask: bool = True
+    # how conversations fill the max_seq_length windows. stream: the conversations joined and cut at
+    # every window border (a cut one goes on in the next window as a new document, without its
+    # prompt); whole: each conversation whole in one window, best fit, one longer than a window
+    # truncated at its end, each window's tail padding (a document of its own, no labels)
+    packing: str = "stream"
+    # a feature cache (`specdraft capture` writes it): the target's features are read from it
+    # instead of computed; needs packing: whole and document_mask: true. None: the target runs
+    feature_cache: Optional[str] = None
+    # offline: every row must be in the cache and the target's layers are never built (only its
+    # embeddings and lm_head are read); hybrid: the target is built, rows missing from the cache
+    # are computed in the first epoch and committed to it, later epochs read them
+    feature_cache_mode: str = "offline"
+    # what `specdraft capture` stores: fp32 | bf16 | fp8 (float8 e4m3 with float32 scales)
+    feature_cache_dtype: str = "bf16"
+    # fp8 scales: token (one per token across every stored layer, as speculators) | token_layer
+    feature_cache_fp8_scale: str = "token"
+    feature_cache_shard_tokens: int = 16384  # tokens per shard file of the cache (~0.5 GB at H 4096, bf16, 4 layers)
     per_device_batch_size: int = 2  # sequences per rank per micro step
     gradient_accumulation_steps: int = 1  # micro steps per optimizer step
     learning_rate: float = 5e-4  # AdamW peak learning rate (LongSpec's)

@@ -15,6 +15,10 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from specdraft.config.data_files import resolve_data_files
 from specdraft.config.schema import (
     DRAFT_NAME,
+    FEATURE_CACHE_DTYPES,
+    FEATURE_CACHE_MODES,
+    FP8_SCALES,
+    PACKINGS,
     PER_DRAFT_KEYS,
     PRECISIONS,
     RESERVED_NAMES,
@@ -53,8 +57,18 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
         fail("zero_stage", f"{cfg.zero_stage} is not one of 0, 1, 2, 3")
     if cfg.target_placement not in TARGET_PLACEMENTS:
         fail("target_placement", f"{cfg.target_placement!r} is not one of {', '.join(TARGET_PLACEMENTS)}")
+    for key, allowed in (
+        ("packing", PACKINGS),
+        ("feature_cache_mode", FEATURE_CACHE_MODES),
+        ("feature_cache_dtype", FEATURE_CACHE_DTYPES),
+        ("feature_cache_fp8_scale", FP8_SCALES),
+    ):
+        if OmegaConf.select(cfg, key) not in allowed:
+            fail(key, f"{OmegaConf.select(cfg, key)!r} is not one of {', '.join(allowed)}")
     family = draft_family(cfg.draft.type, source)
     check_family_keys(family, draft_keys, source)
+    if cfg.feature_cache is not None:
+        _check_feature_cache_keys(cfg, family, fail)
     for key in (
         "max_seq_length",
         "per_device_batch_size",
@@ -102,6 +116,32 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_steps > 0 and cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")  # read only when tau is measured
+
+
+def _check_feature_cache_keys(cfg: DictConfig, family, fail) -> None:
+    """A cache row is one conversation's features, computed with attention inside it from position 0."""
+    if cfg.packing != "whole":
+        fail("feature_cache", "a feature cache holds whole conversations; set packing: whole")
+    if not cfg.document_mask:
+        fail(
+            "feature_cache",
+            "a cached conversation was attended alone; without document_mask a window is one stream "
+            "across conversations: set document_mask: true",
+        )
+    if family.moves_target_positions(cfg.draft):
+        fail(
+            "feature_cache",
+            "this draft moves the target's positions per batch (GLIDE's anchor_offset); features "
+            "cached at the conversation's own positions cannot serve it",
+        )
+    if cfg.feature_cache_mode == "hybrid" and cfg.sequence_parallel_size > 1:
+        fail(
+            "feature_cache_mode",
+            "hybrid computes whole conversations to commit them; under sequence parallelism a rank "
+            "holds a part of each: capture first (`specdraft capture`), then train offline",
+        )
+    if cfg.feature_cache_shard_tokens < cfg.max_seq_length:
+        fail("feature_cache_shard_tokens", f"must be >= max_seq_length ({cfg.max_seq_length})")
 
 
 def _normalise_resume(cfg: DictConfig) -> None:

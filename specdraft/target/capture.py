@@ -273,7 +273,9 @@ def core_attention_implementation(base_model: nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
-def rotary_tables(base_model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+def rotary_tables(
+    base_model: nn.Module, config=None
+) -> Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
     """(x, position_ids (B, N)) -> the target's cos, sin (B, N, D) in the rotate-half layout a
     draft's apply_rope reads (x: the dtype and device). Where the target's rotary_emb differs:
     - a table per layer kind (Gemma 3: local and global bases; rotary_emb(x, positions, kind)): the
@@ -282,13 +284,15 @@ def rotary_tables(base_model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor
       same frequencies): repeated to the head width, which is rotate-half exactly.
     Otherwise rotary_emb's own: DeepSeek-V3 (qk_rope_head_dim, interleaved with rope_interleave)
     and partial rotary (GLM-4.5, Qwen3-Next: head_dim x partial_rotary_factor) come back as narrow
-    as the target applies them."""
+    as the target applies them.
+    config: the target's text config where base_model has none of its layers (target/light.py)."""
     import inspect
 
     rotary_emb = base_model.rotary_emb
-    config = base_model.config
+    num_layers = len(base_model.layers) if config is None else config.num_hidden_layers
+    config = base_model.config if config is None else config
     if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
-        kind = config.layer_types[len(base_model.layers) - 1]
+        kind = config.layer_types[num_layers - 1]
         return lambda x, positions: rotary_emb(x, positions, kind)
     if config.model_type == "gpt_oss":
 

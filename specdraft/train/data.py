@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from specdraft.config import resolve_data_files
 from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
+from specdraft.data.whole_packing import WholePackedData
 from specdraft.checkpoint.slots import wait_visible
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.collectives import any_rank, run_shared
@@ -34,7 +35,10 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     if failed:
         raise SystemExit(2)  # rank 0 reports the data error
     run_shared(lambda: _expect_cache(cache_dir, rank), on_rank=None)
-    return open_packed_cache(cache_dir)
+    packed = open_packed_cache(cache_dir)
+    if cfg.packing == "whole":  # the same files, windows of whole conversations
+        return WholePackedData(cache_dir, packed.meta)
+    return packed
 
 
 def _data_and_cache(cfg: DictConfig):

@@ -27,6 +27,8 @@ from specdraft.drafts.base import CaptureRequest, DraftLoss, HostBatch
 from specdraft.drafts.registry import build_draft
 from specdraft.rundir.ownership import claim_run_dir, start_run_dir
 from specdraft.parallel.sequence import SequenceParallel, sequence_parallel_groups
+from specdraft.target.light import load_light_target
+from specdraft.target.checks import load_target_config
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.rundir.layout import config_file, draft_part, export_dir
 from specdraft.checkpoint.manager import CheckpointManager, DraftPart
@@ -37,10 +39,12 @@ from specdraft.export.files import BackgroundExporter, serving_formats, write_dr
 from specdraft.export.init_from import apply_import, planned_import
 from specdraft.train.interrupt import StopSignals, TrainingInterrupted
 from specdraft.train.data import prepare_data
+from specdraft.train.features import open_run_cache
 from specdraft.train.evals import load_eval_prompts, measure_draft_tau
 from specdraft.train.metrics import LossWindow, MetricsLogger
 from specdraft.train.memory import estimate_run_peak
 from specdraft.train.model import DraftWithLoss, TargetWithDraft, target_features
+from specdraft.errors import SpecdraftError
 from specdraft.transfer import to_device
 
 
@@ -108,7 +112,18 @@ def _train(
     )
     total_steps = planned_steps(cfg, sampler)
 
-    target = load_frozen_target(cfg.target, cfg.precision)
+    run_cache = None
+    if cfg.feature_cache is not None:  # refused before anything is built when it cannot serve the run
+        run_cache = open_run_cache(cfg, tokenizer, data, load_target_config(cfg.target), rank, log)
+        if run_cache.offline and cfg.eval_steps > 0 and cfg.eval_prompts:
+            raise SpecdraftError(
+                "key 'eval_steps': offline training builds none of the target's layers to decode with; "
+                "set eval_steps: -1 (and `specdraft eval` the exports), or feature_cache_mode: hybrid"
+            )
+    if run_cache is not None and run_cache.offline:  # its embeddings and lm_head, never a layer
+        target = load_light_target(cfg.target, cfg.precision)
+    else:
+        target = load_frozen_target(cfg.target, cfg.precision)
     placement = resolve_target_placement(cfg, target.config, world_size)
     trainees = [
         build_trainee(cfg, name, target, data, imports[name], plan, placement, total_steps, log, sp)
@@ -117,6 +132,8 @@ def _train(
     several = trainees[0].name is not None
     if several:  # outside every engine: placed as an engine places its module
         target.to(trainees[0].engine.device)
+    elif run_cache is not None and run_cache.hybrid:  # a live pass's features: rounded, committed
+        trainees[0].engine.module.round_live = run_cache.on_live
     state = TrainState()
     if plan is not None:
         restored = checkpoints.resume_drafts([DraftPart(t.name, t.engine) for t in trainees], plan, log)
@@ -164,7 +181,9 @@ def _train(
     # -- loop --------------------------------------------------------------------------------
     while state.step < total_steps:
         for micro in range(cfg.gradient_accumulation_steps):
-            batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
+            indices = sampler.next_batch()
+            batch = model_inputs(data.batch(indices), cfg.document_mask)
+            cached = run_cache.batch(indices) if run_cache is not None else None
             options = [
                 t.draft.sample_batch_options(
                     batch_generator(cfg.seed, state.step, micro * data_world + data_rank), cfg.max_seq_length
@@ -172,9 +191,10 @@ def _train(
                 for t in trainees
             ]
             if several:
-                outs = forward_drafts(target, [t.engine for t in trainees], batch, options, sp)
+                live = run_cache.on_live if run_cache is not None and cached is None else None
+                outs = forward_drafts(target, [t.engine for t in trainees], batch, options, sp, cached, live)
             else:
-                outs = [forward_step(trainees[0].engine, batch, options[0])]
+                outs = [forward_step(trainees[0].engine, batch, options[0], cached)]
             for t, out in zip(trainees, outs):
                 t.window.add(out)
             state.samples_seen += cfg.per_device_batch_size * data_world
@@ -232,6 +252,8 @@ def _train(
 
     # -- summary -----------------------------------------------------------------------------
     run_shared(exporter.close)  # the last export is on disk before train() returns
+    if run_cache is not None:
+        run_cache.close()  # hybrid: the rows computed since the last shard, committed
     progress.close()
     run_shared(metrics.close)
     if state.step < total_steps:  # stopped by a signal, its step committed and exported
@@ -323,11 +345,13 @@ def write_exports(
         )
 
 
-def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
+def forward_step(engine, batch: dict, options: dict, cached: Optional[dict] = None) -> DraftLoss:
     """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
-    updates at the gradient-accumulation boundary)."""
+    updates at the gradient-accumulation boundary). cached: its features from a feature cache."""
     inputs = {key: to_device(value, engine.device) for key, value in batch.items()}  # pinned, asynchronous
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+    if cached is not None:
+        options = dict(options, cached={key: to_device(value, engine.device) for key, value in cached.items()})
     out: DraftLoss = engine(**inputs, host=host, **options)
     engine.backward(out.loss)
     engine.step()
@@ -335,10 +359,18 @@ def forward_step(engine, batch: dict, options: dict) -> DraftLoss:
 
 
 def forward_drafts(
-    target, engines: list, batch: dict, options: List[dict], sp: SequenceParallel = SequenceParallel()
+    target,
+    engines: list,
+    batch: dict,
+    options: List[dict],
+    sp: SequenceParallel = SequenceParallel(),
+    cached: Optional[dict] = None,
+    live=None,
 ) -> List[DraftLoss]:
     """Several drafts, one target pass: the target captures the union of the drafts' requests
-    once (no_grad), then each draft reads its part: forward, backward, step on its own engine."""
+    once (no_grad), then each draft reads its part: forward, backward, step on its own engine.
+    cached: the batch's features from a feature cache instead of the pass; live (hybrid): what a
+    live pass's features become (committed to the cache, rounded as it stores them)."""
     device = engines[0].device
     inputs = {key: to_device(value, device) for key, value in batch.items()}
     host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
@@ -354,7 +386,11 @@ def forward_drafts(
         inputs.get("document_ids"),
         position_ids=moved[0] if moved else None,
         shard=sp.shard(inputs["input_ids"].shape[1]),
+        cached=None if cached is None else {key: to_device(value, device) for key, value in cached.items()},
+        target_config=target.config,
     )
+    if live is not None:
+        features = live(features)
     outs = []
     for engine, own in zip(engines, options):
         out: DraftLoss = engine(

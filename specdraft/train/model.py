@@ -13,6 +13,7 @@ from torch import nn
 
 from specdraft.drafts.base import Draft, DraftLoss, HostBatch
 from specdraft.drafts.documents import document_attention
+from specdraft.features.step import cached_target_features
 from specdraft.parallel.sequence import SequenceParallel, SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures, capture
 from specdraft.transfer import to_device
@@ -26,14 +27,22 @@ def target_features(
     document_ids: Optional[torch.Tensor] = None,
     position_ids: Optional[torch.Tensor] = None,
     shard: Optional[SequenceShard] = None,
+    cached: Optional[dict] = None,
+    target_config=None,
 ) -> TargetFeatures:
     """The one target pass of a micro-batch (see TargetWithDraft.forward for the arguments).
-    shard: sequence parallelism (the whole batch in, this rank's tokens' features out)."""
+    shard: sequence parallelism (the whole batch in, this rank's tokens' features out).
+    cached: the batch's features from a feature cache (base_model: the light target, whose
+    target_config is the whole target's): no pass, the same TargetFeatures."""
     B, T = input_ids.shape
     if document_positions is None:
         document_positions = torch.arange(T, device=input_ids.device).expand(B, T)
     if position_ids is not None:
         document_positions = to_device(position_ids, input_ids.device)[document_positions]
+    if cached is not None:
+        return cached_target_features(
+            base_model, target_config, request, input_ids, document_positions.expand(B, T), cached, shard
+        )
     # causal inside each document, no (T, T) mask (documents.py)
     return capture(
         base_model, input_ids, document_positions.expand(B, T), request, document_attention(document_ids), shard
@@ -55,6 +64,9 @@ class TargetWithDraft(nn.Module):
         self.draft_model = draft
         self.target_config = target_causal_lm.config
         self.loss_chunk_size = loss_chunk_size
+        # hybrid feature cache (the loop sets it): a live pass's features -> committed to the cache,
+        # and trained on as the cache stores them
+        self.round_live = None
 
     def register_external_parameters_for_zero3(self) -> None:
         """lm_head.weight (and any draft weight the draft reads directly) is read in our forward,
@@ -77,12 +89,14 @@ class TargetWithDraft(nn.Module):
         document_ids: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         host: Optional[HostBatch] = None,
+        cached: Optional[dict] = None,
         **options,
     ) -> DraftLoss:
         """document_positions / document_ids (B, T): each token's position inside its document and
         its document (packed data); None: one document per row. position_ids (T,): a draft's
         position map (Anchor-Offset) from a position in the document to the position used.
-        host: the same batch on the host, where the loss reads which rows count (no device sync)."""
+        host: the same batch on the host, where the loss reads which rows count (no device sync).
+        cached: the batch's target features from a feature cache (kind -> (B, T, ...))."""
         features = target_features(
             self.model,
             self.draft_model.capture_request(),
@@ -91,7 +105,11 @@ class TargetWithDraft(nn.Module):
             document_ids,
             position_ids,
             self.sequence_parallel.shard(input_ids.shape[1]),
+            cached,
+            self.target_config,
         )
+        if cached is None and self.round_live is not None:
+            features = self.round_live(features)
         return self.draft_model.training_loss(
             features,
             self.lm_head.weight,
