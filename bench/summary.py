@@ -30,6 +30,7 @@ SCRIPTS = [
     "zero3_placement",
     "glide_attention",
     "regenerate",
+    "offline",
 ]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")
 

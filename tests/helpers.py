@@ -446,10 +446,10 @@ class TrainingSpy:
             self.engine.step = step_then_snapshot
             return self.engine
 
-        def forward_step(engine, batch, options):
+        def forward_step(engine, batch, options, cached=None):
             if self.first_batch is None:
-                self.first_batch = (batch, options)
-            return forward(engine, batch, options)
+                self.first_batch = (batch, options if cached is None else dict(options, cached=cached))
+            return forward(engine, batch, options, cached)
 
         monkeypatch.setattr(loop, "build_engine", build_engine)
         monkeypatch.setattr(loop, "forward_step", forward_step)

@@ -18,8 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from specdraft.errors import SpecdraftError
-from specdraft.features.cache import CacheWriter, FeatureCache, cache_totals, remove_uncommitted
-from specdraft.features.manifest import MANIFEST, Manifest, committed_shards
+from specdraft.features.cache import CacheWriter, FeatureCache, cache_totals, prepare_cache_dir
+from specdraft.features.manifest import Manifest, committed_shards
 from specdraft.features.rows import row_keys
 from specdraft.features.shards import CapturedRow, bytes_per_token
 from specdraft.features.step import features_to_store
@@ -46,7 +46,7 @@ def capture(cfg: DictConfig, log=print) -> dict:
     tokenizer = load_target_tokenizer(cfg.target)
     target_config = load_target_config(cfg.target)
     manifest = expected_manifest(cfg, tokenizer, target_config, run_capture_request(cfg, target_config))
-    run_shared(lambda: _prepare_cache_dir(cache_dir, manifest, log))
+    run_shared(lambda: prepare_cache_dir(cache_dir, manifest, log))
     data = prepare_data(cfg, tokenizer, rank, log)
     kinds = list(manifest.kinds)
     cache = FeatureCache(cache_dir, Manifest.read(cache_dir), kinds)
@@ -122,31 +122,6 @@ def _kind_widths(target_config, kinds) -> dict:
     return {
         kind: hidden if kind.startswith("hidden.") or kind == "final_hidden" else heads * head_dim for kind in kinds
     }
-
-
-def _prepare_cache_dir(cache_dir: Path, manifest: Manifest, log) -> None:
-    """Rank 0: a new cache (manifest first), or the same capture continued (its manifest must
-    describe what this run captures; shards no commit lists are removed)."""
-    if (cache_dir / MANIFEST).is_file():
-        existing = Manifest.read(cache_dir)
-        differs = existing.same_contents(manifest)
-        if differs:
-            raise SpecdraftError(
-                f"{cache_dir / MANIFEST}: this cache holds another capture ({differs}); nothing was "
-                f"written: choose another feature_cache"
-            )
-        removed = remove_uncommitted(cache_dir, existing)
-        if removed:
-            log(f"capture: removed {len(removed)} file(s) no commit lists ({', '.join(removed[:3])})")
-        log(f"capture: continuing {cache_dir}: {len(committed_shards(cache_dir, existing))} shards committed")
-        return
-    if cache_dir.exists() and (not cache_dir.is_dir() or any(cache_dir.iterdir())):
-        raise SpecdraftError(
-            f"{cache_dir}: exists and is not a feature cache (no {MANIFEST}); nothing in it was touched: "
-            f"point feature_cache at a new or empty directory"
-        )
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    manifest.write(cache_dir)
 
 
 def _merge_parts(cache_dir: Path) -> None:

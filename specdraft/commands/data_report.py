@@ -53,10 +53,45 @@ def data_report(
         return
     for line in summary(meta, cache_dir):
         out.write(line + "\n")
+    if cfg.packing == "whole" or cfg.feature_cache is not None:
+        from specdraft.data.whole_packing import WholePackedData
+
+        whole = WholePackedData(cache_dir, meta)
+        out.write(
+            f"packing whole: {len(whole)} windows of {whole.window} tokens, {whole.meta['truncated_tokens']} tokens "
+            f"cut from conversations longer than a window, {whole.meta['padding_tokens']} tokens of padding\n"
+        )
+        if cfg.feature_cache is not None:
+            for line in feature_cache_lines(cfg.feature_cache, whole):
+                out.write(line + "\n")
     marks = HIGHLIGHT if out.isatty() else MARKERS
     for row in [r for r in iter_rows(cache_dir) if "skipped" not in r][:show]:
         out.write(f"\n== {row['source']}: {len(row['ids'])} tokens, {int(row['mask'].sum())} trained\n")
         out.write(highlighted(tokenizer, row["ids"], row["mask"], marks) + "\n")
+
+
+def feature_cache_lines(cache_dir, whole) -> List[str]:
+    """What a feature cache holds (its manifest and committed shards, no shard read in full), and
+    how many of the data's conversations it serves."""
+    from specdraft.features.cache import FeatureCache
+    from specdraft.features.manifest import Manifest
+    from specdraft.features.rows import row_keys
+
+    manifest = Manifest.read(cache_dir)
+    cache = FeatureCache(cache_dir, manifest, list(manifest.kinds))
+    shards, rows, tokens, size = cache.totals()
+    keys = row_keys(whole)
+    missing = cache.missing(keys, [int(min(n, whole.window)) for n in whole.lengths])
+    lines = [
+        f"feature cache: {cache_dir}: {rows} conversations, {tokens} tokens in {shards} shards, "
+        f"{size / 2**20:.1f} MiB ({size / max(tokens, 1):,.0f} bytes per token), {manifest.dtype}"
+        + (f" (scales per {manifest.fp8_scale})" if manifest.fp8_scale else "")
+        + f", captured up to {manifest.capture_length} tokens",
+        f"  fingerprints: {', '.join(f'{k} {v}' for k, v in manifest.fingerprints.items())}",
+    ]
+    lines += [f"  {kind}: {meaning}" for kind, meaning in manifest.kinds.items()]
+    lines.append(f"  this data: {len(keys) - len(missing)} of {len(keys)} conversations cached")
+    return lines
 
 
 def summary(meta: dict, cache_dir: Path) -> List[str]:

@@ -97,6 +97,10 @@ class FeatureCache:
                 self.rows.setdefault(key, RowPlace(entry, index, offsets[index + 1] - offsets[index]))
             self._indexed.add(entry.file)
 
+    def totals(self) -> Tuple[int, int, int, int]:
+        """(shards, rows, tokens, bytes) committed."""
+        return cache_totals(self.cache_dir, self.manifest)
+
     def missing(self, keys: Sequence[bytes], lengths: Sequence[int]) -> List[int]:
         """Indices of the rows (by key, with the tokens a window keeps of each) the cache cannot serve."""
         return [i for i, (key, n) in enumerate(zip(keys, lengths)) if key not in self.rows or self.rows[key].length < n]
@@ -209,3 +213,28 @@ def cache_totals(cache_dir: Path, manifest: Manifest) -> Tuple[int, int, int, in
     """(shards, rows, tokens, bytes) committed."""
     entries = committed_shards(cache_dir, manifest)
     return len(entries), sum(e.rows for e in entries), sum(e.tokens for e in entries), sum(e.bytes for e in entries)
+
+
+def prepare_cache_dir(cache_dir: Path, manifest: Manifest, log) -> None:
+    """Rank 0 (capture, hybrid): a new cache (manifest first), or the same capture continued (its manifest must
+    describe what this run captures; shards no commit lists are removed)."""
+    if (cache_dir / MANIFEST).is_file():
+        existing = Manifest.read(cache_dir)
+        differs = existing.same_contents(manifest)
+        if differs:
+            raise SpecdraftError(
+                f"{cache_dir / MANIFEST}: this cache holds another capture ({differs}); nothing was "
+                f"written: choose another feature_cache"
+            )
+        removed = remove_uncommitted(cache_dir, existing)
+        if removed:
+            log(f"capture: removed {len(removed)} file(s) no commit lists ({', '.join(removed[:3])})")
+        log(f"capture: continuing {cache_dir}: {len(committed_shards(cache_dir, existing))} shards committed")
+        return
+    if cache_dir.exists() and (not cache_dir.is_dir() or any(cache_dir.iterdir())):
+        raise SpecdraftError(
+            f"{cache_dir}: exists and is not a feature cache (no {MANIFEST}); nothing in it was touched: "
+            f"point feature_cache at a new or empty directory"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write(cache_dir)

@@ -37,7 +37,12 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     run_shared(lambda: _expect_cache(cache_dir, rank), on_rank=None)
     packed = open_packed_cache(cache_dir)
     if cfg.packing == "whole":  # the same files, windows of whole conversations
-        return WholePackedData(cache_dir, packed.meta)
+        whole = WholePackedData(cache_dir, packed.meta)
+        log(
+            f"data: packing whole: {len(whole)} windows of {whole.window}, {whole.meta['truncated_tokens']} "
+            f"tokens cut from conversations longer than a window, {whole.meta['padding_tokens']} tokens of padding"
+        )
+        return whole
     return packed
 
 

@@ -24,7 +24,8 @@ from specdraft.config import draft_names, draft_view
 from specdraft.drafts.base import CaptureRequest
 from specdraft.drafts.registry import build_draft
 from specdraft.errors import SpecdraftError
-from specdraft.features.cache import CacheWriter, FeatureCache
+from specdraft.parallel.collectives import run_shared
+from specdraft.features.cache import CacheWriter, FeatureCache, prepare_cache_dir
 from specdraft.features.manifest import (
     Manifest,
     kind_meaning,
@@ -142,6 +143,8 @@ def open_run_cache(cfg: DictConfig, tokenizer, data, target_config, rank: int, l
     tokenizer, template and drafts; offline, every training row must be in it."""
     request = run_capture_request(cfg, target_config)
     expected = expected_manifest(cfg, tokenizer, target_config, request)
+    if cfg.feature_cache_mode == "hybrid":  # a new directory becomes the cache the run fills
+        run_shared(lambda: prepare_cache_dir(Path(cfg.feature_cache), expected, log))
     cache = FeatureCache.open(cfg.feature_cache, expected, list(expected.kinds))
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     writer = None

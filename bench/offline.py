@@ -1,0 +1,556 @@
+"""Offline training from a feature cache against the same training with the target live, per family.
+
+    python bench/offline.py                        # demo preset, every family its target has
+    python bench/offline.py --preset tiny          # a quick run on the test target (minutes)
+    python bench/offline.py --quick                # a few steps: the structure, not the figures
+    python bench/offline.py --out runs/bench-offline --families eagle3,glide --epochs 1,2,4,6,8
+
+Every ratio comes from this one run (a part an earlier run of the same --out finished is reused and
+named as such: delete --out/<preset>/parts/ to measure everything again). Per family:
+
+  capture     `specdraft capture` in fp32, bf16, fp8 (token) and fp8 (token_layer): tokens/s
+              (wall of the whole command: data, target load, target passes, encode, sha256,
+              write), and bytes per token read from the manifest's shards, against speculators'
+              bf16 layout `(n_aux+1)*H*2+8` (its 3 auxiliary layers + last hidden, int64 ids) at the
+              target's H: what storing only what the family reads saves
+  step        the same run live and from the (bf16) cache, --steps steps each: per step, the
+              draft's own forward+backward+step on features already in memory, and the cached
+              step (read + assemble + that); medians over the steps after --warmup
+              -> cached step / draft fwd+bwd (goal <= 1.1), online step / cached step
+  sha256      each shard of the family's bf16 cache hashed again (page cache warm): MB/s, and the
+              open of a ShardReader with and without verification
+
+and for --tau-family (EAGLE-3 by default), every draft trained on the same rows, seed and steps
+(equal tokens) then measured greedy with a chain of --gamma by the code bench/acceptance.py uses
+(specdraft/decode/measure.py compare): tau live vs from the fp32 / bf16 / fp8 caches (fp8 goal:
+within 1% of bf16), and tau against epochs over one fixed bf16 cache (DeepSpec #84: EAGLE-3 from a
+fixed cache peaked near 4.6 epochs). Ends with one line of key=value pairs (bench/summary.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+import torch  # noqa: E402
+
+from acceptance import (  # noqa: E402
+    CONFIGS,
+    LABELS,
+    check_bench_out,
+    family_config,
+    mark_bench_out,
+    measure,
+    slug,
+)
+from specdraft.demo.machine import machine_line  # noqa: E402
+from specdraft.demo.presets import PRESETS  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
+
+PRECISIONS = {  # label -> the cache's keys
+    "fp32": ["feature_cache_dtype=fp32"],
+    "bf16": ["feature_cache_dtype=bf16"],
+    "fp8_token": ["feature_cache_dtype=fp8", "feature_cache_fp8_scale=token"],
+    "fp8_token_layer": ["feature_cache_dtype=fp8", "feature_cache_fp8_scale=token_layer"],
+}
+SPECULATORS_AUX = 3  # speculators stores EAGLE-3's three auxiliary layers and the last hidden state
+OWN_TARGET = {"mtp"}  # drafts only for a target with an MTP layer (the demo targets are Llama)
+QUICK = dict(steps=3, warmup=1, train_steps=2, epochs="1,2", max_prompts=2, max_new_tokens=8, gamma=3)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="demo assets to use")
+    parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
+    parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
+    parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser.add_argument("--families", default="glide,eagle3,peagle,dflash,dspark", help="families to measure")
+    parser.add_argument("--tau-family", default="eagle3", help="the family whose tau is measured ('' for none)")
+    parser.add_argument(
+        "--set",
+        dest="shared",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run key every run takes (repeatable)",
+    )
+    parser.add_argument("--batch", type=int, default=2, help="per_device_batch_size of every run")
+    parser.add_argument("--steps", type=int, default=20, help="steps of each timed run")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps of a timed run left out")
+    parser.add_argument("--train-steps", type=int, default=60, help="steps of each tau run (equal tokens)")
+    parser.add_argument("--epochs", default="1,2,3,4,5,6,8", help="epochs over one cache at which tau is measured")
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--max-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="a few steps of everything (tests)")
+    parser.add_argument("--out", default="runs/bench-offline", help="runs, caches and finished parts")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    return args
+
+
+# -- parts: each finished measurement kept in --out, reused by a later run -----------------------
+
+
+class Parts:
+    def __init__(self, out: Path):
+        self.dir = out / "parts"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.reused: List[str] = []
+
+    def get(self, name: str, compute):
+        path = self.dir / f"{name}.json"
+        if path.is_file():
+            self.reused.append(name)
+            print(f"[bench] {name}: reused from {path}", flush=True)
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value, indent=2))
+        return value
+
+
+def quiet(*_):
+    pass
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+class Assets:
+    def __init__(self, args, out: Path):
+        self.out = out
+        self.args = args
+        self.target, self.prompts, self.data = args.target, args.prompts, args.data
+        if self.target is None or self.prompts is None or self.data is None:
+            from specdraft.demo.assets import ensure_demo_assets
+
+            target, data = ensure_demo_assets(preset=args.preset)
+            self.target = self.target or str(target)
+            self.prompts = self.prompts or str(data.prompts_file)
+            self.data = self.data or str(Path(data.train_files[0]).parent / "shard-*.jsonl")
+
+    def config(self, family: str, name: str, steps: int, *extra, save_steps=None):
+        run_dir = self.out / "runs" / name
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        keys = [
+            "packing=whole",
+            f"per_device_batch_size={self.args.batch}",
+            "gradient_accumulation_steps=1",
+            f"logging_steps={max(1, steps)}",
+            f"data_cache_dir={self.out / 'data-cache'}",
+            *self.args.shared,
+            *extra,
+        ]
+        return family_config(family, self.target, self.data, self.prompts, run_dir, steps, keys, save_steps)
+
+    def cache(self, family: str, precision: str) -> List[str]:
+        return [f"feature_cache={self.out / 'caches' / f'{family}-{precision}'}", *PRECISIONS[precision]]
+
+
+def run_capture(assets: Assets, family: str, precision: str) -> dict:
+    """A fresh capture of the family's features in this precision: tokens/s and bytes per token."""
+    from specdraft.commands.capture import capture
+    from specdraft.features.manifest import Manifest
+
+    cache_keys = assets.cache(family, precision)
+    cache_dir = Path(cache_keys[0].split("=", 1)[1])
+    if cache_dir.exists():
+        shutil.rmtree(cache_dir)
+    cfg = assets.config(family, f"capture-{family}-{precision}", 1, *cache_keys)
+    started = time.perf_counter()
+    written = capture(cfg, log=quiet)
+    seconds = time.perf_counter() - started
+    manifest = Manifest.read(cache_dir)
+    shard_bytes = sum((cache_dir / s.file).stat().st_size for s in manifest.shards)
+    tokens = sum(s.tokens for s in manifest.shards)
+    return dict(
+        family=family,
+        precision=precision,
+        kinds=list(manifest.kinds),
+        tokens=tokens,
+        rows=written["rows"],
+        shards=len(manifest.shards),
+        seconds=seconds,
+        tokens_per_second=written["tokens"] / seconds,
+        bytes=shard_bytes,
+        bytes_per_token=shard_bytes / tokens,  # files as written: safetensors header and row index too
+        formula_bytes_per_token=formula_bytes(assets.target, list(manifest.kinds), manifest.dtype, manifest.fp8_scale),
+    )
+
+
+def formula_bytes(target_dir, kinds, dtype, fp8_scale) -> int:
+    from specdraft.commands.capture import _kind_widths
+    from specdraft.features.shards import bytes_per_token
+    from specdraft.target.checks import load_target_config
+
+    widths = _kind_widths(load_target_config(str(target_dir)), kinds)
+    return bytes_per_token(widths, dtype, fp8_scale or "token")
+
+
+def hidden_size(target_dir) -> int:
+    from specdraft.target.checks import load_target_config
+
+    return load_target_config(str(target_dir)).get_text_config().hidden_size
+
+
+@contextlib.contextmanager
+def step_clock():
+    """Per step of a one-draft run: seconds reading and assembling the cached features
+    (RunFeatures.batch) and seconds of forward_step (the draft's forward + backward + step, with the
+    target's pass inside when live)."""
+    from specdraft.train import features as features_module
+    from specdraft.train import loop
+
+    times = {"read": [], "step": [], "read_cpu": [], "step_cpu": []}
+    forward_step, batch = loop.forward_step, features_module.RunFeatures.batch
+
+    def clocked(name, function, *a, **k):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = function(*a, **k)
+        times[name].append(time.perf_counter() - wall)
+        times[f"{name}_cpu"].append(time.process_time() - cpu)
+        return out
+
+    def timed_step(*a, **k):
+        return clocked("step", forward_step, *a, **k)
+
+    def timed_batch(self, indices):
+        return clocked("read", batch, self, indices)
+
+    loop.forward_step, features_module.RunFeatures.batch = timed_step, timed_batch
+    try:
+        yield times
+    finally:
+        loop.forward_step, features_module.RunFeatures.batch = forward_step, batch
+
+
+def time_steps(assets: Assets, family: str) -> dict:
+    """The family live and from its bf16 cache, the same steps: medians per step after --warmup."""
+    from specdraft.train.loop import train
+
+    args = assets.args
+    result = {}
+    for mode, extra in (("online", []), ("cached", assets.cache(family, "bf16"))):
+        cfg = assets.config(family, f"time-{family}-{mode}", args.steps, *extra)
+        with step_clock() as times:
+            train(cfg, log=quiet)
+        kept = slice(args.warmup, None)
+        result[mode] = dict(steps=len(times["step"][kept]))
+        for clock in ("", "_cpu"):  # wall seconds, and the process's CPU seconds (steady on a shared machine)
+            step = times[f"step{clock}"][kept]
+            read = times[f"read{clock}"][kept] if times["read"] else [0.0] * len(step)
+            result[mode].update(
+                {
+                    f"forward_backward{clock}": statistics.median(step),
+                    f"read{clock}": statistics.median(read),
+                    f"total{clock}": statistics.median([s + r for s, r in zip(step, read)]),
+                }
+            )
+    for clock in ("", "_cpu"):
+        result[f"cached_over_draft{clock}"] = (
+            result["cached"][f"total{clock}"] / result["cached"][f"forward_backward{clock}"]
+        )
+        result[f"online_over_cached{clock}"] = result["online"][f"total{clock}"] / result["cached"][f"total{clock}"]
+    return result
+
+
+def verify_cost(assets: Assets, family: str) -> dict:
+    """Each shard of the family's bf16 cache: sha256 of its file (best of 3) and a ShardReader's
+    open with and without verification."""
+    from specdraft.features.manifest import Manifest
+    from specdraft.features.shards import ShardReader, file_sha256
+
+    cache_dir = Path(assets.cache(family, "bf16")[0].split("=", 1)[1])
+    manifest = Manifest.read(cache_dir)
+    kinds = list(manifest.kinds)
+    total_bytes, hash_s, open_verified, open_trusted = 0, 0.0, 0.0, 0.0
+    for entry in manifest.shards:
+        path = cache_dir / entry.file
+        best = []
+        for _ in range(3):
+            started = time.perf_counter()
+            assert file_sha256(path) == entry.sha256
+            best.append(time.perf_counter() - started)
+        hash_s += min(best)
+        total_bytes += path.stat().st_size
+        for verified in (False, True):
+            started = time.perf_counter()
+            ShardReader(cache_dir, entry, kinds, verified=verified)
+            seconds = time.perf_counter() - started
+            if verified:
+                open_trusted += seconds
+            else:
+                open_verified += seconds
+    return dict(
+        shards=len(manifest.shards),
+        bytes=total_bytes,
+        sha256_seconds=hash_s,
+        sha256_mb_per_s=total_bytes / 1e6 / hash_s,
+        open_verified_seconds=open_verified,
+        open_unverified_seconds=open_trusted,
+    )
+
+
+def steps_per_epoch(assets: Assets, family: str) -> int:
+    """Optimizer steps that read every window of the packed data once."""
+    from specdraft.target.model import load_target_tokenizer
+    from specdraft.train.data import prepare_data
+
+    cfg = assets.config(family, "epoch-count", 1)
+    data = prepare_data(cfg, load_target_tokenizer(cfg.target), 0, quiet)
+    return max(1, -(-len(data) // cfg.per_device_batch_size))
+
+
+def train_export(assets: Assets, family: str, name: str, steps: int, *extra, save_steps=None) -> str:
+    from specdraft.train.loop import train
+
+    cfg = assets.config(family, name, steps, *extra, save_steps=save_steps)
+    return str(train(cfg, log=quiet).export_dir)
+
+
+class Judge:
+    """Greedy chain tau of exports on the held-out prompts (acceptance.measure)."""
+
+    def __init__(self, assets: Assets):
+        from specdraft.commands.evaluate import load_tokenizer
+        from specdraft.decode.measure import run_plain
+        from specdraft.decode.prompts import read_prompts, stop_tokens
+        from specdraft.target.model import load_frozen_target
+
+        args = assets.args
+        self.target = load_frozen_target(str(assets.target), "fp32", torch.device("cpu"))
+        tokenizer = load_tokenizer(None, Path(assets.target))
+        self.prompts = read_prompts(assets.prompts, tokenizer, args.max_prompts)
+        self.settings = dict(
+            max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop_tokens(self.target, tokenizer)
+        )
+        self.baseline = run_plain(self.target, self.prompts, **self.settings)
+        self.gamma = args.gamma
+
+    def tau(self, export: str) -> dict:
+        from specdraft.export.files import load_exported_draft
+
+        draft = load_exported_draft(Path(export))[0]
+        report = measure(
+            self.target, "draft", draft, self.prompts, self.baseline, dict(gamma=self.gamma), self.settings
+        )
+        return dict(tau=report["tau"], lossless=bool(report["matches_target"]))
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    try:
+        return run_bench(parse_args(argv))
+    except SpecdraftError as err:
+        print(f"bench/offline.py: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_bench(args) -> dict:
+    started = time.perf_counter()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(CONFIGS))
+    if unknown:
+        sys.exit(f"--families: unknown {unknown}; choose from {sorted(CONFIGS)}")
+    epochs = sorted({float(e) for e in args.epochs.split(",") if e.strip()})
+    out = Path(args.out) / args.preset
+    check_bench_out(out)
+    mark_bench_out(out, "bench/offline.py")
+    assets = Assets(args, out)
+    skipped = {f: "its target has no MTP layer (a Llama demo target)" for f in families if f in OWN_TARGET}
+    families = [f for f in families if f not in skipped]
+    parts = Parts(out)
+    print(machine_line(), flush=True)
+    print(f"[bench] target {assets.target}, data {assets.data}", flush=True)
+
+    captures: Dict[str, Dict[str, dict]] = {}
+    timing, verify = {}, {}
+    for family in families:
+        captures[family] = {}
+        for precision in PRECISIONS:
+            captures[family][precision] = parts.get(
+                f"capture-{family}-{precision}", lambda: run_capture(assets, family, precision)
+            )
+        print(f"[bench] {family}: captured {captures[family]['bf16']['tokens']:,} tokens", flush=True)
+        timing[family] = parts.get(f"time-{family}", lambda: time_steps(assets, family))
+        verify[family] = parts.get(f"sha256-{family}", lambda: verify_cost(assets, family))
+
+    tau_family = args.tau_family if args.tau_family in families else None
+    taus, curve, per_epoch = {}, {}, None
+    if tau_family:
+        judge = None
+
+        def judged(export):
+            nonlocal judge
+            judge = judge or Judge(assets)
+            return judge.tau(export)
+
+        steps = args.train_steps
+        for mode in ["online", *PRECISIONS]:
+            extra = [] if mode == "online" else assets.cache(tau_family, mode)
+            taus[mode] = parts.get(
+                f"tau-{tau_family}-{mode}",
+                lambda: dict(
+                    judged(train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)), steps=steps
+                ),
+            )
+        per_epoch = steps_per_epoch(assets, tau_family)
+        points = {e: max(1, round(e * per_epoch)) for e in epochs}
+
+        def epoch_curve():
+            from math import gcd
+
+            every = gcd(*points.values())
+            run = train_export(
+                assets,
+                tau_family,
+                f"epochs-{tau_family}",
+                max(points.values()),
+                *assets.cache(tau_family, "bf16"),
+                save_steps=every,
+            )
+            run_dir = Path(run).parent
+            return {str(e): dict(judged(str(run_dir / f"step_{s}")), steps=s) for e, s in points.items()}
+
+        curve = parts.get(f"epochs-{tau_family}-{per_epoch}x{args.epochs}", epoch_curve)
+
+    # -- report ---------------------------------------------------------------------------------
+    H = hidden_size(assets.target)
+    speculators = (SPECULATORS_AUX + 1) * H * 2 + 8
+    lines = [machine_line(), ""]
+    lines += [
+        f"target {assets.target} (H={H}); {args.batch} sequences a step, packing whole; "
+        f"timed runs {args.steps} steps (first {args.warmup} left out)",
+        "",
+        "| family | kinds stored | capture tok/s (fp32 / bf16) | bytes/token fp32 | bf16 | fp8 token | "
+        f"fp8 token_layer | bf16 / speculators' {speculators} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    headline = []
+    for family in families:
+        c = captures[family]
+        ratio = c["bf16"]["bytes_per_token"] / speculators
+        lines.append(
+            f"| {LABELS[family]} | {', '.join(c['bf16']['kinds'])} | {c['fp32']['tokens_per_second']:,.0f} / "
+            f"{c['bf16']['tokens_per_second']:,.0f} | "
+            + " | ".join(f"{c[p]['bytes_per_token']:,.0f} ({c[p]['formula_bytes_per_token']:,})" for p in PRECISIONS)
+            + f" | {ratio:.2f} |"
+        )
+        headline += [
+            f"capture_tps_{slug(family)}={c['bf16']['tokens_per_second']:.0f}",
+            f"bytes_bf16_{slug(family)}={c['bf16']['bytes_per_token']:.0f}",
+            f"bytes_vs_speculators_{slug(family)}={ratio:.2f}",
+        ]
+    lines += [
+        "",
+        "bytes/token: shard files / tokens (formula: features + int32 id + fp8 scales, no header)",
+        "",
+        "step medians, CPU seconds of the process (wall seconds in brackets):",
+        "",
+        "| family | online step | cached step = read + draft fwd/bwd | cached / draft fwd/bwd | "
+        "online / cached | sha256 MB/s | open verified / unverified s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for family in families:
+        t, v = timing[family], verify[family]
+        on, ca = t["online"], t["cached"]
+        lines.append(
+            f"| {LABELS[family]} | {on['total_cpu']:.4f} ({on['total']:.4f}) | {ca['total_cpu']:.4f} = "
+            f"{ca['read_cpu']:.4f} + {ca['forward_backward_cpu']:.4f} ({ca['total']:.4f} = {ca['read']:.4f} + "
+            f"{ca['forward_backward']:.4f}) | {t['cached_over_draft_cpu']:.3f} ({t['cached_over_draft']:.3f}) | "
+            f"{t['online_over_cached_cpu']:.2f} ({t['online_over_cached']:.2f}) | "
+            f"{v['sha256_mb_per_s']:,.0f} ({v['bytes'] / 1e6:.1f} MB) | "
+            f"{v['open_verified_seconds']:.4f} / {v['open_unverified_seconds']:.4f} |"
+        )
+        headline += [
+            f"cached_over_draft_{slug(family)}={t['cached_over_draft_cpu']:.3f}",
+            f"online_over_cached_{slug(family)}={t['online_over_cached_cpu']:.2f}",
+        ]
+    if verify:
+        headline.append(f"sha256_mbps={min(v['sha256_mb_per_s'] for v in verify.values()):.0f}")
+    if tau_family:
+        label = LABELS[tau_family]
+        lines += [
+            "",
+            f"{label}, {args.train_steps} steps each (equal tokens, same rows and seed), greedy chain "
+            f"γ={args.gamma}, {args.max_prompts} prompts x {args.max_new_tokens} tokens:",
+            "",
+            "| training | τ | lossless |",
+            "|---|---|---|",
+        ]
+        for mode, r in taus.items():
+            lines.append(
+                f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['tau']:.3f} | "
+                f"{'yes' if r['lossless'] else 'NO'} |"
+            )
+        bf16 = taus["bf16"]["tau"]
+        lines += [
+            "",
+            f"τ offline fp32 / online: {taus['fp32']['tau'] / taus['online']['tau']:.3f}; "
+            f"bf16 / online: {bf16 / taus['online']['tau']:.3f}; "
+            f"fp8 token / bf16: {taus['fp8_token']['tau'] / bf16:.3f}; "
+            f"fp8 token_layer / bf16: {taus['fp8_token_layer']['tau'] / bf16:.3f}",
+            "",
+            f"τ against epochs over one bf16 cache ({per_epoch} steps an epoch):",
+            "",
+            "| epochs | steps | τ |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {e} | {r['steps']} | {r['tau']:.3f} |" for e, r in curve.items()]
+        peak = max(curve, key=lambda e: curve[e]["tau"])
+        headline += [
+            f"tau_offline_over_online={taus['fp32']['tau'] / taus['online']['tau']:.3f}",
+            f"tau_bf16_over_online={bf16 / taus['online']['tau']:.3f}",
+            f"tau_fp8_token_over_bf16={taus['fp8_token']['tau'] / bf16:.3f}",
+            f"tau_fp8_token_layer_over_bf16={taus['fp8_token_layer']['tau'] / bf16:.3f}",
+            f"tau_peak_epochs={float(peak):g}",
+        ]
+    for family, why in skipped.items():
+        lines.append(f"\n{LABELS[family]}: not measured: {why}")
+    if parts.reused:
+        lines.append(f"\nreused from an earlier run of this --out: {', '.join(parts.reused)}")
+    total = time.perf_counter() - started
+    lines.append(f"\nbench wall time {total:.0f}s")
+    text = "\n".join(lines)
+    print(text)
+    print(" ".join(headline))
+    results = dict(
+        captures=captures,
+        timing=timing,
+        verify=verify,
+        tau=taus,
+        epochs=curve,
+        steps_per_epoch=per_epoch,
+        speculators_bytes_per_token=speculators,
+        hidden_size=H,
+        skipped=skipped,
+        reused=parts.reused,
+        headline=headline,
+        wall_seconds=total,
+    )
+    (out / "offline.json").write_text(json.dumps(results, indent=2))
+    (out / "offline.md").write_text(text + "\n" + " ".join(headline) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

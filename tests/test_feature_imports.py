@@ -1,0 +1,229 @@
+"""Another trainer's feature cache imported (`specdraft capture --from ...`, features/imports.py):
+files written in the peers' exact layouts from the tiny target's real features train to the same
+losses as our own capture of the same config.
+
+Layouts relied on (speculators 0.9.0 as installed in .venv-speculators; hs-connectors 0.9.0):
+- speculators/train/data.py:164 load_from_disk(datapath); :184 hs files under datapath/hidden_states;
+  :310-331 hs_{i} holds hidden_states [T, n_layers, H] and token_ids [T], the last slot the
+  verifier's last state; :314 token_ids must equal the row's input_ids.
+- datasets/arrow_dataset.py:1868 state.json `_data_files` names data-XXXXX-of-XXXXX.arrow;
+  datasets/arrow_writer.py:628 each is an Arrow IPC stream (RecordBatchStreamWriter).
+- hs_connectors/fp8_utils.py: SCALES_KEY hidden_states_scales, quantize_tensor_to_fp8 per token.
+- SpecForge scripts/prepare_hidden_states.py (REFERENCE.md "Offline feature caches"):
+  rows_{g}-{g+2000}/data_{i}.ckpt, dict input_ids, loss_mask, aux_hidden_state [1, T, 3H],
+  hidden_state [1, T, H] after the final norm; its layer id k is vLLM's k + 1.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from offline_runs import run_config
+from specdraft.errors import SpecdraftError
+from specdraft.features.cache import FeatureCache
+from specdraft.features.manifest import Manifest, committed_shards
+from specdraft.features.shards import ShardReader
+from specdraft.train.loop import train
+from specdraft.commands.capture import capture
+from specdraft.features.imports import import_cache
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_assets, data_dir, tmp_path_factory):
+    """Our fp32 capture and its training losses, and the tiny target's features of every row at
+    the eagle3 draft's layers plus layer L (what a speculators run with those ids stores)."""
+    import specdraft.commands.capture as capture_module
+
+    target, tiny = tiny_assets
+    work = tmp_path_factory.mktemp("imports")
+    extra = [
+        "packing=whole",
+        "max_seq_length=256",
+        "max_steps=3",
+        "warmup_steps=3",
+        "save_steps=3",
+        f"data_files=[{','.join(map(str, tiny.train_files))}]",
+    ]
+
+    def config(name, cache, *more):
+        return run_config(target, data_dir, work, "eagle3", name, *extra, f"feature_cache={cache}", "feature_cache_dtype=fp32", *more)
+
+    capture(config("cap", work / "fc_ref"), **QUIET)
+    reference = train(config("ref", work / "fc_ref"), **QUIET).losses
+    manifest = Manifest.read(work / "fc_ref")
+    num_layers = manifest.num_layers
+    aux = sorted(int(k.split(".")[1]) for k in manifest.kinds if k.startswith("hidden."))
+    original = capture_module.run_capture_request
+    with pytest.MonkeyPatch.context() as patch:  # our capture, also storing layer id L
+        patch.setattr(
+            capture_module,
+            "run_capture_request",
+            lambda cfg, tc: dataclasses.replace(original(cfg, tc), layers=(*aux, num_layers), final_hidden=True),
+        )
+        capture(config("wide", work / "fc_wide"), **QUIET)
+    wide = Manifest.read(work / "fc_wide")
+    kinds = list(wide.kinds)
+    rows = []
+    for entry in committed_shards(work / "fc_wide", wide):
+        reader = ShardReader(work / "fc_wide", entry, kinds)
+        for index in range(entry.rows):
+            ids = reader.row_tokens(index).astype(np.int64)
+            rows.append((ids, reader.row_features(index, len(ids), kinds, torch.float32)))
+    rows.reverse()  # another order than ours: rows are matched by their token ids
+    return dict(work=work, config=config, reference=reference, aux=aux, num_layers=num_layers, rows=rows)
+
+
+def write_speculators(directory, rows, layers, fp8=False):
+    """The Arrow dataset as datasets.save_to_disk lays it out, and hidden_states/hs_{i}.safetensors."""
+    import pyarrow as pa
+
+    directory.mkdir(parents=True)
+    table = pa.table(
+        {
+            "input_ids": [ids.tolist() for ids, _ in rows],
+            "loss_mask": [[1] * len(ids) for ids, _ in rows],
+            "seq_len": [len(ids) for ids, _ in rows],
+        }
+    )
+    name = "data-00000-of-00001.arrow"
+    with pa.OSFile(str(directory / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}], "_format_type": "torch"}))
+    (directory / "dataset_info.json").write_text("{}")
+    (directory / "hidden_states").mkdir()
+    for i, (ids, features) in enumerate(rows):
+        states = torch.stack([features[f"hidden.{layer}"] for layer in layers], dim=1)  # [T, n, H]
+        tensors = {"token_ids": torch.from_numpy(ids).long()}
+        if fp8:
+            from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+            tensors["hidden_states"], tensors[SCALES_KEY] = quantize_tensor_to_fp8(states)
+        else:
+            tensors["hidden_states"] = states
+        save_file(tensors, directory / "hidden_states" / f"hs_{i}.safetensors")
+    return directory
+
+
+def write_specforge(directory, rows, aux):
+    for i, (ids, features) in enumerate(rows):
+        group = i // 2000 * 2000
+        path = directory / f"rows_{group}-{group + 2000}" / f"data_{i}.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        row = {
+            "input_ids": torch.from_numpy(ids).long(),
+            "loss_mask": torch.ones(len(ids), dtype=torch.long),
+            "aux_hidden_state": torch.cat([features[f"hidden.{layer}"] for layer in aux], dim=-1)[None],
+            "hidden_state": features["final_hidden"][None],
+        }
+        torch.save(row, path)
+    return directory
+
+
+def ids_text(layers):
+    return ",".join(map(str, layers))
+
+
+def test_speculators_cache_trains_as_our_capture(setup):
+    work, layers = setup["work"], [*setup["aux"], setup["num_layers"]]
+    source = write_speculators(work / "spec", setup["rows"], layers)
+    cache = work / "fc_spec"
+    report = import_cache(setup["config"]("imp_spec", cache), "speculators", source, ids_text(layers), strict=True, **QUIET)
+    assert report.written == len(setup["rows"]) and report.unserved == 0
+    assert "final norm applied" in Manifest.read(cache).kinds["final_hidden"]
+    assert train(setup["config"]("spec", cache), **QUIET).losses == setup["reference"]
+
+
+def test_specforge_cache_trains_as_our_capture(setup):
+    work = setup["work"]
+    source = write_specforge(work / "sf", setup["rows"], setup["aux"])
+    cache = work / "fc_sf"
+    specforge_ids = [layer - 1 for layer in setup["aux"]]  # SpecForge's k is vLLM's k + 1
+    report = import_cache(setup["config"]("imp_sf", cache), "specforge", source, ids_text(specforge_ids), **QUIET)
+    assert report.written == len(setup["rows"]) and report.unserved == 0
+    assert train(setup["config"]("sf", cache), **QUIET).losses == setup["reference"]
+
+
+def test_fp8_speculators_cache_imports_and_trains(setup):
+    from hs_connectors.transfer import FP8Transfer
+
+    work, layers = setup["work"], [*setup["aux"], setup["num_layers"]]
+    source = write_speculators(work / "spec8", setup["rows"], layers, fp8=True)
+    cache = work / "fc_spec8"
+    import_cache(setup["config"]("imp_spec8", cache), "speculators", source, ids_text(layers), **QUIET)
+    # what hs-connectors dequantises is what the cache holds (fp32: no second rounding)
+    expected = FP8Transfer(source / "hidden_states", dequantize_dtype=torch.float32).get_cached(0)
+    manifest = Manifest.read(cache)
+    opened = FeatureCache(cache, manifest, list(manifest.kinds))
+    key = next(k for k, place in opened.rows.items() if place.length == len(setup["rows"][0][0]))
+    place = opened.rows[key]
+    reader = ShardReader(cache, place.entry, list(manifest.kinds))
+    if np.array_equal(reader.row_tokens(place.index), setup["rows"][0][0]):
+        stored = reader.row_features(place.index, place.length, [f"hidden.{layers[0]}"], torch.float32)
+        assert torch.equal(stored[f"hidden.{layers[0]}"], expected["hidden_states"][:, 0])
+    losses = train(setup["config"]("spec8", cache), **QUIET).losses
+    assert all(math.isfinite(x) for x in losses)
+    assert losses == pytest.approx(setup["reference"], rel=0.05)
+
+
+def test_token_ids_disagreeing_with_the_dataset_are_refused(setup):
+    work, layers = setup["work"], [*setup["aux"], setup["num_layers"]]
+    source = write_speculators(work / "spec_bad", setup["rows"][:2], layers)
+    bad = source / "hidden_states" / "hs_1.safetensors"
+    from safetensors.torch import load_file
+
+    tensors = load_file(bad)
+    tensors["token_ids"] = tensors["token_ids"].flip(0)
+    save_file(tensors, bad)
+    with pytest.raises(SpecdraftError) as err:
+        import_cache(setup["config"]("imp_bad", work / "fc_bad"), "speculators", source, ids_text(layers), **QUIET)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(bad)) and "token_ids" in message
+
+
+def test_specforge_file_with_a_pickled_object_is_refused(setup):
+    work = setup["work"]
+    source = write_specforge(work / "sf_bad", setup["rows"][:1], setup["aux"])
+    bad = next(source.glob("rows_*/data_0.ckpt"))
+    row = torch.load(bad, weights_only=True)
+    row["extra"] = _Pickled()
+    torch.save(row, bad)
+    with pytest.raises(SpecdraftError) as err:
+        import_cache(
+            setup["config"]("imp_sfbad", work / "fc_sfbad"), "specforge", source, ids_text([l - 1 for l in setup["aux"]]), **QUIET
+        )
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(bad)) and "weights_only" in message
+
+
+class _Pickled:
+    """An object only a full unpickle recreates (what weights_only refuses)."""
+
+
+def test_a_layer_the_drafts_need_is_refused_by_id(setup):
+    work, layers = setup["work"], setup["aux"][:-1] + [setup["num_layers"]]
+    source = write_speculators(work / "spec_few", setup["rows"][:1], layers)
+    with pytest.raises(SpecdraftError, match=f"layer id {setup['aux'][-1]}"):
+        import_cache(setup["config"]("imp_few", work / "fc_few"), "speculators", source, ids_text(layers), **QUIET)
+    # without layer id L the final norm's output cannot be computed
+    source = write_speculators(work / "spec_nol", setup["rows"][:1], setup["aux"])
+    with pytest.raises(SpecdraftError, match="not 2|final norm"):
+        import_cache(setup["config"]("imp_nol", work / "fc_nol"), "speculators", source, ids_text(setup["aux"]), **QUIET)
+
+
+def test_rows_of_other_data_are_counted_or_refused_when_strict(setup):
+    work, layers = setup["work"], [*setup["aux"], setup["num_layers"]]
+    ids, features = setup["rows"][0]
+    other = [(ids[::-1].copy(), features)]  # ids of no conversation of the data
+    source = write_speculators(work / "spec_other", other, layers)
+    report = import_cache(setup["config"]("imp_o", work / "fc_o"), "speculators", source, ids_text(layers), **QUIET)
+    assert report.unmatched == 1 and report.written == 0
+    with pytest.raises(SpecdraftError) as err:
+        import_cache(setup["config"]("imp_o2", work / "fc_o2"), "speculators", source, ids_text(layers), strict=True, **QUIET)
+    assert "\n" not in str(err.value) and str(err.value).startswith(str(source / "hidden_states" / "hs_0.safetensors"))
