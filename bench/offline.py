@@ -94,7 +94,7 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", default="1,2,3,4,5,6,8", help="epochs over one cache at which tau is measured")
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--max-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="a few steps of everything (tests)")
     parser.add_argument("--out", default="runs/bench-offline", help="runs, caches and finished parts")
     args = parser.parse_args(argv)
@@ -317,11 +317,13 @@ def steps_per_epoch(assets: Assets, family: str) -> int:
     return max(1, -(-len(data) // cfg.per_device_batch_size))
 
 
-def train_export(assets: Assets, family: str, name: str, steps: int, *extra, save_steps=None) -> str:
+def train_export(assets: Assets, family: str, name: str, steps: int, *extra, save_steps=None):
+    """-> the run's last export and its last logged loss."""
     from specdraft.train.loop import train
 
     cfg = assets.config(family, name, steps, *extra, save_steps=save_steps)
-    return str(train(cfg, log=quiet).export_dir)
+    result = train(cfg, log=quiet)
+    return str(result.export_dir), result.losses[-1]
 
 
 class Judge:
@@ -388,10 +390,12 @@ def run_bench(args) -> dict:
         captures[family] = {}
         for precision in PRECISIONS:
             captures[family][precision] = parts.get(
-                f"capture-{family}-{precision}", lambda: run_capture(assets, family, precision)
+                f"capture-{family}-{precision}-b{args.batch}", lambda: run_capture(assets, family, precision)
             )
         print(f"[bench] {family}: captured {captures[family]['bf16']['tokens']:,} tokens", flush=True)
-        timing[family] = parts.get(f"time-{family}", lambda: time_steps(assets, family))
+        timing[family] = parts.get(
+            f"time-{family}-s{args.steps}w{args.warmup}b{args.batch}", lambda: time_steps(assets, family)
+        )
         verify[family] = parts.get(f"sha256-{family}", lambda: verify_cost(assets, family))
 
     tau_family = args.tau_family if args.tau_family in families else None
@@ -405,22 +409,26 @@ def run_bench(args) -> dict:
             return judge.tau(export)
 
         steps = args.train_steps
+        # a part measured with other settings is not reused: they are in its name
+        judging = f"g{args.gamma}-p{args.max_prompts}x{args.max_new_tokens}-b{args.batch}"
+
+        def trained_and_judged(mode, extra):
+            export, loss = train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)
+            return dict(judged(export), steps=steps, loss=loss)
+
         for mode in ["online", *PRECISIONS]:
             extra = [] if mode == "online" else assets.cache(tau_family, mode)
             taus[mode] = parts.get(
-                f"tau-{tau_family}-{mode}",
-                lambda: dict(
-                    judged(train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)), steps=steps
-                ),
+                f"tau-{tau_family}-{mode}-s{steps}-{judging}", lambda: trained_and_judged(mode, extra)
             )
-        per_epoch = steps_per_epoch(assets, tau_family)
+        per_epoch = steps_per_epoch(assets, tau_family) if epochs else None
         points = {e: max(1, round(e * per_epoch)) for e in epochs}
 
         def epoch_curve():
             from math import gcd
 
             every = gcd(*points.values())
-            run = train_export(
+            run, _ = train_export(
                 assets,
                 tau_family,
                 f"epochs-{tau_family}",
@@ -431,7 +439,8 @@ def run_bench(args) -> dict:
             run_dir = Path(run).parent
             return {str(e): dict(judged(str(run_dir / f"step_{s}")), steps=s) for e, s in points.items()}
 
-        curve = parts.get(f"epochs-{tau_family}-{per_epoch}x{args.epochs}", epoch_curve)
+        if epochs:  # --epochs "": no curve
+            curve = parts.get(f"epochs-{tau_family}-{per_epoch}x{args.epochs.replace(',', '_')}-{judging}", epoch_curve)
 
     # -- report ---------------------------------------------------------------------------------
     H = hidden_size(assets.target)
@@ -494,12 +503,12 @@ def run_bench(args) -> dict:
             f"{label}, {args.train_steps} steps each (equal tokens, same rows and seed), greedy chain "
             f"γ={args.gamma}, {args.max_prompts} prompts x {args.max_new_tokens} tokens:",
             "",
-            "| training | τ | lossless |",
-            "|---|---|---|",
+            "| training | last loss | τ | lossless |",
+            "|---|---|---|---|",
         ]
         for mode, r in taus.items():
             lines.append(
-                f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['tau']:.3f} | "
+                f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['loss']:.4f} | {r['tau']:.3f} | "
                 f"{'yes' if r['lossless'] else 'NO'} |"
             )
         bf16 = taus["bf16"]["tau"]
@@ -509,21 +518,25 @@ def run_bench(args) -> dict:
             f"bf16 / online: {bf16 / taus['online']['tau']:.3f}; "
             f"fp8 token / bf16: {taus['fp8_token']['tau'] / bf16:.3f}; "
             f"fp8 token_layer / bf16: {taus['fp8_token_layer']['tau'] / bf16:.3f}",
+        ]
+        headline += [
+            f"tau_offline_over_online={taus['fp32']['tau'] / taus['online']['tau']:.3f}",
+            f"tau_bf16_over_online={bf16 / taus['online']['tau']:.3f}",
+            f"tau_fp8_token_over_bf16={taus['fp8_token']['tau'] / bf16:.3f}",
+            f"tau_fp8_token_layer_over_bf16={taus['fp8_token_layer']['tau'] / bf16:.3f}",
+        ]
+    if curve:
+        lines += [
             "",
-            f"τ against epochs over one bf16 cache ({per_epoch} steps an epoch):",
+            f"τ against epochs over one bf16 cache ({per_epoch} steps an epoch; one run, its cosine schedule "
+            f"ending at the last point, an export at each):",
             "",
             "| epochs | steps | τ |",
             "|---|---|---|",
         ]
         lines += [f"| {e} | {r['steps']} | {r['tau']:.3f} |" for e, r in curve.items()]
         peak = max(curve, key=lambda e: curve[e]["tau"])
-        headline += [
-            f"tau_offline_over_online={taus['fp32']['tau'] / taus['online']['tau']:.3f}",
-            f"tau_bf16_over_online={bf16 / taus['online']['tau']:.3f}",
-            f"tau_fp8_token_over_bf16={taus['fp8_token']['tau'] / bf16:.3f}",
-            f"tau_fp8_token_layer_over_bf16={taus['fp8_token_layer']['tau'] / bf16:.3f}",
-            f"tau_peak_epochs={float(peak):g}",
-        ]
+        headline.append(f"tau_peak_epochs={float(peak):g}")
     for family, why in skipped.items():
         lines.append(f"\n{LABELS[family]}: not measured: {why}")
     if parts.reused:

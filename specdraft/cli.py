@@ -41,7 +41,15 @@ def _cmd_capture(args) -> int:
     from specdraft.config import load_config
     from specdraft.commands.capture import capture
 
-    capture(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    if args.source_format:  # another trainer's cache converted, not the target run
+        from specdraft.commands.import_features import import_cache
+
+        if not args.source:
+            raise SpecdraftError("--from: --source DIR (the other trainer's cache) is required")
+        import_cache(cfg, args.source_format, args.source, args.layer_ids, strict=args.strict)
+        return 0
+    capture(cfg)
     return 0
 
 
@@ -259,6 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for train (feature_cache=DIR)")
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=["speculators", "specforge"],
+        default=None,
+        help="import another trainer's feature cache instead of running the target",
+    )
+    p.add_argument("--source", default=None, help="with --from: the other trainer's cache directory")
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        help="with --from: the layer ids it captured, in its own numbering, comma-separated (2,16,29,32)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --from: refuse a row whose token ids are none of this config's conversations",
+    )
     p.set_defaults(run=_cmd_capture)
 
     p = commands.add_parser(

@@ -62,7 +62,7 @@ def test_offline_bench_quick_reports_every_part_and_reuses_them(tiny_target_dir,
     assert json.loads((tmp_path / "tiny" / "offline.json").read_text())["headline"] == last.split()
 
     again = bench.main(argv)  # the finished parts are reused, nothing measured twice
-    assert "capture-eagle3-fp8_token" in again["reused"] and "epochs-eagle3-" in " ".join(again["reused"])
+    assert "capture-eagle3-fp8_token-b2" in again["reused"] and "epochs-eagle3-" in " ".join(again["reused"])
     assert again["tau"] == results["tau"] and again["timing"] == results["timing"]
 
 

@@ -362,8 +362,6 @@ def test_damaged_caches_are_refused_in_one_line_or_train_on_exactly_the_right_fe
 
 
 def test_hybrid_commits_the_first_epoch_reads_it_later_and_resumes_exactly(fc, monkeypatch):
-    from specdraft.data.packing import open_packed_cache  # noqa: F401  (the data dir exists after a run)
-
     epochs = ["max_steps=-1", "num_train_epochs=2", "warmup_steps=2", "save_steps=100", "keep_last=2"]
     online, _ = run(overrides(fc, "dflash", "hybrid_online", *epochs))
     import specdraft.train.model as model_module
@@ -379,18 +377,37 @@ def test_hybrid_commits_the_first_epoch_reads_it_later_and_resumes_exactly(fc, m
         fc, "dflash", "hybrid", *epochs, *cache_of(fc, "fc_hybrid", "fp32", "feature_cache_mode=hybrid")
     )
     hybrid, _ = run(hybrid_args)
-    steps_per_epoch = len(online) // 2
     assert hybrid == online  # fp32: live and cached features are the same numbers
-    assert len(passes) == steps_per_epoch  # the target ran in the first epoch only
-    keys = stored_rows(fc["work"] / "fc_hybrid")
-    assert sorted(keys) == sorted(set(data_keys(fc)))  # every row committed once
-    # the cache now complete: a second hybrid run never runs the target
+    # the target ran for the batches holding a window not yet committed: the first epoch's, and the
+    # second epoch's batch with the window the first one dropped (its tail)
+    from specdraft.data.sampler import ShardedBatchSampler
+
+    sampler = ShardedBatchSampler(windows_of(fc), 2, 0, 1, 3)
+    seen, live = set(), 0
+    for _ in range(len(online)):
+        batch = set(sampler.next_batch().tolist())
+        live += bool(batch - seen)
+        seen |= batch
+    assert len(passes) == live
+    keys, whole = stored_rows(fc["work"] / "fc_hybrid"), whole_data(fc)
+    seen_rows = {whole_keys[p.row] for w in seen for p in whole.placements(w) for whole_keys in [data_keys(fc)]}
+    assert len(keys) == len(set(keys)) and set(keys) == seen_rows  # every row the run met, committed once
+    # the cache now complete: another hybrid run never runs the target
     passes.clear()
-    again, _ = run(
-        [*hybrid_args[:-1], f"output_dir={fc['work']}/hybrid_again"][: len(hybrid_args)]
-        + [f"output_dir={fc['work']}/hybrid_again"]
-    )
+    again, _ = run([a for a in hybrid_args if not a.startswith("output_dir=")] + [f"output_dir={fc['work']}/hybrid_2"])
     assert again == online and passes == []
+
+
+def whole_data(fc):
+    from specdraft.data.packing import open_packed_cache
+    from specdraft.data.whole_packing import WholePackedData
+
+    cache_dir = next(p for p in (fc["work"] / "data").iterdir() if (p / "meta.json").is_file())
+    return WholePackedData(cache_dir, open_packed_cache(cache_dir).meta)
+
+
+def windows_of(fc) -> int:
+    return len(whole_data(fc))
 
 
 def test_a_hybrid_resume_trains_the_same_losses_whichever_rows_were_committed(fc):

@@ -87,6 +87,9 @@ class RunFeatures:
         self.indices = indices  # the windows a live pass of this batch computes (on_live)
         cached = self.cache.window_features(self.data, self.keys, indices, self.dtype)
         if cached is None and self.hybrid:
+            wanted = {self.keys[p.row] for w in np.asarray(indices) for p in self.data.placements(int(w))}
+            if wanted & self.writer.pending:  # rows this rank computed and still holds: committed, then read
+                self.writer.flush()
             self.cache.refresh()  # another rank may have committed them since
             cached = self.cache.window_features(self.data, self.keys, indices, self.dtype)
         if cached is None and not self.hybrid:  # refused before step 1 (missing_rows): never here
