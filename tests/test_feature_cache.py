@@ -273,12 +273,15 @@ def copy_cache(good, dest):
     return dest
 
 
-def refusal(fc, name, cache_dir, *extra):
+def refusal(fc, name, cache_dir, *extra, before_step_1=True):
+    """The one-line refusal of an offline run on cache_dir; before_step_1: nothing was trained (a
+    shard is checked when first read: its refusal may come after steps that never read it)."""
     with pytest.raises(SpecdraftError) as err:
         run(overrides(fc, "eagle3", name, f"feature_cache={cache_dir}", *extra))
     message = str(err.value)
     assert "\n" not in message
-    assert not (fc["work"] / name / "ckpt").exists() or not any((fc["work"] / name / "ckpt").glob("step_*"))
+    if before_step_1:
+        assert not (fc["work"] / name / "ckpt").exists() or not any((fc["work"] / name / "ckpt").glob("step_*"))
     return message
 
 
@@ -347,15 +350,60 @@ def test_damaged_caches_are_refused_in_one_line_or_train_on_exactly_the_right_fe
             shutil.copyfile(donor[index % len(donor)], shard)
         elif what == "delete_manifest":
             (cache / MANIFEST).unlink(missing_ok=True)
+    deleted = not (cache / MANIFEST).exists()
+    hybrid = copy_cache(cache, fc["work"] / "fc_damaged_hybrid")
     try:
         losses, _ = run(overrides(fc, "eagle3", "damaged", f"feature_cache={cache}", "feature_cache_dtype=fp32"))
     except SpecdraftError as err:
         message = str(err)
         assert "\n" not in message and str(cache) in message, message
-        return
+    else:  # not refused: exactly the right features (e.g. damage to a shard never read)
+        assert losses == good_losses
     finally:
         shutil.rmtree(fc["work"] / "damaged", ignore_errors=True)
-    assert losses == good_losses  # not refused: exactly the right features (e.g. damage to a shard never read)
+    # hybrid: a shard that fails a check is computed again, and the run trains on the right features
+    hybrid_args = overrides(
+        fc, "eagle3", "damaged", f"feature_cache={hybrid}", "feature_cache_dtype=fp32", "feature_cache_mode=hybrid"
+    )
+    try:
+        if deleted:  # no manifest: a folder of files hybrid will not write into
+            with pytest.raises(SpecdraftError, match="exists and is not a feature cache"):
+                run(hybrid_args)
+        else:
+            assert run(hybrid_args)[0] == good_losses
+    finally:
+        shutil.rmtree(fc["work"] / "damaged", ignore_errors=True)
+
+
+def test_hybrid_computes_a_corrupted_shard_again_where_offline_refuses_it(fc, good_cache):
+    good, good_losses = good_cache
+    cache = copy_cache(good, fc["work"] / "fc_corrupted")
+    shard = sorted((cache / "shards").iterdir())[0]
+    payload = bytearray(shard.read_bytes())
+    payload[len(payload) // 2] ^= 0xFF  # among the features' values: the file still parses
+    shard.write_bytes(bytes(payload))
+    message = refusal(fc, "corrupt_offline", cache, before_step_1=False)
+    assert message.startswith(f"{shard}: its bytes are not the ones committed"), message
+    lines = []
+    args = overrides(fc, "eagle3", "corrupt_hybrid", f"feature_cache={cache}", "feature_cache_mode=hybrid")
+    assert train(load_config(None, args), log=lines.append).losses == good_losses
+    assert any(line.startswith(f"features: {shard}: its bytes are not") and "computed again" in line for line in lines)
+    # the shard is rejected for every later reader; the rows the hybrid run met were committed
+    # again, and a capture of the same config adds the rest: offline training reads them all
+    assert (cache / "rejected" / f"{shard.name}.json").is_file()
+    capture(
+        overrides(
+            fc,
+            "eagle3",
+            "corrupt_cap",
+            f"feature_cache={cache}",
+            "feature_cache_dtype=fp32",
+            "feature_cache_shard_tokens=600",
+        )
+    )
+    assert sorted(stored_rows(cache)) == sorted(set(data_keys(fc)))  # each row once among the committed shards
+    offline, _ = run(overrides(fc, "eagle3", "corrupt_after", f"feature_cache={cache}"))
+    assert offline == good_losses
 
 
 # -- hybrid ----------------------------------------------------------------------------------

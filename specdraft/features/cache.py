@@ -24,7 +24,9 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.features.manifest import (
+    DESCRIPTION,
     MANIFEST,
+    WHAT_ROWS_HOLD,
     PARTS,
     SHARDS,
     Manifest,
@@ -33,6 +35,7 @@ from specdraft.features.manifest import (
     committed_shards,
     part_file,
     read_part,
+    reject_shard,
 )
 from specdraft.features.shards import CapturedRow, ShardBuilder, ShardReader, row_keys_of, shard_name, write_shard
 
@@ -47,18 +50,22 @@ class RowPlace:
 
 
 class FeatureCache:
-    def __init__(self, cache_dir: Path, manifest: Manifest, kinds: Sequence[str]):
+    def __init__(self, cache_dir: Path, manifest: Manifest, kinds: Sequence[str], recompute=None):
+        """recompute (hybrid): a log; a shard that fails a check is then set aside (its rows
+        computed again) instead of stopping the run."""
         self.cache_dir = Path(cache_dir)
         self.manifest = manifest
         self.kinds = list(kinds)  # what this run reads (a subset of what the cache stores)
-        self.rows: Dict[bytes, RowPlace] = {}
+        self.rows: Dict[bytes, List[RowPlace]] = {}  # a row recomputed after a bad shard has two places
+        self.bad: set = set()  # shards that failed a check (hybrid)
+        self.recompute = recompute
         self._indexed: set = set()
         self._open: "OrderedDict[str, ShardReader]" = OrderedDict()
         self._verified: set = set()
         self.refresh()
 
     @classmethod
-    def open(cls, cache_dir, expected: Manifest, kinds: Sequence[str]) -> "FeatureCache":
+    def open(cls, cache_dir, expected: Manifest, kinds: Sequence[str], recompute=None) -> "FeatureCache":
         """The cache at cache_dir, refused in one line before anything trains when it was captured
         from another target, tokenizer or template, or does not store every tensor `kinds` names."""
         manifest = Manifest.read(cache_dir)
@@ -80,22 +87,47 @@ class FeatureCache:
                 f"{Path(cache_dir) / MANIFEST}: no {absent[0]} ({expected.kinds.get(absent[0], absent[0])}); the "
                 f"cache stores {', '.join(manifest.kinds)}: capture with this run's drafts"
             )
-        return cls(cache_dir, manifest, kinds)
+        return cls(cache_dir, manifest, kinds, recompute)
 
     def refresh(self) -> None:
         """Index the rows of every shard committed since the last look (other ranks' too)."""
         for entry in committed_shards(self.cache_dir, self.manifest):
             if entry.file in self._indexed:
                 continue
-            reader_keys = row_keys_of(self.cache_dir, entry)
-            if len(reader_keys) != entry.rows:
-                raise SpecdraftError(
-                    f"{self.cache_dir / entry.file}: {len(reader_keys)} rows, committed as {entry.rows}"
-                )
-            offsets = _offsets_of(self.cache_dir / entry.file)
-            for index, key in enumerate(reader_keys):
-                self.rows.setdefault(key, RowPlace(entry, index, offsets[index + 1] - offsets[index]))
             self._indexed.add(entry.file)
+            try:
+                reader_keys = row_keys_of(self.cache_dir, entry)
+                if len(reader_keys) != entry.rows:
+                    raise SpecdraftError(
+                        f"{self.cache_dir / entry.file}: {len(reader_keys)} rows, committed as {entry.rows}"
+                    )
+                offsets = _offsets_of(self.cache_dir / entry.file)
+                if offsets[0] != 0 or offsets[-1] != entry.tokens or np.any(np.diff(offsets) < 1):
+                    raise SpecdraftError(
+                        f"{self.cache_dir / entry.file}: its row offsets disagree with its commit ({entry.tokens} "
+                        f"tokens): corrupted, or another cache's shard; nothing was trained on it"
+                    )
+            except SpecdraftError as err:
+                self._set_aside(entry, err)
+                continue
+            for index, key in enumerate(reader_keys):
+                self.rows.setdefault(key, []).append(RowPlace(entry, index, offsets[index + 1] - offsets[index]))
+
+    def _set_aside(self, entry: ShardEntry, err: SpecdraftError) -> None:
+        """A shard that failed a check: offline, the run stops on it (one line); hybrid, its rows
+        count as missing from now on and are computed again."""
+        if self.recompute is None:
+            raise err
+        self.bad.add(entry.file)
+        self._open.pop(entry.file, None)
+        reject_shard(self.cache_dir, entry, str(err))  # no reader lists it again: its rows are committed anew
+        self.recompute(f"features: {err}; its rows are computed again (hybrid)")
+
+    def _place(self, key: bytes, length: int) -> Optional[RowPlace]:
+        for place in self.rows.get(key, ()):
+            if place.entry.file not in self.bad and place.length >= length:
+                return place
+        return None
 
     def totals(self) -> Tuple[int, int, int, int]:
         """(shards, rows, tokens, bytes) committed."""
@@ -103,7 +135,7 @@ class FeatureCache:
 
     def missing(self, keys: Sequence[bytes], lengths: Sequence[int]) -> List[int]:
         """Indices of the rows (by key, with the tokens a window keeps of each) the cache cannot serve."""
-        return [i for i, (key, n) in enumerate(zip(keys, lengths)) if key not in self.rows or self.rows[key].length < n]
+        return [i for i, (key, n) in enumerate(zip(keys, lengths)) if self._place(key, n) is None]
 
     def _reader(self, entry: ShardEntry) -> ShardReader:
         reader = self._open.get(entry.file)
@@ -126,21 +158,29 @@ class FeatureCache:
         out: Dict[str, torch.Tensor] = {}
         for b, places in enumerate(placements):
             for place in places:
-                where = self.rows[keys[place.row]]
-                reader = self._reader(where.entry)
-                expected = np.asarray(data.conversation(place.row)[0][: place.length], dtype=np.int64)
-                stored = reader.row_tokens(where.index)[: place.length].astype(np.int64)
-                if not np.array_equal(stored, expected):
-                    raise SpecdraftError(
-                        f"{reader.path}: row {where.index} holds other token ids than the data's conversation "
-                        f"{place.row}; nothing was trained on it"
-                    )
-                values = reader.row_features(where.index, place.length, self.kinds, dtype)
+                where = self._place(keys[place.row], place.length)
+                try:
+                    values = self._row(data, place, where, dtype)
+                except SpecdraftError as err:
+                    self._set_aside(where.entry, err)
+                    return None
                 for kind, value in values.items():
                     if kind not in out:
                         out[kind] = torch.zeros((len(placements), data.window, *value.shape[1:]), dtype=dtype)
                     out[kind][b, place.offset : place.offset + place.length] = value
         return out
+
+    def _row(self, data, place, where: RowPlace, dtype) -> Dict[str, torch.Tensor]:
+        """One conversation's features, checked: its shard (first read), its token ids, its values."""
+        reader = self._reader(where.entry)
+        expected = np.asarray(data.conversation(place.row)[0][: place.length], dtype=np.int64)
+        stored = reader.row_tokens(where.index)[: place.length].astype(np.int64)
+        if not np.array_equal(stored, expected):
+            raise SpecdraftError(
+                f"{reader.path}: row {where.index} holds other token ids than the data's conversation "
+                f"{place.row}; nothing was trained on it"
+            )
+        return reader.row_features(where.index, place.length, self.kinds, dtype)
 
 
 def _offsets_of(path: Path) -> List[int]:
@@ -215,12 +255,12 @@ def cache_totals(cache_dir: Path, manifest: Manifest) -> Tuple[int, int, int, in
     return len(entries), sum(e.rows for e in entries), sum(e.tokens for e in entries), sum(e.bytes for e in entries)
 
 
-def prepare_cache_dir(cache_dir: Path, manifest: Manifest, log) -> None:
+def prepare_cache_dir(cache_dir: Path, manifest: Manifest, log, hybrid: bool = False) -> None:
     """Rank 0 (capture, hybrid): a new cache (manifest first), or the same capture continued (its manifest must
     describe what this run captures; shards no commit lists are removed)."""
     if (cache_dir / MANIFEST).is_file():
         existing = Manifest.read(cache_dir)
-        differs = existing.same_contents(manifest)
+        differs = existing.same_contents(manifest, WHAT_ROWS_HOLD if hybrid else DESCRIPTION)
         if differs:
             raise SpecdraftError(
                 f"{cache_dir / MANIFEST}: this cache holds another capture ({differs}); nothing was "

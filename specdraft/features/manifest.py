@@ -28,6 +28,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 PARTS = "parts"
 SHARDS = "shards"
+REJECTED = "rejected"  # rejected/<shard file name>.json: a shard a hybrid run found bad and replaced
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -67,6 +68,10 @@ def tokenizer_fingerprint(target_dir) -> str:
 def template_fingerprint(tokenizer, thinking) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     return hashlib.sha256(f"{template}\0thinking={thinking}".encode()).hexdigest()[:16]
+
+
+DESCRIPTION = ("fingerprints", "kinds", "dtype", "fp8_scale", "capture_length", "num_layers")
+WHAT_ROWS_HOLD = ("fingerprints", "kinds", "num_layers")  # a hybrid run adds rows at the cache's precision
 
 
 @dataclass
@@ -111,9 +116,9 @@ class Manifest:
     def write(self, cache_dir: Path) -> None:
         write_atomic(Path(cache_dir) / MANIFEST, self.to_json())
 
-    def same_contents(self, other: "Manifest") -> Optional[str]:
+    def same_contents(self, other: "Manifest", keys=DESCRIPTION) -> Optional[str]:
         """What differs between two manifests' descriptions of the cache (None: nothing)."""
-        for key in ("fingerprints", "kinds", "dtype", "fp8_scale", "capture_length", "num_layers"):
+        for key in keys:
             if getattr(self, key) != getattr(other, key):
                 return f"{key} {getattr(self, key)!r}, this run's {getattr(other, key)!r}"
         return None
@@ -131,14 +136,23 @@ def read_part(path: Path) -> List[ShardEntry]:
 
 
 def committed_shards(cache_dir: Path, manifest: Manifest) -> List[ShardEntry]:
-    """Every committed shard: the manifest's and every rank's part, each file once."""
+    """Every committed shard: the manifest's and every rank's part, each file once, less those a
+    hybrid run rejected (their rows were committed again elsewhere)."""
     entries = {entry.file: entry for entry in manifest.shards}
     for path in sorted((Path(cache_dir) / PARTS).glob("rank-*.json")):
         for entry in read_part(path):
             known = entries.setdefault(entry.file, entry)
             if known != entry:
                 raise SpecdraftError(f"{path}: {entry.file} is listed with another checksum in {MANIFEST}")
-    return sorted(entries.values(), key=lambda entry: entry.file)
+    rejected = {path.stem for path in (Path(cache_dir) / REJECTED).glob("*.json")}
+    return sorted((e for e in entries.values() if Path(e.file).name not in rejected), key=lambda entry: entry.file)
+
+
+def reject_shard(cache_dir: Path, entry: ShardEntry, why: str) -> None:
+    """Record that a shard failed a check (write-once, so ranks never race on it)."""
+    path = Path(cache_dir) / REJECTED / f"{Path(entry.file).name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"file": entry.file, "sha256": entry.sha256, "why": why}))
 
 
 def commit_to_part(cache_dir: Path, rank: int, entry: ShardEntry) -> None:

@@ -147,8 +147,9 @@ def open_run_cache(cfg: DictConfig, tokenizer, data, target_config, rank: int, l
     request = run_capture_request(cfg, target_config)
     expected = expected_manifest(cfg, tokenizer, target_config, request)
     if cfg.feature_cache_mode == "hybrid":  # a new directory becomes the cache the run fills
-        run_shared(lambda: prepare_cache_dir(Path(cfg.feature_cache), expected, log))
-    cache = FeatureCache.open(cfg.feature_cache, expected, list(expected.kinds))
+        run_shared(lambda: prepare_cache_dir(Path(cfg.feature_cache), expected, log, hybrid=True))
+    hybrid = cfg.feature_cache_mode == "hybrid"
+    cache = FeatureCache.open(cfg.feature_cache, expected, list(expected.kinds), recompute=log if hybrid else None)
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     writer = None
     if cfg.feature_cache_mode == "hybrid":
