@@ -37,6 +37,7 @@ from offline_runs import SMALL
 
 FAMILIES = ("glide", "eagle3", "peagle", "dflash", "dspark", "mtp")
 STEPS = 3
+ELASTIC_TOLERANCE = 1e-5  # as in tests/test_distributed.py: another world size adds in another order
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
@@ -230,6 +231,19 @@ def test_two_ranks_capture_disjoint_shards_under_one_manifest_and_sequence_paral
         return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])["losses"]
 
     assert losses(offline) == losses(online) and len(losses(online)) == STEPS
+
+    # elastic: a 2-rank run from the cache resumes on 1 rank (DeepSpeed's universal format, 2
+    # accumulation steps for the same global batch of 4) and continues its losses
+    args = overrides(fc, "dflash", "dp_offline", *cache_of(fc, "fc_ranks"))
+    (tmp_path / "dp.json").write_text(json.dumps(args))
+    two = torchrun(REPO / "tests" / "capture_ranks_script.py", "train", tmp_path / "dp.json")
+    assert two.returncode == 0, two.stderr[-2000:]
+    resumed, _ = run(
+        overrides(fc, "dflash", "dp_resumed", *cache_of(fc, "fc_ranks"), f"resume={fc['work']}/dp_offline/ckpt/step_1")
+    )
+    straight = losses(two)[1:]
+    assert len(resumed) == len(straight) == STEPS - 1
+    assert max(abs(a - b) for a, b in zip(resumed, straight)) <= ELASTIC_TOLERANCE, (resumed, straight)
 
 
 def test_a_full_disk_stops_the_capture_in_one_line_and_keeps_what_it_committed(fc, monkeypatch):
