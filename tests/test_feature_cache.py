@@ -271,6 +271,26 @@ def test_a_full_disk_stops_the_capture_in_one_line_and_keeps_what_it_committed(f
     assert sorted(stored_rows(cache)) == sorted(set(data_keys(fc)))
 
 
+def test_a_capture_says_what_it_will_write_before_writing_it(fc):
+    from specdraft.commands.capture import capture as run_capture
+
+    lines = []
+    args = overrides(fc, "eagle3", "sizes", *cache_of(fc, "fc_sizes", "bf16"))
+    written = run_capture(load_config(None, args), log=lines.append)
+    manifest = Manifest.read(fc["work"] / "fc_sizes")
+    # EAGLE-3 on the tiny target (hidden 64, 2 layers): layer inputs 0, 1, the last output 2 and the
+    # final norm's output (its objective reads the target's distribution), in bf16, and its token
+    # id: 4 x 64 x 2 + 4 bytes
+    assert list(manifest.kinds) == ["hidden.0", "hidden.1", "hidden.2", "final_hidden"]
+    said = next(line for line in lines if " bytes per token; " in line)
+    assert "bf16: 516 bytes per token; " in said and f"{written['tokens']:,} tokens of" in said, said
+    # what landed: those bytes per token, plus per shard its header, row keys and offsets
+    entries = committed_shards(fc["work"] / "fc_sizes", manifest)
+    payload = sum(e.tokens for e in entries) * 516
+    overhead = sum(e.bytes for e in entries) - payload
+    assert 0 < overhead <= sum(2048 + 24 * e.rows for e in entries), overhead
+
+
 # -- refusals ----------------------------------------------------------------------------------
 
 
