@@ -1,7 +1,8 @@
 """Offline training from a feature cache against the same training with the target live, per family.
 
-    python bench/offline.py                        # demo preset, every family its target has
-    python bench/offline.py --preset tiny          # a quick run on the test target (minutes)
+    python bench/offline.py                        # the tiny target, every family it has (~6 minutes)
+    python bench/offline.py --preset demo --families glide,eagle3,dflash --tau-family ""
+                                                   # the demo target: capture, bytes, steps, sha256
     python bench/offline.py --quick                # a few steps: the structure, not the figures
     python bench/offline.py --out runs/bench-offline --families eagle3,glide --epochs 1,2,4,6,8
 
@@ -73,7 +74,12 @@ QUICK = dict(steps=3, warmup=1, train_steps=2, epochs="1,2", max_prompts=2, max_
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="demo assets to use")
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="demo assets to use (default tiny: minutes on 2 cores)",
+    )
     parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
     parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
     parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
@@ -91,7 +97,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="steps of each timed run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of a timed run left out")
     parser.add_argument("--train-steps", type=int, default=60, help="steps of each tau run (equal tokens)")
-    parser.add_argument("--epochs", default="1,2,3,4,5,6,8", help="epochs over one cache at which tau is measured")
+    parser.add_argument(
+        "--epochs", default="1,2,3,4,5,6,8,12,16", help="epochs over one cache at which tau is measured"
+    )
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--max-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
