@@ -1,0 +1,286 @@
+"""bench/offline.py's parts: the assets, the captures, the step clocks, the sha256 cost and the
+tau judge (kept apart so each file stays one screenful of concerns)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+import torch  # noqa: E402
+
+from acceptance import (  # noqa: E402
+    family_config,
+    measure,
+)
+
+PRECISIONS = {  # label -> the cache's keys
+    "fp32": ["feature_cache_dtype=fp32"],
+    "bf16": ["feature_cache_dtype=bf16"],
+    "fp8_token": ["feature_cache_dtype=fp8", "feature_cache_fp8_scale=token"],
+    "fp8_token_layer": ["feature_cache_dtype=fp8", "feature_cache_fp8_scale=token_layer"],
+}
+SPECULATORS_AUX = 3  # speculators stores EAGLE-3's three auxiliary layers and the last hidden state
+OWN_TARGET = {"mtp"}  # drafts only for a target with an MTP layer (the demo targets are Llama)
+QUICK = dict(steps=3, warmup=1, train_steps=2, epochs="1,2", max_prompts=2, max_new_tokens=8, gamma=3)
+
+
+class Parts:
+    def __init__(self, out: Path):
+        self.dir = out / "parts"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.reused: List[str] = []
+
+    def get(self, name: str, compute):
+        path = self.dir / f"{name}.json"
+        if path.is_file():
+            self.reused.append(name)
+            print(f"[bench] {name}: reused from {path}", flush=True)
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value, indent=2))
+        return value
+
+
+def quiet(*_):
+    pass
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+class Assets:
+    def __init__(self, args, out: Path):
+        self.out = out
+        self.args = args
+        self.target, self.prompts, self.data = args.target, args.prompts, args.data
+        if self.target is None or self.prompts is None or self.data is None:
+            from specdraft.demo.assets import ensure_demo_assets
+
+            target, data = ensure_demo_assets(preset=args.preset)
+            self.target = self.target or str(target)
+            self.prompts = self.prompts or str(data.prompts_file)
+            self.data = self.data or str(Path(data.train_files[0]).parent / "shard-*.jsonl")
+
+    def config(self, family: str, name: str, steps: int, *extra, save_steps=None):
+        run_dir = self.out / "runs" / name
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        keys = [
+            "packing=whole",
+            f"per_device_batch_size={self.args.batch}",
+            "gradient_accumulation_steps=1",
+            f"logging_steps={max(1, steps)}",
+            f"data_cache_dir={self.out / 'data-cache'}",
+            *self.args.shared,
+            *extra,
+        ]
+        return family_config(family, self.target, self.data, self.prompts, run_dir, steps, keys, save_steps)
+
+    def cache(self, family: str, precision: str) -> List[str]:
+        return [f"feature_cache={self.out / 'caches' / f'{family}-{precision}'}", *PRECISIONS[precision]]
+
+
+def run_capture(assets: Assets, family: str, precision: str) -> dict:
+    """A fresh capture of the family's features in this precision: tokens/s and bytes per token."""
+    from specdraft.commands.capture import capture
+    from specdraft.features.manifest import Manifest
+
+    cache_keys = assets.cache(family, precision)
+    cache_dir = Path(cache_keys[0].split("=", 1)[1])
+    if cache_dir.exists():
+        shutil.rmtree(cache_dir)
+    cfg = assets.config(family, f"capture-{family}-{precision}", 1, *cache_keys)
+    started = time.perf_counter()
+    written = capture(cfg, log=quiet)
+    seconds = time.perf_counter() - started
+    manifest = Manifest.read(cache_dir)
+    shard_bytes = sum((cache_dir / s.file).stat().st_size for s in manifest.shards)
+    tokens = sum(s.tokens for s in manifest.shards)
+    return dict(
+        family=family,
+        precision=precision,
+        kinds=list(manifest.kinds),
+        tokens=tokens,
+        rows=written["rows"],
+        shards=len(manifest.shards),
+        seconds=seconds,
+        tokens_per_second=written["tokens"] / seconds,
+        bytes=shard_bytes,
+        bytes_per_token=shard_bytes / tokens,  # files as written: safetensors header and row index too
+        formula_bytes_per_token=formula_bytes(assets.target, list(manifest.kinds), manifest.dtype, manifest.fp8_scale),
+    )
+
+
+def formula_bytes(target_dir, kinds, dtype, fp8_scale) -> int:
+    from specdraft.commands.capture import _kind_widths
+    from specdraft.features.shards import bytes_per_token
+    from specdraft.target.checks import load_target_config
+
+    widths = _kind_widths(load_target_config(str(target_dir)), kinds)
+    return bytes_per_token(widths, dtype, fp8_scale or "token")
+
+
+def hidden_size(target_dir) -> int:
+    from specdraft.target.checks import load_target_config
+
+    return load_target_config(str(target_dir)).get_text_config().hidden_size
+
+
+@contextlib.contextmanager
+def step_clock():
+    """Per step of a one-draft run: seconds reading and assembling the cached features
+    (RunFeatures.batch) and seconds of forward_step (the draft's forward + backward + step, with the
+    target's pass inside when live)."""
+    from specdraft.train import features as features_module
+    from specdraft.train import loop
+
+    times = {"read": [], "step": [], "read_cpu": [], "step_cpu": []}
+    forward_step, batch = loop.forward_step, features_module.RunFeatures.batch
+
+    def clocked(name, function, *a, **k):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = function(*a, **k)
+        times[name].append(time.perf_counter() - wall)
+        times[f"{name}_cpu"].append(time.process_time() - cpu)
+        return out
+
+    def timed_step(*a, **k):
+        return clocked("step", forward_step, *a, **k)
+
+    def timed_batch(self, indices):
+        return clocked("read", batch, self, indices)
+
+    loop.forward_step, features_module.RunFeatures.batch = timed_step, timed_batch
+    try:
+        yield times
+    finally:
+        loop.forward_step, features_module.RunFeatures.batch = forward_step, batch
+
+
+def time_steps(assets: Assets, family: str) -> dict:
+    """The family live and from its bf16 cache, the same steps: medians per step after --warmup."""
+    from specdraft.train.loop import train
+
+    args = assets.args
+    result = {}
+    for mode, extra in (("online", []), ("cached", assets.cache(family, "bf16"))):
+        cfg = assets.config(family, f"time-{family}-{mode}", args.steps, *extra)
+        with step_clock() as times:
+            train(cfg, log=quiet)
+        kept = slice(args.warmup, None)
+        result[mode] = dict(steps=len(times["step"][kept]))
+        for clock in ("", "_cpu"):  # wall seconds, and the process's CPU seconds (steady on a shared machine)
+            step = times[f"step{clock}"][kept]
+            read = times[f"read{clock}"][kept] if times["read"] else [0.0] * len(step)
+            result[mode].update(
+                {
+                    f"forward_backward{clock}": statistics.median(step),
+                    f"read{clock}": statistics.median(read),
+                    f"total{clock}": statistics.median([s + r for s, r in zip(step, read)]),
+                }
+            )
+    for clock in ("", "_cpu"):
+        result[f"cached_over_draft{clock}"] = (
+            result["cached"][f"total{clock}"] / result["cached"][f"forward_backward{clock}"]
+        )
+        result[f"online_over_cached{clock}"] = result["online"][f"total{clock}"] / result["cached"][f"total{clock}"]
+    return result
+
+
+def verify_cost(assets: Assets, family: str) -> dict:
+    """Each shard of the family's bf16 cache: sha256 of its file (best of 3) and a ShardReader's
+    open with and without verification."""
+    from specdraft.features.manifest import Manifest
+    from specdraft.features.shards import ShardReader, file_sha256
+
+    cache_dir = Path(assets.cache(family, "bf16")[0].split("=", 1)[1])
+    manifest = Manifest.read(cache_dir)
+    kinds = list(manifest.kinds)
+    total_bytes, hash_s, open_verified, open_trusted = 0, 0.0, 0.0, 0.0
+    for entry in manifest.shards:
+        path = cache_dir / entry.file
+        best = []
+        for _ in range(3):
+            started = time.perf_counter()
+            assert file_sha256(path) == entry.sha256
+            best.append(time.perf_counter() - started)
+        hash_s += min(best)
+        total_bytes += path.stat().st_size
+        for verified in (False, True):
+            started = time.perf_counter()
+            ShardReader(cache_dir, entry, kinds, verified=verified)
+            seconds = time.perf_counter() - started
+            if verified:
+                open_trusted += seconds
+            else:
+                open_verified += seconds
+    return dict(
+        shards=len(manifest.shards),
+        bytes=total_bytes,
+        sha256_seconds=hash_s,
+        sha256_mb_per_s=total_bytes / 1e6 / hash_s,
+        open_verified_seconds=open_verified,
+        open_unverified_seconds=open_trusted,
+    )
+
+
+def steps_per_epoch(assets: Assets, family: str) -> int:
+    """Optimizer steps that read every window of the packed data once."""
+    from specdraft.target.model import load_target_tokenizer
+    from specdraft.train.data import prepare_data
+
+    cfg = assets.config(family, "epoch-count", 1)
+    data = prepare_data(cfg, load_target_tokenizer(cfg.target), 0, quiet)
+    return max(1, -(-len(data) // cfg.per_device_batch_size))
+
+
+def train_export(assets: Assets, family: str, name: str, steps: int, *extra, save_steps=None):
+    """-> the run's last export and its last logged loss."""
+    from specdraft.train.loop import train
+
+    cfg = assets.config(family, name, steps, *extra, save_steps=save_steps)
+    result = train(cfg, log=quiet)
+    return str(result.export_dir), result.losses[-1]
+
+
+class Judge:
+    """Greedy chain tau of exports on the held-out prompts (acceptance.measure)."""
+
+    def __init__(self, assets: Assets):
+        from specdraft.commands.evaluate import load_tokenizer
+        from specdraft.decode.measure import run_plain
+        from specdraft.decode.prompts import read_prompts, stop_tokens
+        from specdraft.target.model import load_frozen_target
+
+        args = assets.args
+        self.target = load_frozen_target(str(assets.target), "fp32", torch.device("cpu"))
+        tokenizer = load_tokenizer(None, Path(assets.target))
+        self.prompts = read_prompts(assets.prompts, tokenizer, args.max_prompts)
+        self.settings = dict(
+            max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop_tokens(self.target, tokenizer)
+        )
+        self.baseline = run_plain(self.target, self.prompts, **self.settings)
+        self.gamma = args.gamma
+
+    def tau(self, export: str) -> dict:
+        from specdraft.export.files import load_exported_draft
+
+        draft = load_exported_draft(Path(export))[0]
+        report = measure(
+            self.target, "draft", draft, self.prompts, self.baseline, dict(gamma=self.gamma), self.settings
+        )
+        return dict(tau=report["tau"], lossless=bool(report["matches_target"]))
+
+
+# -- the run -------------------------------------------------------------------------------------
