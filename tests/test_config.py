@@ -287,7 +287,8 @@ def test_demo_help_names_every_packaged_demo_config(capsys):
 
 
 @pytest.mark.parametrize(
-    "command", ["", "train", "config", "data", "demo", "inspect", "export", "consolidate", "eval", "regenerate"]
+    "command",
+    ["", "train", "capture", "config", "data", "demo", "inspect", "export", "consolidate", "eval", "regenerate"],
 )
 def test_help_imports_neither_torch_nor_deepspeed_nor_transformers(command):
     """`specdraft [COMMAND] --help` answers at once: the heavy imports happen inside the commands."""

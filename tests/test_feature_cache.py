@@ -584,18 +584,17 @@ def test_glide_moving_the_targets_positions_cannot_use_a_cache(fc):
     assert "anchor_offset" in str(err.value)
 
 
-def test_the_data_report_shows_what_the_cache_holds(fc, good_cache, capsys):
-    import yaml
+def test_the_data_report_shows_what_the_cache_holds(fc, good_cache):
+    import io
 
-    from specdraft.cli import main
+    from specdraft.commands.data_report import data_report
 
     good, _ = good_cache
-    config = fc["work"] / "report.yaml"
-    settings = dict(a.split("=", 1) for a in overrides(fc, "eagle3", "report", f"feature_cache={good}"))
-    config.write_text(yaml.safe_dump({k: yaml.safe_load(v) for k, v in settings.items() if not k.startswith("draft.")}))
-    capsys.readouterr()
-    assert main(["data", str(config), "draft.type=eagle3"]) == 0
-    out = capsys.readouterr().out
+    out = io.StringIO()
+    data_report(
+        load_config(None, overrides(fc, "eagle3", "report", f"feature_cache={good}")), out=out, log=lambda *a: None
+    )
+    out = out.getvalue()
     assert f"feature cache: {good}: 48 conversations" in out, out
     assert "this data: 48 of 48 conversations cached" in out
     assert "packing whole: " in out and "hidden.1: input of decoder layer 1" in out
