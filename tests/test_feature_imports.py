@@ -110,22 +110,26 @@ def runs(tiny_assets, data_dir, tmp_path_factory):
 
 
 def write_speculators(directory, rows, layers, fp8=False):
-    """The Arrow dataset as datasets.save_to_disk lays it out, and hidden_states/hs_{i}.safetensors."""
-    import pyarrow as pa
+    """The Arrow dataset written by `datasets` itself (save_to_disk, in the speculators venv: the
+    layout speculators' trainer loads), and hidden_states/hs_{i}.safetensors."""
+    import subprocess
 
-    directory.mkdir(parents=True)
-    table = pa.table(
-        {
-            "input_ids": [ids.tolist() for ids, _ in rows],
-            "loss_mask": [[1] * len(ids) for ids, _ in rows],
-            "seq_len": [len(ids) for ids, _ in rows],
-        }
+    from speculators_env import require_speculators_python
+
+    columns = {
+        "input_ids": [ids.tolist() for ids, _ in rows],
+        "loss_mask": [[1] * len(ids) for ids, _ in rows],
+        "seq_len": [len(ids) for ids, _ in rows],
+    }
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    spec = directory.parent / f"{directory.name}.columns.json"
+    spec.write_text(json.dumps(columns))
+    script = (
+        "import json, sys, datasets; datasets.Dataset.from_dict(json.load(open(sys.argv[1]))).save_to_disk(sys.argv[2])"
     )
-    name = "data-00000-of-00001.arrow"
-    with pa.OSFile(str(directory / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}], "_format_type": "torch"}))
-    (directory / "dataset_info.json").write_text("{}")
+    subprocess.run(
+        [str(require_speculators_python()), "-c", script, str(spec), str(directory)], check=True, capture_output=True
+    )
     (directory / "hidden_states").mkdir()
     for i, (ids, features) in enumerate(rows):
         states = torch.stack([features[f"hidden.{layer}"] for layer in layers], dim=1)  # [T, n, H]
