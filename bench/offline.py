@@ -18,8 +18,9 @@ named as such: delete --out/<preset>/parts/ to measure everything again). Per fa
               draft's own forward+backward+step on features already in memory, and the cached
               step (read + assemble + that); medians over the steps after --warmup
               -> cached step / draft fwd+bwd (goal <= 1.1), online step / cached step
-  sha256      each shard of the family's bf16 cache hashed again (page cache warm): MB/s, and the
-              open of a ShardReader with and without verification
+  sha256      each shard of the family's bf16 cache hashed again, page cache warm and cold (its
+              pages evicted by posix_fadvise first): MB/s, and the open of a ShardReader with and
+              without the check (and with it, cold)
 
 and for --tau-family (EAGLE-3 by default), every draft trained on the same rows, seed and steps
 (equal tokens) then measured greedy with a chain of --gamma by the code bench/acceptance.py uses
@@ -56,7 +57,8 @@ from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from offline_parts import (  # noqa: E402
-    OWN_TARGET,
+    cannot_draft,
+    tau_ratio,
     PRECISIONS,
     QUICK,
     SPECULATORS_AUX,
@@ -135,7 +137,7 @@ def run_bench(args) -> dict:
     check_bench_out(out)
     mark_bench_out(out, "bench/offline.py")
     assets = Assets(args, out)
-    skipped = {f: "its target has no MTP layer (a Llama demo target)" for f in families if f in OWN_TARGET}
+    skipped = {f: why for f in families if (why := cannot_draft(f, assets.target))}
     families = [f for f in families if f not in skipped]
     parts = Parts(out)
     print(machine_line(), flush=True)
@@ -153,10 +155,10 @@ def run_bench(args) -> dict:
         timing[family] = parts.get(
             f"time-{family}-s{args.steps}w{args.warmup}b{args.batch}", lambda: time_steps(assets, family)
         )
-        verify[family] = parts.get(f"sha256-{family}", lambda: verify_cost(assets, family))
+        verify[family] = parts.get(f"sha256-cold-{family}", lambda: verify_cost(assets, family))
 
     tau_family = args.tau_family if args.tau_family in families else None
-    taus, curve, per_epoch = {}, {}, None
+    taus, ratios, curve, per_epoch = {}, {}, {}, None
     if tau_family:
         judge = None
 
@@ -167,7 +169,7 @@ def run_bench(args) -> dict:
 
         steps = args.train_steps
         # a part measured with other settings is not reused: they are in its name
-        judging = f"g{args.gamma}-p{args.max_prompts}x{args.max_new_tokens}-b{args.batch}"
+        judging = f"g{args.gamma}-p{args.max_prompts}x{args.max_new_tokens}-b{args.batch}-per-prompt"
 
         def trained_and_judged(mode, extra):
             export, loss = train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)
@@ -233,7 +235,7 @@ def run_bench(args) -> dict:
         "step medians, CPU seconds of the process (wall seconds in brackets):",
         "",
         "| family | online step | cached step = read + draft fwd/bwd | cached / draft fwd/bwd | "
-        "online / cached | sha256 MB/s | open verified / unverified s |",
+        "online / cached | sha256 MB/s warm / cold | open checked / unchecked / checked cold s |",
         "|---|---|---|---|---|---|---|",
     ]
     for family in families:
@@ -244,8 +246,9 @@ def run_bench(args) -> dict:
             f"{ca['read_cpu']:.4f} + {ca['forward_backward_cpu']:.4f} ({ca['total']:.4f} = {ca['read']:.4f} + "
             f"{ca['forward_backward']:.4f}) | {t['cached_over_draft_cpu']:.3f} ({t['cached_over_draft']:.3f}) | "
             f"{t['online_over_cached_cpu']:.2f} ({t['online_over_cached']:.2f}) | "
-            f"{v['sha256_mb_per_s']:,.0f} ({v['bytes'] / 1e6:.1f} MB) | "
-            f"{v['open_verified_seconds']:.4f} / {v['open_unverified_seconds']:.4f} |"
+            f"{v['sha256_mb_per_s']:,.0f} / {v['sha256_cold_mb_per_s']:,.0f} ({v['bytes'] / 1e6:.1f} MB) | "
+            f"{v['open_verified_seconds']:.4f} / {v['open_unverified_seconds']:.4f} / "
+            f"{v['open_verified_cold_seconds']:.4f} |"
         )
         headline += [
             f"cached_over_draft_{slug(family)}={t['cached_over_draft_cpu']:.3f}",
@@ -253,6 +256,7 @@ def run_bench(args) -> dict:
         ]
     if verify:
         headline.append(f"sha256_mbps={min(v['sha256_mb_per_s'] for v in verify.values()):.0f}")
+        headline.append(f"sha256_cold_mbps={min(v['sha256_cold_mb_per_s'] for v in verify.values()):.0f}")
     if tau_family:
         label = LABELS[tau_family]
         lines += [
@@ -268,20 +272,22 @@ def run_bench(args) -> dict:
                 f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['loss']:.4f} | {r['tau']:.3f} | "
                 f"{'yes' if r['lossless'] else 'NO'} |"
             )
-        bf16 = taus["bf16"]["tau"]
+        ratios = {
+            "offline_over_online": tau_ratio(taus["fp32"], taus["online"]),
+            "bf16_over_online": tau_ratio(taus["bf16"], taus["online"]),
+            "fp8_token_over_bf16": tau_ratio(taus["fp8_token"], taus["bf16"]),
+            "fp8_token_layer_over_bf16": tau_ratio(taus["fp8_token_layer"], taus["bf16"]),
+        }
         lines += [
             "",
-            f"τ offline fp32 / online: {taus['fp32']['tau'] / taus['online']['tau']:.3f}; "
-            f"bf16 / online: {bf16 / taus['online']['tau']:.3f}; "
-            f"fp8 token / bf16: {taus['fp8_token']['tau'] / bf16:.3f}; "
-            f"fp8 token_layer / bf16: {taus['fp8_token_layer']['tau'] / bf16:.3f}",
+            "τ ratios on the same prompts, with a 95% interval from a paired bootstrap over the prompts:",
+            "",
+            "| ratio | value | 95% interval |",
+            "|---|---|---|",
         ]
-        headline += [
-            f"tau_offline_over_online={taus['fp32']['tau'] / taus['online']['tau']:.3f}",
-            f"tau_bf16_over_online={bf16 / taus['online']['tau']:.3f}",
-            f"tau_fp8_token_over_bf16={taus['fp8_token']['tau'] / bf16:.3f}",
-            f"tau_fp8_token_layer_over_bf16={taus['fp8_token_layer']['tau'] / bf16:.3f}",
-        ]
+        for name, r in ratios.items():
+            lines.append(f"| {name.replace('_', ' ')} | {r['ratio']:.3f} | {r['low']:.3f}–{r['high']:.3f} |")
+        headline += [f"tau_{name}={r['ratio']:.3f}" for name, r in ratios.items()]
     if curve:
         lines += [
             "",
@@ -308,6 +314,7 @@ def run_bench(args) -> dict:
         timing=timing,
         verify=verify,
         tau=taus,
+        tau_ratios=ratios,
         epochs=curve,
         steps_per_epoch=per_epoch,
         speculators_bytes_per_token=speculators,

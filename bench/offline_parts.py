@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -19,10 +20,7 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 
-from acceptance import (  # noqa: E402
-    family_config,
-    measure,
-)
+from acceptance import family_config  # noqa: E402
 
 PRECISIONS = {  # label -> the cache's keys
     "fp32": ["feature_cache_dtype=fp32"],
@@ -31,8 +29,20 @@ PRECISIONS = {  # label -> the cache's keys
     "fp8_token_layer": ["feature_cache_dtype=fp8", "feature_cache_fp8_scale=token_layer"],
 }
 SPECULATORS_AUX = 3  # speculators stores EAGLE-3's three auxiliary layers and the last hidden state
-OWN_TARGET = {"mtp"}  # drafts only for a target with an MTP layer (the demo targets are Llama)
 QUICK = dict(steps=3, warmup=1, train_steps=2, epochs="1,2", max_prompts=2, max_new_tokens=8, gamma=3)
+
+
+def cannot_draft(family: str, target: str) -> str:
+    """Why the family cannot draft for this target ('' when it can): MTP needs a target with an MTP
+    layer (the tiny and demo targets are Llama; `--preset mtp` has one)."""
+    from specdraft.drafts.registry import FAMILIES
+
+    model_type = json.loads((Path(target) / "config.json").read_text())["model_type"]
+    if FAMILIES[family].drafts_for(model_type):
+        return ""
+    return (
+        f"it drafts for {', '.join(FAMILIES[family].target_model_types)} targets, not {model_type} (try --preset mtp)"
+    )
 
 
 class Parts:
@@ -198,40 +208,60 @@ def time_steps(assets: Assets, family: str) -> dict:
     return result
 
 
+def drop_page_cache(path: Path) -> None:
+    """Evict the file's pages (posix_fadvise DONTNEED: no root needed) so the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def verify_cost(assets: Assets, family: str) -> dict:
-    """Each shard of the family's bf16 cache: sha256 of its file (best of 3) and a ShardReader's
-    open with and without verification."""
+    """Each shard of the family's bf16 cache: sha256 of its file with the page cache warm (best of
+    3) and cold (its pages evicted first: what the first read of a shard pays), and a ShardReader's
+    open with and without the check, cold and warm."""
     from specdraft.features.manifest import Manifest
     from specdraft.features.shards import ShardReader, file_sha256
 
     cache_dir = Path(assets.cache(family, "bf16")[0].split("=", 1)[1])
     manifest = Manifest.read(cache_dir)
     kinds = list(manifest.kinds)
-    total_bytes, hash_s, open_verified, open_trusted = 0, 0.0, 0.0, 0.0
+    seconds = dict(hash_warm=0.0, hash_cold=0.0, open_checked=0.0, open_unchecked=0.0, open_checked_cold=0.0)
+    total_bytes = 0
+
+    def timed(key, work):
+        started = time.perf_counter()
+        result = work()
+        seconds[key] += time.perf_counter() - started
+        return result
+
     for entry in manifest.shards:
         path = cache_dir / entry.file
-        best = []
+        total_bytes += path.stat().st_size
+        drop_page_cache(path)
+        assert timed("hash_cold", lambda: file_sha256(path)) == entry.sha256
+        warm = []
         for _ in range(3):
             started = time.perf_counter()
             assert file_sha256(path) == entry.sha256
-            best.append(time.perf_counter() - started)
-        hash_s += min(best)
-        total_bytes += path.stat().st_size
-        for verified in (False, True):
-            started = time.perf_counter()
-            ShardReader(cache_dir, entry, kinds, verified=verified)
-            seconds = time.perf_counter() - started
-            if verified:
-                open_trusted += seconds
-            else:
-                open_verified += seconds
+            warm.append(time.perf_counter() - started)
+        seconds["hash_warm"] += min(warm)
+        # verified=True: the caller vouches for the file, so the reader skips the size and sha256 check
+        timed("open_unchecked", lambda: ShardReader(cache_dir, entry, kinds, verified=True))
+        timed("open_checked", lambda: ShardReader(cache_dir, entry, kinds, verified=False))
+        drop_page_cache(path)
+        timed("open_checked_cold", lambda: ShardReader(cache_dir, entry, kinds, verified=False))
     return dict(
         shards=len(manifest.shards),
         bytes=total_bytes,
-        sha256_seconds=hash_s,
-        sha256_mb_per_s=total_bytes / 1e6 / hash_s,
-        open_verified_seconds=open_verified,
-        open_unverified_seconds=open_trusted,
+        sha256_seconds=seconds["hash_warm"],
+        sha256_mb_per_s=total_bytes / 1e6 / seconds["hash_warm"],
+        sha256_cold_seconds=seconds["hash_cold"],
+        sha256_cold_mb_per_s=total_bytes / 1e6 / seconds["hash_cold"],
+        open_verified_seconds=seconds["open_checked"],
+        open_unverified_seconds=seconds["open_unchecked"],
+        open_verified_cold_seconds=seconds["open_checked_cold"],
     )
 
 
@@ -255,7 +285,8 @@ def train_export(assets: Assets, family: str, name: str, steps: int, *extra, sav
 
 
 class Judge:
-    """Greedy chain tau of exports on the held-out prompts (acceptance.measure)."""
+    """Greedy chain tau of exports on the held-out prompts (the decoder of specdraft eval), kept
+    per prompt too."""
 
     def __init__(self, assets: Assets):
         from specdraft.commands.evaluate import load_tokenizer
@@ -274,13 +305,41 @@ class Judge:
         self.gamma = args.gamma
 
     def tau(self, export: str) -> dict:
+        from specdraft.decode.measure import make_drafter, run_speculative
+        from specdraft.decode.report import acceptance_stats
         from specdraft.export.files import load_exported_draft
 
         draft = load_exported_draft(Path(export))[0]
-        report = measure(
-            self.target, "draft", draft, self.prompts, self.baseline, dict(gamma=self.gamma), self.settings
+        generations = run_speculative(
+            self.target, make_drafter("draft", self.target, draft), self.prompts, gamma=self.gamma, **self.settings
         )
-        return dict(tau=report["tau"], lossless=bool(report["matches_target"]))
+        report = acceptance_stats(generations, self.gamma)
+        return dict(
+            tau=report["tau"],
+            lossless=all(g.tokens == b.tokens for g, b in zip(generations, self.baseline)),
+            # per prompt: (tokens its passes produced, passes): the paired interval of tau_ratio
+            per_prompt=[[sum(g.accepted) + len(g.accepted), len(g.accepted)] for g in generations],
+        )
+
+
+def tau_ratio(over: dict, under: dict, draws: int = 2000, seed: int = 0) -> dict:
+    """tau(over) / tau(under) on the same prompts, and its 95% interval from a paired bootstrap
+    over prompts (the same resampled prompts for both): whether a gap is larger than the prompts'
+    noise."""
+    import random
+
+    a, b = over["per_prompt"], under["per_prompt"]
+    assert len(a) == len(b), "both drafts are measured on the same prompts"
+
+    def ratio(indices):
+        produced_a, passes_a = sum(a[i][0] for i in indices), sum(a[i][1] for i in indices)
+        produced_b, passes_b = sum(b[i][0] for i in indices), sum(b[i][1] for i in indices)
+        return (produced_a / passes_a) / (produced_b / passes_b)
+
+    rng = random.Random(seed)
+    n = len(a)
+    samples = sorted(ratio([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    return dict(ratio=ratio(range(n)), low=samples[int(0.025 * draws)], high=samples[int(0.975 * draws) - 1])
 
 
 # -- the run -------------------------------------------------------------------------------------
