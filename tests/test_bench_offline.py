@@ -31,7 +31,13 @@ def test_offline_bench_quick_reports_every_part_and_reuses_them(tiny_target_dir,
     for family in ("glide", "eagle3"):
         for key in ("capture_tps", "bytes_bf16", "bytes_vs_speculators", "cached_over_draft", "online_over_cached"):
             assert float(keys[f"{key}_{family}"]) > 0
-    for key in ("sha256_mbps", "sha256_cold_mbps", "tau_offline_over_online", "tau_fp8_token_over_bf16", "tau_fp8_token_layer_over_bf16"):
+    for key in (
+        "sha256_mbps",
+        "sha256_cold_mbps",
+        "tau_offline_over_online",
+        "tau_fp8_token_over_bf16",
+        "tau_fp8_token_layer_over_bf16",
+    ):
         assert float(keys[key]) > 0
     assert float(keys["tau_peak_epochs"]) in (1.0, 2.0)
     # MTP drafts only for a target with an MTP layer: named, not measured
