@@ -9,9 +9,10 @@ Layouts relied on (speculators 0.9.0 as installed in .venv-speculators; hs-conne
 - datasets/arrow_dataset.py:1868 state.json `_data_files` names data-XXXXX-of-XXXXX.arrow;
   datasets/arrow_writer.py:628 each is an Arrow IPC stream (RecordBatchStreamWriter).
 - hs_connectors/fp8_utils.py: SCALES_KEY hidden_states_scales, quantize_tensor_to_fp8 per token.
-- SpecForge scripts/prepare_hidden_states.py (REFERENCE.md "Offline feature caches"):
-  rows_{g}-{g+2000}/data_{i}.ckpt, dict input_ids, loss_mask, aux_hidden_state [1, T, 3H],
-  hidden_state [1, T, H] after the final norm; its layer id k is vLLM's k + 1.
+- SpecForge (sgl-project/SpecForge a6b6b02; lines at write_specforge and SPECFORGE_LAYOUTS):
+  rows_{g}-{g+2000}/data_{i}.ckpt(.gz), a dict of input_ids, loss_mask and its algorithm's states;
+  its layer id k is vLLM's k + 1 (SGLang's set_eagle3_layers_to_capture: "[val + 1 for val in
+  layer_ids]").
 """
 
 import dataclasses
@@ -36,12 +37,15 @@ QUIET = dict(log=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_assets, data_dir, tmp_path_factory):
-    """family -> our fp32 capture's training losses, and the tiny target's features of every row at
-    the family's layers plus layer id L (what a peer run with those ids stores)."""
+def runs(tiny_assets, served_target_dir, data_dir, tmp_path_factory):
+    """(family, target) -> our fp32 capture's training losses, and the target's features of every row
+    at the family's layers plus layer id L (what a peer run with those ids stores). target: "tiny"
+    (2 layers) or "served" (its 4-layer copy: EAGLE-3's default layers 1, 2, 3 are ones SpecForge
+    can name, its ids 0, 1, 2; on 2 layers EAGLE-3 reads id 0, the embeddings)."""
     import specdraft.commands.capture as capture_module
 
-    target, tiny = tiny_assets
+    tiny_target, tiny = tiny_assets
+    targets = {"tiny": tiny_target, "served": served_target_dir}
     work = tmp_path_factory.mktemp("imports")
     extra = [
         "packing=whole",
@@ -53,30 +57,31 @@ def runs(tiny_assets, data_dir, tmp_path_factory):
     ]
     done = {}
 
-    def of(family):
-        if family in done:
-            return done[family]
+    def of(family, target_name="tiny"):
+        key = family if target_name == "tiny" else f"{family}_{target_name}"
+        if key in done:
+            return done[key]
 
         def config(name, cache, *more):
             return run_config(
-                target,
+                targets[target_name],
                 data_dir,
                 work,
                 family,
-                f"{family}_{name}",
+                f"{key}_{name}",
                 *extra,
                 f"feature_cache={cache}",
                 "feature_cache_dtype=fp32",
                 *more,
             )
 
-        capture(config("cap", work / f"fc_{family}_ref"), **QUIET)
-        reference = train(config("ref", work / f"fc_{family}_ref"), **QUIET).losses
-        manifest = Manifest.read(work / f"fc_{family}_ref")
+        capture(config("cap", work / f"fc_{key}_ref"), **QUIET)
+        reference = train(config("ref", work / f"fc_{key}_ref"), **QUIET).losses
+        manifest = Manifest.read(work / f"fc_{key}_ref")
         num_layers = manifest.num_layers
         aux = sorted(int(k.split(".")[1]) for k in manifest.kinds if k.startswith("hidden."))
         original = capture_module.run_capture_request
-        wide_dir = work / f"fc_{family}_wide"
+        wide_dir = work / f"fc_{key}_wide"
         with pytest.MonkeyPatch.context() as patch:  # our capture, also storing layer id L
             patch.setattr(
                 capture_module,
@@ -95,7 +100,7 @@ def runs(tiny_assets, data_dir, tmp_path_factory):
                 ids = reader.row_tokens(index).astype(np.int64)
                 rows.append((ids, reader.row_features(index, len(ids), kinds, torch.float32)))
         rows.reverse()  # another order than ours: rows are matched by their token ids
-        done[family] = dict(
+        done[key] = dict(
             work=work,
             config=config,
             reference=reference,
@@ -104,7 +109,7 @@ def runs(tiny_assets, data_dir, tmp_path_factory):
             rows=rows,
             layers=sorted({*aux, num_layers}),
         )
-        return done[family]
+        return done[key]
 
     return of
 
@@ -144,18 +149,39 @@ def write_speculators(directory, rows, layers, fp8=False):
     return directory
 
 
-def write_specforge(directory, rows, aux):
+# SpecForge's row keys per algorithm (its OfflineCaptureLayout: concatenated layers, last state after
+# the final norm): scripts/prepare_hidden_states.py:402-410 (EAGLE-3, the default),
+# specforge/algorithms/dflash/providers.py:200-206, specforge/algorithms/dspark/providers.py:175-181
+SPECFORGE_LAYOUTS = {
+    "eagle3": ("aux_hidden_state", "hidden_state"),
+    "dflash": ("hidden_states", None),
+    "dspark": ("hidden_states", "target_last_hidden_states"),
+}
+
+
+def write_specforge(directory, rows, aux, layout="eagle3", compress=False):
+    """scripts/prepare_hidden_states.py:593-594 rows_{g}-{g+2000}/data_{i}.ckpt (:418 .ckpt.gz with
+    --compress, :475-480 torch.save of the row's dict, gzipped); :709-726 input_ids and loss_mask [T],
+    the states [1, T, ...]; the layers concatenated in capture order."""
+    import gzip
+
+    layers_key, final_key = SPECFORGE_LAYOUTS[layout]
     for i, (ids, features) in enumerate(rows):
         group = i // 2000 * 2000
-        path = directory / f"rows_{group}-{group + 2000}" / f"data_{i}.ckpt"
+        path = directory / f"rows_{group}-{group + 2000}" / f"data_{i}.ckpt{'.gz' if compress else ''}"
         path.parent.mkdir(parents=True, exist_ok=True)
         row = {
             "input_ids": torch.from_numpy(ids).long(),
             "loss_mask": torch.ones(len(ids), dtype=torch.long),
-            "aux_hidden_state": torch.cat([features[f"hidden.{layer}"] for layer in aux], dim=-1)[None],
-            "hidden_state": features["final_hidden"][None],
+            layers_key: torch.cat([features[f"hidden.{layer}"] for layer in aux], dim=-1)[None],
         }
-        torch.save(row, path)
+        if final_key is not None:
+            row[final_key] = features["final_hidden"][None]
+        if compress:
+            with gzip.open(path, "wb") as file:
+                torch.save(row, file)
+        else:
+            torch.save(row, path)
     return directory
 
 
@@ -176,17 +202,45 @@ def test_speculators_cache_trains_as_our_capture(runs):
     assert train(setup["config"]("spec", cache), **QUIET).losses == setup["reference"]
 
 
-def test_specforge_cache_trains_as_our_capture(runs):
-    # DSpark reads layer id 1 and the final norm's output: SpecForge's 0 and its hidden_state (the
-    # tiny target's EAGLE-3 layers include vLLM id 0, the embeddings, which SpecForge cannot name)
+@pytest.mark.parametrize(
+    "family, target, layout, compress",
+    [
+        # EAGLE-3 from SpecForge's EAGLE-3 rows: on the 4-layer target (layers 1, 2, 3: SpecForge's 0, 1, 2)
+        ("eagle3", "served", "eagle3", False),
+        # DSpark reads layer id 1 and the final norm's output: SpecForge's DSpark rows, and its EAGLE-3
+        # rows (gzipped), which hold the same states under other keys
+        ("dspark", "tiny", "dspark", False),
+        ("dspark", "tiny", "eagle3", True),
+        ("dflash", "tiny", "dflash", False),
+    ],
+)
+def test_specforge_cache_trains_as_our_capture(runs, family, target, layout, compress):
+    setup = runs(family, target)
+    work = setup["work"]
+    name = f"sf_{family}_{target}_{layout}{'_gz' if compress else ''}"
+    source = write_specforge(work / name, setup["rows"], setup["aux"], layout, compress)
+    cache = work / f"fc_{name}"
+    specforge_ids = [layer - 1 for layer in setup["aux"]]  # SpecForge's k is vLLM's k + 1
+    assert min(specforge_ids) >= 0
+    report = import_cache(setup["config"](f"imp_{name}", cache), "specforge", source, ids_text(specforge_ids), **QUIET)
+    assert report.written == len(setup["rows"]) and report.unserved == 0
+    assert train(setup["config"](name, cache), **QUIET).losses == setup["reference"]
+
+
+def test_specforge_dflash_rows_are_refused_for_a_draft_that_reads_the_final_norm(runs):
     setup = runs("dspark")
     work = setup["work"]
-    source = write_specforge(work / "sf", setup["rows"], setup["aux"])
-    cache = work / "fc_sf"
-    specforge_ids = [layer - 1 for layer in setup["aux"]]  # SpecForge's k is vLLM's k + 1
-    report = import_cache(setup["config"]("imp_sf", cache), "specforge", source, ids_text(specforge_ids), **QUIET)
-    assert report.written == len(setup["rows"]) and report.unserved == 0
-    assert train(setup["config"]("sf", cache), **QUIET).losses == setup["reference"]
+    source = write_specforge(work / "sf_nofinal", setup["rows"][:1], setup["aux"], "dflash")
+    with pytest.raises(SpecdraftError) as err:
+        import_cache(
+            setup["config"]("imp_nofinal", work / "fc_nofinal"),
+            "specforge",
+            source,
+            ids_text([layer - 1 for layer in setup["aux"]]),
+            **QUIET,
+        )
+    message = str(err.value)
+    assert "\n" not in message and "final norm" in message and "data_0.ckpt" in message
 
 
 def test_fp8_speculators_cache_imports_and_trains(runs):

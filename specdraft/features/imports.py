@@ -126,6 +126,11 @@ def row_values(
             value = foreign.hidden[int(kind.split(".")[1])]
         elif foreign.final_hidden is not None:
             value = foreign.final_hidden
+        elif norm is None:  # SpecForge's DFlash layout stores no last state
+            raise SpecdraftError(
+                f"{foreign.path}: holds no state after the final norm, which this run's drafts read (SpecForge's "
+                f"EAGLE-3 and DSpark layouts store it, its DFlash layout does not)"
+            )
         else:  # speculators: the last state before the norm (checked present by its reader)
             value = norm(foreign.hidden[num_layers])
         if value.shape[-1] != hidden_size or value.shape[0] < length:

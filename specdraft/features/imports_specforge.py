@@ -1,10 +1,20 @@
 """SpecForge's offline cache (scripts/prepare_hidden_states.py), read for features/imports.py.
 
-    DIR/rows_{g}-{g+2000}/data_{i}.ckpt (or .ckpt.gz)   one torch.save dict per row (EAGLE-3):
-      input_ids        [T] (or [1, T])
-      loss_mask        [T] (or [1, T])
-      aux_hidden_state [1, T, n*H]   the outputs of SpecForge layers k (vLLM id k + 1), concatenated
-      hidden_state     [1, T, H]     after the final norm: what lm_head reads
+Cited from sgl-project/SpecForge a6b6b02:
+- scripts/prepare_hidden_states.py:541-543, 593-594: DIR/rows_{g}-{g+2000}/data_{i}.ckpt, :418 or
+  .ckpt.gz (--compress), :475-480 one torch.save dict per row; :709-726 input_ids and loss_mask [T],
+  the captured states unsqueezed to [1, T, ...].
+- Which keys a row holds is its algorithm's OfflineCaptureLayout (specforge/algorithms/common/
+  providers.py:408-480; input_ids and loss_mask always):
+    EAGLE-3 (prepare_hidden_states.py:402-410, the default)  aux_hidden_state [1, T, n*H]  hidden_state [1, T, H]
+    DFlash  (algorithms/dflash/providers.py:200-206)         hidden_states [1, T, n*H]     (none)
+    DSpark  (algorithms/dspark/providers.py:175-181)         hidden_states [1, T, n*H]     target_last_hidden_states [1, T, H]
+  The n*H columns are the captured layers in their order, concatenated; the last state is what
+  SGLang's logits processor receives, after the final norm (offline_capture/sglang_backend/utils.py:
+  last_hidden_states=pruned_states).
+- A SpecForge layer id k is captured by SGLang as layers_to_capture k + 1 (SGLang's models,
+  set_eagle3_layers_to_capture / set_dflash_layers_to_capture: "[val + 1 for val in layer_ids]"): the
+  input of layer k + 1, vLLM id k + 1 (features/imports.py vllm_layer_ids).
 
 SpecForge unpickles these with weights_only=False; here a file is loaded with weights_only=True,
 and one that needs more (arbitrary objects) is refused, since unpickling it could run any code.
@@ -55,25 +65,50 @@ def load_row(path: Path) -> dict:
     return row
 
 
+# (concatenated layers, last state after the final norm or None): the keys of each algorithm's layout
+LAYOUTS = {
+    "EAGLE-3": ("aux_hidden_state", "hidden_state"),
+    "DSpark": ("hidden_states", "target_last_hidden_states"),
+    "DFlash": ("hidden_states", None),
+}
+
+
+def row_layout(path: Path, row: dict):
+    """The layout whose keys this row holds (DSpark before DFlash: it is DFlash's keys and one more)."""
+    for name, (layers_key, final_key) in LAYOUTS.items():
+        if isinstance(row.get(layers_key), torch.Tensor) and (
+            final_key is None or isinstance(row.get(final_key), torch.Tensor)
+        ):
+            return layers_key, final_key
+    expected = " or ".join(f"{name}: {'+'.join(k for k in keys if k)}" for name, keys in LAYOUTS.items())
+    raise SpecdraftError(f"{path}: none of SpecForge's layouts ({expected}); it has {', '.join(map(str, row))}")
+
+
 def specforge_rows(source_dir: Path, vllm_ids: Sequence[int]) -> Iterator[ForeignRow]:
     for path in row_files(source_dir):
         row = load_row(path)
-        for name in ("input_ids", "aux_hidden_state", "hidden_state"):
-            if not isinstance(row.get(name), torch.Tensor):
-                raise SpecdraftError(f"{path}: no tensor {name!r} (it has {', '.join(map(str, row))})")
+        if not isinstance(row.get("input_ids"), torch.Tensor):
+            raise SpecdraftError(f"{path}: no tensor 'input_ids' (it has {', '.join(map(str, row))})")
+        layers_key, final_key = row_layout(path, row)
         token_ids = row["input_ids"].reshape(-1).numpy().astype(np.int64)
-        final = row["hidden_state"].reshape(-1, row["hidden_state"].shape[-1])
-        aux = row["aux_hidden_state"].reshape(-1, row["aux_hidden_state"].shape[-1])
-        width = final.shape[-1]
-        if aux.shape[0] != len(token_ids) or final.shape[0] != len(token_ids):
+        layers = row[layers_key].reshape(-1, row[layers_key].shape[-1])
+        final = None if final_key is None else row[final_key].reshape(-1, row[final_key].shape[-1])
+        if layers.shape[-1] % len(vllm_ids):
             raise SpecdraftError(
-                f"{path}: {len(token_ids)} input_ids but features of {aux.shape[0]} / {final.shape[0]} tokens "
-                f"(aux_hidden_state / hidden_state)"
+                f"{path}: {layers_key} is {layers.shape[-1]} wide, not a multiple of the {len(vllm_ids)} layers "
+                f"of --layer-ids"
             )
-        if aux.shape[-1] != width * len(vllm_ids):
+        width = layers.shape[-1] // len(vllm_ids)
+        if final is not None and final.shape[-1] != width:
             raise SpecdraftError(
-                f"{path}: aux_hidden_state is {aux.shape[-1]} wide, {len(vllm_ids)} layers (--layer-ids) of "
-                f"{width} make {width * len(vllm_ids)}"
+                f"{path}: {layers_key} is {layers.shape[-1]} wide, {len(vllm_ids)} layers (--layer-ids) of "
+                f"{final_key}'s {final.shape[-1]} make {final.shape[-1] * len(vllm_ids)}"
             )
-        hidden = {layer: aux[:, slot * width : (slot + 1) * width] for slot, layer in enumerate(vllm_ids)}
+        lengths = [layers.shape[0]] + ([] if final is None else [final.shape[0]])
+        if any(length != len(token_ids) for length in lengths):
+            raise SpecdraftError(
+                f"{path}: {len(token_ids)} input_ids but features of "
+                f"{' / '.join(map(str, lengths))} tokens ({layers_key}{'' if final is None else ' / ' + final_key})"
+            )
+        hidden = {layer: layers[:, slot * width : (slot + 1) * width] for slot, layer in enumerate(vllm_ids)}
         yield ForeignRow(path=path, token_ids=token_ids, hidden=hidden, final_hidden=final)
