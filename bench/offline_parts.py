@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 
-from acceptance import family_config  # noqa: E402
+from acceptance import PRESET_OVERRIDES, family_config  # noqa: E402
 
 PRECISIONS = {  # label -> the cache's keys
     "fp32": ["feature_cache_dtype=fp32"],
@@ -69,6 +69,13 @@ def quiet(*_):
 # -- runs ----------------------------------------------------------------------------------------
 
 
+def preset_keys(preset: str, family: str) -> List[str]:
+    """bench/acceptance.py's keys for this preset and family, but its logging_steps (each run here
+    logs the steps it measures)."""
+    keys = [*PRESET_OVERRIDES.get(preset, {}).get("*", []), *PRESET_OVERRIDES.get(preset, {}).get(family, [])]
+    return [key for key in keys if not key.startswith("logging_steps=")]
+
+
 class Assets:
     def __init__(self, args, out: Path):
         self.out = out
@@ -92,6 +99,9 @@ class Assets:
             "gradient_accumulation_steps=1",
             f"logging_steps={max(1, steps)}",
             f"data_cache_dir={self.out / 'data-cache'}",
+            # the preset's CPU budget, as bench/acceptance.py trains it (smollm2: 1 x 256 tokens a step, a
+            # smaller EAGLE-3 vocab, fewer DFlash anchors ...); --set over it
+            *preset_keys(self.args.preset, family),
             *self.args.shared,
             *extra,
         ]

@@ -67,9 +67,9 @@ def load_row(path: Path) -> dict:
 
 # (concatenated layers, last state after the final norm or None): the keys of each algorithm's layout
 LAYOUTS = {
-    "EAGLE-3": ("aux_hidden_state", "hidden_state"),
-    "DSpark": ("hidden_states", "target_last_hidden_states"),
-    "DFlash": ("hidden_states", None),
+    "SpecForge EAGLE-3": ("aux_hidden_state", "hidden_state"),
+    "SpecForge DSpark": ("hidden_states", "target_last_hidden_states"),
+    "SpecForge DFlash": ("hidden_states", None),
 }
 
 
