@@ -61,54 +61,11 @@ def _cmd_config(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from specdraft.config import demo_config_path, load_config
-    from specdraft.demo.assets import ensure_demo_assets
-    from specdraft.train.loop import train
+    from specdraft.demo.command import demo
+    from specdraft.config import demo_config_path
 
-    config_path = demo_config_path(args.config)
-    preset = args.preset or _preset_of(config_path)
-    if args.data == "text":  # no answers: the target and the held-out prompts suffice
-        if args.answer_temperature > 0:
-            raise SpecdraftError("--answer-temperature: the answers' temperature; --data text generates none")
-        from specdraft.demo.assets import SEED, ensure_held_out_prompts
-        from specdraft.demo.text_data import distillation_overrides, ensure_text_data
-        from specdraft.paths import specdraft_home
-
-        target_dir, prompts_file = ensure_held_out_prompts(preset=preset)
-        files = ensure_text_data(specdraft_home(), preset, prompts_file, SEED)
-        objective = distillation_overrides(config_path)
-    else:
-        target_dir, data = ensure_demo_assets(preset=preset, answer_temperature=args.answer_temperature)
-        files, prompts_file, objective = data.train_files, data.prompts_file, []
-    overrides = [
-        f"target={target_dir}",
-        f"data_files=[{','.join(str(f) for f in files)}]",
-        f"eval_prompts={prompts_file}",
-        *objective,
-        *args.overrides,
-    ]
-    cfg = load_config(config_path, overrides)
-    train(cfg)
+    demo(demo_config_path(args.config), args.preset, args.data, args.answer_temperature, args.overrides)
     return 0
-
-
-def _preset_of(config_path: str) -> str:
-    """The preset whose cached target a demo config names (`${specdraft_home:}/<preset>/target`:
-    demo-mtp.yaml's is "mtp"), else "demo"."""
-    from omegaconf import OmegaConf
-
-    from specdraft.paths import specdraft_home
-
-    target = OmegaConf.load(config_path).get("target")
-    path = Path(str(target)) if target else None
-    if (
-        path is not None
-        and path.name == "target"
-        and path.parent.parent == specdraft_home()
-        and path.parent.name in PRESETS
-    ):
-        return path.parent.name
-    return "demo"
 
 
 def _cmd_inspect(args) -> int:
@@ -300,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(PRESETS),
         help="the demo assets to build and train on; default: the preset whose target the config "
-        "names (demo-mtp: mtp), else demo",
+        "names (demo-mtp: mtp), else demo. Another preset, --data text or an --answer-temperature trains "
+        "in a run of its own, the config's output_dir with -PRESET, -text, -T<t> added (runs/demo-smollm2), "
+        "unless output_dir= is given",
     )
     p.add_argument(
         "--config",

@@ -208,11 +208,11 @@ def test_demo_configs_name_the_files_the_demo_build_writes(name, tiny_target_dir
 
     from omegaconf import OmegaConf
 
-    from specdraft.cli import _preset_of
+    from specdraft.demo.command import preset_of
     from specdraft.config import demo_config_path
 
     config = OmegaConf.load(demo_config_path(name))
-    preset = _preset_of(demo_config_path(name))
+    preset = preset_of(demo_config_path(name))
     for key in ("target", "eval_prompts", "data_files"):  # all three in the preset's own folder
         assert config._get_node(key)._value().startswith(f"${{specdraft_home:}}/{preset}/")
     pattern = config._get_node("data_files")._value()
@@ -228,7 +228,7 @@ def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
     from specdraft.config import family_demo_configs
     from specdraft.drafts.registry import FAMILIES
 
-    from specdraft.cli import _preset_of
+    from specdraft.demo.command import preset_of
     from specdraft.demo.presets import get_preset
 
     configs = family_demo_configs()
@@ -238,7 +238,7 @@ def test_every_family_has_a_label_and_a_packaged_demo_config_of_its_own():
         assert OmegaConf.load(configs[family]).draft.get("type", "glide") == family
         # its config's target is a preset of an architecture the family drafts for (MTP: the mtp
         # preset's Qwen3-Next with its native layer; the others: the demo's Llama)
-        architecture = get_preset(_preset_of(configs[family])).architecture
+        architecture = get_preset(preset_of(configs[family])).architecture
         assert cls.target_model_types is None or architecture in cls.target_model_types, (family, architecture)
 
 

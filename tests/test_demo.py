@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from specdraft.demo.assets import SEED
 from specdraft.demo.cache import stamp_matches as _matches
 from specdraft.demo.cache import STAMP, building, read_stamp
 from specdraft.demo.corpus import PROMPT_PREFIX, SourceFile, extract_functions
-from specdraft.demo.dataset import chat_prompt, data_inputs, regenerate
+from specdraft.demo.dataset import build_dataset, chat_prompt, data_inputs, regenerate
 from specdraft.demo.presets import get_preset
 from specdraft.demo.machine import this_cpu
 from specdraft.demo.target import pretrain, target_inputs
@@ -196,6 +197,35 @@ def test_sampled_answers_are_a_dataset_of_their_own(tiny_target_dir, tiny_data, 
     assert sum("reusing" in m for m in messages) == 2
 
 
+# --- progress on stderr ----------------------------------------------------------------------
+
+
+def test_the_answers_are_generated_under_a_progress_bar(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """The demo's longest build (smollm2: 1,000 answers, ~20 minutes on 2 cores) shows answers done of
+    the prompts, tokens/s and the time left; progress_bar=False keeps a build quiet."""
+    few = dataclasses.replace(get_preset("tiny"), name="tiny-few", train_rows=6, prompt_rows=2, max_new_tokens=4)
+    monkeypatch.setitem(PRESETS, few.name, few)
+    build_dataset(tiny_target_dir, tmp_path / "shown", few.name, SEED, log=lambda m: None)
+    bar = capsys.readouterr().err.split("\r")[-1]  # the bar as it was left
+    assert re.fullmatch(r"100%\|.*\| 6/6 answers \[\d\d:\d\d<\d\d:\d\d, \d+ tok/s\]\n", bar), bar
+    build_dataset(tiny_target_dir, tmp_path / "quiet", few.name, SEED, log=lambda m: None, progress_bar=False)
+    assert "answers" not in capsys.readouterr().err
+
+
+def test_the_target_pretrains_under_a_progress_bar(capsys):
+    """Its steps done of train_steps, with the loss, tokens/s and the time left; the log lines go above it."""
+    p = dataclasses.replace(get_preset("tiny"), train_steps=3, batch_size=2, seq_len=16, log_every=3, warmup_steps=1)
+    stream = torch.randint(5, 200, (400,), generator=torch.Generator().manual_seed(0))
+    logged = []
+    model = random_llama(vocab=256, max_positions=256, init=0.02).requires_grad_()
+    pretrain(model, stream, p, 0, log=logged.append)
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert re.fullmatch(
+        r"\[demo target\] pre-training: 100%\|.*\| 3/3 \[.*<00:00, .*loss \d\.\d+, \d+ tok/s\]\n", bar
+    ), bar
+    assert len(logged) == 1 and logged[0].startswith("[demo target] step 3/3 loss")
+
+
 # --- caching ---------------------------------------------------------------------------------
 
 
@@ -229,7 +259,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
 
 
 def test_same_seed_builds_the_same_target_and_its_stamp_names_the_cpu(tiny_target_dir, tmp_path):
-    again = build_target(tmp_path / "again", preset="tiny", seed=SEED, log=lambda m: None)
+    again = build_target(tmp_path / "again", preset="tiny", seed=SEED, log=lambda m: None, progress_bar=False)
     for shard in sorted(tiny_target_dir.glob("*.safetensors")):
         assert (again / shard.name).read_bytes() == shard.read_bytes()
     tokenizer_json = (tiny_target_dir / "tokenizer.json").read_text()
@@ -264,7 +294,7 @@ def test_every_preset_pretrains_in_fp32(name):
         if isinstance(module, torch.nn.Linear):
             module.register_forward_hook(lambda m, args, out: dtypes.add(out.dtype))
     stream = torch.randint(5, 200, (400,), generator=torch.Generator().manual_seed(0))
-    pretrain(model, stream, p, 0, log=lambda m: None)
+    pretrain(model, stream, p, 0, log=lambda m: None, progress_bar=False)
     assert dtypes == {torch.float32}
     assert all(w.dtype == torch.float32 for w in model.parameters())
 
@@ -309,3 +339,92 @@ async def coro():
     )
     assert method.answer == "    # a comment\n    return a + b"
     assert found["m.py:coro"].answer == "    await thing()"
+
+
+# --- the demo command: its run, and what it refuses before building anything -----------------
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """`specdraft demo` whose builds fail the test: a refusal must come before any of them."""
+    from specdraft.demo import command
+
+    def build(*args, **kwargs):
+        raise AssertionError("the demo built its assets before refusing")
+
+    for name in ("ensure_demo_assets", "ensure_held_out_prompts", "ensure_text_data"):
+        monkeypatch.setattr(command, name, build)
+
+
+@pytest.mark.parametrize(
+    "argv, run_dir",
+    [
+        ([], "runs/demo"),  # the config's own preset and greedy answers: its output_dir, as ever
+        (["--preset", "tiny"], "runs/demo-tiny"),
+        (["--config", "demo-eagle3", "--preset", "tiny"], "runs/demo-eagle3-tiny"),
+        (["--preset", "tiny", "--data", "text"], "runs/demo-tiny-text"),
+        (["--answer-temperature", "0.7"], "runs/demo-T0.7"),
+        (["--preset", "tiny", "output_dir=mine"], "mine"),  # given: it wins
+    ],
+)
+def test_each_preset_and_data_trains_in_a_run_of_its_own(argv, run_dir, tiny_assets, tmp_path, monkeypatch):
+    """After `make demo` (runs/demo), `demo --preset smollm2` must not resume runs/demo's checkpoints
+    against its own target, nor a run of answers on text or sampled answers (refused, after the build)."""
+    from specdraft.cli import main
+    from specdraft.demo import command
+
+    trained = []
+    target_dir, data = tiny_assets  # whatever the preset
+    monkeypatch.setattr(command, "ensure_demo_assets", lambda **kwargs: tiny_assets)
+    monkeypatch.setattr(command, "ensure_held_out_prompts", lambda **kwargs: (target_dir, data.prompts_file))
+    monkeypatch.setattr(command, "ensure_text_data", lambda *args: data.train_files)
+    monkeypatch.setattr(command, "train", lambda cfg: trained.append(cfg.output_dir))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", *argv]) == 0
+    assert trained == [run_dir]
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["max_stesp=100"], "override 'max_stesp=100': unknown key 'max_stesp'"),
+        (["learning_rate=0"], "key 'learning_rate': must be > 0, got 0"),
+        (["output_dir=mine"], "output_dir mine: exists, is not empty and is not a specdraft run"),
+        (["resume=gone"], "resume: gone does not exist"),
+    ],
+)
+def test_a_command_line_the_demo_refuses_is_refused_before_any_build(
+    overrides, said, tmp_path, monkeypatch, capsys, no_build
+):
+    from specdraft.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's own")
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tmp_path / "home"))
+    assert main(["demo", "--preset", "tiny", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_run_of_another_target_is_refused_before_the_preset_is_built(
+    tiny_target_dir, data_dir, tmp_path, monkeypatch, capsys, no_build
+):
+    """The docs' walk: a run trained against one preset's target, then `demo --preset <another>`
+    into it (given output_dir=): refused at once, not after the other preset's build (smollm2: ~20
+    minutes); the run's own preset goes on to its build."""
+    from helpers import train_run
+    from specdraft.cli import main
+
+    run = train_run(tiny_target_dir, data_dir, tmp_path, "run", max_steps=1, save_steps=1).run_dir
+    monkeypatch.setenv("SPECDRAFT_HOME", str(tiny_target_dir.parents[1]))  # the run's target is its tiny one
+    capsys.readouterr()
+    assert main(["demo", "--preset", "mtp", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"specdraft: error: output_dir {run}: its checkpoint step_1 trained against {tiny_target_dir}, not the "
+        f"target the mtp preset builds; choose another output_dir\n"
+    )
+    with pytest.raises(AssertionError, match="built its assets"):  # its own preset: no refusal, the build
+        main(["demo", "--preset", "tiny", f"output_dir={run}"])

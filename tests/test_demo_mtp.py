@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextForCausalLM
 
-from specdraft.cli import _preset_of, main
+from specdraft.cli import main
+from specdraft.demo.command import preset_of
 from specdraft.config import demo_config_path
 from specdraft.demo import presets
 from specdraft.demo.assets import ensure_demo_assets
@@ -51,7 +52,7 @@ def home(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setitem(presets.PRESETS, SMALL.name, SMALL)
     root = tmp_path_factory.mktemp("mtp-home")
-    ensure_demo_assets(root, preset=SMALL.name, log=lambda m: None)
+    ensure_demo_assets(root, preset=SMALL.name, log=lambda m: None, progress_bar=False)
     yield root
     patch.undo()
 
@@ -62,8 +63,8 @@ def target_dir(home):
 
 
 def test_the_mtp_demo_config_names_the_mtp_preset_and_every_family_has_a_demo():
-    assert _preset_of(demo_config_path("demo-mtp")) == "mtp"
-    assert _preset_of(demo_config_path("demo-eagle3")) == "demo"
+    assert preset_of(demo_config_path("demo-mtp")) == "mtp"
+    assert preset_of(demo_config_path("demo-eagle3")) == "demo"
     assert presets.get_preset("mtp").architecture == "qwen3_next"
 
 

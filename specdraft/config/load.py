@@ -20,9 +20,11 @@ if not OmegaConf.has_resolver("specdraft_home"):
     OmegaConf.register_resolver("specdraft_home", lambda: str(specdraft_home()))
 
 
-def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
+def load_config(path: Optional[str], overrides: List[str] = (), inputs_built: bool = True) -> DictConfig:
     """Schema defaults <- YAML file <- `key=value` overrides, validated; raises SpecdraftError.
-    A key the schema lacks is blamed on where it was given: the file, or the override itself."""
+    A key the schema lacks is blamed on where it was given: the file, or the override itself.
+    inputs_built False: every check but those of the target, data files and eval prompts, which
+    are not built yet (`specdraft demo`, before it builds them)."""
     layers = [OmegaConf.structured(TrainConfig)]
     cfg = layers[0]
     if path is not None:
@@ -33,9 +35,9 @@ def load_config(path: Optional[str], overrides: List[str] = ()) -> DictConfig:
     overridden = {item.split("=", 1)[0] for item in overrides}
     source_of = lambda key: _override_naming(key, overrides) if key in overridden else (path or "command line")  # noqa: E731
     if cfg.drafts is None:
-        _validate(cfg, path or "command line", given_draft_keys(layers[1:]), source_of)
+        _validate(cfg, path or "command line", given_draft_keys(layers[1:]), source_of, inputs_built)
     else:
-        _validate_drafts(cfg, path or "command line", given_draft_keys(layers[1:]))
+        _validate_drafts(cfg, path or "command line", given_draft_keys(layers[1:]), inputs_built)
     return cfg
 
 

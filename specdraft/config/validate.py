@@ -36,7 +36,12 @@ from specdraft.target.checks import check_packed_documents, check_sequence_lengt
 from specdraft.target.config_file import has_target_config
 
 
-def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_of=None) -> None:
+def _validate(
+    cfg: DictConfig, source: str, draft_keys: List[str] = (), source_of=None, inputs_built: bool = True
+) -> None:
+    """inputs_built False: the target, data files and eval prompts are not built yet (`specdraft demo`
+    checks its command line before it builds them): they are neither required nor read."""
+
     def fail(key: str, why: str) -> None:
         raise SpecdraftError(f"{source_of(key) if source_of else source}: key '{key}': {why}")
 
@@ -90,11 +95,11 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
     validate_objective_options(cfg.draft, source, family.default_loss, lk_family=family.lk_loss)
     if cfg.eval_temperature < 0:
         fail("eval_temperature", f"must be >= 0, got {cfg.eval_temperature}")
-    if not os.path.isdir(cfg.target):
+    if inputs_built and not os.path.isdir(cfg.target):
         fail("target", f"directory not found: {cfg.target}")
     if cfg.draft.init_from is not None and not os.path.exists(cfg.draft.init_from):
         fail("draft.init_from", f"not found: {cfg.draft.init_from}")
-    target_config = _target_config_if_readable(cfg.target)
+    target_config = _target_config_if_readable(cfg.target) if inputs_built else None
     if target_config is not None:  # a model directory: it must hold a tokenizer and cover the sequences
         check_tokenizer(cfg.target, f"{source}: key 'target'")
         check_sequence_length(target_config, cfg.max_seq_length, source)
@@ -113,6 +118,8 @@ def _validate(cfg: DictConfig, source: str, draft_keys: List[str] = (), source_o
                 f"(it has: {', '.join(family.serving_format_names) or 'none besides native'})",
             )
     _normalise_resume(cfg)
+    if not inputs_built:
+        return
     resolve_data_files(cfg.data_files, source)
     if cfg.eval_steps > 0 and cfg.eval_prompts is not None and not os.path.isfile(cfg.eval_prompts):
         fail("eval_prompts", f"file not found: {cfg.eval_prompts}")  # read only when tau is measured
@@ -155,7 +162,7 @@ def _target_config_if_readable(target_dir: str):
     return load_target_config(target_dir) if has_target_config(target_dir) else None
 
 
-def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> None:
+def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str], inputs_built: bool = True) -> None:
     """A several-draft run: the names, then each draft as a run of its own would be checked, its
     errors naming `drafts.<name>.<key>`."""
     if draft_keys:
@@ -189,7 +196,7 @@ def _validate_drafts(cfg: DictConfig, source: str, draft_keys: List[str]) -> Non
         own = [str(k) for k in cfg.drafts[name] if str(k) not in PER_DRAFT_KEYS]
         try:
             view = draft_view(cfg, name)
-            _validate(view, source, own)
+            _validate(view, source, own, inputs_built=inputs_built)
         except ConfigKeyError as err:
             raise SpecdraftError(_as_draft_key(_unknown_key_message(err), name, source)) from None
         except ValidationError as err:

@@ -44,12 +44,19 @@ class DemoData:
 
 
 def build_dataset(
-    target_dir, out_dir, preset: str = "demo", seed: int = 0, log=log_stderr, answer_temperature: float = 0.0
+    target_dir,
+    out_dir,
+    preset: str = "demo",
+    seed: int = 0,
+    log=log_stderr,
+    answer_temperature: float = 0.0,
+    progress_bar: bool = True,
 ) -> DemoData:
     """Write `out_dir/answers/shard-*.jsonl` (target-regenerated chats, `specdraft regenerate` shards)
     and `out_dir/prompts.jsonl`.
 
-    answer_temperature 0: greedy answers; > 0: answers sampled at that temperature with `seed`."""
+    answer_temperature 0: greedy answers; > 0: answers sampled at that temperature with `seed`.
+    progress_bar: regenerate's bar on stderr (answers done of the prompts, tokens/s, time left)."""
     p = get_preset(preset)
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -76,6 +83,7 @@ def build_dataset(
             answer_temperature,
             seed,
             rows_per_shard=-(-len(train) // p.train_files),
+            progress_bar=progress_bar,
         )
         names = sorted(f"{ANSWERS}/{f.name}" for f in (tmp / ANSWERS).glob("shard-*.jsonl"))
         stamp["train_files"] = names
@@ -164,7 +172,16 @@ def chat_prompt(tokenizer, user_message: str) -> str:
 
 
 def regenerate_rows(
-    model, tokenizer, source, out_dir, target_dir, p, temperature: float, seed: int, rows_per_shard: int
+    model,
+    tokenizer,
+    source,
+    out_dir,
+    target_dir,
+    p,
+    temperature: float,
+    seed: int,
+    rows_per_shard: int,
+    progress_bar: bool = True,
 ) -> dict:
     """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
     from specdraft.data.generation import HFBackend
@@ -184,7 +201,7 @@ def regenerate_rows(
     )
     backend = HFBackend(model, tokenizer, cfg.sampling(), cfg.batch_size)
     # every row, in this process's own temp directory, even on one rank of a distributed demo
-    return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=False, ranks=(0, 1))
+    return run_regenerate(cfg, backend, log=lambda m: None, progress_bar=progress_bar, ranks=(0, 1))
 
 
 def regenerate(

