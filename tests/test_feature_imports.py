@@ -130,7 +130,10 @@ def write_speculators(directory, rows, layers, fp8=False):
     spec = directory.parent / f"{directory.name}.columns.json"
     spec.write_text(json.dumps(columns))
     script = (
-        "import json, sys, datasets; datasets.Dataset.from_dict(json.load(open(sys.argv[1]))).save_to_disk(sys.argv[2])"
+        # set_format("torch"): speculators' trainer compares token_ids with the row's input_ids as tensors
+        # (speculators/train/data.py:314; a list fails there), as bench/versus_features.py writes it
+        "import json, sys, datasets; d = datasets.Dataset.from_dict(json.load(open(sys.argv[1]))); "
+        "d.set_format('torch'); d.save_to_disk(sys.argv[2])"
     )
     subprocess.run(
         [str(require_speculators_python()), "-c", script, str(spec), str(directory)], check=True, capture_output=True
