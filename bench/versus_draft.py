@@ -11,7 +11,7 @@ to ours, every tensor's shape and every recorded setting checked against the dra
 build), is loaded strictly into that draft and written by write_draft_export, as a run's step
 export is. The draft keys come from the checkpoint's own config.json (speculators_draft_keys):
 its layer ids and norm flags through the family's speculators format reader, its draft vocab,
-its TTT depth (EAGLE-3) or layers and block (DFlash); nothing is guessed.
+its TTT depth (EAGLE-3) or layers and block (DFlash, and DSpark's Markov rank); nothing is guessed.
 
 speculators saves the weights in bfloat16 whatever it trained in (train/checkpointer.py:339-351,
 float_dtype default torch.bfloat16; train/trainer.py:690 passes none): the export holds those
@@ -45,8 +45,8 @@ def speculators_draft_keys(config: Dict[str, Any]) -> List[str]:
     from specdraft.drafts.registry import FAMILIES
 
     family = config["speculators_model_type"]
-    if family not in ("eagle3", "dflash"):
-        raise SystemExit(f"speculators_model_type {family!r}: versus reads eagle3 and dflash drafts")
+    if family not in ("eagle3", "dflash", "dspark"):
+        raise SystemExit(f"speculators_model_type {family!r}: versus reads eagle3, dflash and dspark drafts")
     recorded = FAMILIES[family].file_formats["speculators"].settings(config)
     keys = {"type": family, **recorded}
     layer = config["transformer_layer_config"]
@@ -54,9 +54,11 @@ def speculators_draft_keys(config: Dict[str, Any]) -> List[str]:
         keys["draft_vocab_size"] = config["draft_vocab_size"]
     if family == "eagle3":
         keys["ttt_steps"] = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    else:
+    else:  # DFlash's block backbone; DSpark's heads besides (their other fields are recorded ones)
         keys["num_layers"] = layer["num_hidden_layers"]
         keys["block_size"] = config["block_size"]
+        if family == "dspark":
+            keys["markov_rank"] = config["markov_rank"]
     return [override(f"draft.{key}", value) for key, value in keys.items()]
 
 

@@ -189,3 +189,31 @@ def test_the_matched_recipe_is_the_same_on_both_sides(tmp_path):
     ]
     for got, want in pairs:
         assert got == want
+
+
+def test_a_speculators_run_stopped_early_is_the_first_steps_of_the_longer_run(written, tiny_target_dir, tmp_path):
+    """bench/versus.py's speculators export at a smaller token count: a run of n steps given the
+    longer run's --scheduler-total-steps is that run's first n steps, bit for bit (compared where
+    both save, the end of the first epoch), and epoch_batches counts the --epochs that hold exactly
+    the steps (the longer run ends in its second epoch at its last step)."""
+    from safetensors.torch import load_file
+
+    work, summary, overrides = written
+    settings, train = load_bench("versus_settings"), load_bench("speculators_train")
+    python = require_speculators_python()
+    ratio, seq_len = summary["train_data_ratio"], 512  # 4 windows' rows a step: fewer steps an epoch
+    first = train.epoch_batches(work / "features", seq_len, ratio, 1, python)[0]  # the steps of epoch 0
+    longer = first + 2
+    runs = []
+    for steps, epochs in ((first, 1), (longer, 2)):
+        run = settings.RunShape(
+            str(tiny_target_dir), LAYERS, steps, seq_len, VOCAB, ratio, epochs=epochs, schedule_steps=longer
+        )
+        save = tmp_path / f"s{steps}"
+        runs.append((settings.speculators_argv("defaults", run, work / "features", save), tmp_path / f"s{steps}.log"))
+    train.run_many(runs, tmp_path / "runs.log", python)
+    short = load_file(str(tmp_path / f"s{first}" / "0" / "model.safetensors"))
+    long = load_file(str(tmp_path / f"s{longer}" / "0" / "model.safetensors"))
+    assert short.keys() == long.keys() and all(torch.equal(short[k], long[k]) for k in short)
+    state = json.loads((tmp_path / f"s{longer}" / "1" / "training_state.json").read_text())
+    assert state["global_step"] == longer
