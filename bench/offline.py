@@ -66,6 +66,7 @@ from offline_parts import (  # noqa: E402
     Assets,
     run_capture,
     hidden_size,
+    preset_batch,
     time_steps,
     verify_cost,
     steps_per_epoch,
@@ -95,7 +96,9 @@ def parse_args(argv=None):
         metavar="KEY=VALUE",
         help="a run key every run takes (repeatable)",
     )
-    parser.add_argument("--batch", type=int, default=2, help="per_device_batch_size of every run")
+    parser.add_argument(
+        "--batch", type=int, help="per_device_batch_size of every run (default: the preset's CPU budget, else 2)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="steps of each timed run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of a timed run left out")
     parser.add_argument("--train-steps", type=int, default=60, help="steps of each tau run (equal tokens)")
@@ -111,6 +114,8 @@ def parse_args(argv=None):
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.batch is None:
+        args.batch = preset_batch(args.preset, default=2)
     return args
 
 

@@ -69,11 +69,21 @@ def quiet(*_):
 # -- runs ----------------------------------------------------------------------------------------
 
 
+OWN_KEYS = ("logging_steps=", "per_device_batch_size=")  # each run logs what it measures; --batch
+
+
 def preset_keys(preset: str, family: str) -> List[str]:
-    """bench/acceptance.py's keys for this preset and family, but its logging_steps (each run here
-    logs the steps it measures)."""
+    """bench/acceptance.py's keys for this preset and family, but the ones this bench sets itself."""
     keys = [*PRESET_OVERRIDES.get(preset, {}).get("*", []), *PRESET_OVERRIDES.get(preset, {}).get(family, [])]
-    return [key for key in keys if not key.startswith("logging_steps=")]
+    return [key for key in keys if not key.startswith(OWN_KEYS)]
+
+
+def preset_batch(preset: str, default: int) -> int:
+    """The preset's per_device_batch_size in bench/acceptance.py's CPU budget (smollm2: 1), else default."""
+    for key in PRESET_OVERRIDES.get(preset, {}).get("*", []):
+        if key.startswith("per_device_batch_size="):
+            return int(key.split("=", 1)[1])
+    return default
 
 
 class Assets:
