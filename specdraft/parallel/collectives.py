@@ -64,7 +64,12 @@ def raise_everywhere(error: Optional[BaseException]) -> None:
     """Collective: if any rank holds an error, every rank raises it, so no rank is left waiting at
     the next collective. The lowest failing rank's message wins; a SpecdraftError stays one (a
     one-line user error everywhere), so does a failed write (its path and the OS's reason), anything
-    else becomes the same RuntimeError on every rank (caused by the original where it happened). Costs one small all_reduce when nothing failed."""
+    else becomes the same RuntimeError on every rank (caused by the original where it happened). Costs one small all_reduce when nothing failed.
+    Without a process group (one process, e.g. a script calling the data pipeline) the error is raised as is."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
     if not any_rank(error is not None):
         return
     if error is not None and not isinstance(error, SpecdraftError) and write_failure(error) is not None:
@@ -93,7 +98,7 @@ def run_shared(fn, on_rank: Optional[int] = 0):
     """Run `fn` on one rank (every rank when on_rank is None); its failure reaches every rank
     (raise_everywhere). Returns fn's result where it ran, None elsewhere."""
     result, error = None, None
-    if on_rank is None or dist.get_rank() == on_rank:
+    if on_rank is None or not dist.is_initialized() or dist.get_rank() == on_rank:
         try:
             result = fn()
         except Exception as err:
