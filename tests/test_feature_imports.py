@@ -192,6 +192,13 @@ def ids_text(layers):
     return ",".join(map(str, layers))
 
 
+def import_specforge(setup, name, cache, source):
+    """`capture --from specforge` of the family's layers, given in SpecForge's numbering (its k is
+    vLLM's k + 1)."""
+    specforge_ids = [layer - 1 for layer in setup["aux"]]
+    return import_cache(setup["config"](f"imp_{name}", cache), "specforge", source, ids_text(specforge_ids), **QUIET)
+
+
 def test_speculators_cache_trains_as_our_capture(runs):
     setup = runs("eagle3")
     work, layers = setup["work"], setup["layers"]
@@ -223,9 +230,8 @@ def test_specforge_cache_trains_as_our_capture(runs, family, target, layout, com
     name = f"sf_{family}_{target}_{layout}{'_gz' if compress else ''}"
     source = write_specforge(work / name, setup["rows"], setup["aux"], layout, compress)
     cache = work / f"fc_{name}"
-    specforge_ids = [layer - 1 for layer in setup["aux"]]  # SpecForge's k is vLLM's k + 1
-    assert min(specforge_ids) >= 0
-    report = import_cache(setup["config"](f"imp_{name}", cache), "specforge", source, ids_text(specforge_ids), **QUIET)
+    assert min(setup["aux"]) >= 1  # ids SpecForge can name
+    report = import_specforge(setup, name, cache, source)
     assert report.written == len(setup["rows"]) and report.unserved == 0
     assert train(setup["config"](name, cache), **QUIET).losses == setup["reference"]
 
@@ -235,13 +241,7 @@ def test_specforge_dflash_rows_are_refused_for_a_draft_that_reads_the_final_norm
     work = setup["work"]
     source = write_specforge(work / "sf_nofinal", setup["rows"][:1], setup["aux"], "dflash")
     with pytest.raises(SpecdraftError) as err:
-        import_cache(
-            setup["config"]("imp_nofinal", work / "fc_nofinal"),
-            "specforge",
-            source,
-            ids_text([layer - 1 for layer in setup["aux"]]),
-            **QUIET,
-        )
+        import_specforge(setup, "nofinal", work / "fc_nofinal", source)
     message = str(err.value)
     assert "\n" not in message and "final norm" in message and "data_0.ckpt" in message
 
@@ -299,13 +299,7 @@ def test_specforge_file_with_a_pickled_object_is_refused(runs):
     row["extra"] = _Pickled()
     torch.save(row, bad)
     with pytest.raises(SpecdraftError) as err:
-        import_cache(
-            setup["config"]("imp_sfbad", work / "fc_sfbad"),
-            "specforge",
-            source,
-            ids_text([l - 1 for l in setup["aux"]]),
-            **QUIET,
-        )
+        import_specforge(setup, "sfbad", work / "fc_sfbad", source)
     message = str(err.value)
     assert "\n" not in message and message.startswith(str(bad)) and "weights_only" in message
 
