@@ -450,15 +450,12 @@ class Case:
     def fixed_batch(self):
         """One batch on the device for (a) and (b), its options and its host copy."""
         from specdraft.data.sampler import ShardedBatchSampler
-        from specdraft.drafts.base import HostBatch
         from specdraft.train import loop
-        from specdraft.transfer import to_device
 
         sampler = ShardedBatchSampler(len(self.data), self.shape.batch, rank=0, world_size=1, seed=self.cfg.seed)
         batch = loop.model_inputs(self.data.batch(sampler.next_batch()), self.cfg.document_mask)
         options = self.plain.sample_batch_options(loop.batch_generator(self.cfg.seed, 0, 0), self.cfg.max_seq_length)
-        inputs = {key: to_device(value, self.device) for key, value in batch.items()}
-        host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+        inputs, host = loop.device_inputs(batch, self.device), loop.host_batch(batch)
         return inputs, options, host
 
     def capture(self, inputs: dict, options: dict):

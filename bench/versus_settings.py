@@ -95,6 +95,7 @@ FAMILY_SPECDRAFT = {
         "draft.norm_before_fc=true",
         "draft.norm_output=true",
         "draft.fc_norm=false",
+        "draft.lm_head=target_frozen",
     ],
     "dflash": [
         "draft.block_size=16",
@@ -154,7 +155,7 @@ DIFFERENCES = {
         ("norm_output", "true for eagle3 (schema.py:166-171, :793-794)", "false (D:drafts/eagle3/options.py:29)", "true"),
         ("fc_norm", "false (schema.py:161-165)", "false (D:drafts/eagle3/options.py:27)", "equal"),
         ("draft vocab", "the whole target vocab unless --draft-vocab-size N and a token_freq.pt / d2t-N.npy (schema.py:129-133; S:train/cli.py:398-447)", "32000, or the whole vocab when smaller (D:drafts/eagle3/options.py:23; D:drafts/eagle3/layer.py:30)", "both modes: N, the maps versus_features writes (specdraft counts the same rows the same way)"),
-        ("lm_head", "the target's lm_head rows of the draft vocab, frozen (S:model.py:66-71, :172-185, :207)", "random N(0, initializer_range), trained (D:drafts/eagle3/layer.py:186, :191; D:drafts/base.py:245-254)", "not expressible: specdraft trains its head"),
+        ("lm_head", "the target's lm_head rows of the draft vocab, frozen (S:model.py:66-71, :172-185, :207)", "own: random N(0, initializer_range), trained (D:drafts/eagle3/options.py:34-36; D:drafts/eagle3/layer.py:186, :191)", "draft.lm_head target_frozen"),
         ("target layers", "[2, L//2, L-3], refused when not distinct (S:models/utils.py:99-140)", "the same, or three spread ids on a shallow target (D:drafts/eagle3/layer.py:33-45)", "both modes: ours, given to both"),
     ],
     "dflash": [

@@ -20,12 +20,11 @@ from helpers import run_overrides
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.data.sampler import ShardedBatchSampler
-from specdraft.drafts.base import HostBatch
 from specdraft.target.model import load_frozen_target
 from specdraft.export.files import load_exported_draft, write_draft_export
 from specdraft.export.init_from import read_init_from
 from specdraft.train.data import prepare_data
-from specdraft.train.loop import batch_generator, model_inputs, train
+from specdraft.train.loop import batch_generator, device_inputs, host_batch, model_inputs, train
 from specdraft.train.model import TargetWithDraft
 from test_imports import RunsCode, export_in, rewrite, weights_file
 
@@ -70,8 +69,7 @@ def first_batch_loss(cfg, draft) -> float:
     batch = model_inputs(data.batch(sampler.next_batch()), cfg.document_mask)
     options = draft.sample_batch_options(batch_generator(cfg.seed, 0, 0), cfg.max_seq_length)
     model = TargetWithDraft(load_frozen_target(cfg.target, cfg.precision), draft.train(), cfg.loss_chunk_size)
-    host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
-    out = model(**batch, host=host, **options)
+    out = model(**device_inputs(batch, "cpu"), host=host_batch(batch), **options)
     return float(out.loss.detach().double() * out.tokens.double() / out.tokens.double())  # as the loop's window reduces
 
 

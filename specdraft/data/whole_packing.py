@@ -108,7 +108,7 @@ class WholePackedData:
         start, length = int(self.starts[row]), int(self.lengths[row])
         return self.flat_tokens[start : start + length], self.flat_mask[start : start + length]
 
-    def _window_arrays(self, window: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _window_arrays(self, window: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         ids = np.full(self.window, PAD_ID, dtype=np.int64)
         mask = np.zeros(self.window, dtype=np.int64)
         starts = np.zeros(self.window, dtype=bool)
@@ -121,13 +121,14 @@ class WholePackedData:
             starts[place.offset] = True
         if end < self.window:
             starts[end] = True  # the padding: a document of its own
-        return ids, mask, starts
+        return ids, mask, starts, end
 
     def batch(self, indices) -> dict:
         arrays = [self._window_arrays(int(w)) for w in np.asarray(indices)]
         ids = np.stack([a[0] for a in arrays])
         mask = np.stack([a[1] for a in arrays])
         starts = np.stack([a[2] for a in arrays])
+        filled = np.array([a[3] for a in arrays])
         index = np.arange(self.window)
         start_index = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
         return {
@@ -135,6 +136,8 @@ class WholePackedData:
             "loss_mask": torch.from_numpy(mask),
             "document_positions": torch.from_numpy(index - start_index),
             "document_ids": torch.from_numpy(np.cumsum(starts, axis=1) - 1),
+            # the conversations' tokens, not the padding: what draft.distill_tokens all teaches
+            "token_mask": torch.from_numpy((index[None, :] < filled[:, None]).astype(np.int64)),
         }
 
 

@@ -89,6 +89,7 @@ class HostBatch:
     input_ids: torch.Tensor  # (B, T)
     loss_mask: torch.Tensor  # (B, T)
     documents: Optional[torch.Tensor] = None  # (B, T) document ids of packed data, or None
+    token_mask: Optional[torch.Tensor] = None  # (B, T) 1 on a conversation's tokens, 0 on padding; None: no padding
 
     @classmethod
     def of(cls, input_ids, loss_mask, documents=None, host: Optional["HostBatch"] = None) -> "HostBatch":
@@ -304,6 +305,10 @@ class Draft(DraftSpec, nn.Module, ABC):
         """The draft's parameters it reads outside their own module's forward (ZeRO-3 must be told
         to gather them in the trainer's forward)."""
         return []
+
+    def adopt_target_weights(self, target_lm_head: torch.Tensor, fresh: bool) -> None:
+        """Before training builds its engine: a family whose settings start (fresh: a new draft,
+        neither resumed nor imported) or freeze a module from the target's tensors does it here."""
 
     # -- state besides the weights ---------------------------------------------------------
 

@@ -7,7 +7,7 @@ The objectives themselves (chunked over rows) are objectives.py's."""
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from specdraft.errors import SpecdraftError
 
@@ -56,10 +56,12 @@ class Objective:
             return body
         return f"{body} (T={self.temperature:g}{', all tokens' if self.all_tokens else ''})"
 
-    def taught(self, loss_mask: "torch.Tensor") -> "torch.Tensor":
+    def taught(self, loss_mask: "torch.Tensor", token_mask: Optional["torch.Tensor"] = None) -> "torch.Tensor":
         """The tokens a loss predicts, a mask like loss_mask (the answer tokens): every token when
-        the teacher terms learn all of them."""
-        return loss_mask.new_ones(loss_mask.shape) if self.all_tokens else loss_mask
+        the teacher terms learn all of them, but never a window's padding (token_mask 0)."""
+        if not self.all_tokens:
+            return loss_mask
+        return loss_mask.new_ones(loss_mask.shape) if token_mask is None else token_mask.to(loss_mask.dtype)
 
     def over_rows(self, rows: int, answers: int) -> "Objective":
         """This objective for a loss of `rows` counted rows, `answers` of them with a CE label, that

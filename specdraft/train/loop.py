@@ -326,6 +326,8 @@ def build_trainee(
     draft = build_draft(view.draft, target.config, data=None if plan is not None or imported else data)
     if imported is not None:
         apply_import(draft, imported, data, log)
+    # draft.lm_head of EAGLE-3 / P-EAGLE: started from (fresh) or frozen at the target's rows
+    draft.adopt_target_weights(target.lm_head.weight, fresh=plan is None and imported is None)
     serving_formats(draft, view)  # a format named in the config that cannot serve this draft: refused now
     if name is None:
         model = TargetWithDraft(target, draft, cfg.loss_chunk_size, sp)
@@ -348,8 +350,7 @@ def write_exports(
 def forward_step(engine, batch: dict, options: dict, cached: Optional[dict] = None) -> DraftLoss:
     """One micro-batch: forward (target under no_grad inside), backward, step (DeepSpeed only
     updates at the gradient-accumulation boundary). cached: its features from a feature cache."""
-    inputs = {key: to_device(value, engine.device) for key, value in batch.items()}  # pinned, asynchronous
-    host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+    inputs, host = device_inputs(batch, engine.device), host_batch(batch)
     if cached is not None:
         options = dict(options, cached={key: to_device(value, engine.device) for key, value in cached.items()})
     out: DraftLoss = engine(**inputs, host=host, **options)
@@ -372,8 +373,7 @@ def forward_drafts(
     cached: the batch's features from a feature cache instead of the pass; live (hybrid): what a
     live pass's features become (committed to the cache, rounded as it stores them)."""
     device = engines[0].device
-    inputs = {key: to_device(value, device) for key, value in batch.items()}
-    host = HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"))
+    inputs, host = device_inputs(batch, device), host_batch(batch)
     request = functools.reduce(CaptureRequest.merged, [e.module.draft_model.capture_request() for e in engines])
     # a draft that moves the target's positions (GLIDE's anchor_offset) is alone in its run (config
     # check): its positions are the target pass's, as in forward_step
@@ -411,6 +411,19 @@ def forward_drafts(
 # -- helpers -----------------------------------------------------------------------------------
 
 
+HOST_ONLY = "token_mask"  # in model_inputs for the HostBatch, never sent to the device
+
+
+def device_inputs(batch: dict, device) -> dict:
+    """model_inputs' tensors the model reads, copied to `device` (pinned, asynchronous)."""
+    return {key: to_device(value, device) for key, value in batch.items() if key != HOST_ONLY}
+
+
+def host_batch(batch: dict) -> HostBatch:
+    """model_inputs' host tensors a loss picks its counted rows from."""
+    return HostBatch(batch["input_ids"], batch["loss_mask"], batch.get("document_ids"), batch.get(HOST_ONLY))
+
+
 def model_inputs(batch: dict, document_mask: bool) -> dict:
     """What the model reads of a packed batch. document_mask: per-document positions and
     attention inside documents; a batch without any border goes without (the fast causal path).
@@ -420,6 +433,8 @@ def model_inputs(batch: dict, document_mask: bool) -> dict:
         inputs["document_positions"] = batch["document_positions"]
         if bool((batch["document_ids"] != 0).any()):  # on the host: no device sync
             inputs["document_ids"] = batch["document_ids"]
+    if "token_mask" in batch and not bool(batch["token_mask"].all()):  # padding: read on the host only
+        inputs[HOST_ONLY] = batch["token_mask"]
     return inputs
 
 

@@ -916,7 +916,7 @@ DISTILL_TOKENS: List[Mutation] = [
     Mutation(
         "distill/glide-all-tokens-ignored",
         GLIDE_PY,
-        "counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)",
+        "counted = counted_predictions(self.objective.taught(host.loss_mask, host.token_mask), host.documents, lag)",
         "counted = counted_predictions(host.loss_mask, host.documents, lag)",
         OBJECTIVE_TESTS,
         "distill_tokens: all silently trains on answers only",
@@ -924,15 +924,15 @@ DISTILL_TOKENS: List[Mutation] = [
     Mutation(
         "distill/eagle3-all-tokens-ignored",
         E3,
-        "taught = self.objective.taught(host.loss_mask).bool()",
+        "taught = self.objective.taught(host.loss_mask, host.token_mask).bool()",
         "taught = host.loss_mask.bool()",
         E3_TRAIN,
     ),
     Mutation(
         "distill/dflash-anchors-among-answers-only",
         DFLASH_PY,
-        "self.training_blocks(\n            host.input_ids, self.objective.taught(host.loss_mask), anchor_seed,",
-        "self.training_blocks(\n            host.input_ids,host.loss_mask, anchor_seed,",
+        "host.input_ids, self.objective.taught(host.loss_mask, host.token_mask), anchor_seed, host.documents",
+        "host.input_ids, host.loss_mask, anchor_seed, host.documents",
         DFLASH_TESTS,
     ),
     Mutation(

@@ -267,7 +267,7 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
         host = HostBatch.of(input_ids, loss_mask, documents, host)
         # on the host; anchors among every token when the teacher terms learn them all
         host_blocks = self.training_blocks(
-            host.input_ids, self.objective.taught(host.loss_mask), anchor_seed, host.documents
+            host.input_ids, self.objective.taught(host.loss_mask, host.token_mask), anchor_seed, host.documents
         )
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         group_tokens = shard.host_count(host_blocks.counted)  # on the host: the whole sequence's, every rank alike

@@ -190,8 +190,24 @@ class Eagle3Base(Draft):
         self.register_buffer("t2d", torch.zeros(dims.vocab_size, dtype=torch.bool))
         self.init_linear_weights(self.dims.initializer_range)
 
+    # draft.lm_head (a training setting, not exported; from_target_config sets it)
+    lm_head_source: str = "own"
+
     def serving_refusal(self, fmt: str) -> Optional[str]:
         return serving_refusal(self.dims, fmt)
+
+    def adopt_target_weights(self, target_lm_head: torch.Tensor, fresh: bool) -> None:
+        """draft.lm_head: target / target_frozen start the head from the target's lm_head rows of
+        the draft vocab (row d = target id d + d2t[d], speculators' lm_head_weight[t2d]);
+        target_frozen never trains it (speculators 0.9.0, model.py load_verifier_weights). A
+        resumed or imported head keeps its own weights; a frozen one stays frozen."""
+        if self.lm_head_source == "own":
+            return
+        if fresh:
+            rows = target_lm_head.detach().index_select(0, self.draft_to_target().to(target_lm_head.device))
+            with torch.no_grad():
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+        self.lm_head.weight.requires_grad_(self.lm_head_source != "target_frozen")
 
     # -- the vocabulary maps ---------------------------------------------------------------
 

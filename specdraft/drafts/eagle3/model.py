@@ -97,6 +97,7 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
             objective=objective_from_options(draft_cfg, default=cls.default_loss),
             teacher_rows=str(draft_cfg.teacher_rows),
         )
+        draft.lm_head_source = str(draft_cfg.lm_head)
         draft.count_vocab_maps(data)
         return draft
 
@@ -160,7 +161,7 @@ class Eagle3Draft(Eagle3Spec, Eagle3Base):
             self.aux_hidden(features).to(dtype), features.input_embeds.to(dtype), self.dims.ttt_steps, documents, shard
         )
         host = HostBatch.of(input_ids, loss_mask, documents, host)
-        taught = self.objective.taught(host.loss_mask).bool()  # the tokens the steps predict
+        taught = self.objective.taught(host.loss_mask, host.token_mask).bool()  # the tokens the steps predict
         draft_ids = self.draft_to_target()
         # the teacher: the target's lm_head rows of the draft vocab, never the full vocab
         teacher_rows = lm_head_weight.index_select(0, draft_ids) if self.objective.needs_teacher else None

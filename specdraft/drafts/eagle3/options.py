@@ -31,11 +31,15 @@ class Eagle3Options(ObjectiveOptions):
     # is a draft token (EAGLE-3's and SpecForge's recipe); all = every counted row, the target
     # renormalised over the draft vocab even where its top-1 lies outside it
     teacher_rows: str = "in_vocab"
+    # the draft's lm_head: own = a random start, trained; target = the target's lm_head rows of the
+    # draft vocab as the start, trained; target_frozen = those rows, never trained (speculators 0.9.0)
+    lm_head: str = "own"
     # recompute each TTT step's layer in the backward instead of keeping its activations
     gradient_checkpointing: bool = False
 
 
 TEACHER_ROWS = ("in_vocab", "all")
+LM_HEADS = ("own", "target", "target_frozen")  # the `draft.lm_head` choices (Eagle3Base.adopt_target_weights)
 
 
 def validate_layer_options(draft_cfg, target_config, fail) -> None:
@@ -45,6 +49,8 @@ def validate_layer_options(draft_cfg, target_config, fail) -> None:
     layers = list(draft_cfg.target_layers or [])
     if layers and (len(layers) != AUX_LAYERS or len(set(layers)) != AUX_LAYERS):
         fail("target_layers", f"needs {AUX_LAYERS} distinct layer ids, got {layers}")
+    if draft_cfg.lm_head not in LM_HEADS:
+        fail("lm_head", f"must be one of {' | '.join(LM_HEADS)}, got {draft_cfg.lm_head!r}")
     if draft_cfg.draft_vocab_size is not None and draft_cfg.draft_vocab_size < 1:
         fail("draft_vocab_size", f"must be >= 1, got {draft_cfg.draft_vocab_size}")
     if target_config is None:

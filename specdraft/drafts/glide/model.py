@@ -299,7 +299,7 @@ class GlideDraft(GlideSpec, Draft):
         )
         shard = features.shard or SequenceShard.whole(input_ids.shape[1])
         host = HostBatch.of(input_ids, loss_mask, documents, host)
-        counted = counted_predictions(self.objective.taught(host.loss_mask), host.documents, lag)
+        counted = counted_predictions(self.objective.taught(host.loss_mask, host.token_mask), host.documents, lag)
         group_tokens = shard.host_count(counted)  # on the host: the whole sequence's, every rank alike
         counted = shard.local(counted)
         rows, tokens = rows_where(counted, input_ids.device)

@@ -145,6 +145,7 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
             ),
             objective=objective_from_options(draft_cfg, default=cls.default_loss),
         )
+        draft.lm_head_source = str(draft_cfg.lm_head)
         draft.count_vocab_maps(data)
         return draft
 
@@ -306,7 +307,7 @@ class PEagleDraft(PEagleSpec, Eagle3Base):
         if shard.parallel:
             embeds = shard.extend_right(embeds, 1)
         host = HostBatch.of(input_ids, loss_mask, documents, host)
-        taught = self.objective.taught(host.loss_mask).bool()
+        taught = self.objective.taught(host.loss_mask, host.token_mask).bool()
         # slot at o predicts x_{o+2}: valid where that token is taught, in o's own conversation
         valid = torch.zeros(B, T, dtype=torch.bool)
         valid[:, : max(T - 2, 0)] = taught[:, 2:]

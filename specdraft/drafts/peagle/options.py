@@ -23,6 +23,7 @@ class PEagleOptions(ObjectiveOptions):
     norm_before_residual: bool = False  # residual = hidden_norm(g) instead of g
     fc_norm: bool = False  # RMSNorm per captured layer before fc (EAGLE-3.1)
     norm_before_fc: bool = False  # one RMSNorm over the concatenation before fc
+    lm_head: str = "own"  # own | target | target_frozen: EAGLE-3's key (eagle3/options.py)
     num_depths: int = 8  # K: tokens proposed per draft forward (depths 0..K-1)
     down_sample_ratio: float = 0.7  # r: depth d keeps a fraction max(r^d, r_min) of the valid positions
     down_sample_ratio_min: float = 0.2  # r_min
