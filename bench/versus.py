@@ -69,7 +69,7 @@ from versus_runs import (  # noqa: E402
     train_speculators,
     write_features,
 )
-from versus_settings import FAMILIES, NOT_COMPARED, SPECULATORS, differences_table  # noqa: E402
+from versus_settings import FAMILIES, NOT_COMPARED, SPECULATORS, differences_table, recipe_digest  # noqa: E402
 
 import speculators_train  # noqa: E402
 
@@ -155,7 +155,7 @@ def run_bench(args) -> dict:
         for mode in modes:
             window = specdraft_tokens_per_step(assets, plan, mode, feat)
             steps = [count // window for count in counts]  # exact: every count is a multiple of it
-            name = f"{family}-{mode}-specdraft-s{steps[-1]}e{gcd(*steps)}"
+            name = f"{family}-{mode}-{recipe_digest(family, mode)}-specdraft-s{steps[-1]}e{gcd(*steps)}"
             ours = parts.get(
                 name, lambda: train_specdraft(assets, plan, mode, feat, counts, steps, out / "runs" / name)
             )

@@ -42,7 +42,13 @@ import speculators_train  # noqa: E402
 from acceptance import PRESET_OVERRIDES, run_keys, tokens_per_step  # noqa: E402
 from offline_parts import Judge, quiet  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
-from versus_settings import BLOCK_FAMILIES, RunShape, speculators_argv, specdraft_overrides  # noqa: E402
+from versus_settings import (  # noqa: E402
+    BLOCK_FAMILIES,
+    RunShape,
+    recipe_digest,
+    speculators_argv,
+    specdraft_overrides,
+)
 
 # the draft keys of bench/acceptance.py's CPU budget (PRESET_OVERRIDES) that shape a draft, given to
 # both trainers in both modes; its other keys (lr, TTT steps, distill_tokens) are recipe, left to the mode
@@ -222,7 +228,7 @@ def speculators_runs(assets, plan: Plan, mode: str, features: dict, counts: List
     runs = []
     for count, n in zip(counts, steps):
         epochs = next(e for e in range(1, len(batches) + 1) if sum(batches[:e]) >= n)
-        name = f"{plan.family}-{mode}-speculators-s{n}of{steps[-1]}"
+        name = f"{plan.family}-{mode}-{recipe_digest(plan.family, mode)}-speculators-s{n}of{steps[-1]}"
         save_path = assets.out / "runs" / name
         run = plan.run_shape(assets, features, n, epochs=epochs, schedule_steps=steps[-1])
         argv = speculators_argv(mode, run, features["path"], save_path)

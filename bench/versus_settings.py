@@ -29,6 +29,7 @@ resume maps the checkpoint to "cuda:0". None of them changes what is trained.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -242,6 +243,13 @@ def speculators_argv(mode: str, run: RunShape, data_path, save_path) -> List[str
         if run.family in BLOCK_FAMILIES and run.mask_token_id is not None:
             argv += ["--mask-token-id", str(run.mask_token_id)]
     return argv
+
+
+def recipe_digest(family: str, mode: str) -> str:
+    """Six hex digits of the recipe a mode sets on both sides: part names carry it, so a changed
+    recipe trains again instead of reusing the parts of the old one."""
+    recipe = [*SPECDRAFT[mode], *SPECULATORS[mode], *(FAMILY_SPECDRAFT[family] if mode == "matched" else [])]
+    return hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:6]
 
 
 def specdraft_overrides(mode: str, run: RunShape) -> List[str]:
