@@ -6,6 +6,7 @@ worker may have left a process group initialized."""
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,25 @@ def test_run_shared_without_a_process_group_runs_and_raises_its_own_error(on_ran
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(on_rank)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "raised: data.jsonl:3: no assistant turn"
+
+
+def test_the_data_pipeline_runs_in_a_process_without_a_process_group(tiny_assets, tmp_path):
+    """prepare_data from a plain script (a bench driver): its collectives are a world of one."""
+    target, tiny = tiny_assets
+    script = textwrap.dedent(
+        f"""
+        import torch.distributed as dist
+        from specdraft.config import load_config
+        from specdraft.target.model import load_target_tokenizer
+        from specdraft.train.data import prepare_data
+
+        cfg = load_config(None, ["target={target}", "data_files={Path(tiny.train_files[0]).parent}/*.jsonl",
+                                 "data_cache_dir={tmp_path}", "max_seq_length=64", "packing=whole"])
+        data = prepare_data(cfg, load_target_tokenizer(cfg.target), 0, lambda *a: None)
+        assert not dist.is_initialized()
+        print("windows", len(data) > 0)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("windows True")

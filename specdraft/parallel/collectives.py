@@ -28,7 +28,10 @@ def collective_device() -> torch.device:
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks; the result lives on collective_device() (no host sync here)."""
+    """Sum `tensor` over all ranks; the result lives on collective_device() (no host sync here).
+    Without a process group (one process: a script calling the data pipeline) a copy of it."""
+    if not dist.is_initialized():
+        return tensor.clone()
     reduced = tensor.to(collective_device())
     if reduced is tensor:  # .to() to the same device is the tensor itself: keep the input intact
         reduced = tensor.clone()
@@ -37,7 +40,10 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (failures surface everywhere, no hang)."""
+    """True on every rank if `flag` is True on any rank (failures surface everywhere, no hang);
+    `flag` itself without a process group."""
+    if not dist.is_initialized():
+        return bool(flag)
     value = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(value)
     return bool(value.item())
@@ -46,7 +52,7 @@ def any_rank(flag: bool) -> bool:
 def agree_max(value: int) -> int:
     """The largest `value` over all ranks, on every rank. Runs on the host (over gloo, beside an
     NCCL group where there is one), so a call every step neither waits for the device nor stalls it."""
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     flag = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_host_group())
