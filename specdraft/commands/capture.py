@@ -29,9 +29,8 @@ from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.train.data import prepare_data
 from specdraft.train.engine import init_distributed
 from specdraft.train.features import expected_manifest, run_capture_request
-from specdraft.train.loop import model_inputs
+from specdraft.train.loop import device_inputs, model_inputs
 from specdraft.train.model import target_features
-from specdraft.transfer import to_device
 
 
 def capture(cfg: DictConfig, log=print) -> dict:
@@ -75,7 +74,7 @@ def capture(cfg: DictConfig, log=print) -> dict:
             windows = todo[start : start + cfg.per_device_batch_size]
             batch = model_inputs(data.batch(windows), document_mask=True)
             device = next(target.parameters()).device
-            inputs = {key: to_device(value, device) for key, value in batch.items()}
+            inputs = device_inputs(batch, device)
             features = target_features(
                 target.model,
                 request,

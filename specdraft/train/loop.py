@@ -433,8 +433,8 @@ def model_inputs(batch: dict, document_mask: bool) -> dict:
         inputs["document_positions"] = batch["document_positions"]
         if bool((batch["document_ids"] != 0).any()):  # on the host: no device sync
             inputs["document_ids"] = batch["document_ids"]
-    if "token_mask" in batch and not bool(batch["token_mask"].all()):  # padding: read on the host only
-        inputs[HOST_ONLY] = batch["token_mask"]
+    if HOST_ONLY in batch and not bool(batch[HOST_ONLY].all()):  # padding: read on the host only
+        inputs[HOST_ONLY] = batch[HOST_ONLY]
     return inputs
 
 
