@@ -105,13 +105,8 @@ def stored_rows(cache_dir):
     return [key for entry in committed_shards(cache_dir, manifest) for key in row_keys_of(cache_dir, entry)]
 
 
-def data_keys(fc, family="glide"):
-    from specdraft.data.packing import open_packed_cache
-    from specdraft.data.whole_packing import WholePackedData
-
-    cache_dir = next(p for p in (fc["work"] / "data").iterdir() if (p / "meta.json").is_file())
-    packed = open_packed_cache(cache_dir)
-    return row_keys(WholePackedData(cache_dir, packed.meta))
+def data_keys(fc):
+    return row_keys(whole_data(fc))
 
 
 # -- every family: offline = online, bit for bit ----------------------------------------------
@@ -492,10 +487,13 @@ def test_hybrid_commits_the_first_epoch_reads_it_later_and_resumes_exactly(fc, m
 
 
 def whole_data(fc):
+    """The windows these tests' runs read: the data cache their config keys, not any in the folder
+    (another test packs the same files at another max_seq_length beside it)."""
     from specdraft.data.packing import open_packed_cache
     from specdraft.data.whole_packing import WholePackedData
+    from specdraft.train.data import data_files_and_cache
 
-    cache_dir = next(p for p in (fc["work"] / "data").iterdir() if (p / "meta.json").is_file())
+    _, cache_dir = data_files_and_cache(load_config(None, overrides(fc, "dflash", "windows")))
     return WholePackedData(cache_dir, open_packed_cache(cache_dir).meta)
 
 

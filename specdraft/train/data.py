@@ -20,7 +20,7 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     rank that cannot read the data files or see the cache (another node's disk) stops every rank
     in one line instead of leaving them waiting."""
     # each rank names the cache from its own view of the files (their sizes and times)
-    files, cache_dir = run_shared(lambda: _data_and_cache(cfg), on_rank=None)
+    files, cache_dir = run_shared(lambda: data_files_and_cache(cfg), on_rank=None)
     error = None
     if rank == 0:
         try:
@@ -46,7 +46,8 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     return packed
 
 
-def _data_and_cache(cfg: DictConfig):
+def data_files_and_cache(cfg: DictConfig):
+    """The data files a config names and the packed cache they are kept in (keyed by files, tokenizer, window)."""
     files = resolve_data_files(cfg.data_files)
     return files, packed_cache_dir(files, cfg.target, cfg.max_seq_length, cfg.thinking, cfg.data_cache_dir)
 
