@@ -146,8 +146,11 @@ def test_summary_counts_rows_skipped_by_reason_tokens_trained_sequences_truncate
     target = template_target(tiny_target_dir, "gemma3", tmp_path / "gemma3")
     cfg = config(target, rows_file, tmp_path)
     out, logged = report(cfg)
-    meta = open_packed_cache(packed_cache_dir([str(rows_file)], str(target), 8, None, tmp_path / "cache")).meta
+    cache_dir = packed_cache_dir([str(rows_file)], str(target), 8, None, tmp_path / "cache")
+    meta = open_packed_cache(cache_dir).meta
     assert meta["conversations"] == 2 and meta["truncated"] == 2  # both kept rows are longer than 8 tokens
+    # whole packing (the default): one window per conversation, each cut to 8 tokens, no padding
+    cut = meta["tokens"] - 2 * 8
     lines = out.splitlines()
     assert lines[1:] == [
         "rows: 5",
@@ -157,11 +160,16 @@ def test_summary_counts_rows_skipped_by_reason_tokens_trained_sequences_truncate
         f"  empty answer: 1 ({rows_file}:5)",
         f"tokens: {meta['tokens']}",
         f"trained tokens: {meta['assistant_tokens']} ({100 * meta['assistant_tokens'] / meta['tokens']:.1f}%)",
-        f"packed sequences: {meta['tokens'] // 8} of 8 tokens",
+        f"packing whole: 2 windows of 8 tokens, {cut} tokens cut from conversations longer than a window, "
+        "0 tokens of padding",
         "truncated rows: 2 (longer than max_seq_length=8)",
         f"skipped 3 of 5 rows: template refused ({rows_file}:3), no assistant turn ({rows_file}:4), "
         f"empty answer ({rows_file}:5)",
     ]
+    # the stream packing, behind its key: the joined stream cut into windows
+    stream = report(config(target, rows_file, tmp_path, "packing=stream"))[0].splitlines()
+    assert stream[8] == f"packing stream: {meta['tokens'] // 8} windows of 8 tokens"
+    assert stream[:8] + stream[9:] == lines[:8] + lines[9:]
     assert logged[-1] == f"data: {lines[-1]}"  # train's start-up summary says the same
     # the cache is the one train reads: same directory, tokens = the rows' own
     data = open_packed_cache(Path(lines[0].removeprefix("cache: ")))

@@ -212,11 +212,12 @@ def test_the_drafter_computes_trainings_logits_and_confidences_slot_by_slot(targ
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "rnn"])
-def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type):
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type, sample_from_anchor):
     """A node at depth d fills slot first + d reading its parent's token (the root's children read
     the anchor); its score is the sum of its path's log-probs, each slot teacher-forced with the
     path (for rnn the state runs along the path)."""
-    draft = make_draft(target, markov_head_type=head_type).eval()
+    draft = make_draft(target, markov_head_type=head_type, sample_from_anchor=sample_from_anchor).eval()
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(10))
     n = 9
     feats = features(target, draft, ids)
@@ -234,17 +235,18 @@ def test_each_tree_node_is_scored_by_the_slots_of_its_own_path(target, head_type
         with torch.no_grad():
             head = draft.block_head(
                 draft.training_hidden(feats, blocks),
-                blocks.previous_tokens(forced, 1),
+                blocks.previous_tokens(forced, draft.layout.first_slot),
                 draft.head_weight(target.lm_head.weight),
             )
-        logprobs = torch.log_softmax(head.logits()[0, 0, 1:], dim=-1)
+        logprobs = torch.log_softmax(head.logits()[0, 0, draft.layout.first_slot :], dim=-1)
         assert float(tree.scores[node].detach()) == pytest.approx(
             sum(float(logprobs[d, t]) for d, t in enumerate(path)), abs=1e-4
         )
 
 
-def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_after(target):
-    draft = make_draft(target, block_size=6).eval()
+@pytest.mark.parametrize("sample_from_anchor", [False, True])
+def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_after(target, sample_from_anchor):
+    draft = make_draft(target, block_size=6, sample_from_anchor=sample_from_anchor).eval()
     ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(7))
     n = 9
     feats = features(target, draft, ids)
@@ -255,10 +257,10 @@ def test_the_confidence_stop_drops_the_first_slot_below_the_threshold_and_all_af
     with torch.no_grad():
         head = draft.block_head(
             draft.training_hidden(feats, blocks),
-            blocks.previous_tokens(forced, 1),
+            blocks.previous_tokens(forced, draft.layout.first_slot),
             draft.head_weight(target.lm_head.weight),
         )
-    confidence = torch.sigmoid(head.confidence[0, 0, 1:]).tolist()  # of each predicting slot
+    confidence = torch.sigmoid(head.confidence[0, 0, draft.layout.first_slot :]).tolist()  # of each predicting slot
     for stop in range(len(confidence) + 1):
         # a threshold just above slot `stop`'s confidence, below every earlier slot's: stop there
         earlier = min(confidence[:stop], default=1.0)

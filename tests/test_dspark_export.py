@@ -126,3 +126,25 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_confidences(
     assert result["weights_equal"] and result["markov_head_type"] == head_type and result["with_markov"] is with_markov
     torch.testing.assert_close(result["logits"], logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(result["confidence"], confidence, rtol=1e-4, atol=1e-4)
+
+
+def test_each_block_familys_default_layout_is_speculators_default():
+    """speculators' DSparkConfig defaults sample_from_anchor to true (every slot predicts), its
+    DFlashConfig to false (the anchor is the bonus token): ours follow, read from its source."""
+    from omegaconf import OmegaConf
+
+    from specdraft.drafts import DraftConfig
+    from specdraft.drafts.dflash.model import DFlashDraft
+    from specdraft.drafts.dspark.model import DSparkDraft
+    from tests.speculators_env import run_in_speculators
+
+    theirs = run_in_speculators(
+        "import json\n"
+        "from speculators.models.dflash.config import DFlashSpeculatorConfig as F\n"
+        "from speculators.models.dspark.config import DSparkSpeculatorConfig as S\n"
+        "print(json.dumps({'dflash': F.model_fields['sample_from_anchor'].default,"
+        " 'dspark': S.model_fields['sample_from_anchor'].default}))"
+    )
+    unset = OmegaConf.structured(DraftConfig())
+    ours = {"dflash": DFlashDraft.sample_from_anchor(unset), "dspark": DSparkDraft.sample_from_anchor(unset)}
+    assert ours == theirs == {"dflash": False, "dspark": True}

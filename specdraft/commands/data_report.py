@@ -1,7 +1,7 @@
 """`specdraft data CONFIG`: what training will learn from, before spending GPU hours.
 
 Tokenises exactly as `train` does (the same packed cache, built by the same code, or reused when
-train built it) and reports rows, skipped rows by reason, tokens, trained tokens, packed sequences
+train built it) and reports rows, skipped rows by reason, tokens, trained tokens, the windows of its packing
 and truncated rows; `--show N` prints conversations with the trained tokens highlighted, `--json`
 one object per row. Loads the target's tokenizer only: no weights, no DeepSpeed.
 """
@@ -51,19 +51,16 @@ def data_report(
         for row in iter_rows(cache_dir):
             out.write(json.dumps(row_json(tokenizer, row)) + "\n")
         return
-    for line in summary(meta, cache_dir):
-        out.write(line + "\n")
-    if cfg.packing == "whole" or cfg.feature_cache is not None:
+    whole = None
+    if (cfg.packing == "whole" or cfg.feature_cache is not None) and meta["conversations"]:
         from specdraft.data.whole_packing import WholePackedData
 
         whole = WholePackedData(cache_dir, meta)
-        out.write(
-            f"packing whole: {len(whole)} windows of {whole.window} tokens, {whole.meta['truncated_tokens']} tokens "
-            f"cut from conversations longer than a window, {whole.meta['padding_tokens']} tokens of padding\n"
-        )
-        if cfg.feature_cache is not None:
-            for line in feature_cache_lines(cfg.feature_cache, whole):
-                out.write(line + "\n")
+    for line in summary(meta, cache_dir, packing_line(cfg, meta, whole)):
+        out.write(line + "\n")
+    if cfg.feature_cache is not None:
+        for line in feature_cache_lines(cfg.feature_cache, whole):
+            out.write(line + "\n")
     marks = HIGHLIGHT if out.isatty() else MARKERS
     for row in [r for r in iter_rows(cache_dir) if "skipped" not in r][:show]:
         out.write(f"\n== {row['source']}: {len(row['ids'])} tokens, {int(row['mask'].sum())} trained\n")
@@ -94,7 +91,16 @@ def feature_cache_lines(cache_dir, whole) -> List[str]:
     return lines
 
 
-def summary(meta: dict, cache_dir: Path) -> List[str]:
+def packing_line(cfg, meta: dict, whole) -> str:
+    """The windows training reads, and the tokens the packing loses to truncation and padding."""
+    if whole is not None:
+        return whole.describe()
+    if cfg.packing == "whole" or cfg.feature_cache is not None:
+        return "packing whole: no windows (no conversation to train on)"
+    return f"packing stream: {meta['sequences']} windows of {meta['max_seq_length']} tokens"
+
+
+def summary(meta: dict, cache_dir: Path, packing: str) -> List[str]:
     skipped = meta["skipped"]
     rows = meta["conversations"] + sum(e["count"] for e in skipped.values())
     trained = meta["assistant_tokens"]
@@ -108,7 +114,7 @@ def summary(meta: dict, cache_dir: Path) -> List[str]:
         ),
         f"tokens: {meta['tokens']}",
         f"trained tokens: {trained} ({100 * trained / max(meta['tokens'], 1):.1f}%)",
-        f"packed sequences: {meta['sequences']} of {meta['max_seq_length']} tokens",
+        packing,
         f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})",
     ]
     if why := training_refusal(meta):

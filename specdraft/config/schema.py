@@ -56,7 +56,7 @@ class TrainConfig:
     # every window border (a cut one goes on in the next window as a new document, without its
     # prompt); whole: each conversation whole in one window, best fit, one longer than a window
     # truncated at its end, each window's tail padding (a document of its own, no labels)
-    packing: str = "stream"
+    packing: str = "whole"
     # a feature cache (`specdraft capture` writes it): the target's features are read from it
     # instead of computed; needs packing: whole and document_mask: true. None: the target runs
     feature_cache: Optional[str] = None

@@ -95,6 +95,13 @@ class WholePackedData:
     def __len__(self) -> int:
         return len(self.windows)
 
+    def describe(self) -> str:
+        """The windows, and the tokens lost to truncation and padding (train's log, `specdraft data`)."""
+        return (
+            f"packing whole: {len(self)} windows of {self.window} tokens, {self.meta['truncated_tokens']} tokens "
+            f"cut from conversations longer than a window, {self.meta['padding_tokens']} tokens of padding"
+        )
+
     def placements(self, window: int) -> List[Placement]:
         out, offset = [], 0
         for row in self.windows[window]:

@@ -38,10 +38,7 @@ def prepare_data(cfg: DictConfig, tokenizer, rank: int, log) -> PackedData:
     packed = open_packed_cache(cache_dir)
     if cfg.packing == "whole":  # the same files, windows of whole conversations
         whole = WholePackedData(cache_dir, packed.meta)
-        log(
-            f"data: packing whole: {len(whole)} windows of {whole.window}, {whole.meta['truncated_tokens']} "
-            f"tokens cut from conversations longer than a window, {whole.meta['padding_tokens']} tokens of padding"
-        )
+        log(f"data: {whole.describe()}")
         return whole
     return packed
 

@@ -145,7 +145,7 @@ class DFlashBackbone(DFlashBackboneSpec, Draft):
             target_layers=cls.resolved_target_layers(draft_cfg, target_config),
             num_layers=int(draft_cfg.num_layers),
             block_size=int(draft_cfg.block_size),
-            sample_from_anchor=bool(draft_cfg.sample_from_anchor),
+            sample_from_anchor=cls.sample_from_anchor(draft_cfg),
             # default: the last row of the embedding table (an unused / reserved id in Qwen and
             # Llama-3 vocabularies); any id embeds exactly as speculators does
             mask_token_id=int(text.vocab_size - 1 if mask_id is None else mask_id),

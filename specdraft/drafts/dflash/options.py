@@ -6,7 +6,7 @@ with, and the default choice of target layers. No torch: the configuration reads
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 from specdraft.drafts.objective_options import CE, ObjectiveOptions, objective_from_options
 from specdraft.drafts.spec import DraftSpec, LayerDims, target_text_config
@@ -44,7 +44,9 @@ class DFlashOptions(ObjectiveOptions):
     target_layers: List[int] = field(default_factory=list)  # layer inputs read (vLLM ids); []: 5 evenly spaced
     num_layers: int = 5  # draft decoder layers, each shaped like a target layer
     block_size: int = 8  # slots per block: [anchor, MASK x (block_size - 1)]
-    sample_from_anchor: bool = False  # False: slots 1.. predict, block_size - 1 tokens (vLLM's layout)
+    # false: the anchor is the bonus token, slots 1.. predict, block_size - 1 tokens (DFlash, vLLM's
+    # layout); true: every slot predicts, block_size tokens. None: the family's (DFlash false, DSpark true)
+    sample_from_anchor: Optional[bool] = None
     loss_decay_gamma: float = 4.0  # the j-th predicted token of a block weighs exp(-j / gamma)
     loss_weighting: str = "decay"  # decay: exp(-j / gamma); dpace: D-PACE (draft.loss: ce; gamma: DSpark's BCE)
     dpace_alpha: float = 0.5  # D-PACE's smoothing constant, in (0, 1]
@@ -99,6 +101,12 @@ class DFlashBackboneSpec(DraftSpec):
     options = DFlashOptions
     sequence_parallel = True
     serving_format_names = ("speculators",)
+    default_sample_from_anchor: ClassVar[bool] = False  # speculators' default for the family
+
+    @classmethod
+    def sample_from_anchor(cls, draft_cfg) -> bool:
+        chosen = draft_cfg.sample_from_anchor
+        return cls.default_sample_from_anchor if chosen is None else bool(chosen)
 
     @classmethod
     def resolved_target_layers(cls, draft_cfg, target_config) -> List[int]:
@@ -119,14 +127,15 @@ class DFlashBackboneSpec(DraftSpec):
                 fail("target_layers", f"{list(layers)} repeats a layer")
         if draft_cfg.num_layers < 1:
             fail("num_layers", f"must be >= 1, got {draft_cfg.num_layers}")
-        smallest = 1 if draft_cfg.sample_from_anchor else 2
+        from_anchor = cls.sample_from_anchor(draft_cfg)
+        smallest = 1 if from_anchor else 2
         if draft_cfg.block_size < smallest:
             fail(
                 "block_size",
-                f"must be >= {smallest} with sample_from_anchor={draft_cfg.sample_from_anchor} "
+                f"must be >= {smallest} with sample_from_anchor={from_anchor} "
                 f"(a block must predict a token), got {draft_cfg.block_size}",
             )
-        layout = BlockLayout(draft_cfg.block_size, draft_cfg.sample_from_anchor)
+        layout = BlockLayout(draft_cfg.block_size, from_anchor)
         if max_seq_length < layout.span + 2:
             fail(
                 "block_size",
