@@ -58,11 +58,13 @@ def main(argv=None) -> dict:
     features = json.loads((out / "parts" / f"{plan.features_name}.json").read_text())
     theirs_name = f"{args.family}-{args.mode}-{versus_settings.recipe_digest(args.family, args.mode)}"
     runs = [json.loads(p.read_text()) for p in sorted((out / "parts").glob(f"{theirs_name}-speculators-s*of*.json"))]
-    theirs_run = next((r for r in runs if r["count"] == count), None)
-    if theirs_run is None:
+    if not runs:
         sys.exit(
-            f"bench/versus_bisect.py: {out / 'parts'}: no speculators run {theirs_name} of {count} tokens; run bench/versus.py first"
+            f"bench/versus_bisect.py: {out / 'parts'}: no speculators run {theirs_name}; run bench/versus.py first"
         )
+    # the count bench/versus.py rounded --tokens to (versus_runs.exact_counts)
+    theirs_run = min(runs, key=lambda r: abs(r["count"] - parse_count(args.tokens)))
+    count = theirs_run["count"]
     theirs = json.loads((out / "parts" / f"tau-{theirs_run['name']}-{judging_name(judged)}.json").read_text())["chain"]
     print(f"[bisect] speculators {args.mode}: tau {theirs['tau']:.3f} at {count} tokens", flush=True)
     measure, result = None, {}

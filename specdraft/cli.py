@@ -33,8 +33,8 @@ def _cmd_data(args) -> int:
     from specdraft.config import load_config
     from specdraft.commands.data_report import data_report
 
-    data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
-    return 0
+    refusal = data_report(load_config(args.config, args.overrides), show=args.show, as_json=args.json)
+    return 2 if refusal else 0  # `specdraft data ... && specdraft train ...` stops where train would refuse
 
 
 def _cmd_capture(args) -> int:

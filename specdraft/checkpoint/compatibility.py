@@ -22,8 +22,7 @@ def check_compatible(slot_dir: Path, record: dict, cfg: DictConfig, target_ident
             for found in (slots.record_names(record), names)
         )
         raise SpecdraftError(
-            f"{slot_dir}: saved a run of {saved}; this run trains {ours} (another output_dir, "
-            f"or resume=no, to start anew)"
+            f"{slot_dir}: saved a run of {saved}; this run trains {ours} (to start anew: a new output_dir)"
         )
     if names != [None]:
         for name in names:

@@ -31,7 +31,8 @@ MARKERS = ("[[", "]]")  # otherwise
 
 def data_report(
     cfg, show: int = 0, as_json: bool = False, out: TextIO = sys.stdout, log=lambda line: print(line, file=sys.stderr)
-) -> None:
+) -> str:
+    """Writes the report; -> why training would refuse this data ('' when it would train)."""
     from transformers import AutoTokenizer
 
     files = resolve_data_files(cfg.data_files)
@@ -47,10 +48,11 @@ def data_report(
         strict=cfg.data_strict,
         for_training=False,
     )  # a sample too small to train on is shown
+    refusal = training_refusal(meta) or ""
     if as_json:
         for row in iter_rows(cache_dir):
             out.write(json.dumps(row_json(tokenizer, row)) + "\n")
-        return
+        return refusal
     whole = None
     if (cfg.packing == "whole" or cfg.feature_cache is not None) and meta["conversations"]:
         from specdraft.data.whole_packing import WholePackedData
@@ -65,6 +67,7 @@ def data_report(
     for row in [r for r in iter_rows(cache_dir) if "skipped" not in r][:show]:
         out.write(f"\n== {row['source']}: {len(row['ids'])} tokens, {int(row['mask'].sum())} trained\n")
         out.write(highlighted(tokenizer, row["ids"], row["mask"], marks) + "\n")
+    return refusal
 
 
 def feature_cache_lines(cache_dir, whole) -> List[str]:

@@ -86,7 +86,9 @@ class TrainConfig:
     save_steps: int = 200  # checkpoint + draft export every N steps (and at the end)
     eval_steps: int = -1  # tau on eval_prompts every N steps; <= 0 disables
     eval_temperature: float = 0.0  # the in-training tau's sampling temperature (0: greedy)
-    keep_last: int = 2  # committed checkpoint slots kept (2 = LongSpec's last_ds/last_2ds)
+    # committed checkpoint slots kept under ckpt/ (2 = LongSpec's last_ds/last_2ds); the step_<N>/
+    # draft exports are all kept (the curve a user picks a draft from)
+    keep_last: int = 2
     resume: str = "auto"  # auto: newest committed slot; no; or a slot / run directory path
     seed: int = 42  # data order, per-batch randomness and initial weights; a resume keeps it
     precision: str = "fp32"  # fp32 | bf16 (fp16 is refused: the chunked losses' gradients would underflow)
