@@ -92,6 +92,28 @@ def test_shipped_configs_are_valid(name, tmp_path):
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 
+GPU_CONFIGS = [name for name in SHIPPED_CONFIGS if not name.startswith("demo")]
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_a_shipped_gpu_config_saves_at_least_every_134m_tokens(name, tmp_path):
+    """A crash loses at most the tokens since the last save: at the GPUs the config's launch line
+    names, a save comes every 2**27 tokens (134M) or sooner, as its comment says."""
+    import re
+
+    from helpers import REPO
+
+    text = (REPO / "configs" / name).read_text()
+    gpus = int(re.search(r"--num_gpus (\d+)", text).group(1))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    cfg = load_config(str(REPO / "configs" / name), [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl"])
+    per_step = gpus * cfg.per_device_batch_size * cfg.gradient_accumulation_steps * cfg.max_seq_length
+    assert cfg.save_steps * per_step <= 2**27, f"{name}: a save every {cfg.save_steps * per_step:,} tokens"
+    comment = re.search(r"save_steps: \d+ +# a step: (.*)", text).group(1)
+    assert f"{per_step / 1e6:.1f}M tokens" in comment and f"~{cfg.save_steps * per_step / 1e6:.0f}M" in comment
+
+
 def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys):
     code, err = run_cli(capsys, "train", str(valid_config), "max_stepz=1", "--local_rank=3")
     assert code == 2 and "max_stepz" in err  # parsed fine; the config error is what is reported
