@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -324,18 +324,19 @@ class Judge:
         self.baseline = run_plain(self.target, self.prompts, **self.settings)
         self.gamma = args.gamma
 
-    def tau(self, export: str) -> dict:
+    def tau(self, export: Optional[str]) -> dict:
+        """export None: prompt lookup."""
         from specdraft.decode.measure import make_drafter, run_speculative
         from specdraft.decode.report import acceptance_stats
         from specdraft.export.files import load_exported_draft
 
-        draft = load_exported_draft(Path(export))[0]
-        generations = run_speculative(
-            self.target, make_drafter("draft", self.target, draft), self.prompts, gamma=self.gamma, **self.settings
-        )
+        draft = None if export is None else load_exported_draft(Path(export))[0]
+        drafter = make_drafter("prompt_lookup" if draft is None else "draft", self.target, draft)
+        generations = run_speculative(self.target, drafter, self.prompts, gamma=self.gamma, **self.settings)
         report = acceptance_stats(generations, self.gamma)
         return dict(
             tau=report["tau"],
+            per_position=report["acceptance_per_position"],
             lossless=all(g.tokens == b.tokens for g, b in zip(generations, self.baseline)),
             # per prompt: (tokens its passes produced, passes): the paired interval of tau_ratio
             per_prompt=[[sum(g.accepted) + len(g.accepted), len(g.accepted)] for g in generations],
