@@ -45,6 +45,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.rundir.ownership import claim_regenerate_out
 from specdraft.commands.regenerate_rows import SHARD_GLOB, Item, ShardWriter, read_rows, row_seed, written_keys
 from specdraft.commands.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
+from specdraft.target.checks import check_chat_template
 from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
 # Test hook: seconds to sleep after each generate call, so a test can signal a run whose rows land
@@ -113,6 +114,7 @@ def regenerate(
     that writes every row alone whatever launched it. A signal ends it with RegenerateInterrupted."""
     files = resolve_data_files(cfg.data, "command line", "--data")
     check_tokenizer(cfg.target, "--target")
+    check_chat_template(cfg.target, "--target")
     out = Path(cfg.out)
     rank, world = ranks or (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
     claim_regenerate_out(out, rank)  # before the target is loaded

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from specdraft.data.sources import Message, SkippedRow
+from specdraft.errors import SpecdraftError
 
 THINK_END = "</think>"
 MARKER = "\ue000specdraft-answer-{}\ue001"  # private-use characters, no whitespace: survives trim
@@ -49,7 +50,18 @@ def render_prompt(tokenizer, messages: List[Message], where: str, thinking: Opti
     return render(tokenizer, messages, where, add_generation_prompt=True, thinking=thinking)
 
 
+def no_template_error(where: str) -> SpecdraftError:
+    """A chat row for a tokenizer without a chat template (a base model): every row would fail alike."""
+    return SpecdraftError(
+        f"{where}: the target's tokenizer has no chat template (a base model?), so chat rows cannot be "
+        f"rendered: save one as chat_template.jinja in the target's directory, or give plain-text rows "
+        '({"text": "..."})'
+    )
+
+
 def render(tokenizer, messages, where, add_generation_prompt=False, thinking=None) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise no_template_error(where)
     try:
         return tokenizer.apply_chat_template(
             [_plain(m) for m in messages],
@@ -62,6 +74,13 @@ def render(tokenizer, messages, where, add_generation_prompt=False, thinking=Non
         raise SkippedRow(
             where, "template refused", f"the chat template cannot render this conversation: {first}"
         ) from None
+
+
+def tokenize_text(tokenizer, text: str) -> Tuple[List[int], List[int]]:
+    """A plain-text row: its tokens as the tokenizer encodes a document (its BOS, when it adds one),
+    every token after the first a label."""
+    ids = list(tokenizer(text)["input_ids"])
+    return ids, [0] + [1] * (len(ids) - 1)
 
 
 def tokenize_conversation(

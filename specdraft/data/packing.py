@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from specdraft.rundir.atomic import publish_dir
-from specdraft.data.chat import tokenize_conversation
-from specdraft.data.sources import SkippedRow, iter_records, normalise_conversation
+from specdraft.data.chat import tokenize_conversation, tokenize_text
+from specdraft.data.sources import SkippedRow, iter_records, normalise_conversation, plain_text
 from specdraft.errors import SpecdraftError
 from specdraft.paths import specdraft_home
 
@@ -193,7 +193,11 @@ def _stream_tokens(files, tokenizer, out: Path, max_seq_length: int, thinking=No
 
         for where, record in iter_records(files):
             try:
-                ids, mask = tokenize_conversation(tokenizer, normalise_conversation(record, where), where, thinking)
+                text = plain_text(record, where)
+                if text is not None:
+                    ids, mask = tokenize_text(tokenizer, text)
+                else:
+                    ids, mask = tokenize_conversation(tokenizer, normalise_conversation(record, where), where, thinking)
             except SkippedRow as skip:
                 if strict:
                     raise

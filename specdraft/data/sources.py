@@ -4,6 +4,7 @@ Accepted record shapes (one conversation per line / row):
     {"conversations": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}
     {"messages": [...same...]}
     {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}   (ShareGPT)
+    {"text": "..."}                                   (plain text: every token trained, for base models)
 An assistant turn may carry "token_ids" (the ids the target generated, from `specdraft
 regenerate`); training then uses those ids for its text. "truncated": true marks an answer cut at
 its token budget: it is trained without the end-of-turn the template renders after it. `specdraft regenerate` also reads rows
@@ -87,6 +88,15 @@ def _iter_parquet(path: str) -> Iterator[Tuple[str, object]]:
             where = f"{path}: row {row}"
             row += 1
             yield where, record
+
+
+def plain_text(record, where: str) -> Optional[str]:
+    """A {"text": "..."} row's text (trained whole, no chat template); None for a chat row."""
+    if not isinstance(record, dict) or "text" not in record or "conversations" in record or "messages" in record:
+        return None
+    if not isinstance(record["text"], str) or not record["text"].strip():
+        raise SkippedRow(where, "empty text", "'text' is empty")
+    return record["text"]
 
 
 def normalise_conversation(record, where: str, require_answer: bool = True) -> List[Message]:

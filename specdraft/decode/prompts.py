@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from specdraft.data.chat import no_template_error
 from specdraft.data.sources import iter_jsonl_records, normalise_conversation
 from specdraft.errors import SpecdraftError
 
@@ -23,12 +24,17 @@ def stop_tokens(target: nn.Module, tokenizer=None) -> List[int]:
 
 def encode_messages(tokenizer, messages: List[Dict[str, str]], thinking: Optional[bool] = None) -> List[int]:
     """Chat template with the generation prompt, as a server renders it (`thinking`: the template's
-    enable_thinking, as the training data used; None: its default); plain text without a template."""
+    enable_thinking, as the training data used; None: its default); plain text without a template
+    (a base model's {"prompt": text} rows: read_prompts refuses conversations there)."""
     if getattr(tokenizer, "chat_template", None):
         kwargs = {} if thinking is None else {"enable_thinking": thinking}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+
+
+def _prompt_row(record) -> bool:
+    return isinstance(record, dict) and "prompt" in record and not ({"conversations", "messages"} & set(record))
 
 
 def _prompt_messages(record, where: str) -> List[Dict[str, str]]:
@@ -50,9 +56,12 @@ def read_prompts(
     if not path.is_file():
         raise SpecdraftError(f"{path}: prompts file not found")
     prompts: List[List[int]] = []
+    chat = bool(getattr(tokenizer, "chat_template", None))
     for where, record in iter_jsonl_records(path):
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
+        if not chat and not _prompt_row(record):  # a base model: {"prompt": text} rows, as plain text
+            raise no_template_error(where)
         prompts.append(encode_messages(tokenizer, _prompt_messages(record, where), thinking))
     if not prompts:
         raise SpecdraftError(f"{path}: no prompts")

@@ -5,6 +5,7 @@ only, when a config.json is read."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from specdraft.errors import SpecdraftError
@@ -59,6 +60,26 @@ def check_tokenizer(model_dir, source: str) -> None:
         raise SpecdraftError(
             f"{source}: {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
             f"copy the target model's tokenizer files into it"
+        )
+
+
+def has_chat_template(model_dir) -> bool:
+    """As transformers finds one: chat_template.jinja / chat_template.json, or tokenizer_config.json's key."""
+    if any(os.path.isfile(os.path.join(model_dir, name)) for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config, encoding="utf-8") as f:
+        return bool(json.load(f).get("chat_template"))
+
+
+def check_chat_template(model_dir, source: str) -> None:
+    """regenerate renders every prompt with the template: refused before anything is written."""
+    if not has_chat_template(model_dir):
+        raise SpecdraftError(
+            f"{source}: {model_dir} has no chat template (a base model?): save one as chat_template.jinja "
+            f"in it to regenerate chat answers"
         )
 
 
