@@ -374,7 +374,12 @@ def test_a_sample_too_small_to_train_on_is_shown_and_training_refuses_it_in_one_
         None if r is ROWS[0] else {id(ROWS[3]): "no assistant turn", id(ROWS[4]): "empty answer"}[id(r)] for r in rows
     ]
     # the command exits 2 where training would refuse (`specdraft data ... && specdraft train ...` stops)
-    data_args = [f"target={target}", f"data_files={data}", "max_seq_length=1024", f"data_cache_dir={tmp_path / 'cache'}"]
+    data_args = [
+        f"target={target}",
+        f"data_files={data}",
+        "max_seq_length=1024",
+        f"data_cache_dir={tmp_path / 'cache'}",
+    ]
     (tmp_path / "empty.yaml").write_text("{}\n")
     assert main(["data", str(tmp_path / "empty.yaml"), *data_args]) == 2
     capsys.readouterr()
