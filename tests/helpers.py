@@ -515,3 +515,14 @@ def same(a, b) -> bool:
     import torch
 
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

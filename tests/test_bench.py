@@ -2,21 +2,15 @@
 that entry's keys, measures every drafter greedy and sampled, and writes its results. A small run
 keeps the script from rotting between the long runs whose figures docs/benchmarks/ quotes."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from helpers import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_split_objective_gives_the_config_keys_and_refuses_in_one_line(capsys):

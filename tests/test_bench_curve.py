@@ -3,7 +3,6 @@ each export and prompt lookup is measured on the same prompts, the report names 
 which a family passes prompt lookup, and a rerun of the same --out trains and measures nothing. A run
 stopped between two counts resumes from its committed slot: the same exports, bit for bit."""
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -13,16 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
+from helpers import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")  # bench/summary.py's
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_first_count_above_prompt_lookup_and_counts_in_whole_steps():

@@ -2,20 +2,13 @@
 the structure docs/benchmarks/offline.md quotes, its last line is key=value pairs, and a second run
 of the same --out reuses the finished parts. No time is asserted."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
+from helpers import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")  # bench/summary.py's
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_offline_bench_quick_reports_every_part_and_reuses_them(tiny_target_dir, tiny_data, tmp_path, capsys):

@@ -5,7 +5,6 @@ last line is key=value pairs, and a second run of the same --out reuses every pa
 measuring nothing. Skipped where SPECDRAFT_SPECULATORS_PYTHON is unset (the Makefile sets it for
 `make test`). No figure is asserted."""
 
-import importlib.util
 import json
 import os
 import re
@@ -14,18 +13,12 @@ from pathlib import Path
 import pytest
 
 from speculators_env import PYTHON_ENV_VAR
+from helpers import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_LINE = re.compile(r"^(\w+=\S+)(\s+\w+=\S+)*\s*$")  # bench/summary.py's
 
 pytestmark = pytest.mark.skipif(not os.environ.get(PYTHON_ENV_VAR), reason=f"{PYTHON_ENV_VAR} is not set")
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_versus_quick_measures_both_trainers_at_every_count_and_reuses_every_part(

@@ -3,16 +3,15 @@ its offline layout train in its own trainer on a CPU (bench/speculators_train.py
 reads back as our export, and the "matched" settings resolve to the same recipe on both sides.
 Skipped where SPECDRAFT_SPECULATORS_PYTHON is unset (the Makefile sets it for `make test`)."""
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import load_bench
 from speculators_env import PYTHON_ENV_VAR, require_speculators_python, run_in_speculators
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,14 +19,6 @@ LAYERS = [0, 1, 2]  # the tiny target has 2 layers: EAGLE-3's three distinct ids
 VOCAB = 64  # a draft vocab smaller than the target's 512: the d2t / t2d files are read
 
 pytestmark = pytest.mark.skipif(not os.environ.get(PYTHON_ENV_VAR), reason=f"{PYTHON_ENV_VAR} is not set")
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
