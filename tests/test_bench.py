@@ -282,7 +282,9 @@ def test_acceptance_bench_measures_a_confidence_drafter_at_each_stop(tiny_target
     rows = {(row["label"], row["gamma"]): row for row in results["rows"]}
     assert {label for label, _ in rows} == {"DSpark", "DSpark (stop c=0)", "DSpark (stop c=1)", "prompt lookup"}
     assert all(row["matches_target"] for row in rows.values())  # lossless at every stop
-    for gamma in (3, 7):  # the chain, and the whole block
+    # the chain, and the whole block: demo-dspark's 8 slots, every one predicting (sample_from_anchor)
+    assert sorted(g for label, g in rows if label == "DSpark") == [3, 8]
+    for gamma in (3, 8):
         never, always = rows["DSpark (stop c=0)", gamma], rows["DSpark (stop c=1)", gamma]
         assert never["proposed_per_round"] == gamma and never["tau"] == rows["DSpark", gamma]["tau"]
         assert always["proposed_per_round"] == 0 and always["tau"] == 1.0

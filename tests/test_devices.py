@@ -456,11 +456,11 @@ def step_operators(family, target, B: int, conversations: int, T: int, sequence_
     # CPU kernel calls inside, which depend on sizes), of a second run (the first one compiles)
     from torch.profiler import ProfilerActivity, profile
 
-    def counted(event):  # an outermost aten operator, or a flex_attention call
+    def counted(event):  # an outermost aten operator but a view (as OpCounter), or a flex_attention call
         parent = event.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
-        return event.name.startswith("aten::") and parent is None or event.name == FLEX
+        return event.name.startswith("aten::") and parent is None and not is_view(event.name) or event.name == FLEX
 
     for _ in range(2):
         with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():  # no flex backward on the CPU
@@ -469,6 +469,12 @@ def step_operators(family, target, B: int, conversations: int, T: int, sequence_
 
 
 FLEX = "FlexAttentionAutogradOp"  # the profiler's name of a flex_attention call
+
+
+def is_view(name: str) -> bool:
+    """An aten operator every overload of which is a view (launches nothing): view, slice, expand ..."""
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    return packet is not None and all(getattr(packet, o).is_view for o in packet.overloads())
 
 
 def without_layout_copies(ops: collections.Counter) -> collections.Counter:

@@ -49,9 +49,11 @@ def test_eagle3_trains_logs_ttt_steps_saves_maps_and_resumes_without_recounting(
     export = tmp_path / "run" / "step_20"
     draft, _ = load_exported_draft(export)
     from specdraft.data.packing import open_packed_cache
+    from specdraft.data.whole_packing import WholePackedData
 
     cache = next(p for p in (tmp_path / "cache").iterdir() if (p / "meta.json").is_file())
-    counts = vocab_module.count_target_tokens(open_packed_cache(cache), draft.dims.vocab_size)
+    windows = WholePackedData(cache, open_packed_cache(cache).meta)  # what the run trained on (packing whole)
+    counts = vocab_module.count_target_tokens(windows, draft.dims.vocab_size)
     d2t, t2d = vocab_module.vocab_maps(counts, 200)
     assert torch.equal(draft.d2t, d2t) and torch.equal(draft.t2d, t2d)
     assert sorted(p.name for p in export.iterdir() if p.is_dir()) == ["sglang", "speculators"]

@@ -107,7 +107,13 @@ def data_top_outside(cfg, t2d) -> int:
     from transformers import AutoTokenizer
 
     data = prepare_data(cfg, AutoTokenizer.from_pretrained(cfg.target), 0, lambda *_: None)
-    tokens = np.asarray(data.tokens)[np.asarray(data.loss_mask).astype(bool)]
+    # every window's loss-masked tokens, as the draft vocabulary counts them (whole or stream packing)
+    tokens = np.concatenate(
+        [
+            np.asarray(data.tokens[i : i + 1])[np.asarray(data.loss_mask[i : i + 1]).astype(bool)]
+            for i in range(len(data))
+        ]
+    )
     counts = np.bincount(tokens, minlength=t2d.numel())
     top = [
         i for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i))[:200] if counts[i] > 0
