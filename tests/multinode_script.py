@@ -147,7 +147,7 @@ def spy_writes(writes: list) -> None:
         note(filename)
         return real_save_file(tensors, filename, *args, **kwargs)
 
-    safetensors.torch.save_file = save_file  # read at call time (checkpoint/frozen_state.py's import)
+    safetensors.torch.save_file = save_file  # read at call time (checkpoint/untrained_state.py's import)
 
 
 def start_child(run: dict, job: str, port: int, output_dir: Path, pause: float = 0.0) -> int:

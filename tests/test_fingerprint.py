@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.checkpoint.frozen_state import FINGERPRINT_KEY, check_fingerprint, draft_fingerprint
+from specdraft.checkpoint.untrained_state import FINGERPRINT_KEY, check_fingerprint, draft_fingerprint
 
 
 def test_the_fingerprint_is_the_bytes_one_changed_bit_differs_and_threads_do_not_matter(tmp_path):

@@ -31,7 +31,7 @@ from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.layout import COMMITTED
 from specdraft.train import loop
-from specdraft.checkpoint.frozen_state import check_fingerprint, draft_fingerprint
+from specdraft.checkpoint.untrained_state import check_fingerprint, draft_fingerprint
 from specdraft.train.interrupt import TrainingInterrupted
 from specdraft.checkpoint.slots import committed_slots, file_entry, verify_slot
 

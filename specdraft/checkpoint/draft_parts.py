@@ -16,14 +16,14 @@ from specdraft.rundir.layout import FROZEN_FILE, draft_part
 from specdraft.checkpoint import slots
 from specdraft.parallel.collectives import run_shared
 from specdraft.parallel.zero import gather_draft_state_dict
-from specdraft.checkpoint.frozen_state import (
+from specdraft.checkpoint.untrained_state import (
     FINGERPRINT_KEY,
     check_fingerprint,
     draft_fingerprint,
-    frozen_state,
-    read_frozen_state,
-    restore_frozen_state,
-    write_frozen_state,
+    untrained_state,
+    read_untrained_state,
+    restore_untrained_state,
+    write_untrained_state,
 )
 
 
@@ -53,9 +53,9 @@ def save_draft(
 
 
 def commit_draft(part: DraftPart, slot_dir: Path) -> dict:
-    """Rank 0, before the commit: the draft's frozen state file, and what COMMITTED says of it."""
+    """Rank 0, before the commit: the draft's untrained state file, and what COMMITTED says of it."""
     draft = part.engine.module.draft_model
-    write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))
+    write_untrained_state(draft_part(slot_dir, part.name), untrained_state(draft, part.weights))
     return draft_record(draft, part.weights)
 
 
@@ -82,7 +82,7 @@ def files_rank_loads(record: dict, rank: int) -> List[str]:
 
 def load_draft(part: DraftPart, slot_dir: Path, load_dir: Path, record: dict, universal: bool) -> dict:
     """Load the draft's engine from load_dir (its folder of the slot, or of the slot's universal
-    copy), its frozen state from the slot; prove it came back. Returns DeepSpeed's client state."""
+    copy), its untrained state from the slot; prove it came back. Returns DeepSpeed's client state."""
     engine = part.engine
     source = draft_part(slot_dir, part.name)
     # ZeRO-3's universal load gives every param group the hyperparameters of group 0 (weight
@@ -106,7 +106,7 @@ def load_draft(part: DraftPart, slot_dir: Path, load_dir: Path, record: dict, un
                 param_state["step"] = param_state["step"].clone()
     # DeepSpeed restores trained parameters only (frozen ones are not in the slot, a universal
     # copy has no buffers): the rest comes back, exactly, from our side file.
-    restore_frozen_state(engine.module.draft_model, read_frozen_state(source), str(source))
+    restore_untrained_state(engine.module.draft_model, read_untrained_state(source), str(source))
     # The load was non-strict: prove the draft came back, buffers and frozen parameters included.
     loaded = gather_draft_state_dict(engine)
     own = record if part.name is None else record["drafts"][part.name]

@@ -2,7 +2,7 @@
 commits, which slot a resume takes and what it checks first, and how the run adapts to it. The files
 are elsewhere: the layout in specdraft/rundir/layout.py, the manifest, removal and rollback in slots.py, each
 draft's part of a slot in draft_parts.py (several drafts: one folder each, one commit for all), the
-draft state DeepSpeed does not save in frozen_state.py, other world sizes in universal.py.
+draft state DeepSpeed does not save in untrained_state.py, other world sizes in universal.py.
 The checkpoint directory must be on a filesystem every node sees at the same path: rank 0 commits
 what every rank wrote, and every rank reads back what it needs.
 """
@@ -267,13 +267,9 @@ class CheckpointManager:
             )
         return self._universal_needed(record)
 
-    def resume(self, engine, plan: ResumePlan, log: Callable[[str], None]) -> dict:
-        """Load the planned slot into the engine (built with load_universal=plan.universal);
-        returns our client state (step, sampler, ...)."""
-        return self.resume_drafts([DraftPart(None, engine)], plan, log)
-
     def resume_drafts(self, parts: List[DraftPart], plan: ResumePlan, log: Callable[[str], None]) -> dict:
-        """resume() of every draft of the run from its folder of the one slot."""
+        """Load the planned slot into every draft's engine (each built with load_universal=
+        plan.universal; one draft: one part named None); returns our client state (step, sampler, ...)."""
         import torch.distributed as dist
 
         slot_dir, record = plan.slot, plan.record

@@ -223,7 +223,7 @@ def commit_slot(slot_dir: Path, manifests: List[Dict[str, dict]], record: dict, 
         for name in written:
             if not (slot_dir / name).is_file():
                 raise not_shared_error(ckpt_dir, 0, f"{name}, which rank {rank} wrote")
-    for path in slot_files(slot_dir):  # zero_to_fp32.py, the frozen state
+    for path in slot_files(slot_dir):  # zero_to_fp32.py, the untrained state
         name = str(path.relative_to(slot_dir))
         if name not in files:
             fsync_file(path)

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 import torch
 from omegaconf import OmegaConf
 
-from specdraft.checkpoint.frozen_state import read_frozen_state
+from specdraft.checkpoint.untrained_state import read_untrained_state
 from specdraft.checkpoint.slots import choose_draft, record_names, run_slot
 from specdraft.config import draft_view
 from specdraft.drafts.registry import draft_from_export_config
@@ -24,10 +24,10 @@ from specdraft.target.checks import has_tokenizer
 
 def consolidated_draft_state_dict(slot_dir: Path, record: dict) -> Dict[str, torch.Tensor]:
     """The draft's full state dict from a verified slot: its trained parameters in fp32 via
-    DeepSpeed's zero_to_fp32, and its frozen state (buffers, frozen parameters) exactly as saved."""
+    DeepSpeed's zero_to_fp32, and its untrained state (buffers, frozen parameters) exactly as saved."""
     return {
         **_trained_fp32(slot_dir, record),
-        **read_frozen_state(slot_dir),
+        **read_untrained_state(slot_dir),
     }  # zero_to_fp32's float copies of buffers give way
 
 

@@ -36,7 +36,7 @@ kind; a run made before markers existed is one whose ckpt/ holds a committed slo
 a user points us at is theirs (specdraft/rundir/ownership.py refuses to write over it).
 
 A run of several drafts (`drafts:` in its config) keeps one level more, a folder per draft name,
-under one commit: ckpt/step_<N>/<name>/ (each draft's DeepSpeed state and frozen state; the one
+under one commit: ckpt/step_<N>/<name>/ (each draft's DeepSpeed state and untrained state; the one
 COMMITTED at ckpt/step_<N>/ covers them all), ckpt/step_<N>.universal/<name>/, step_<N>/<name>/,
 export_step_<N>/<name>/, consolidated/step_<N>/<name>/.
 

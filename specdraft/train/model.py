@@ -127,10 +127,6 @@ class TargetWithDraft(nn.Module):
         self.model.eval()
         return self
 
-    def draft_state_dict(self) -> dict:
-        """The draft's weights with the `draft_model.` prefix stripped (LongSpec's extract_and_rename)."""
-        return {k: v.detach().clone() for k, v in self.draft_model.state_dict().items()}
-
 
 class DraftWithLoss(nn.Module):
     """The module of one draft's engine in a run of several drafts: the draft and its loss. The

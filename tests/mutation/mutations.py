@@ -1075,7 +1075,7 @@ CONVENTIONS: List[Mutation] = [
 
 # The checkpoint's frozen draft state (buffers, frozen parameters; issue 19, defects 10 and 11)
 CHECKPOINT_PY = "specdraft/checkpoint/manager.py"
-FROZEN_STATE_PY = "specdraft/checkpoint/frozen_state.py"
+UNTRAINED_STATE_PY = "specdraft/checkpoint/untrained_state.py"
 UNIVERSAL_PY = "specdraft/checkpoint/universal.py"
 FROZEN_TRAVELS = (
     "tests/test_dflash_train.py::test_a_frozen_mask_row_travels_through_resume_elastic_resume_and_offline_export",
@@ -1084,7 +1084,7 @@ OFFLINE_EAGLE3 = ("tests/test_offline_commands.py", "-k", "eagle3")
 CHECKPOINT = [
     Mutation(
         "checkpoint/frozen-state-not-restored",
-        FROZEN_STATE_PY,
+        UNTRAINED_STATE_PY,
         "tensor.copy_(state[name].to(tensor.device))",
         "pass",
         FROZEN_TRAVELS,
@@ -1093,15 +1093,15 @@ CHECKPOINT = [
     Mutation(
         "checkpoint/frozen-state-not-saved",
         "specdraft/checkpoint/draft_parts.py",
-        "write_frozen_state(draft_part(slot_dir, part.name), frozen_state(draft, part.weights))",
-        "write_frozen_state(draft_part(slot_dir, part.name), {})",
+        "write_untrained_state(draft_part(slot_dir, part.name), untrained_state(draft, part.weights))",
+        "write_untrained_state(draft_part(slot_dir, part.name), {})",
         FROZEN_TRAVELS,
         "the slot lacks the frozen state",
     ),
     Mutation(
         "checkpoint/export-without-frozen-state",
         "specdraft/commands/export.py",
-        '        **_trained_fp32(slot_dir, record),\n        **read_frozen_state(slot_dir),\n    }',
+        '        **_trained_fp32(slot_dir, record),\n        **read_untrained_state(slot_dir),\n    }',
         '        **_trained_fp32(slot_dir, record),\n    }',
         FROZEN_TRAVELS,
         "`specdraft export` of a DFlash run: Missing key mask_delta",

@@ -59,20 +59,20 @@ def _legacy_differences(weights: Dict[str, torch.Tensor], saved: Dict[str, list]
     return differ
 
 
-def frozen_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def untrained_state(draft, weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The entries of a draft's full state dict (`weights`) that are not trained parameters."""
     trained = {name for name, param in draft.named_parameters() if param.requires_grad}
     return {name: t for name, t in weights.items() if name not in trained}
 
 
-def write_frozen_state(slot_dir: Path, state: Dict[str, torch.Tensor]) -> None:
+def write_untrained_state(slot_dir: Path, state: Dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(slot_dir / FROZEN_FILE))
 
 
-def read_frozen_state(slot_dir: Path) -> Dict[str, torch.Tensor]:
-    """The slot's frozen state (checked against the manifest by the caller)."""
+def read_untrained_state(slot_dir: Path) -> Dict[str, torch.Tensor]:
+    """The slot's untrained state (checked against the manifest by the caller)."""
     from safetensors.torch import load_file
 
     path = slot_dir / FROZEN_FILE
@@ -83,12 +83,12 @@ def read_frozen_state(slot_dir: Path) -> Dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def restore_frozen_state(draft, state: Dict[str, torch.Tensor], source: str) -> None:
-    """Collective under ZeRO-3: put a slot's frozen state back into the draft. The family checks
+def restore_untrained_state(draft, state: Dict[str, torch.Tensor], source: str) -> None:
+    """Collective under ZeRO-3: put a slot's untrained state back into the draft. The family checks
     its own extra state first (e.g. EAGLE-3's maps against those this run built)."""
     import deepspeed
 
-    expected = frozen_state(draft, dict(draft.state_dict(keep_vars=True)))
+    expected = untrained_state(draft, dict(draft.state_dict(keep_vars=True)))
     if set(state) != set(expected):
         raise SpecdraftError(
             f"{source}: its frozen draft state holds {sorted(state)}, this run's draft has {sorted(expected)}"
