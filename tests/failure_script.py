@@ -13,12 +13,13 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from specdraft.config import load_config  # noqa: E402
 from specdraft.rundir.layout import COMMITTED  # noqa: E402
 from specdraft.checkpoint import slots  # noqa: E402
+from specdraft.rundir import shared_fs  # noqa: E402
 from specdraft.export import files as export  # noqa: E402
 from specdraft.train import loop, metrics  # noqa: E402
 
 target, data_dir, work, out_json = sys.argv[1:5]
 rank = int(os.environ["RANK"])
-slots.VISIBLE_WAIT_S = 1.0
+shared_fs.VISIBLE_WAIT_S = 1.0
 
 
 def config(name, *extra):

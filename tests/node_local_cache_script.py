@@ -10,11 +10,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 import torch.distributed as dist  # noqa: E402
 
 from specdraft.cli import main  # noqa: E402
-from specdraft.checkpoint import slots  # noqa: E402
+from specdraft.rundir import shared_fs  # noqa: E402
 from specdraft.train import data  # noqa: E402
 
 target, data_dir, work = sys.argv[1:4]
-slots.VISIBLE_WAIT_S = 1.0  # how long a rank looks for a file another rank wrote
+shared_fs.VISIBLE_WAIT_S = 1.0  # how long a rank looks for a file another rank wrote
 real = data.packed_cache_dir
 
 

@@ -23,6 +23,7 @@ from specdraft.rundir.atomic import write_atomic
 from specdraft.config import config_hash, config_identity, data_world, draft_view
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.rundir.layout import COMMITTED, LATEST, ckpt_dir, draft_part, slot_name, universal_dir
+from specdraft.rundir.shared_fs import not_shared_error, wait_visible
 from specdraft.target.weights import target_identity
 from specdraft.checkpoint import slots
 from specdraft.parallel.collectives import raise_everywhere, run_shared
@@ -78,8 +79,8 @@ class CheckpointManager:
             write_atomic(probe, token[0])
 
         def look():
-            if not slots.wait_visible(probe) or probe.read_text() != token[0]:
-                raise slots.not_shared_error(self.ckpt_dir, self.rank, f"the file {SHARED_PROBE} rank 0 wrote there")
+            if not wait_visible(probe) or probe.read_text() != token[0]:
+                raise not_shared_error(self.ckpt_dir, self.rank, f"the file {SHARED_PROBE} rank 0 wrote there")
 
         run_shared(write)
         run_shared(look, on_rank=None)
@@ -181,10 +182,8 @@ class CheckpointManager:
         )
 
     def _expect_visible(self, marker: Path) -> None:
-        if not slots.wait_visible(marker):
-            raise slots.not_shared_error(
-                self.ckpt_dir, self.rank, f"{marker.relative_to(self.ckpt_dir)} rank 0 committed"
-            )
+        if not wait_visible(marker):
+            raise not_shared_error(self.ckpt_dir, self.rank, f"{marker.relative_to(self.ckpt_dir)} rank 0 committed")
 
     def _sleep(self) -> None:
         if self.pause:
@@ -215,10 +214,8 @@ class CheckpointManager:
         for slot in chosen:
 
             def visible():
-                if not slots.wait_visible(slot / COMMITTED):
-                    raise slots.not_shared_error(
-                        self.ckpt_dir, self.rank, f"{slot.name}/{COMMITTED}, which rank 0 sees"
-                    )
+                if not wait_visible(slot / COMMITTED):
+                    raise not_shared_error(self.ckpt_dir, self.rank, f"{slot.name}/{COMMITTED}, which rank 0 sees")
 
             def verify():  # every rank checks the files it will read, before anything unpickles them
                 record = slots.read_commit(slot)

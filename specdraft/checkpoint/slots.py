@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from specdraft.rundir.atomic import fsync_dir, fsync_file, write_atomic
+from specdraft.rundir.shared_fs import not_shared_error
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.layout import (
     ABANDONED_SUFFIX,
@@ -37,7 +38,6 @@ from specdraft.rundir.layout import (
 from specdraft.checkpoint import safe_load
 
 PICKLE_SUFFIX = ".pt"  # DeepSpeed's files; the rest of a slot is JSON, safetensors and zero_to_fp32.py
-VISIBLE_WAIT_S = 10.0  # how long a rank waits for another rank's file (NFS attribute caches)
 
 
 # -- which slots exist ----------------------------------------------------------------------------
@@ -302,22 +302,3 @@ def set_aside_later(slot: Path, run_dir: Path, log: Callable[[str], None]) -> Li
             f"resume=auto: {', '.join(p.name for p in moved)}"
         )
     return moved
-
-
-# -- a filesystem every rank shares ---------------------------------------------------------------
-
-
-def wait_visible(path: Path) -> bool:
-    deadline = time.monotonic() + VISIBLE_WAIT_S
-    while not path.is_file():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def not_shared_error(ckpt_dir: Path, rank: int, what: str) -> SpecdraftError:
-    return SpecdraftError(
-        f"{ckpt_dir}: rank {rank} cannot see {what}: the checkpoint directory (output_dir) "
-        f"must be on a filesystem every node shares, at the same path"
-    )

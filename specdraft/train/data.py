@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from specdraft.config import resolve_data_files
 from specdraft.data.packing import PackedData, build_packed_cache, open_packed_cache, packed_cache_dir
 from specdraft.data.whole_packing import WholePackedData
-from specdraft.checkpoint.slots import wait_visible
+from specdraft.rundir.shared_fs import wait_visible
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.collectives import any_rank, run_shared
 
