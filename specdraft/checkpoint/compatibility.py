@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from specdraft.checkpoint import slots
+from specdraft.checkpoint.draft_names import record_names
 from specdraft.config import config_hash, data_world, draft_names, draft_view, identity_change
 from specdraft.errors import SpecdraftError
 
@@ -16,10 +16,10 @@ def check_compatible(slot_dir: Path, record: dict, cfg: DictConfig, target_ident
     """A slot this run may resume: the same drafts (names, family, identity), target, precision and
     seed; else one line saying what differs and how to resume or start anew."""
     names = draft_names(cfg)
-    if slots.record_names(record) != names:
+    if record_names(record) != names:
         saved, ours = (
             ("one draft (draft:)" if found == [None] else f"the drafts {', '.join(found)}")
-            for found in (slots.record_names(record), names)
+            for found in (record_names(record), names)
         )
         raise SpecdraftError(
             f"{slot_dir}: saved a run of {saved}; this run trains {ours} (to start anew: a new output_dir)"

@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from specdraft.checkpoint.draft_names import record_names
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.layout import FROZEN_FILE, draft_part
 from specdraft.checkpoint import slots
@@ -66,14 +67,14 @@ def draft_record(draft, weights: dict) -> dict:
 
 def frozen_files(record: dict) -> List[str]:
     """The frozen-state file of every draft of a slot."""
-    return [FROZEN_FILE if name is None else f"{name}/{FROZEN_FILE}" for name in slots.record_names(record)]
+    return [FROZEN_FILE if name is None else f"{name}/{FROZEN_FILE}" for name in record_names(record)]
 
 
 def files_rank_loads(record: dict, rank: int) -> List[str]:
     """The slot files a rank reads to load every draft at the saved world size and stage
     (slots.files_rank_loads of each draft's folder) and their frozen-state files."""
     names = []
-    for name in slots.record_names(record):
+    for name in record_names(record):
         prefix = "" if name is None else f"{name}/"
         own = {key[len(prefix) :]: entry for key, entry in record.get("files", {}).items() if key.startswith(prefix)}
         names += [prefix + n for n in slots.files_rank_loads({"files": own}, rank, record["zero_stage"])]

@@ -26,7 +26,7 @@ from specdraft.rundir.layout import CONFIG_NAME, draft_part, exports, step_of
 from specdraft.target.model import load_frozen_target, load_target_tokenizer
 from specdraft.target.checks import has_tokenizer
 from specdraft.export.files import load_exported_draft, read_export_config
-from specdraft.checkpoint.slots import choose_draft
+from specdraft.checkpoint.draft_names import choose_draft
 
 
 # -- locating the export, the target and the tokenizer ---------------------------------------

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from specdraft.checkpoint.untrained_state import read_untrained_state
-from specdraft.checkpoint.slots import choose_draft, record_names, run_slot
+from specdraft.checkpoint.draft_names import choose_draft, record_names
+from specdraft.checkpoint.slots import run_slot
 from specdraft.config import draft_view
 from specdraft.drafts.registry import draft_from_export_config
 from specdraft.errors import SpecdraftError
