@@ -157,17 +157,27 @@ def speculators_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[s
     return dict(state_dict)
 
 
-def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+def write_speculators(
+    draft,
+    state_dict: Dict[str, torch.Tensor],
+    out_dir: Path,
+    target_dir: str,
+    config=speculators_config,
+    state=speculators_state_dict,
+    embeddings=lambda draft, state_dict, embed_tokens: embed_tokens,
+) -> None:
+    """The speculators export: `state` of the draft's tensors, the target's embed_tokens as
+    `embeddings` gives them, `config`'s config.json. P-EAGLE passes its own three (peagle/export.py)."""
     refuse_unservable(draft, "speculators")
-    tensors = speculators_state_dict(draft, state_dict)
+    tensors = state(draft, state_dict)
     heads = load_target_head_weights(
         target_dir,
         dtype=state_dict["fc.weight"].dtype,
         expected_vocab=draft.dims.vocab_size,
         expected_hidden=draft.dims.hidden_size,
     )
-    tensors["embed_tokens.weight"] = heads.embed_tokens
-    save_export(Path(out_dir), speculators_config(draft, target_dir), tensors)
+    tensors["embed_tokens.weight"] = embeddings(draft, state_dict, heads.embed_tokens)
+    save_export(Path(out_dir), config(draft, target_dir), tensors)
 
 
 def sglang_layer_ids(layers: List[int]) -> List[int]:

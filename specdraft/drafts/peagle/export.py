@@ -23,16 +23,14 @@ from typing import Dict
 import torch
 
 from specdraft.drafts.base import FileFormat, config_fields
+from specdraft.drafts.eagle3 import export as eagle3_export
 from specdraft.drafts.eagle3.export import (
     SPECULATORS_SETTINGS,
-    refuse_unservable,
-    save_export,
     speculators_config,
     speculators_implied,
     speculators_state_dict,
 )
 from specdraft.errors import SpecdraftError
-from specdraft.target.weights import load_target_head_weights
 
 # speculators' config field -> the draft key it records (an import checks them); its P-EAGLE
 # forward reads lm_head(norm(out)) whatever norm_output says (one layer pass), so that one is moot
@@ -60,19 +58,17 @@ def peagle_state_dict(draft, state_dict: Dict[str, torch.Tensor]) -> Dict[str, t
     return {k: v for k, v in speculators_state_dict(draft, state_dict).items() if k not in OURS_ONLY}
 
 
-def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
-    refuse_unservable(draft, "speculators")
-    tensors = peagle_state_dict(draft, state_dict)
-    heads = load_target_head_weights(
-        target_dir,
-        dtype=state_dict["fc.weight"].dtype,
-        expected_vocab=draft.dims.vocab_size,
-        expected_hidden=draft.dims.hidden_size,
-    )
-    embed = heads.embed_tokens.clone()
+def with_mask_row(draft, state_dict: Dict[str, torch.Tensor], embed_tokens: torch.Tensor) -> torch.Tensor:
+    """The target's embed_tokens with the mask token's row replaced by the trained mask_embedding."""
+    embed = embed_tokens.clone()
     embed[draft.dims.mask_token_id] = state_dict["mask_embedding"].to(embed.dtype)
-    tensors["embed_tokens.weight"] = embed
-    save_export(Path(out_dir), peagle_config(draft, target_dir), tensors)
+    return embed
+
+
+def write_speculators(draft, state_dict: Dict[str, torch.Tensor], out_dir: Path, target_dir: str) -> None:
+    eagle3_export.write_speculators(
+        draft, state_dict, out_dir, target_dir, config=peagle_config, state=peagle_state_dict, embeddings=with_mask_row
+    )
 
 
 def mask_row(draft, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
