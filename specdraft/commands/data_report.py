@@ -53,12 +53,12 @@ def data_report(
         for row in iter_rows(cache_dir):
             out.write(json.dumps(row_json(tokenizer, row)) + "\n")
         return refusal
-    whole = None
-    if (cfg.packing == "whole" or cfg.feature_cache is not None) and meta["conversations"]:
+    whole, whole_windows = None, cfg.packing == "whole" or cfg.feature_cache is not None  # a cache is whole
+    if whole_windows and meta["conversations"]:
         from specdraft.data.whole_packing import WholePackedData
 
         whole = WholePackedData(cache_dir, meta)
-    for line in summary(meta, cache_dir, packing_line(cfg, meta, whole)):
+    for line in summary(meta, cache_dir, packing_line(meta, whole, whole_windows), refusal):
         out.write(line + "\n")
     if cfg.feature_cache is not None:
         for line in feature_cache_lines(cfg.feature_cache, whole):
@@ -94,16 +94,16 @@ def feature_cache_lines(cache_dir, whole) -> List[str]:
     return lines
 
 
-def packing_line(cfg, meta: dict, whole) -> str:
+def packing_line(meta: dict, whole, whole_windows: bool) -> str:
     """The windows training reads, and the tokens the packing loses to truncation and padding."""
     if whole is not None:
         return whole.describe()
-    if cfg.packing == "whole" or cfg.feature_cache is not None:
+    if whole_windows:
         return "packing whole: no windows (no conversation to train on)"
     return f"packing stream: {meta['sequences']} windows of {meta['max_seq_length']} tokens"
 
 
-def summary(meta: dict, cache_dir: Path, packing: str) -> List[str]:
+def summary(meta: dict, cache_dir: Path, packing: str, refusal: str) -> List[str]:
     skipped = meta["skipped"]
     rows = meta["conversations"] + sum(e["count"] for e in skipped.values())
     trained = meta["assistant_tokens"]
@@ -120,8 +120,8 @@ def summary(meta: dict, cache_dir: Path, packing: str) -> List[str]:
         packing,
         f"truncated rows: {meta['truncated']} (longer than max_seq_length={meta['max_seq_length']})",
     ]
-    if why := training_refusal(meta):
-        lines.append(f"training would refuse this data: {why}")
+    if refusal:
+        lines.append(f"training would refuse this data: {refusal}")
     if skipped:
         lines.append(skipped_summary(meta))
     return lines

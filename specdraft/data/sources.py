@@ -99,11 +99,18 @@ def plain_text(record, where: str) -> Optional[str]:
     return record["text"]
 
 
+def is_prompt_row(record) -> bool:
+    """A {"prompt": "..."} row: a prompt alone, no conversation."""
+    return (
+        isinstance(record, dict) and "prompt" in record and "conversations" not in record and "messages" not in record
+    )
+
+
 def normalise_conversation(record, where: str, require_answer: bool = True) -> List[Message]:
     """The record's turns as messages; require_answer False also takes prompt-only rows."""
     if not isinstance(record, dict):
         raise SpecdraftError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if not require_answer and "prompt" in record and "conversations" not in record and "messages" not in record:
+    if not require_answer and is_prompt_row(record):
         if not isinstance(record["prompt"], str) or not record["prompt"]:
             raise SpecdraftError(f"{where}: 'prompt' must be a non-empty string")
         return [{"role": "user", "content": record["prompt"]}]

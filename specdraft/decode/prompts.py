@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from specdraft.data.chat import no_template_error
-from specdraft.data.sources import iter_jsonl_records, normalise_conversation
+from specdraft.data.sources import is_prompt_row, iter_jsonl_records, normalise_conversation
 from specdraft.errors import SpecdraftError
 
 
@@ -31,10 +31,6 @@ def encode_messages(tokenizer, messages: List[Dict[str, str]], thinking: Optiona
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
-
-
-def _prompt_row(record) -> bool:
-    return isinstance(record, dict) and "prompt" in record and not ({"conversations", "messages"} & set(record))
 
 
 def _prompt_messages(record, where: str) -> List[Dict[str, str]]:
@@ -60,7 +56,7 @@ def read_prompts(
     for where, record in iter_jsonl_records(path):
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
-        if not chat and not _prompt_row(record):  # a base model: {"prompt": text} rows, as plain text
+        if not chat and not is_prompt_row(record):  # a base model: {"prompt": text} rows, as plain text
             raise no_template_error(where)
         prompts.append(encode_messages(tokenizer, _prompt_messages(record, where), thinking))
     if not prompts:
