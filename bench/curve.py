@@ -23,7 +23,6 @@ Writes curve.md and curve.json to --out/<preset> and ends with one line of key=v
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -43,31 +42,19 @@ from acceptance import (  # noqa: E402
     several_drafts_config,
     tokens_per_step,
 )
+from bench_cli import assets_parser, parse_measuring, run_or_exit  # noqa: E402
 from offline_parts import Assets, Judge, Parts, tau_ratio  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
-from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 
 QUICK = dict(preset="tiny", families="glide,dflash", tokens="2k,4k", max_prompts=2, max_new_tokens=8, gamma=3)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="smollm2", choices=sorted(PRESETS), help="demo assets to use")
-    parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
-    parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
-    parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser = assets_parser(__doc__)
     parser.add_argument("--families", help="families to train (default: the preset's, smollm2: every family but MTP)")
     parser.add_argument("--tokens", default="64k,128k,256k,512k,1M", help="token counts of the exports")
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--max-prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a few steps on the tiny preset (tests)")
-    parser.add_argument("--out", default="runs/bench-curve", help="the run, its exports and finished parts")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = parse_measuring(parser, argv, "runs/bench-curve", QUICK)
     args.families = args.families or PRESET_FAMILIES.get(args.preset, "glide,eagle3,dflash")
     return args
 
@@ -113,11 +100,7 @@ def passes_lookup(taus: dict, lookup: dict, counts):
 
 
 def main(argv=None) -> dict:
-    try:
-        return run_bench(parse_args(argv))
-    except SpecdraftError as err:
-        print(f"bench/curve.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    return run_or_exit("bench/curve.py", run_bench, parse_args(argv))
 
 
 def run_bench(args) -> dict:

@@ -23,7 +23,6 @@ and writes packing.json to --out/<preset>.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -34,31 +33,19 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
+from bench_cli import assets_parser, parse_measuring  # noqa: E402
 from offline_parts import Assets, Judge, Parts, preset_batch, quiet, tau_ratio, train_export  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
-from specdraft.demo.presets import PRESETS  # noqa: E402
 
 PACKINGS = ("whole", "stream")
 QUICK = dict(preset="tiny", epochs=1, max_prompts=2, max_new_tokens=8, gamma=3)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="smollm2", choices=sorted(PRESETS), help="demo assets to use")
-    parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
-    parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
-    parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser = assets_parser(__doc__)
     parser.add_argument("--family", default="glide", help="the family trained both ways")
     parser.add_argument("--epochs", type=int, default=2, help="passes of the whole run over its windows")
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--max-prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a few steps on the tiny preset (tests)")
-    parser.add_argument("--out", default="runs/bench-packing", help="runs and finished parts")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = parse_measuring(parser, argv, "runs/bench-packing", QUICK)
     args.batch = preset_batch(args.preset, default=2)
     args.shared = []  # offline_parts.Assets reads it: no keys over the preset's
     return args

@@ -39,7 +39,6 @@ speculators run is trained again (it cannot resume on a CPU).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -51,10 +50,10 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
+from bench_cli import assets_parser, parse_measuring, run_or_exit  # noqa: E402
 from acceptance import LABELS, check_bench_out, mark_bench_out, parse_count, slug  # noqa: E402
 from offline_parts import Assets, Parts, tau_ratio  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
-from specdraft.demo.presets import PRESETS  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from versus_runs import (  # noqa: E402
     Measure,
@@ -78,34 +77,17 @@ QUICK = dict(preset="tiny", tokens="512,1024,1536", max_prompts=2, max_new_token
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="smollm2", choices=sorted(PRESETS), help="demo assets to use")
-    parser.add_argument("--target", help="target model dir (default: the preset's demo target)")
-    parser.add_argument("--prompts", help="jsonl prompts (default: the preset's held-out prompts)")
-    parser.add_argument("--data", help="training data glob (default: the preset's demo data)")
+    parser = assets_parser(__doc__)
     parser.add_argument("--families", default=",".join(FAMILIES), help="families to compare")
     parser.add_argument("--modes", default=",".join(SPECULATORS), help="defaults, matched, or both")
     parser.add_argument("--tokens", default="16k,64k,256k", help="token counts of the exports (the largest trained)")
-    parser.add_argument("--gamma", type=int, default=5, help="chain length of every drafter")
     parser.add_argument("--tree", default="3,6,6,6,6", help="tree widths per depth ('' for none)")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled chain's temperature (0: none)")
-    parser.add_argument("--max-prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a few steps of everything on the tiny preset (tests)")
-    parser.add_argument("--out", default="runs/bench-versus", help="runs, exports and finished parts")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
-    return args
+    return parse_measuring(parser, argv, "runs/bench-versus", QUICK)
 
 
 def main(argv=None) -> dict:
-    try:
-        return run_bench(parse_args(argv))
-    except SpecdraftError as err:
-        print(f"bench/versus.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    return run_or_exit("bench/versus.py", run_bench, parse_args(argv))
 
 
 def run_bench(args) -> dict:
