@@ -53,6 +53,7 @@ from step_efficiency import (
     run_config,
     timed,
 )
+from specdraft.drafts.base import LossBatch
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.drafts.registry import build_draft  # noqa: E402
 from specdraft.drafts.documents import document_attention  # noqa: E402
@@ -95,13 +96,15 @@ class SeveralBench:
     def draft_step(self, family, features, batch, options) -> None:
         draft = self.plain[family]
         out = draft.training_loss(
-            features,
-            self.target.lm_head.weight,
-            batch["input_ids"],
-            batch["loss_mask"],
-            self.cfgs[family].loss_chunk_size,
-            documents=batch.get("document_ids"),
-            **options,
+            LossBatch(
+                features,
+                self.target.lm_head.weight,
+                batch["input_ids"],
+                batch["loss_mask"],
+                self.cfgs[family].loss_chunk_size,
+                documents=batch.get("document_ids"),
+                options=options,
+            )
         )
         out.loss.backward()
         draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine

@@ -67,6 +67,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from specdraft.drafts.base import LossBatch
 from specdraft.config import TrainConfig  # noqa: E402
 from specdraft.data.packing import open_packed_cache  # noqa: E402
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
@@ -280,13 +281,15 @@ class StepBench:
 
     def draft_step(self, features, ids, loss_mask, documents, options):
         out = self.plain_draft.training_loss(
-            features,
-            self.target.lm_head.weight,
-            ids,
-            loss_mask,
-            self.cfg.loss_chunk_size,
-            documents=documents,
-            **options,
+            LossBatch(
+                features,
+                self.target.lm_head.weight,
+                ids,
+                loss_mask,
+                self.cfg.loss_chunk_size,
+                documents=documents,
+                options=options,
+            )
         )
         out.loss.backward()
         self.plain_draft.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 import dflash_reference as reference
 from helpers import random_llama
+from specdraft.drafts.base import LossBatch
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
 from specdraft.drafts.dflash.options import default_target_layers
@@ -221,7 +222,7 @@ def test_vectorised_forward_loss_and_grads_equal_the_reference(target, sample_fr
     blocks = draft.training_blocks(ids, loss_mask, anchor_seed=11)
     assert blocks.valid.any() and not blocks.valid.all()  # padding anchors are in the batch too
 
-    out = draft.training_loss(feats, lm_head, ids, loss_mask, chunk_size=7, anchor_seed=11)
+    out = draft.training_loss(LossBatch(feats, lm_head, ids, loss_mask, chunk_size=7, options={"anchor_seed": 11}))
     grads = torch.autograd.grad(out.loss, [p for p in draft.parameters()])
 
     total, count = torch.zeros(()), 0
@@ -333,7 +334,9 @@ def test_packed_conversations_keep_each_blocks_labels_in_its_anchors_conversatio
 def test_a_sequence_too_short_for_a_block_gives_a_zero_loss_with_a_graph(target):
     draft = make_draft(target, block_size=4)
     ids = torch.randint(0, VOCAB, (1, 4))
-    out = draft.training_loss(features(target, draft, ids), target.lm_head.weight, ids, torch.ones_like(ids), 8)
+    out = draft.training_loss(
+        LossBatch(features(target, draft, ids), target.lm_head.weight, ids, torch.ones_like(ids), 8)
+    )
     assert float(out.loss.detach()) == 0.0 and int(out.tokens) == 0
     assert set(out.metrics) == {f"block_{j}/{name}" for j in (1, 2, 3) for name in ("loss", "accuracy")}
     out.loss.backward()

@@ -18,7 +18,7 @@ from helpers import random_llama, save_target
 from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash.model import DFlashDraft
-from specdraft.drafts.dflash.speculators import write_speculators_export
+from specdraft.drafts.dflash.export import write_speculators_export
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 

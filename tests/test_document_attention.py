@@ -15,7 +15,7 @@ from helpers import random_llama
 from specdraft.drafts import DraftConfig, layers
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash import blocks as dflash_blocks
-from specdraft.drafts.base import document_starts
+from specdraft.drafts.base import LossBatch, document_starts
 from specdraft.drafts.dflash.blocks import BlockVisibility, block_attention
 from specdraft.drafts.documents import attention_path
 from specdraft.drafts.layers import lagged_cross_attention, sliding_window_attention
@@ -282,7 +282,15 @@ def test_packed_training_on_cpu_equals_the_dense_path_with_every_gradient(monkey
 
     def run():
         out = draft.training_loss(
-            feats, target.lm_head.weight.double(), ids, torch.ones_like(ids), chunk_size=16, documents=SHORT, **options
+            LossBatch(
+                feats,
+                target.lm_head.weight.double(),
+                ids,
+                torch.ones_like(ids),
+                chunk_size=16,
+                documents=SHORT,
+                options=options,
+            )
         )
         return out.loss, torch.autograd.grad(out.loss, params)
 

@@ -4,6 +4,7 @@ slot weights are D-PACE's (a block's loss equals dpace_loss of its slots' CE); r
 import pytest
 
 from helpers import run_overrides, train_run
+from specdraft.drafts.base import LossBatch
 from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
 from test_dflash import target  # noqa: F401 (the fixture: a small Llama target)
@@ -69,7 +70,7 @@ def test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks(target):
     loss_mask = (torch.rand(2, T, generator=generator) > 0.4).long()
     feats = features(target, draft, ids)
     lm_head = target.lm_head.weight
-    out = draft.training_loss(feats, lm_head, ids, loss_mask, chunk_size=7, anchor_seed=11)
+    out = draft.training_loss(LossBatch(feats, lm_head, ids, loss_mask, chunk_size=7, options={"anchor_seed": 11}))
     params = [p for p in draft.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out.loss, params)
 

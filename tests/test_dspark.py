@@ -7,11 +7,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from helpers import random_llama
+from specdraft.drafts.base import LossBatch
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig, check_family_keys, draft_family
 from specdraft.drafts.dflash.blocks import loss_weights, sample_training_blocks
-from specdraft.drafts.dspark import model as dspark_model
-from specdraft.drafts.dspark.model import DSparkDraft, acceptance_targets
+from specdraft.drafts.dspark import train as dspark_train
+from specdraft.drafts.dspark.model import DSparkDraft
+from specdraft.drafts.dspark.train import acceptance_targets
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 
@@ -131,8 +133,10 @@ def test_the_loss_adds_the_confidence_bce_against_each_slots_acceptance(
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(4))
     feats = features(target, draft, ids)
     passes = []  # acceptance_targets: a second pass over the vocab, only where the objective's differs
-    monkeypatch.setattr(dspark_model, "acceptance_targets", lambda *a: passes.append(1) or acceptance_targets(*a))
-    out = draft.training_loss(feats, target.lm_head.weight, ids, torch.ones_like(ids), 0, anchor_seed=5)
+    monkeypatch.setattr(dspark_train, "acceptance_targets", lambda *a: passes.append(1) or acceptance_targets(*a))
+    out = draft.training_loss(
+        LossBatch(feats, target.lm_head.weight, ids, torch.ones_like(ids), 0, options={"anchor_seed": 5})
+    )
     assert (len(passes) > 0) == (temperature != 1.0)
     blocks = draft.training_blocks(ids, torch.ones_like(ids), 5)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.registry import draft_from_export_config
 from specdraft.drafts.dspark.model import DSparkDraft
-from specdraft.drafts.dspark.speculators import write_speculators_export
+from specdraft.drafts.dspark.export import write_speculators_export
 from specdraft.target.capture import capture
 from test_dflash_export import REPO, VOCAB, T, target, target_dir  # noqa: F401 (DFlash's target, DSpark's base)
 

@@ -12,7 +12,7 @@ from helpers import random_llama
 from specdraft.config import DraftConfig
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts.registry import build_draft
-from specdraft.drafts.eagle3 import model as eagle3_module
+from specdraft.drafts.eagle3 import model as eagle3_module, train as eagle3_train
 from specdraft.drafts.eagle3.layer import default_target_layers
 from specdraft.drafts.eagle3.model import ttt_visibility
 from specdraft.drafts.eagle3.vocab import count_target_tokens, draft_to_target_ids, vocab_maps
@@ -178,13 +178,13 @@ def test_which_token_each_position_predicts_at_each_step(target, monkeypatch):
     mask = torch.zeros_like(ids)
     mask[0, p] = 1
     seen = []
-    real = eagle3_module.ttt_step_loss
+    real = eagle3_train.ttt_step_loss
 
     def spy(student, head, teacher, rows, labels, objective, chunk, *rest):
         seen.append((student.detach().clone(), teacher.clone()))
         return real(student, head, teacher, rows, labels, objective, chunk, *rest)
 
-    monkeypatch.setattr(eagle3_module, "ttt_step_loss", spy)
+    monkeypatch.setattr(eagle3_train, "ttt_step_loss", spy)
     feats = features_of(target, draft, ids)
     out = TargetWithDraft(target, draft)(ids, mask)
     heads = draft.unroll(draft.aux_hidden(feats), feats.input_embeds, 3)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from helpers import random_llama
+from specdraft.drafts.base import LossBatch
 from specdraft.config import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.glide.model import SlidingWindowCache
@@ -171,7 +172,9 @@ def test_training_attention_without_masks_equals_the_dense_mask_path(target, win
     mask = (index[None, :-1] >= lag).expand(2, -1)
     labels = ids[:, 1:][mask]
     dense_loss, _ = chunked_cross_entropy(dense[:, :-1][mask], weight, labels, 16)
-    fast_loss = draft.training_loss(feats, weight, ids, torch.ones_like(ids), chunk_size=16, lag=lag).loss
+    fast_loss = draft.training_loss(
+        LossBatch(feats, weight, ids, torch.ones_like(ids), chunk_size=16, options={"lag": lag})
+    ).loss
     torch.testing.assert_close(fast_loss * max(labels.numel(), 1), dense_loss, rtol=1e-5, atol=1e-5)
 
 

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 import specdraft.drafts.objectives as objectives_module  # GLIDE's CE goes through shared_head_objective
 from helpers import random_llama
+from specdraft.drafts.base import LossBatch
 from specdraft.config import DraftConfig
 from specdraft.decode.cache import cache_length, forward, new_cache
 from specdraft.drafts.glide.decode import GlideDrafter
@@ -102,7 +103,9 @@ def loss_given_hidden(draft, feats, ids, loss_mask, lag, hidden):
     original = draft.forward_sequence
     draft.forward_sequence = lambda *args, **kwargs: hidden
     try:
-        return draft.training_loss(feats, LM_HEAD_IDENTITY, ids, loss_mask, chunk_size=3, lag=lag)
+        return draft.training_loss(
+            LossBatch(feats, LM_HEAD_IDENTITY, ids, loss_mask, chunk_size=3, options={"lag": lag})
+        )
     finally:
         draft.forward_sequence = original
 

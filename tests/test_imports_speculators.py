@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from helpers import imported_draft, random_llama, save_target
 from speculators_env import run_in_speculators, run_speculators_file
 from specdraft.config import TrainConfig
-from specdraft.drafts.dflash.speculators import write_speculators_export
+from specdraft.drafts.dflash.export import write_speculators_export
 from specdraft.export.files import write_draft_export
 from test_dflash_export import REPO, VOCAB, make_draft, our_logits
 from test_eagle3_export import assert_speculators_computes_our_logits, random_eagle3, run_cfg, target_dir  # noqa: F401

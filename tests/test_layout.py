@@ -258,3 +258,36 @@ def test_the_family_name_check_sees_a_planted_name():
     assert list(family_names_in("if draft.family == 'peagle':\n    pass")) == ["'peagle'"]
     assert list(family_names_in("from x import GlideDraft")) == ["GlideDraft"]
     assert not list(family_names_in("if draft.base_family:\n    pass"))
+
+
+ROLES = ("options.py", "model.py", "train.py", "export.py", "decode.py")  # docs/architecture.md, "Adding a family"
+TRAINING = ("capture_request", "sample_batch_options", "training_loss", "memory_terms")
+
+
+def defined_functions(path: Path):
+    return {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)}
+
+
+def test_every_family_folder_has_the_same_files_by_role():
+    """options.py: keys and checks; model.py: the network; train.py: what a step computes from a
+    LossBatch (the loss, the rows it counts, the per-batch draws, the memory); export.py: every
+    format the family writes; decode.py: its drafter. No family's training lives outside train.py,
+    and every writer of a family's formats is in its export.py (or its base family's)."""
+    for name, cls in FAMILIES.items():
+        folder = DRAFTS / name
+        assert all((folder / role).is_file() for role in ROLES), (name, sorted(p.name for p in folder.glob("*.py")))
+        outside = {
+            f"{path.name}:{function}"
+            for path in folder.glob("*.py")
+            if path.name != "train.py"
+            for function in defined_functions(path) & set(TRAINING)
+        }
+        assert not outside, (name, outside)
+        homes = {f"specdraft.drafts.{family}" for family in (name, cls.base_family) if family}
+        for method in TRAINING:  # a family that draws nothing per batch keeps Draft's sample_batch_options
+            allowed = {f"{home}.train" for home in homes} | (
+                {"specdraft.drafts.base"} if method == TRAINING[1] else set()
+            )
+            assert getattr(cls, method).__module__ in allowed, (name, method)
+        for fmt, writer in cls.serving_formats.items():
+            assert getattr(writer, "func", writer).__module__ in {f"{home}.export" for home in homes}, (name, fmt)

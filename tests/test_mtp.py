@@ -17,12 +17,13 @@ from safetensors.torch import load_file
 
 from helpers import REPO, qwen3_next_mtp_target, run_overrides, train_run
 from speculators_env import run_speculators_file
+from specdraft.drafts.base import LossBatch
 from specdraft.cli import main
 from specdraft.decode.speculative import generate_plain, speculative_generate
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.mtp.export import VLLM_METHOD, write_speculators, write_stitched
-from specdraft.drafts.mtp.model import step_weights
+from specdraft.drafts.mtp.train import step_weights
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import capture
 from specdraft.target.model import load_frozen_target, load_target_config
@@ -107,7 +108,7 @@ def test_speculators_loads_the_export_and_computes_our_logits_and_loss(mtp_targe
     features = capture(target.model, ids, torch.arange(T)[None], draft.capture_request())
     with torch.no_grad():
         outputs = draft.unroll(features.final_hidden, features.input_embeds, features.cos, features.sin)
-        ours = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
+        ours = draft.training_loss(LossBatch(features, target.lm_head.weight, ids, mask, 0))
     torch.save({"input_ids": ids, "hidden_states": features.final_hidden, "loss_mask": mask}, tmp_path / "in.pt")
     run_speculators_file(
         REPO / "tests" / "speculators_mtp_check.py",
@@ -165,7 +166,7 @@ def test_step_k_at_row_t_reads_tokens_up_to_t_plus_k_plus_1_and_predicts_t_plus_
     mask = torch.zeros_like(ids)
     mask[0, p] = 1
     with torch.no_grad():
-        loss = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
+        loss = draft.training_loss(LossBatch(features, target.lm_head.weight, ids, mask, 0))
     for k in range(3):
         total, count = loss.metrics[f"mtp_step_{k}/loss"]
         assert int(count) == 1
@@ -182,7 +183,7 @@ def test_packed_documents_count_no_row_whose_token_is_in_the_next_document(mtp_t
     positions = torch.cat([torch.arange(20), torch.arange(T - 20)])[None]
     features = capture(target.model, ids, positions, draft.capture_request())
     with torch.no_grad():
-        loss = draft.training_loss(features, target.lm_head.weight, ids, mask, 0, documents=documents)
+        loss = draft.training_loss(LossBatch(features, target.lm_head.weight, ids, mask, 0, documents=documents))
     V = T - 4
     for k in range(3):  # rows t < V whose x_{t+k+2} is in t's document: all but the k+2 before the border
         expected = sum(1 for t in range(V) if (t < 20) == (t + k + 2 < 20))
@@ -363,7 +364,7 @@ def test_a_hybrid_target_trains_and_eval_refuses_it_in_one_line(tiny_target_dir,
     draft = new_draft(hybrid)
     ids, mask = batch()
     features = capture(target.model, ids, torch.arange(T)[None], draft.capture_request())
-    loss = draft.training_loss(features, target.lm_head.weight, ids, mask, 0)
+    loss = draft.training_loss(LossBatch(features, target.lm_head.weight, ids, mask, 0))
     loss.loss.backward()
     assert draft.mtp_layers[0].input_proj.weight.grad.abs().sum() > 0
     with pytest.raises(SpecdraftError, match="linear-attention") as err:

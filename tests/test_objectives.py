@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdraft.drafts.base import LossBatch
 from specdraft.config import DraftConfig, load_config
 from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.objectives import CE, chunked_objective
@@ -441,7 +442,7 @@ def test_glide_distills_the_targets_own_next_token_distribution(distill_tokens):
     assert draft.capture_request().final_hidden  # asked for only when the loss reads the target
     assert not build_draft(OmegaConf.structured(DraftConfig()), target.config).capture_request().final_hidden
     feats = capture(target.model, ids, torch.arange(T)[None].expand(2, T), draft.capture_request())
-    out = draft.training_loss(feats, target.lm_head.weight, ids, mask, chunk_size=5, lag=lag)
+    out = draft.training_loss(LossBatch(feats, target.lm_head.weight, ids, mask, chunk_size=5, options={"lag": lag}))
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
     draft.zero_grad()
@@ -555,7 +556,7 @@ def test_distill_tokens_all_never_teaches_a_windows_padding(family):
         feats = target_features(target.model, draft.capture_request(), x, positions, documents)
         host = HostBatch(x, loss_mask, documents, mask_of_tokens)
         out = draft.training_loss(
-            feats, target.lm_head.weight, x, loss_mask, 7, host=host, documents=documents, **options
+            LossBatch(feats, target.lm_head.weight, x, loss_mask, 7, host=host, documents=documents, options=options)
         )
         return float(out.loss.detach()), int(out.tokens)
 

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from helpers import random_llama
+from specdraft.drafts.base import LossBatch
 from specdraft.config import DraftConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts.documents import document_attention
@@ -149,8 +150,8 @@ def test_glide_capture_skips_what_nobody_reads_and_keeps_one_layer_of_kv(target,
         last_values=cache.layers[-1].values,
     )
     loss_mask = torch.ones_like(ids)
-    new_loss = draft.training_loss(feats, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
-    old_loss = draft.training_loss(old, target.lm_head.weight, ids, loss_mask, 0, lag=2).loss
+    new_loss = draft.training_loss(LossBatch(feats, target.lm_head.weight, ids, loss_mask, 0, options={"lag": 2})).loss
+    old_loss = draft.training_loss(LossBatch(old, target.lm_head.weight, ids, loss_mask, 0, options={"lag": 2})).loss
     torch.testing.assert_close(new_loss, old_loss, rtol=1e-6, atol=1e-6)
 
 

@@ -16,11 +16,11 @@ from helpers import loss_step_peak_against_model, random_llama
 from specdraft.config import DraftConfig, TrainConfig
 from specdraft.drafts.registry import build_draft
 from specdraft.drafts import loss as loss_module
-from specdraft.drafts.base import MemoryShape
-from specdraft.drafts.eagle3 import model as eagle3_module
+from specdraft.drafts.base import LossBatch, MemoryShape
+from specdraft.drafts.eagle3 import train as eagle3_module
 from specdraft.drafts.loss import teacher_vocab_pass
 from specdraft.drafts.objective_options import TEACHER_OBJECTIVES
-from specdraft.drafts.peagle import model as peagle_module
+from specdraft.drafts.peagle import train as peagle_module
 from specdraft.drafts.eagle3.vocab import vocab_maps
 from specdraft.target.capture import capture
 
@@ -78,7 +78,9 @@ def step(draft, target, chunk=5):
     feats = capture(target.model, ids, torch.arange(T)[None].expand_as(ids), draft.capture_request())
     options = draft.sample_batch_options(torch.Generator().manual_seed(0), T)
     draft.zero_grad(set_to_none=True)
-    out = draft.training_loss(feats, target.lm_head.weight, ids, mask, chunk, documents=documents, **options)
+    out = draft.training_loss(
+        LossBatch(feats, target.lm_head.weight, ids, mask, chunk, documents=documents, options=options)
+    )
     out.loss.backward()
     grads = {name: p.grad.clone() for name, p in draft.named_parameters() if p.grad is not None}
     return out.loss.detach(), grads, {k: (float(v), float(n)) for k, (v, n) in out.metrics.items()}
@@ -212,13 +214,15 @@ def test_the_whole_lm_head_is_multiplied_only_at_the_rows_a_teacher_reads_one_ch
     weight = target.lm_head.weight
     with HeadReads(weight) as reads:
         out = draft.training_loss(
-            feats,
-            weight,
-            ids,
-            mask,
-            chunk,
-            documents=documents,
-            **draft.sample_batch_options(torch.Generator().manual_seed(0), T),
+            LossBatch(
+                feats,
+                weight,
+                ids,
+                mask,
+                chunk,
+                documents=documents,
+                options=draft.sample_batch_options(torch.Generator().manual_seed(0), T),
+            )
         )
         out.loss.backward()
     chunk_rows = chunk if chunk > 0 else loss_module.default_chunk_size(200)
@@ -238,7 +242,9 @@ def test_the_whole_lm_head_is_never_multiplied_when_nothing_needs_it(target64, o
     ids, mask, documents = batch()
     feats = capture(target64.model, ids, torch.arange(T)[None].expand_as(ids), draft.capture_request())
     with HeadReads(target64.lm_head.weight) as reads:
-        draft.training_loss(feats, target64.lm_head.weight, ids, mask, 5, documents=documents).loss.backward()
+        draft.training_loss(
+            LossBatch(feats, target64.lm_head.weight, ids, mask, 5, documents=documents)
+        ).loss.backward()
     assert reads.whole == [] and len(reads.copies) == 1 and reads.teacher
 
 

@@ -11,7 +11,7 @@ weights and ZeRO-3 never has to gather them twice.
     Family.from_export_config(config)                           rebuilt from an export / slot
     draft.capture_request()          what the frozen target must produce per batch
     draft.sample_batch_options(generator, seq_len)              per-batch randomness
-    draft.training_loss(features, lm_head_weight, ids, mask, chunk, host=..., **options) -> DraftLoss
+    draft.training_loss(LossBatch(features, lm_head_weight, ids, mask, ...)) -> DraftLoss
     draft.extra_state() / load_extra_state(state)               state besides the weights
     draft.make_drafter(target)       a decode Drafter (chain and tree decoding)
     Family.serving_formats           {format name: writer}; "native" is written for every family
@@ -20,16 +20,17 @@ weights and ZeRO-3 never has to gather them twice.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
 from specdraft.drafts.loss import default_chunk_size
 from specdraft.drafts.spec import DraftSpec, target_text_config
+from specdraft.parallel.sequence import SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures
 from specdraft.transfer import to_device
 
@@ -98,6 +99,32 @@ class HostBatch:
         if host is not None:
             return host
         return cls(input_ids.cpu(), loss_mask.cpu(), None if documents is None else documents.cpu())
+
+
+@dataclass
+class LossBatch:
+    """What one micro-batch gives a family's training_loss, whether its features come from the
+    live target pass or from the feature cache (train/model.py's target_features makes both): the
+    tokens, the target's features for them (`features.shard`: the T/N tokens this rank holds under
+    sequence parallelism), the frozen head, the packed documents, the same batch on the host (where
+    a loss picks the rows it counts) and the family's per-batch draws (sample_batch_options: GLIDE's
+    lag, DFlash's anchor seed, P-EAGLE's COD seed; a "position_ids" draw is already in the features)."""
+
+    features: TargetFeatures
+    lm_head_weight: torch.Tensor  # (V, H) the target's frozen head
+    input_ids: torch.Tensor  # (B, T) the whole sequence's tokens, on every rank
+    loss_mask: torch.Tensor  # (B, T)
+    chunk_size: int = 0  # rows per loss chunk (0: the default)
+    documents: Optional[torch.Tensor] = None  # (B, T) packed data's document ids; None: one per row
+    host: Optional[HostBatch] = None  # None: copied from the device tensors (one sync; tests, benches)
+    options: Mapping[str, Any] = field(default_factory=dict)  # sample_batch_options' draws
+
+    @property
+    def shard(self) -> SequenceShard:
+        return self.features.shard or SequenceShard.whole(self.input_ids.shape[1])
+
+    def on_host(self) -> HostBatch:
+        return HostBatch.of(self.input_ids, self.loss_mask, self.documents, self.host)
 
 
 def document_starts(documents: torch.Tensor) -> torch.Tensor:
@@ -288,18 +315,9 @@ class Draft(DraftSpec, nn.Module, ABC):
         return {}
 
     @abstractmethod
-    def training_loss(
-        self,
-        features: TargetFeatures,
-        lm_head_weight: torch.Tensor,
-        input_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-        chunk_size: int,
-        host: Optional[HostBatch] = None,
-        **options,
-    ) -> DraftLoss:
+    def training_loss(self, batch: LossBatch) -> DraftLoss:
         """Loss of the draft's predictions on the loss-masked tokens. Which rows count is read
-        from `host` (HostBatch.of), never from the device tensors."""
+        from the host copy (batch.on_host()), never from the device tensors."""
 
     def external_parameters(self) -> List[nn.Parameter]:
         """The draft's parameters it reads outside their own module's forward (ZeRO-3 must be told

@@ -10,7 +10,9 @@ inherits that class, so the config (`specdraft config`, drafts.SPECS) and the tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, NoReturn, Optional, Tuple
+
+from specdraft.errors import SpecdraftError
 
 
 class DraftSpec:
@@ -51,6 +53,15 @@ class DraftSpec:
         here a default that depends on the target, or drops a key added later at the value that
         checkpoints written before it had in effect (so those still resume)."""
         return options
+
+
+def option_failure(source: str) -> Callable[[str, str], NoReturn]:
+    """fail(key, why) for a family's checks of its `draft.` keys: one line naming the file and key."""
+
+    def fail(key: str, why: str) -> NoReturn:
+        raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+
+    return fail
 
 
 def target_text_config(target_config):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.base import Draft, DraftLoss, HostBatch
+from specdraft.drafts.base import Draft, DraftLoss, HostBatch, LossBatch
 from specdraft.drafts.documents import document_attention
 from specdraft.features.step import cached_target_features
 from specdraft.parallel.sequence import SequenceParallel, SequenceShard
@@ -111,14 +111,9 @@ class TargetWithDraft(nn.Module):
         if cached is None and self.round_live is not None:
             features = self.round_live(features)
         return self.draft_model.training_loss(
-            features,
-            self.lm_head.weight,
-            input_ids,
-            loss_mask,
-            self.loss_chunk_size,
-            documents=document_ids,
-            host=host,
-            **options,
+            LossBatch(
+                features, self.lm_head.weight, input_ids, loss_mask, self.loss_chunk_size, document_ids, host, options
+            )
         )
 
     def train(self, mode: bool = True):
@@ -158,12 +153,5 @@ class DraftWithLoss(nn.Module):
         **options,
     ) -> DraftLoss:
         return self.draft_model.training_loss(
-            features,
-            lm_head_weight,
-            input_ids,
-            loss_mask,
-            self.loss_chunk_size,
-            documents=document_ids,
-            host=host,
-            **options,
+            LossBatch(features, lm_head_weight, input_ids, loss_mask, self.loss_chunk_size, document_ids, host, options)
         )

@@ -45,6 +45,8 @@ SAMPLING = (
 )
 
 GLIDE_PY = "specdraft/drafts/glide/model.py"
+GLIDE_TRAIN_PY = "specdraft/drafts/glide/train.py"
+LONGSPEC_PY = "specdraft/drafts/glide/export.py"
 GLIDE_DECODE_PY = "specdraft/drafts/glide/decode.py"
 LAYERS_PY = "specdraft/drafts/layers.py"
 CAPTURE_PY = "specdraft/target/capture.py"
@@ -53,7 +55,7 @@ GLIDE: List[Mutation] = [
     # labels and the counted positions
     Mutation(
         "glide/label-is-current-token",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "labels = shard.local(F.pad(input_ids[:, 1:], (0, 1))).flatten()[rows]",
         "labels = shard.local(input_ids).flatten()[rows]",
         GLIDE_TRAIN,
@@ -61,7 +63,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/label-two-ahead",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "labels = shard.local(F.pad(input_ids[:, 1:], (0, 1))).flatten()[rows]",
         "labels = shard.local(F.pad(input_ids[:, 2:], (0, 2))).flatten()[rows]",
         GLIDE_TRAIN,
@@ -69,7 +71,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/prediction-shift",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "predictions = hidden.flatten(0, 1)[rows]",
         "predictions = hidden.flatten(0, 1)[rows + 1]",
         GLIDE_TRAIN,
@@ -77,7 +79,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/loss-mask-shift",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "counted[:, :-1] = loss_mask[:, 1:].bool() & (index[None, :-1] >= lag)",
         "counted[:, :-1] = loss_mask[:, :-1].bool() & (index[None, :-1] >= lag)",
         GLIDE_TRAIN,
@@ -85,7 +87,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/count-from-lag-minus-1",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "(index[None, :-1] >= lag)",
         "(index[None, :-1] >= lag - 1)",
         GLIDE_TRAIN,
@@ -93,7 +95,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/count-from-lag-plus-1",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "(index[None, :-1] >= lag)",
         "(index[None, :-1] > lag)",
         GLIDE_TRAIN,
@@ -154,14 +156,14 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/lag-never-max",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "torch.randint(1, self.dims.max_lag + 1,",
         "torch.randint(1, self.dims.max_lag,",
         GLIDE_TRAIN,
     ),
     Mutation(
         "glide/lag-zero-drawn",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "torch.randint(1, self.dims.max_lag + 1,",
         "torch.randint(0, self.dims.max_lag + 1,",
         GLIDE_TRAIN,
@@ -271,7 +273,7 @@ GLIDE: List[Mutation] = [
     ),
     Mutation(
         "glide/anchor-sinks-off-by-one",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "positions[sinks:] += offset",
         "positions[sinks + 1:] += offset",
         GLIDE_TRAIN,
@@ -479,6 +481,7 @@ DECODING: List[Mutation] = [
 
 # EAGLE-3 (from notes/eagle3-mutations.py)
 E3 = "specdraft/drafts/eagle3/model.py"
+EAGLE3_TRAIN_PY = "specdraft/drafts/eagle3/train.py"
 E3_LAYER = "specdraft/drafts/eagle3/layer.py"
 E3_DECODE = "specdraft/drafts/eagle3/decode.py"
 E3_VOCAB = "specdraft/drafts/eagle3/vocab.py"
@@ -524,7 +527,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/ttt-label-shift",
-        E3,
+        EAGLE3_TRAIN_PY,
         "counted[:, : max(T - 2 - k, 0)] = taught[:, 2 + k :]",
         "counted[:, : max(T - 2 - k, 0)] = taught[:,1 + k:-1]",
         E3_TRAIN,
@@ -532,7 +535,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/answer-label-shift",
-        E3,
+        EAGLE3_TRAIN_PY,
         "= host.loss_mask[:, 2 + k :].bool()",
         "= host.loss_mask[:,1 + k:-1].bool()",
         E3_TRAIN,
@@ -548,7 +551,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/ttt-teacher-shift",
-        E3,
+        EAGLE3_TRAIN_PY,
         "teacher_at = rows + rows // local * extend + 1 + k",
         "teacher_at = rows + rows // local * extend + k",
         E3_TRAIN,
@@ -567,14 +570,14 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/decay-ignored",
-        E3,
+        EAGLE3_TRAIN_PY,
         "weighted = step_loss * self.dims.ttt_decay**k",
         "weighted = step_loss",
         E3_TRAIN,
     ),
     Mutation(
         "eagle3/decay-off-by-one",
-        E3,
+        EAGLE3_TRAIN_PY,
         "weighted = step_loss * self.dims.ttt_decay**k",
         "weighted = step_loss * self.dims.ttt_decay**(k + 1)",
         E3_TRAIN,
@@ -668,10 +671,11 @@ EAGLE3: List[Mutation] = [
 ]
 
 # DFlash (from notes/dflash_mutations.py)
-DFLASH_PY = "specdraft/drafts/dflash/backbone.py"
+DFLASH_PY = "specdraft/drafts/dflash/model.py"
+DFLASH_TRAIN_PY = "specdraft/drafts/dflash/train.py"
 DFLASH_BLOCKS_PY = "specdraft/drafts/dflash/blocks.py"
 DFLASH_DECODE_PY = "specdraft/drafts/dflash/decode.py"
-DFLASH_SPEC_PY = "specdraft/drafts/dflash/speculators.py"
+DFLASH_SPEC_PY = "specdraft/drafts/dflash/export.py"
 DFLASH_TESTS = ("tests/test_dflash.py",)
 DFLASH_REF = ("tests/test_dflash.py::test_vectorised_forward_loss_and_grads_equal_the_reference",)
 DFLASH_EXPORT = ("tests/test_dflash_export.py",)  # needs the speculators venv for the logits check
@@ -727,7 +731,7 @@ DFLASH: List[Mutation] = [
     ),
     Mutation(
         'dflash/loss-ignores-first-slot',
-        DFLASH_PY,
+        DFLASH_TRAIN_PY,
         'head.features[:, :, first + j].flatten(0, 1)[rows]',
         'head.features[:, :, j].flatten(0, 1)[rows]',
         DFLASH_TESTS,
@@ -788,7 +792,7 @@ DFLASH: List[Mutation] = [
     ),
     Mutation(
         'dflash/teacher-one-ahead',
-        DFLASH_PY,
+        DFLASH_TRAIN_PY,
         'final_hidden.flatten(0, 1)[anchor_rows[rows] + j]',
         'final_hidden.flatten(0, 1)[anchor_rows[rows] + j + 1]',
         DFLASH_TESTS,
@@ -796,7 +800,7 @@ DFLASH: List[Mutation] = [
     ),
     Mutation(
         'dflash/weights-ignored',
-        DFLASH_PY,
+        DFLASH_TRAIN_PY,
         'total = total + weights[j] * (out.loss + extra)',
         'total = total + (out.loss + extra)',
         DFLASH_REF,
@@ -915,7 +919,7 @@ DISTILL_TOKENS: List[Mutation] = [
     ),
     Mutation(
         "distill/glide-all-tokens-ignored",
-        GLIDE_PY,
+        GLIDE_TRAIN_PY,
         "counted = counted_predictions(self.objective.taught(host.loss_mask, host.token_mask), host.documents, lag)",
         "counted = counted_predictions(host.loss_mask, host.documents, lag)",
         OBJECTIVE_TESTS,
@@ -923,21 +927,21 @@ DISTILL_TOKENS: List[Mutation] = [
     ),
     Mutation(
         "distill/eagle3-all-tokens-ignored",
-        E3,
+        EAGLE3_TRAIN_PY,
         "taught = self.objective.taught(host.loss_mask, host.token_mask).bool()",
         "taught = host.loss_mask.bool()",
         E3_TRAIN,
     ),
     Mutation(
         "distill/dflash-anchors-among-answers-only",
-        DFLASH_PY,
-        "host.input_ids, self.objective.taught(host.loss_mask, host.token_mask), anchor_seed, host.documents",
-        "host.input_ids, host.loss_mask, anchor_seed, host.documents",
+        DFLASH_TRAIN_PY,
+        "self.objective.taught(host.loss_mask, host.token_mask),\n            batch.options",
+        "host.loss_mask,\n            batch.options",
         DFLASH_TESTS,
     ),
     Mutation(
         "distill/eagle3-label-in-the-next-conversation",
-        E3,
+        EAGLE3_TRAIN_PY,
         "counted[:, : max(T - 2 - k, 0)] &= host.documents[:, 2 + k :] == host.documents[:, : max(T - 2 - k, 0)]",
         "pass",
         E3_TRAIN,
@@ -1057,7 +1061,7 @@ CONVENTIONS: List[Mutation] = [
     ),
     Mutation(
         "conventions/teacher-rows-ignored",
-        E3,
+        EAGLE3_TRAIN_PY,
         "in_vocab = None if top1 is None else self.t2d[top1]",
         "in_vocab = None",
         E3_TEACHER,
@@ -1146,6 +1150,8 @@ MEMORY = [
 
 # DSpark: the head wiring, the Markov shift, the confidence target, the stop
 DSPARK_PY = "specdraft/drafts/dspark/model.py"
+DSPARK_TRAIN_PY = "specdraft/drafts/dspark/train.py"
+DSPARK_EXPORT_PY = "specdraft/drafts/dspark/export.py"
 DSPARK_DECODE_PY = "specdraft/drafts/dspark/decode.py"
 DSPARK_TESTS = ("tests/test_dspark.py",)
 DSPARK_EXPORT = ("tests/test_dspark_export.py",)  # needs the speculators venv for the forward check
@@ -1200,7 +1206,7 @@ DSPARK: List[Mutation] = [
     ),
     Mutation(
         'dspark/confidence-target-is-tv',
-        DSPARK_PY,
+        DSPARK_TRAIN_PY,
         'out[rows] = torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)',
         'out[rows] = 1.0 - torch.minimum(p, q).sum(dim=-1).clamp(0.0, 1.0)',
         DSPARK_TESTS,
@@ -1208,14 +1214,14 @@ DSPARK: List[Mutation] = [
     ),
     Mutation(
         'dspark/confidence-target-ignores-temperature',
-        DSPARK_PY,
+        DSPARK_TRAIN_PY,
         'q, p = torch.softmax(z / temperature, dim=-1), torch.softmax(t / temperature, dim=-1)',
         'q, p = torch.softmax(z, dim=-1), torch.softmax(t, dim=-1)',
         DSPARK_TESTS,
     ),
     Mutation(
         'dspark/confidence-target-without-markov',
-        DSPARK_PY,
+        DSPARK_TRAIN_PY,
         'accepted = acceptance_targets(\n                student.detach(),\n                head.weight.detach(),\n                teacher,\n                lm_head_weight,',
         'accepted = acceptance_targets(\n                student.detach()[:, :lm_head_weight.shape[1]], lm_head_weight,\n                teacher,\n                lm_head_weight,',
         DSPARK_TESTS,
@@ -1223,7 +1229,7 @@ DSPARK: List[Mutation] = [
     ),
     Mutation(
         'dspark/confidence-loss-unweighted',
-        DSPARK_PY,
+        DSPARK_TRAIN_PY,
         'return self.dims.confidence_loss_weight * bce, metrics',
         'return bce, metrics',
         DSPARK_TESTS,
@@ -1254,7 +1260,7 @@ DSPARK: List[Mutation] = [
     ),
     Mutation(
         'dspark/export-head-type',
-        "specdraft/drafts/dspark/speculators.py",
+        DSPARK_EXPORT_PY,
         'markov_rank=dims.markov_rank,\n        markov_head_type=dims.markov_head_type,',
         'markov_rank=dims.markov_rank,\n        markov_head_type="vanilla",',
         DSPARK_EXPORT,
@@ -1264,6 +1270,7 @@ DSPARK: List[Mutation] = [
 # MTP: which token each recursive step reads and predicts, the recursion, the step weights, the
 # target's names and layout, the stitched target, the drafter's positions and hidden input
 MTP_PY = "specdraft/drafts/mtp/model.py"
+MTP_TRAIN_PY = "specdraft/drafts/mtp/train.py"
 MTP_LAYER_PY = "specdraft/drafts/mtp/layer.py"
 MTP_EXPORT_PY = "specdraft/drafts/mtp/export.py"
 MTP_TESTS = "tests/test_mtp.py"
@@ -1274,7 +1281,7 @@ MTP_DRAFTER = f"{MTP_TESTS}::test_the_drafter_proposes_what_training_step_zero_p
 MTP: List[Mutation] = [
     Mutation(
         "mtp/label-one-early",
-        MTP_PY,
+        MTP_TRAIN_PY,
         "labels = input_ids[:, k + 2 : k + 2 + V].flatten()[rows]",
         "labels = input_ids[:, k +1:k + 1+ V].flatten()[rows]",
         (MTP_SEMANTICS, MTP_SPECULATORS),
@@ -1298,14 +1305,14 @@ MTP: List[Mutation] = [
     ),
     Mutation(
         "mtp/uniform-step-weights",
-        MTP_PY,
+        MTP_TRAIN_PY,
         "raw = [beta**k for k in range(steps)]",
         "raw = [1.0for k in range(steps)]",
         (f"{MTP_TESTS}::test_step_weights_are_beta_powers_normalised", MTP_SPECULATORS),
     ),
     Mutation(
         "mtp/document-border-counted",
-        MTP_PY,
+        MTP_TRAIN_PY,
         "            if host.documents is not None:  # ... and in t's own conversation",
         "            if False:  # ... and in t's own conversation",
         (f"{MTP_TESTS}::test_packed_documents_count_no_row_whose_token_is_in_the_next_document",),
@@ -1390,7 +1397,7 @@ IMPORTS_TRAIN = ("tests/test_imports_train.py",)
 IMPORTS = [
     Mutation(
         "imports/longspec-norms-swapped",
-        "specdraft/drafts/glide/longspec.py",
+        LONGSPEC_PY,
         '    "cross_layernorm.weight": "post_self_attention_layernorm.weight",\n    "post_attention_layernorm.weight": "post_cross_attention_layernorm.weight",',
         '    "cross_layernorm.weight": "post_cross_attention_layernorm.weight",\n    "post_attention_layernorm.weight": "post_self_attention_layernorm.weight",',
         IMPORTS_TESTS,
@@ -1422,7 +1429,7 @@ IMPORTS = [
     ),
     Mutation(
         "imports/mask-delta-not-zero",
-        "specdraft/drafts/dflash/speculators.py",
+        DFLASH_SPEC_PY,
         'return {"mask_delta": torch.zeros(draft.dims.hidden_size)}',
         'return {"mask_delta": torch.ones(draft.dims.hidden_size)}',
         IMPORTS_TESTS,
@@ -1501,6 +1508,7 @@ IMPORTS = [
 # -- packed documents without (T, T) masks: GLIDE and DFlash, per device path ----------------------
 
 PEAGLE_PY = "specdraft/drafts/peagle/model.py"
+PEAGLE_TRAIN_PY = "specdraft/drafts/peagle/train.py"
 PEAGLE_COD = "specdraft/drafts/peagle/cod.py"
 PEAGLE_DECODE = "specdraft/drafts/peagle/decode.py"
 PEAGLE_EXPORT = "specdraft/drafts/peagle/export.py"
@@ -1614,7 +1622,7 @@ PEAGLE: List[Mutation] = [
     ),
     Mutation(
         "peagle/sp-teacher-row",
-        PEAGLE_PY,
+        PEAGLE_TRAIN_PY,
         "teacher_at = at // T * local_rows + at % T - shard.start + 1",
         "teacher_at = at // T * T + at % T - shard.start + 1",
         PE_SP,
@@ -1942,7 +1950,7 @@ LOSS_FORMULAS: List[Mutation] = [
     ),
     Mutation(
         "losses/lk-lambda-of-one-rank",
-        "specdraft/drafts/eagle3/model.py",
+        EAGLE3_TRAIN_PY,
         '                None if lse is None else lse[teacher_at],\n                sum_over_ranks,',
         '                None if lse is None else lse[teacher_at],\n                None,',
         ("tests/test_sequence_parallel.py::test_every_family_at_sp2_equals_one_rank_loss_and_gradients",),
@@ -1958,7 +1966,7 @@ LOSS_FORMULAS: List[Mutation] = [
     ),
     Mutation(
         "losses/dpace-weighting-ignored",
-        "specdraft/drafts/dflash/backbone.py",
+        DFLASH_TRAIN_PY,
         'if self.dims.loss_weighting == "dpace" else None',
         "if False else None",
         ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
@@ -1966,7 +1974,7 @@ LOSS_FORMULAS: List[Mutation] = [
     ),
     Mutation(
         "losses/dpace-weights-on-the-decay",
-        "specdraft/drafts/dflash/backbone.py",
+        DFLASH_TRAIN_PY,
         "total = total + out.loss + weights[j] * extra",
         "total = total + weights[j] * (out.loss + extra)",
         ("tests/test_dpace_train.py::test_dflash_dpace_loss_and_grads_equal_the_formula_over_its_blocks",),
@@ -1979,7 +1987,7 @@ TEACHER_ROWS = ("tests/test_teacher_rows.py",)
 TEACHER: List[Mutation] = [
     Mutation(
         "teacher/pass-at-every-row",
-        E3,
+        EAGLE3_TRAIN_PY,
         "lse, top1 = teacher_vocab_pass(\n                    final,\n                    lm_head_weight,\n                    read.flatten().nonzero().flatten(),\n                    chunk_size,",
         "lse, top1 = teacher_vocab_pass(\n                    final,\n                    lm_head_weight,torch.arange(final.shape[0]),\n                    chunk_size,",
         TEACHER_ROWS,
@@ -1987,7 +1995,7 @@ TEACHER: List[Mutation] = [
     ),
     Mutation(
         "teacher/pass-misses-later-steps-rows",
-        E3,
+        EAGLE3_TRAIN_PY,
         "for k, (counted, _, _) in enumerate(steps):",
         "for k, (counted, _, _) in enumerate(steps[:1]):",
         ("tests/test_sequence_parallel.py::test_every_family_at_sp2_equals_one_rank_loss_and_gradients",),
@@ -2003,7 +2011,7 @@ TEACHER: List[Mutation] = [
     ),
     Mutation(
         "teacher/top1-when-the-draft-vocab-is-whole",
-        E3,
+        EAGLE3_TRAIN_PY,
         'self.teacher_rows == "in_vocab" and smaller',
         'self.teacher_rows == "in_vocab"',
         TEACHER_ROWS,

@@ -1,3 +1,3 @@
-"""DFlash: the family (model.py) over its block backbone (backbone.py: the layers, options.py: its
-keys and shapes, blocks.py: the block layout and visibility, dpace.py: D-PACE's weights), its
-drafter (decode.py) and speculators files (speculators.py). DSpark builds on the backbone."""
+"""DFlash: its keys (options.py), the block backbone and the family (model.py: the layers in
+layer.py, the block layout and visibility in blocks.py), its training (train.py), drafter
+(decode.py) and speculators files (export.py). DSpark builds on the backbone."""

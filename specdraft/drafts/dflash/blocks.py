@@ -2,7 +2,7 @@
 (one rule, as a flex_attention BlockMask on CUDA or a dense mask for SDPA elsewhere, per
 conversation on CPU with packed data), and the blocks
 training samples from a batch (anchors, labels, the per-position loss weights). The model is in
-dflash_backbone.py."""
+model.py, its training in train.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The keys and shapes of DFlash's block backbone (drafts/dflash/backbone.py), shared by DFlash and
+"""The keys and shapes of DFlash's block backbone (drafts/dflash/model.py), shared by DFlash and
 DSpark: the `draft.` options a config sets and their checks (DFlashBackboneSpec, which the backbone
 inherits; DFlashSpec, the family), the block layout, the dimensions a draft is built and exported
 with, and the default choice of target layers. No torch: the configuration reads it."""
@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional
 
 from specdraft.drafts.objective_options import CE, ObjectiveOptions, objective_from_options
-from specdraft.drafts.spec import DraftSpec, LayerDims, target_text_config
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.spec import DraftSpec, LayerDims, option_failure, target_text_config
 from specdraft.target.rotary import rotary_refusal
 
 DEFAULT_NUM_TARGET_LAYERS = 5
@@ -118,8 +117,7 @@ class DFlashBackboneSpec(DraftSpec):
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+        fail = option_failure(source)
 
         layers = draft_cfg.target_layers
         if layers:

@@ -1,2 +1,2 @@
-"""DSpark: the model (model.py: DFlash's block backbone plus its heads), its drafter (decode.py), its
-speculators files (speculators.py)."""
+"""DSpark: DFlash's block backbone plus its heads (model.py), its training (train.py: DFlash's
+loss plus the confidence head's), drafter (decode.py) and speculators files (export.py)."""

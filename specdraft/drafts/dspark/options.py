@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdraft.drafts.spec import option_failure
 from specdraft.drafts.dflash.options import DFlashBackboneSpec, DFlashOptions
-from specdraft.errors import SpecdraftError
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # speculators' markov_head_type values
 DEFAULT_LOSS = "0.9*tv + 0.1*ce"  # DeepSpec's recipe
@@ -44,8 +44,7 @@ class DSparkSpec(DFlashBackboneSpec):
 
 
 def check_dspark_options(draft_cfg, source: str) -> None:
-    def fail(key: str, why: str) -> None:
-        raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+    fail = option_failure(source)
 
     if int(draft_cfg.markov_rank) <= 0:
         fail("markov_rank", f"must be > 0, got {draft_cfg.markov_rank}")

@@ -170,6 +170,14 @@ class TTTVisibility:
 class Eagle3Base(Draft):
     """The EAGLE-3 layer's modules and the draft-vocab maps; a family adds its training and decoding."""
 
+    # the tensors whose shape or presence a draft key decides (EAGLE-3's and P-EAGLE's alike)
+    tensor_keys = (
+        ("lm_head.weight", "draft.draft_vocab_size"),
+        ("d2t", "draft.draft_vocab_size"),
+        ("fc_norm.*", "draft.fc_norm"),
+        ("input_norm.*", "draft.norm_before_fc"),
+    )
+
     def __init__(self, dims: Eagle3Dims):
         super().__init__()
         self.dims = dims

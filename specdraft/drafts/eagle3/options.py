@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from specdraft.drafts.objective_options import ObjectiveOptions
-from specdraft.drafts.spec import DraftSpec, target_text_config
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.spec import DraftSpec, option_failure, target_text_config
 
 AUX_LAYERS = 3  # vLLM's EAGLE-3 fc reads three target layers
 
@@ -81,8 +80,7 @@ class Eagle3Spec(DraftSpec):
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+        fail = option_failure(source)
 
         if draft_cfg.ttt_steps < 1:
             fail("ttt_steps", f"must be >= 1, got {draft_cfg.ttt_steps}")

@@ -1,1 +1,2 @@
-"""GLIDE: the model (model.py), its drafter (decode.py) and LongSpec's files (longspec.py)."""
+"""GLIDE: the model (model.py), its training (train.py), drafter (decode.py) and LongSpec's files
+(export.py)."""

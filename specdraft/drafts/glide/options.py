@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specdraft.drafts.objective_options import ObjectiveOptions
-from specdraft.drafts.spec import DraftSpec, target_text_config
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.spec import DraftSpec, option_failure, target_text_config
 
 
 @dataclass
@@ -53,14 +52,15 @@ class GlideSpec(DraftSpec):
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
+        fail = option_failure(source)
         for key in ("sliding_window", "max_lag"):
             if draft_cfg[key] < 1:
-                raise SpecdraftError(f"{source}: key 'draft.{key}': must be >= 1, got {draft_cfg[key]}")
+                fail(key, f"must be >= 1, got {draft_cfg[key]}")
         if draft_cfg.max_lag >= max_seq_length:
-            raise SpecdraftError(f"{source}: key 'draft.max_lag': must be < max_seq_length ({max_seq_length})")
+            fail("max_lag", f"must be < max_seq_length ({max_seq_length})")
         why = target_refusal(target_config) if target_config is not None else None
         if why:
-            raise SpecdraftError(f"{source}: key 'draft.type': {why}")
+            fail("type", why)
 
 
 def target_refusal(target_config) -> Optional[str]:

@@ -24,22 +24,15 @@ token feeds the layer's own output back (decode.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from specdraft.drafts.base import (
-    CaptureRequest,
     Draft,
-    DraftLoss,
-    HostBatch,
-    MemoryShape,
-    TargetFeatures,
-    rows_where,
     target_text_config,
 )
-from specdraft.drafts.loss import chunked_cross_entropy
 from specdraft.drafts.mtp.decode import MTPDrafter
 from specdraft.drafts.mtp.export import (
     FILE_FORMAT,
@@ -52,7 +45,7 @@ from specdraft.drafts.mtp.export import (
 from specdraft.drafts.documents import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
 from specdraft.drafts.mtp.options import MTPSpec
-from specdraft.target.moe import moe_shape
+from specdraft.drafts.mtp.train import MTPTraining, step_weights
 
 
 @dataclass
@@ -68,12 +61,6 @@ class MTPDims:
     @property
     def vocab_size(self) -> int:
         return int(self.target_config["vocab_size"])
-
-
-def step_weights(beta: float, steps: int) -> List[float]:
-    """speculators' compute_step_weights: beta^k / sum_j beta^j, k = 0..steps-1."""
-    raw = [beta**k for k in range(steps)]
-    return [w / sum(raw) for w in raw]
 
 
 def layer_config(target_config: Dict[str, Any]):
@@ -97,7 +84,7 @@ def text_config_dict(target_config) -> Dict[str, Any]:
     return dict(config, model_type=text.model_type)
 
 
-class MTPDraft(MTPSpec, Draft):
+class MTPDraft(MTPSpec, MTPTraining, Draft):
     architecture = "MTPDraft"
     dims_type = MTPDims
     serving_formats = {"speculators": write_speculators, "stitched": write_stitched}
@@ -142,10 +129,7 @@ class MTPDraft(MTPSpec, Draft):
         weights = ", ".join(f"{w:.3f}" for w in step_weights(beta, steps))
         return f"the target's MTP layer, {steps} recursive steps weighted {weights} (beta {beta})"
 
-    # -- training --------------------------------------------------------------------------
-
-    def capture_request(self) -> CaptureRequest:
-        return CaptureRequest(final_hidden=True)
+    # -- the layer's passes ----------------------------------------------------------------
 
     def step(self, hidden, embeds, cos, sin, attention_mask=None, past_key_values=None) -> torch.Tensor:
         """One pass of the layer: hidden, embeds (B, T, H) at rotary tables cos/sin (B, T, D)."""
@@ -172,39 +156,6 @@ class MTPDraft(MTPSpec, Draft):
             outputs.append(hidden)
         return outputs
 
-    def training_loss(
-        self,
-        features: TargetFeatures,
-        lm_head_weight,
-        input_ids,
-        loss_mask,
-        chunk_size: int,
-        documents: Optional[torch.Tensor] = None,
-        host: Optional[HostBatch] = None,
-        **_,
-    ) -> DraftLoss:
-        dtype = self.mtp_layers[0].input_proj.weight.dtype
-        outputs = self.unroll(
-            features.final_hidden.to(dtype), features.input_embeds.to(dtype), features.cos, features.sin, documents
-        )
-        host = HostBatch.of(input_ids, loss_mask, documents, host)
-        weights = step_weights(self.dims.step_weight_beta, self.dims.num_speculative_steps)
-        loss, metrics = None, {}
-        for k, out in enumerate(outputs):
-            V = out.shape[1]
-            counted = host.loss_mask[:, k + 2 : k + 2 + V].bool()  # x_{t+k+2} is learned
-            if host.documents is not None:  # ... and in t's own conversation
-                counted = counted & (host.documents[:, k + 2 : k + 2 + V] == host.documents[:, :V])
-            rows, tokens = rows_where(counted, input_ids.device)
-            labels = input_ids[:, k + 2 : k + 2 + V].flatten()[rows]
-            total, hits = chunked_cross_entropy(out.flatten(0, 1)[rows], lm_head_weight, labels, chunk_size)
-            weighted = weights[k] * total / tokens.clamp_min(1)
-            loss = weighted if loss is None else loss + weighted
-            metrics[f"mtp_step_{k}/loss"] = (total.detach(), tokens)
-            metrics[f"mtp_step_{k}/accuracy"] = (hits, tokens)
-        first_hits, first_tokens = metrics["mtp_step_0/accuracy"]
-        return DraftLoss(loss=loss, tokens=first_tokens, correct=first_hits, metrics=metrics)
-
     # -- decoding --------------------------------------------------------------------------
 
     @property
@@ -213,35 +164,3 @@ class MTPDraft(MTPSpec, Draft):
 
     def make_drafter(self, target: nn.Module) -> MTPDrafter:
         return MTPDrafter(self, target)
-
-    def memory_terms(self, shape: MemoryShape) -> Dict[str, float]:
-        c = self.config
-        p, steps, H = shape.dtype_bytes, self.dims.num_speculative_steps, c.hidden_size
-        tokens = shape.B * shape.T
-        heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        moe = moe_shape(c)  # the layer's MLP is the sparse one (MTP layers are MoE: first_k_dense_replace 0)
-        if moe is not None:  # per routed expert its gathered input, gate/up, product and output; router
-            # logits and weights; the shared expert's gate, up, act, product, output
-            inner = moe.top_k * (3 * H + 4 * moe.expert_intermediate) + 3 * moe.experts + 5 * moe.shared_intermediate
-        else:
-            inner = 5 * c.intermediate_size
-        # per step and token, saved for backward (counted with tests/test_memory.py's LiveTensorBytes:
-        # 9.8 K floats per token on its qwen3_next): the norms' inputs and outputs, the 2H
-        # concatenation, input_proj's output and the residuals (13 H); q with its gate, the q/k norms,
-        # the rotated q/k, the attention output and its gating (7 heads hd, 6 kv hd); the MLP's; six
-        # RMSNorms keep their inputs in fp32
-        attention = 7 * heads * hd + 6 * kv * hd
-        if getattr(c, "kv_lora_rank", None):  # MLA (DeepSeek-V3): per head queries and keys of qk dims,
-            # values of v dims, and the latents (q: q_lora_rank, kv: kv_lora_rank + rope) with their norms
-            qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-            attention = heads * (5 * qk + 3 * v) + 3 * ((c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim)
-        step = (13 * H + attention + inner) * p + shape.fp32_norm_inputs(6 * H)
-        held = steps * step if not self.gradient_checkpointing else steps * 2 * H * p + step
-        return {
-            # the input embeddings, cos/sin and the target's final hidden state
-            "capture features": shape.capture_features(2 * H + 2 * hd),
-            "draft activations": tokens * held,
-            # every step's counted rows keep their output's gradient until the backward; one chunk of
-            # logits at a time against the target's (frozen) lm_head
-            "loss chunk + hidden grads": steps * tokens * H * p + shape.loss_chunk(tokens, c.vocab_size, H),
-        }

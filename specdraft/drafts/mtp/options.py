@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdraft.drafts.spec import DraftSpec
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.spec import DraftSpec, option_failure
 
 
 @dataclass
@@ -38,8 +37,7 @@ class MTPSpec(DraftSpec):
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+        fail = option_failure(source)
 
         steps = int(draft_cfg.num_speculative_steps)
         if steps < 1:

@@ -9,8 +9,7 @@ from typing import List, Optional
 
 from specdraft.drafts.eagle3.options import validate_layer_options
 from specdraft.drafts.objective_options import ObjectiveOptions
-from specdraft.drafts.spec import DraftSpec, target_text_config
-from specdraft.errors import SpecdraftError
+from specdraft.drafts.spec import DraftSpec, option_failure, target_text_config
 
 
 @dataclass
@@ -45,8 +44,7 @@ class PEagleSpec(DraftSpec):
 
     @classmethod
     def validate_config(cls, draft_cfg, target_config, source: str, max_seq_length: int) -> None:
-        def fail(key: str, why: str) -> None:
-            raise SpecdraftError(f"{source}: key 'draft.{key}': {why}")
+        fail = option_failure(source)
 
         if draft_cfg.num_depths < 1:
             fail("num_depths", f"must be >= 1, got {draft_cfg.num_depths}")

@@ -1,5 +1,5 @@
 """A DSpark draft in speculators' format (DSparkDraftModel, speculators 0.9.0): DFlash's files
-(dflash_speculators.py) with speculators_model_type "dspark", the heads' config fields and their
+(drafts/dflash/export.py) with speculators_model_type "dspark", the heads' config fields and their
 tensors under the same names as ours:
 
     markov_head.markov_w1.weight (V, r), markov_head.markov_w2.weight (V, r),
@@ -17,7 +17,7 @@ import functools
 import torch
 
 from specdraft.drafts.base import FileFormat, config_fields
-from specdraft.drafts.dflash import speculators as dflash_speculators
+from specdraft.drafts.dflash import export as dflash_speculators
 
 
 # speculators' config field -> the draft key it records, besides DFlash's (read back by an import)
