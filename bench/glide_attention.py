@@ -7,7 +7,7 @@ the draft layer on the same inputs, CPU seconds, median of 3 after a warm-up.
 Last line: `dense_over_maskfree=<x>` at the longest sequence.
 --documents N: packed conversations of N tokens instead, the training path on its dense document
 masks (what other devices build, and CPU before) against CPU's own per-conversation path
-(drafts/documents.py); last line `dense_over_slices=<x>`.
+(target/attention.py); last line `dense_over_slices=<x>`.
 """
 
 from __future__ import annotations

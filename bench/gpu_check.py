@@ -43,7 +43,7 @@ def kernel_checks() -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     from test_ttt_attention import dense_reference  # the CPU tests' reference
 
-    from specdraft.drafts.documents import PackedDocuments, document_block_mask
+    from specdraft.target.attention import PackedDocuments, document_block_mask
     from specdraft.drafts.eagle3.ttt_attention import ttt_attention
 
     device, results = torch.device("cuda"), {}

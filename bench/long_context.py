@@ -12,7 +12,7 @@ serves allocations above 64 KiB with mmap so freed tensors leave RSS at once. Al
 tokens/s of the step. The last line gives `<family>_growth=` peak(T_max) / peak(T_max / 2):
 2.0 is linear in T, 4.0 quadratic.
 
---path: how the drafts attend packed documents (drafts/documents.py): `slices`, CPU's own path
+--path: how the drafts attend packed documents (target/attention.py): `slices`, CPU's own path
 (per conversation), or `dense`, the masks other devices build (what CPU built before). The flex
 path of CUDA has no backward on CPU: --flex-sizes prints instead the bytes of the block masks it
 builds per batch (made here with the same mask_mods) beside those of the dense masks;
@@ -47,7 +47,8 @@ LIVE = os.environ.get("BENCH_LIVE") == "1"  # peak of live tensor bytes instead 
 
 
 def force_path(path: str) -> None:
-    from specdraft.drafts import documents, layers
+    from specdraft.drafts import layers
+    from specdraft.target import attention as documents
     from specdraft.drafts.dflash import blocks as dflash_blocks
 
     for module in (documents, layers, dflash_blocks):
@@ -182,7 +183,7 @@ def flex_sizes(T: int, window: int = 512, lag: int = 2, anchors: int = 512, bloc
 
     from specdraft.drafts.base import document_starts
     from specdraft.drafts.dflash.blocks import BlockVisibility
-    from specdraft.drafts.documents import document_block_mask
+    from specdraft.target.attention import document_block_mask
     from specdraft.drafts.layers import lagged_block_mask, window_block_mask
 
     def nbytes(mask) -> int:
@@ -226,7 +227,8 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from specdraft.drafts import documents as docs_module, layers
+    from specdraft.drafts import layers
+    from specdraft.target import attention as docs_module
     from specdraft.drafts.dflash import blocks as dflash_blocks
     from specdraft.drafts.base import document_starts
 

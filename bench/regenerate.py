@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 import acceptance  # noqa: E402  (bench/acceptance.py: training and τ)
-from specdraft.commands.regenerate_rows import SHARD_GLOB  # noqa: E402
+from specdraft.regenerate.writer import SHARD_GLOB  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 
 # the three training sets, in table order: label (acceptance.py's drafter label) -> description
@@ -143,8 +143,8 @@ class TransformersServe:
 def regenerate_with(backend, target_dir, source: Path, out: Path, max_new_tokens: int) -> dict:
     """One greedy `specdraft regenerate` of `source` into a fresh `out` with this backend, after
     one warm-up request; its summary and answers (id -> text)."""
-    from specdraft.data.generation import Request
-    from specdraft.commands.regenerate import RegenerateConfig, regenerate
+    from specdraft.regenerate.backends import Request
+    from specdraft.regenerate.run import RegenerateConfig, regenerate
 
     shutil.rmtree(out, ignore_errors=True)  # a leftover output would be resumed: nothing to time
     backend.generate([Request([{"role": "user", "content": read_jsonl(source)[0]["prompt"]}], 0, "warm-up")])
@@ -165,8 +165,8 @@ def regenerate_with(backend, target_dir, source: Path, out: Path, max_new_tokens
 def throughput(args, target_dir, prompts_file, max_new_tokens: int, batch_size: int, out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from specdraft.data.generation import HFBackend, Sampling
-    from specdraft.data.openai_backend import OpenAIBackend
+    from specdraft.regenerate.backends import HFBackend, Sampling
+    from specdraft.regenerate.openai_backend import OpenAIBackend
 
     prompts = read_jsonl(prompts_file)[: args.throughput_prompts]
     source = out / "prompts.jsonl"

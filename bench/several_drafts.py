@@ -56,7 +56,7 @@ from step_efficiency import (
 from specdraft.drafts.base import LossBatch
 from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.drafts.registry import build_draft  # noqa: E402
-from specdraft.drafts.documents import document_attention  # noqa: E402
+from specdraft.target.attention import document_attention  # noqa: E402
 from specdraft.target.capture import CaptureRequest, capture  # noqa: E402
 from specdraft.train import loop  # noqa: E402
 from specdraft.train.engine import build_engine, init_distributed  # noqa: E402

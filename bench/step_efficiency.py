@@ -74,7 +74,7 @@ from specdraft.data.sampler import ShardedBatchSampler  # noqa: E402
 from specdraft.demo.presets import get_preset  # noqa: E402
 from specdraft.drafts import family_keys  # noqa: E402
 from specdraft.drafts.registry import FAMILIES, build_draft  # noqa: E402
-from specdraft.drafts.documents import document_attention  # noqa: E402
+from specdraft.target.attention import document_attention  # noqa: E402
 from specdraft.drafts.objectives import CE  # noqa: E402
 from specdraft.drafts.objective_options import parse_objective  # noqa: E402
 from specdraft.target.capture import CaptureRequest, capture  # noqa: E402

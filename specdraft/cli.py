@@ -92,7 +92,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_consolidate(args) -> int:
-    from specdraft.commands.export import consolidate_run
+    from specdraft.checkpoint.consolidate import consolidate_run
 
     out = consolidate_run(args.run_dir, slot=args.slot, draft=args.draft)
     print(f"fp32 draft weights written to {out}")
@@ -141,7 +141,7 @@ def _prompt_bars(what: str, prompts: int):
 
 
 def _cmd_regenerate(args) -> int:
-    from specdraft.commands.regenerate import load_regenerate_config, regenerate
+    from specdraft.regenerate.run import load_regenerate_config, regenerate
 
     thinking = None if args.thinking is None else args.thinking == "on"
     values = dict(

@@ -17,7 +17,7 @@ os.environ["LOCAL_RANK"] = "0"
 if os.environ["RANK"] == "1":
     os.environ["SPECDRAFT_REGENERATE_PAUSE_S"] = "1.0"
 
-from specdraft.commands import regenerate as module  # noqa: E402
+from specdraft.regenerate import run as module  # noqa: E402
 from specdraft.cli import main  # noqa: E402
 
 work, argv = Path(sys.argv[1]), sys.argv[2:]

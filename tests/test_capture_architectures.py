@@ -20,11 +20,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdraft.drafts import documents
+from specdraft.target import attention as documents
 from specdraft.drafts.layers import apply_rope
 from specdraft.parallel import sequence
 from specdraft.parallel.sequence import SequenceShard
-from specdraft.target import capture as capture_module
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import target_features
 
@@ -400,7 +399,7 @@ def test_the_core_applies_window_sinks_and_softcap_inside_documents(path, window
     one = (q[1:], k[1:], v[1:], 0.3)  # row 1 holds one document: the cores without document ids
     with documents.forced_attention_path(path, compile=False):
         alone = documents.document_attention(None)(*one, window=window, sinks=sink, softcap=softcap)
-        plain = capture_module.causal_attention(*one, window=window, sinks=sink, softcap=softcap)
+        plain = documents.causal_attention(*one, window=window, sinks=sink, softcap=softcap)
     torch.testing.assert_close(alone, expected[1:], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(plain, expected[1:], rtol=1e-10, atol=1e-10)
     if path == "slices":  # one row per document alone: the tiles, no (T, T) scores
@@ -414,7 +413,7 @@ def test_the_core_applies_window_sinks_and_softcap_inside_documents(path, window
 
         torch.matmul = spy
         try:
-            capture_module.tiled_attention(q, k, v, 0.3, window, sink, softcap)
+            documents.tiled_attention(q, k, v, 0.3, window, sink, softcap)
         finally:
             torch.matmul = original
         assert max(widest) < 300 * 300 / 2

@@ -468,10 +468,10 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_what_was_committed(
 def test_layout_and_file_writes_live_in_one_place():
     """`step_` and the run layout: specdraft/rundir/layout.py only; renames into place: specdraft/rundir/atomic.py only
     (config.yaml included) and the one rename aside of a rejected slot; the offline commands live in
-    commands/export.py, not in the checkpoint manager or the export writer."""
+    commands/export.py and checkpoint/consolidate.py, not in the checkpoint manager or the export writer."""
     import re
 
-    from specdraft.checkpoint import manager
+    from specdraft.checkpoint import consolidate, manager
     from specdraft.commands import export
     from specdraft.export import files
 
@@ -484,8 +484,9 @@ def test_layout_and_file_writes_live_in_one_place():
             assert not re.search(r"""["']config\.yaml""", code), path
         if path.relative_to(package) != Path("rundir/atomic.py") and path.parent.name != "demo":
             assert "os.replace(" not in code and ".rename(" not in code.replace("os.rename(slot", ""), path
-    assert hasattr(export, "export_from_run") and hasattr(export, "consolidate_run")
+    assert hasattr(export, "export_from_run") and hasattr(consolidate, "consolidate_run")
     assert not any(hasattr(m, name) for m in (manager, files) for name in ("export_from_run", "consolidate_run"))
+    assert "mp_rank_00" not in (package / "commands" / "export.py").read_text()  # DeepSpeed's files: checkpoint/
 
 
 def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(

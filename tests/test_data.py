@@ -307,8 +307,8 @@ def test_tool_turn_and_null_content_rows_are_skipped_counted_and_the_rest_packed
 
 
 def test_regenerate_skips_tool_and_null_content_rows_with_their_reason(tiny_target_dir, tmp_path):
-    from specdraft.data.generation import Answer
-    from specdraft.commands.regenerate import RegenerateConfig, regenerate
+    from specdraft.regenerate.backends import Answer
+    from specdraft.regenerate.run import RegenerateConfig, regenerate
 
     class Echo:  # answers at once: which rows are asked is what is tested
         name = "hf"

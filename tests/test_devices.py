@@ -537,7 +537,7 @@ def test_a_steps_forward_on_the_flex_path_runs_the_same_operators_for_any_rows_o
 ):
     """The same on the CPU along the GPU's own attention (flex_attention over block masks, eager:
     the CPU has no flex backward, so the forward only)."""
-    from specdraft.drafts.documents import forced_attention_path
+    from specdraft.target.attention import forced_attention_path
 
     if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
         cpu_target = load_frozen_target(str(mtp_target_dir))
@@ -1015,7 +1015,7 @@ def test_micro_batches_make_no_host_sync_and_a_log_interval_makes_one(
     and the loss window, 2 optimizer steps of 2 micro-batches: no sync in a micro-batch, one
     (the window's) at the log. Packed documents attend along the device's path (dense here:
     the CPU's own slices read the borders on the host, which costs it nothing)."""
-    from specdraft.drafts.documents import forced_attention_path
+    from specdraft.target.attention import forced_attention_path
     from specdraft.train.loop import forward_step
 
     if "llama" not in (FAMILIES[family].target_model_types or ("llama",)):  # MTP: a target with its layer
@@ -1076,7 +1076,7 @@ def test_the_loop_on_a_deepspeed_engine_syncs_at_the_optimizer_step_and_the_log_
     engine, the loss window; at the log the window's reduce and the learning rate), 2 optimizer
     steps of 2 packed micro-batches: no sync in a micro-batch but DeepSpeed's own at the
     gradient-accumulation boundary (DEEPSPEED_STEP_READS), one (the window's) at the log."""
-    from specdraft.drafts.documents import forced_attention_path
+    from specdraft.target.attention import forced_attention_path
 
     cfg, engine = deepspeed_engine
     monkeypatch.setattr("specdraft.parallel.collectives.collective_device", lambda: DEVICE)  # NCCL's: the device
@@ -1215,7 +1215,7 @@ def test_several_drafts_make_no_host_sync_per_micro_batch_and_one_per_draft_and_
     """The CPU count of specdraft's host reads, as for one draft above: none in 2 optimizer steps
     of 2 packed micro-batches of every draft that can share a run (forward_drafts: one target
     pass, each draft's forward, backward, step), one per draft at the log."""
-    from specdraft.drafts.documents import forced_attention_path
+    from specdraft.target.attention import forced_attention_path
     from specdraft.train.loop import forward_drafts
     from specdraft.train.model import DraftWithLoss
 

@@ -1,4 +1,4 @@
-"""GLIDE's and DFlash's attention over packed documents, one path per device (drafts/documents.py):
+"""GLIDE's and DFlash's attention over packed documents, one path per device (target/attention.py):
 CPU per-conversation slices equal the visibility rule spelled out here, with every gradient; the
 CUDA flex_attention path equals it in the forward (flex has no backward on CPU in torch 2.13, so
 its forward runs here in eager mode); other devices use the dense mask. Neither the slices nor the
@@ -17,7 +17,7 @@ from specdraft.drafts.registry import build_draft
 from specdraft.drafts.dflash import blocks as dflash_blocks
 from specdraft.drafts.base import LossBatch, document_starts
 from specdraft.drafts.dflash.blocks import BlockVisibility, block_attention
-from specdraft.drafts.documents import attention_path
+from specdraft.target.attention import attention_path
 from specdraft.drafts.layers import lagged_cross_attention, sliding_window_attention
 from specdraft.target.capture import capture
 
@@ -109,7 +109,7 @@ def test_each_device_takes_its_path():
 def test_cuda_builds_block_masks_compiled(monkeypatch):
     """Eager create_block_mask evaluates the mask over the whole (B, 1, Q, KV) grid (a T^2 tensor:
     640 MiB at T = 8k, bench/long_context.py --mask-peak); compiled it does not. CUDA compiles it."""
-    from specdraft.drafts import documents
+    from specdraft.target import attention as documents
 
     built = []
     monkeypatch.setattr(documents, "_compiled_functions", {})

@@ -1,5 +1,5 @@
 """The layout shows the design (docs/architecture.md): imports point one way, cli -> commands / demo ->
-train -> checkpoint / export -> config -> drafts -> decode / target / data -> parallel -> rundir, each
+regenerate / train -> checkpoint / export -> config -> drafts -> decode / target / data -> parallel -> rundir, each
 family is one folder drafts/<family>/ holding all of its code, importing the shared blocks in drafts/
 and at most the one base family it declares; a shared module names no family; and each module stays
 small enough to read."""
@@ -23,6 +23,7 @@ ABOVE = [
     "cli",
     "commands",
     "demo",
+    "regenerate",
     "train",
     "checkpoint",
     "export",
@@ -37,14 +38,39 @@ ABOVE = [
 NEVER = {
     "commands": {"cli"},
     "demo": {"cli"},
-    "train": {"cli", "commands", "demo"},
-    "checkpoint": {"cli", "commands", "demo", "train", "export"},
-    "export": {"cli", "commands", "demo", "train"},
-    "config": {"cli", "commands", "demo", "train", "checkpoint", "export"},
-    "drafts": {"cli", "commands", "demo", "train", "checkpoint", "export", "config"},
-    "decode": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts"},
-    "target": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "data"},
-    "data": {"cli", "commands", "demo", "train", "checkpoint", "export", "config", "drafts", "decode", "target"},
+    "regenerate": {"cli", "commands", "demo", "train", "checkpoint", "export", "drafts", "decode"},
+    "train": {"cli", "commands", "demo", "regenerate"},
+    "checkpoint": {"cli", "commands", "demo", "regenerate", "train", "export"},
+    "export": {"cli", "commands", "demo", "regenerate", "train"},
+    "config": {"cli", "commands", "demo", "regenerate", "train", "checkpoint", "export"},
+    "drafts": {"cli", "commands", "demo", "regenerate", "train", "checkpoint", "export", "config"},
+    "decode": {"cli", "commands", "demo", "regenerate", "train", "checkpoint", "export", "config", "drafts"},
+    "target": {
+        "cli",
+        "commands",
+        "demo",
+        "regenerate",
+        "train",
+        "checkpoint",
+        "export",
+        "config",
+        "drafts",
+        "decode",
+        "data",
+    },
+    "data": {
+        "cli",
+        "commands",
+        "demo",
+        "regenerate",
+        "train",
+        "checkpoint",
+        "export",
+        "config",
+        "drafts",
+        "decode",
+        "target",
+    },
     "parallel": set(ABOVE) - {"parallel", "rundir"},
     "rundir": set(ABOVE) - {"rundir"},
 }
@@ -206,7 +232,7 @@ def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only
         ("eagle3/layer.py", "from specdraft.drafts.peagle.cod_attention import CODSlots", True),  # base -> child
         ("dflash/model.py", "import specdraft.drafts.dspark.model", True),
         ("glide/model.py", "from ..mtp import layer", True),  # relative
-        ("documents.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
+        ("objectives.py", "from specdraft.drafts.eagle3 import vocab", True),  # a shared block
         ("layers.py", "from specdraft.drafts.registry import FAMILIES", True),  # the registry imports every family
         ("spec.py", "from specdraft.drafts import SPECS", True),  # and so does drafts.SPECS
         ("glide/options.py", "from specdraft.drafts.registry import build_draft", True),

@@ -80,7 +80,7 @@ def test_no_familys_term_grows_faster_than_t_with_packed_documents(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_documents_cost_no_square_term(family):
     """No family's attention builds a (T, T) document mask on CUDA (flex_attention block masks) or
-    CPU (per-conversation slices; drafts/documents.py): with borders, no term is new or larger
+    CPU (per-conversation slices; target/attention.py): with borders, no term is new or larger
     (GLIDE's window band is the one term borders remove: each conversation is attended alone)."""
     from specdraft.drafts.registry import build_draft
     from specdraft.drafts.base import MemoryShape

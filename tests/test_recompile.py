@@ -1,6 +1,6 @@
 """The GPU path compiles once (issue 43): after the first batch, no recompilation, never eager flex.
 
-The CUDA path ("flex": compiled create_block_mask and flex_attention, drafts/documents.py) runs
+The CUDA path ("flex": compiled create_block_mask and flex_attention, target/attention.py) runs
 here on the CPU under documents.forced_attention_path, every family through TargetWithDraft over
 batches of one max_seq_length whose packed-document layouts, lags and anchors differ. Compiled with
 AOTAutograd, as inductor compiles, and compilers that record each forward and backward graph and
@@ -32,7 +32,7 @@ from torch._dynamo.backends.debugging import boxed_nop
 
 from helpers import random_target_for
 from specdraft.config import DraftConfig
-from specdraft.drafts import documents
+from specdraft.target import attention as documents
 from specdraft.drafts.base import HostBatch
 from specdraft.drafts.registry import FAMILIES, build_draft
 from specdraft.parallel import sequence

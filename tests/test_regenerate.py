@@ -16,11 +16,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdraft.data.chat import tokenize_conversation
-from specdraft.data.generation import HFBackend
+from specdraft.regenerate.backends import HFBackend
 from specdraft.data.sources import iter_conversations
 from specdraft.errors import SpecdraftError
-from specdraft.commands.regenerate import RegenerateConfig, regenerate
-from specdraft.commands.regenerate_rows import written_keys
+from specdraft.regenerate.run import RegenerateConfig, regenerate
+from specdraft.regenerate.writer import written_keys
 from specdraft.rundir.layout import MARKER, REGENERATE, marker_text
 
 ROWS = [
@@ -266,7 +266,7 @@ def test_openai_backend_against_transformers_serve(served_target, tiny_target_di
     """It refuses the sampling fields it does not know (422): greedy goes on without them."""
     data = source(tmp_path, prompts_from(tiny_data, 6))
     cfg = config(tiny_target_dir, data, tmp_path / "s", backend="openai", servers=[served_target], concurrency=2)
-    from specdraft.data.openai_backend import OpenAIBackend
+    from specdraft.regenerate.openai_backend import OpenAIBackend
 
     backend = OpenAIBackend(
         cfg.servers, AutoTokenizer.from_pretrained(tiny_target_dir), cfg.sampling(), concurrency=2, backoff_s=0.05
@@ -343,7 +343,7 @@ def test_each_row_gets_its_own_budget_whatever_its_batch(tiny_target_dir, tiny_d
     """Budgets differ (max_length minus the prompt): in a batch with larger budgets a row still
     stops at its own and its answer is the one it gets alone (greedy). The tiny target is made to
     stop at token 'P' (its 4th greedy token) so answers end inside the batch's largest budget."""
-    from specdraft.data.generation import Request, Sampling, prompt_ids
+    from specdraft.regenerate.backends import Request, Sampling, prompt_ids
 
     prompts = [r["prompt"] for r in prompts_from(tiny_data, 8)]
     requests = [Request([{"role": "user", "content": p}], 0, str(i)) for i, p in enumerate(prompts)]
@@ -454,7 +454,7 @@ def test_rows_are_keyed_by_file_and_id_and_duplicate_ids_in_a_file_are_reported(
         name = "hf"
 
         def generate(self, requests, progress=lambda n: None):
-            from specdraft.data.generation import Answer
+            from specdraft.regenerate.backends import Answer
 
             return [Answer(text="re: " + r.messages[-1]["content"], tokens=1) for r in requests]
 
@@ -502,7 +502,7 @@ class Echo:
         self.name, self.on_call, self.calls = name, on_call, 0
 
     def generate(self, requests, progress=lambda n: None):
-        from specdraft.data.generation import Answer
+        from specdraft.regenerate.backends import Answer
 
         self.calls += 1
         self.on_call(self.calls)
@@ -521,7 +521,7 @@ def test_a_rerun_with_another_backend_is_refused_before_a_model_or_server_is_tou
     one backend's rows. The refusal names the key, comes before any model is loaded or server
     asked, and leaves every file as it was."""
     from specdraft import cli
-    from specdraft.commands import regenerate as module
+    from specdraft.regenerate import run as module
 
     data = source(tmp_path, prompts_from(tiny_data, 3))
     out = tmp_path / "o"
@@ -680,7 +680,7 @@ def test_rank_0_waits_for_this_launch_s_ranks_never_for_files_an_earlier_launch_
     first, and rank 0 gets this launch's counts."""
     import threading
 
-    from specdraft.commands.regenerate_ranks import RankSync, Stop
+    from specdraft.regenerate.ranks import RankSync, Stop
 
     def launch(first):
         out = tmp_path / first
@@ -712,8 +712,8 @@ def test_the_progress_bar_counts_answers_as_each_batch_lands(tiny_target_dir, tm
     """Single- and multi-turn rows in one wave: the bar moves per answer as each batch of 2 comes
     back (not once per wave of 4 batches, or per finished row), totals every answer asked for, and
     shows no time left before the first answer lands."""
-    from specdraft.commands import regenerate as module
-    from specdraft.data.generation import Answer
+    from specdraft.regenerate import run as module
+    from specdraft.regenerate.backends import Answer
 
     seen = []
 

@@ -14,11 +14,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdraft import cli
-from specdraft.data import openai_backend
-from specdraft.data.generation import Request, Sampling
-from specdraft.data.openai_backend import OpenAIBackend
-from specdraft.commands.regenerate import RegenerateConfig, _build_backend, regenerate
-from specdraft.commands.regenerate_rows import row_seed
+from specdraft.regenerate import openai_backend
+from specdraft.regenerate.backends import Request, Sampling
+from specdraft.regenerate.openai_backend import OpenAIBackend
+from specdraft.regenerate.run import RegenerateConfig, _build_backend, regenerate
+from specdraft.regenerate.rows import row_seed
 
 
 class Stub:

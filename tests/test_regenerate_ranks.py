@@ -7,7 +7,7 @@ from pathlib import Path
 from helpers import torchrun
 from test_regenerate import config, out_rows, prompts_from, source
 
-from specdraft.commands.regenerate import regenerate
+from specdraft.regenerate.run import regenerate
 
 SCRIPT = Path(__file__).with_name("regenerate_ranks_script.py")
 

@@ -179,7 +179,7 @@ def test_answers_are_trained_with_their_end_of_turn_and_the_default_system_promp
 def test_regenerated_answers_do_not_depend_on_the_left_padding_by_the_eos_id(smollm2_target_dir, target, tokenizer):
     """The hf backend pads a batch on the left with <|im_end|>, the id that also ends an answer:
     each answer equals its prompt's answered alone, and none holds the id."""
-    from specdraft.data.generation import HFBackend, Request, Sampling
+    from specdraft.regenerate.backends import HFBackend, Request, Sampling
 
     prompts = ["Complete: def f(x):", "Write a Python function that sorts a list of numbers in place, please."]
     requests = [Request([{"role": "user", "content": p}], 0, f"prompt {i}") for i, p in enumerate(prompts)]

@@ -13,7 +13,7 @@ from helpers import random_llama
 from specdraft.drafts.base import LossBatch
 from specdraft.config import DraftConfig
 from specdraft.drafts.registry import build_draft
-from specdraft.drafts.documents import document_attention
+from specdraft.target.attention import document_attention
 from specdraft.target.capture import CaptureRequest, capture
 from specdraft.train.model import TargetWithDraft
 

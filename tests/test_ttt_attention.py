@@ -78,7 +78,7 @@ def test_packed_rows_attend_per_conversation_on_cpu_without_a_square_mask(monkey
     documents' (a slice across a border would change the result, caught by the equality test)."""
     import torch.nn.functional as F
 
-    from specdraft.drafts.documents import PackedDocuments
+    from specdraft.target.attention import PackedDocuments
 
     q, keys, values, docs = inputs(3, 4, 2, True)
     packed = PackedDocuments.of(docs)
@@ -99,7 +99,7 @@ def test_packed_rows_attend_per_conversation_on_cpu_without_a_square_mask(monkey
 @pytest.mark.parametrize("step", [0, 2])
 def test_the_dense_path_of_other_devices_equals_the_reference(step):
     """Meta (the device tests' stand-in) has no borders to read: the dense mask, same result."""
-    from specdraft.drafts.documents import PackedDocuments
+    from specdraft.target.attention import PackedDocuments
 
     q, keys, values, docs = inputs(step, 4, 2, True)
     got = ttt_attention(q, keys, values, PackedDocuments(docs))  # neither segments nor a block mask
@@ -110,7 +110,7 @@ def test_the_dense_path_of_other_devices_equals_the_reference(step):
 def test_the_flex_path_of_cuda_equals_the_reference_forward(step):
     """flex_attention has no backward on CPU (torch 2.13): its forward is checked here, in eager
     mode; the gradients run on a GPU only (the log-sum-exp merge is differentiable there)."""
-    from specdraft.drafts.documents import PackedDocuments, document_block_mask
+    from specdraft.target.attention import PackedDocuments, document_block_mask
 
     q, keys, values, _ = inputs(step, 4, 2, False, T=160)  # > one 128-token block
     docs = torch.tensor([[0] * 50 + [1] * 100 + [2] * 10, [0] * 160])

@@ -184,9 +184,9 @@ def regenerate_rows(
     progress_bar: bool = True,
 ) -> dict:
     """`specdraft regenerate` on the demo's prompt rows with the already loaded target."""
-    from specdraft.data.generation import HFBackend
-    from specdraft.commands.regenerate import RegenerateConfig
-    from specdraft.commands.regenerate import regenerate as run_regenerate
+    from specdraft.regenerate.backends import HFBackend
+    from specdraft.regenerate.run import RegenerateConfig
+    from specdraft.regenerate.run import regenerate as run_regenerate
 
     cfg = RegenerateConfig(
         target=str(target_dir),
@@ -218,8 +218,8 @@ def regenerate(
     `max_new_tokens` tokens), by `specdraft regenerate`'s hf backend: batched with left padding;
     temperature 0 greedy, else sampled per prompt from a generator seeded by (seed, prompt index),
     so an answer does not depend on its batch and the caller's RNG is left as it was."""
-    from specdraft.data.generation import HFBackend, Request, Sampling
-    from specdraft.commands.regenerate_rows import row_seed
+    from specdraft.regenerate.backends import HFBackend, Request, Sampling
+    from specdraft.regenerate.rows import row_seed
 
     backend = HFBackend(model, tokenizer, Sampling(temperature, 1.0, max_new_tokens, 1 << 30), batch_size)
     requests = [

@@ -1,7 +1,7 @@
 """Building blocks the draft families share: the dims of a Llama-style layer, RMSNorm, the
 target's RoPE, the q/k/v/o projections, attention with an explicit visibility mask, the gated MLP,
 and the training-time attentions that need no (T, T) mask (sliding window, lagged causal
-cross-attention), packed documents included (one path per device: drafts/documents.py). Module
+cross-attention), packed documents included (one path per device: target/attention.py). Module
 attribute names (q_proj, gate_proj, ...) are the serving formats' keys: speculators, SGLang and
 LongSpec load them by these names."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from specdraft.drafts.documents import attention_path, document_segments, flex_attention, make_block_mask, per_document
+from specdraft.target.attention import attention_path, document_segments, flex_attention, make_block_mask, per_document
 from specdraft.drafts.spec import LayerDims
 
 
@@ -86,7 +86,7 @@ class GatedMLP(nn.Module):
 
 def same_document(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
     """(..., Q) and (..., K) document ids -> (..., Q, K) bool: the dense form of the document rule,
-    built only on the "dense" path (drafts/documents.py: not on CPU, not on CUDA)."""
+    built only on the "dense" path (target/attention.py: not on CPU, not on CUDA)."""
     return query_documents[..., :, None] == key_documents[..., None, :]
 
 

@@ -1,6 +1,6 @@
 """The draft export: a self-describing directory that rebuilds the draft without the trainer,
 in files a user can ship (its layout: step_<N>/ in specdraft/rundir/layout.py). Written by training on rank 0
-and by the offline commands (commands/export.py: `specdraft export`, `consolidate`); read back
+and by the offline commands (commands/export.py: `specdraft export`); read back
 by `specdraft eval`, the benchmarks and tests, strictly (no key patching).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -21,7 +20,6 @@ from specdraft.rundir.atomic import publish_dir, temp_dir_beside
 from specdraft.config import config_hash
 from specdraft.drafts.base import Draft
 from specdraft.drafts.registry import draft_from_export_config
-from specdraft.drafts.base import DRAFT_PREFIX
 from specdraft.errors import SpecdraftError, write_failure
 from specdraft.rundir.layout import (
     CONFIG_NAME,
@@ -33,13 +31,6 @@ from specdraft.rundir.layout import (
     TRAINING_CONFIG_NAME,
     marker_text,
 )
-
-
-def extract_and_rename(
-    state_dict: Dict[str, torch.Tensor], prefix: str = DRAFT_PREFIX
-) -> "OrderedDict[str, torch.Tensor]":
-    """Keep the keys under `prefix`, with the prefix stripped."""
-    return OrderedDict((key[len(prefix) :], value) for key, value in state_dict.items() if key.startswith(prefix))
 
 
 NATIVE_FILES = ("pth", "safetensors")

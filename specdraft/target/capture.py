@@ -13,7 +13,7 @@ then never run); K/V are kept for the last layer only, never a cache of every la
 
 Attention builds no mask: transformers' own mask (B, 1, T, T) for packed documents is quadratic in
 T (4.3 GB at 64k). The layers run our attention function (CORE_ATTENTION) instead, which calls a
-core handed in per pass: causal attention inside each document (drafts/documents.py: slices on CPU,
+core handed in per pass (target/attention.py): causal attention inside each document (slices on CPU,
 flex block masks on CUDA) or plain causal SDPA, with each layer's own rule as transformers hands it
 to the attention function: its sliding window (`sliding_window`: Mistral's every layer, the
 `sliding_attention` layers of layer_types in Qwen2/Qwen3 with use_sliding_window, gpt-oss, Gemma 3),
@@ -36,11 +36,11 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specdraft.errors import SpecdraftError
 from specdraft.parallel.sequence import SequenceShard
+from specdraft.target.attention import causal_attention
 
 
 @dataclass(frozen=True)
@@ -152,72 +152,8 @@ class _LastLayerKV:
 CORE_ATTENTION = "specdraft_core"  # the attention function the target runs while capturing
 
 # core(q (B, h, T, D), k, v (B, kv, T, D), scale, window=None, sinks=None, softcap=None) -> (B, h, T, D):
-# causal over the whole sequence; window / sinks (h,) / softcap: the layer's own (documents.target_attention)
+# causal over the whole sequence; window / sinks (h,) / softcap: the layer's own (attention.target_attention)
 CoreAttention = Callable[..., torch.Tensor]
-
-
-def causal_attention(q, k, v, scale=None, window=None, sinks=None, softcap=None):
-    """One document per row: plain causal SDPA (its fast kernels, no mask); a layer's window,
-    sinks or soft-cap in query tiles (tiled_attention: no (T, T) tensor). The training path's core
-    (drafts/documents.py's document_attention) takes flex_attention for these on CUDA."""
-    window = window if window is not None and window < q.shape[2] else None  # one covering T cuts nothing
-    if window is None and sinks is None and softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return tiled_attention(q, k, v, scale, window, sinks, softcap)
-
-
-TARGET_QUERY_BLOCK = 128  # queries per tile of tiled_attention without a window
-
-
-def tiled_attention(
-    q,
-    k,
-    v,
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: Optional[float] = None,
-    documents: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Causal attention of one sequence per row, computed as transformers' eager attention does
-    (scores, soft-cap, mask, softmax with the sink logit, weights @ v), one query tile at a time:
-    tiles of `window` queries over the keys [tile start - window + 1, tile end) with a windowed
-    layer, of TARGET_QUERY_BLOCK queries over [0, tile end) without one. No (T, T) tensor: the
-    scores of one tile, (B, H, tile, <= tile + window) or (B, H, tile, <= T). Shapes depend on T
-    and the window only (no host read): any device. documents (B, T): ids, attended inside each.
-
-    q (B, H, T, D), k (B, KV, T, D), v (B, KV, T, Dv) -> (B, H, T, Dv)."""
-    B, H, T, D = q.shape
-    KV = k.shape[1]
-    group = H // KV
-    scale = D**-0.5 if scale is None else scale
-    tile = window if window is not None else TARGET_QUERY_BLOCK
-    sink = None if sinks is None else sinks.to(q.dtype).view(1, KV, group, 1, 1)
-    upcast = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 at least, as transformers' eager
-    outs = []
-    for start in range(0, T, tile):
-        end = min(start + tile, T)
-        first = 0 if window is None else max(0, start - window + 1)
-        qs = q[:, :, start:end].reshape(B, KV, group, end - start, D)  # grouped queries: no repeat of k/v
-        scores = torch.matmul(qs, k[:, :, None, first:end].transpose(-1, -2)) * scale  # (B, KV, g, n, m)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        t = torch.arange(start, end, device=q.device)[:, None]
-        s = torch.arange(first, end, device=q.device)[None, :]
-        visible = s <= t
-        if window is not None:
-            visible = visible & (t - s < window)
-        if documents is not None:
-            same = documents[:, start:end, None] == documents[:, None, first:end]  # (B, n, m)
-            visible = visible & same[:, None, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sink is not None:
-            logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
-            weights = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1, dtype=upcast)[..., :-1]
-        else:
-            weights = torch.softmax(scores, dim=-1, dtype=upcast)
-        outs.append(torch.matmul(weights.to(v.dtype), v[:, :, None, first:end]).reshape(B, H, end - start, -1))
-    return torch.cat(outs, dim=2)
 
 
 def _core_attention(

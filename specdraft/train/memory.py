@@ -124,7 +124,7 @@ ATTENTION_TILE = 128  # queries per tile of the capture's tiled attention withou
 
 def attention_tile_bytes(text, B: int, T: int, p: int, documents: bool, sequence_parallel: int = 1) -> float:
     """The capture's attention scores of one query tile, its largest kind of layer, where its core
-    computes them itself (target/capture.tiled_attention: one sequence per row with a window, sinks
+    computes them itself (target/attention.tiled_attention: one sequence per row with a window, sinks
     or soft-capping); with packed documents the core is flex_attention on CUDA, which keeps none.
     A windowed layer (window W < T): W queries over up to 2W - 1 keys; a full layer with sinks
     (gpt-oss) or soft-capping: 128 queries over up to T keys; per element the scores, their masked

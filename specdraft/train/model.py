@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specdraft.drafts.base import Draft, DraftLoss, HostBatch, LossBatch
-from specdraft.drafts.documents import document_attention
+from specdraft.target.attention import document_attention
 from specdraft.features.step import cached_target_features
 from specdraft.parallel.sequence import SequenceParallel, SequenceShard
 from specdraft.target.capture import CaptureRequest, TargetFeatures, capture

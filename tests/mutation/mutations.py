@@ -486,7 +486,7 @@ E3_LAYER = "specdraft/drafts/eagle3/layer.py"
 E3_DECODE = "specdraft/drafts/eagle3/decode.py"
 E3_VOCAB = "specdraft/drafts/eagle3/vocab.py"
 E3_TRAIN = ("tests/test_eagle3.py",)
-DOCUMENTS_PY = "specdraft/drafts/documents.py"
+ATTENTION_PY = "specdraft/target/attention.py"
 DOCUMENT_TESTS = ("tests/test_document_attention.py",)  # GLIDE's and DFlash's paths over packed documents
 TTT_ATTENTION_PY = "specdraft/drafts/eagle3/ttt_attention.py"
 TTT_TESTS = ("tests/test_ttt_attention.py", "tests/test_eagle3.py")
@@ -559,7 +559,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/packed-conversations-see-each-other",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "return cls(documents, segments=document_segments(documents))",
         "return cls(documents, segments=[[(0, documents.shape[1])]] * documents.shape[0])",
         (
@@ -600,7 +600,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/ttt-packed-conversations-ignored",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "starts = documents[:, 1:] != documents[:, :-1]",
         "starts = documents[:, 1:] != documents[:, 1:]",
         TTT_TESTS,
@@ -608,7 +608,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/ttt-dense-path-ignores-conversations",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]",
         "return (causal & (self.ids[:, :, None] >= 0))[:, None]",
         TTT_TESTS,
@@ -616,7 +616,7 @@ EAGLE3: List[Mutation] = [
     ),
     Mutation(
         "eagle3/ttt-flex-block-mask-ignores-conversations",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "return (q >= kv) & (documents[b, q] == key_documents[b, kv])",
         "return q >= kv",
         TTT_TESTS,
@@ -1104,7 +1104,7 @@ CHECKPOINT = [
     ),
     Mutation(
         "checkpoint/export-without-frozen-state",
-        "specdraft/commands/export.py",
+        "specdraft/checkpoint/consolidate.py",
         '        **_trained_fp32(slot_dir, record),\n        **read_untrained_state(slot_dir),\n    }',
         '        **_trained_fp32(slot_dir, record),\n    }',
         FROZEN_TRAVELS,
@@ -1649,7 +1649,7 @@ PEAGLE: List[Mutation] = [
 DOCUMENTS: List[Mutation] = [
     Mutation(
         "documents/cuda-takes-the-dense-path",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         'return {"cpu": "slices", "cuda": "flex"}',
         'return {"cpu": "slices", "cuda": "dense"}',
         DOCUMENT_TESTS,
@@ -1657,7 +1657,7 @@ DOCUMENTS: List[Mutation] = [
     ),
     Mutation(
         "documents/cpu-takes-the-dense-path",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         'return {"cpu": "slices", "cuda": "flex"}',
         'return {"cpu": "dense", "cuda": "flex"}',
         DOCUMENT_TESTS,
@@ -1665,7 +1665,7 @@ DOCUMENTS: List[Mutation] = [
     ),
     Mutation(
         "documents/cuda-block-masks-eager",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "build = _compiled(create_block_mask, device) or create_block_mask",
         "build = create_block_mask",
         DOCUMENT_TESTS,
@@ -1673,7 +1673,7 @@ DOCUMENTS: List[Mutation] = [
     ),
     Mutation(
         "documents/automatic-dynamic-shapes",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "torch.compile(fn, backend=backend, dynamic=False)",
         "torch.compile(fn, backend=backend)",
         ("tests/test_recompile.py",),
@@ -1681,7 +1681,7 @@ DOCUMENTS: List[Mutation] = [
     ),
     Mutation(
         "documents/default-recompile-limit",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)",
         "torch._dynamo.config.recompile_limit",
         ("tests/test_recompile.py",),
@@ -1697,7 +1697,7 @@ DOCUMENTS: List[Mutation] = [
     ),
     Mutation(
         "documents/segment-border-off-by-one",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "borders = [0, *(torch.nonzero(row).flatten() + 1).tolist(), T]",
         "borders = [0, *(torch.nonzero(row).flatten() + 2).tolist(), T]",
         DOCUMENT_TESTS + TTT_TESTS,
@@ -2440,7 +2440,7 @@ CAPTURED = f"{ARCH_TESTS}::test_the_capture_equals_transformers_on_packed_docume
 TARGET_ATTENTION: List[Mutation] = [
     Mutation(
         "target-attention/tile-window-plus-1",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "visible = visible & (t - s < window)",
         "visible = visible & (t - s <= window)",
         (f"{CORE}[24-None-None-slices]", CORE),
@@ -2448,7 +2448,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/tile-misses-its-oldest-key",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "first = 0 if window is None else max(0, start - window + 1)",
         "first = 0 if window is None else max(0, start - window + 2)",
         (f"{CORE}[24-None-None-slices]", CORE),
@@ -2456,7 +2456,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/tile-sinks-dropped",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "        if sink is not None:\n            logits",
         "        if False:\n            logits",
         (f"{CORE}[None-True-None-slices]", CORE),
@@ -2464,7 +2464,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/tile-softcap-skipped",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "            scores = torch.tanh(scores / softcap) * softcap",
         "            scores = scores",
         (f"{CORE}[24-True-3.0-slices]", CORE),
@@ -2472,7 +2472,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/tile-softcap-applied-twice",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "            scores = torch.tanh(scores / softcap) * softcap",
         "            scores = torch.tanh(torch.tanh(scores / softcap)) * softcap",
         (f"{CORE}[24-True-3.0-slices]", CORE),
@@ -2520,7 +2520,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-window-plus-1",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "(q - kv < window) & (documents[b, q] == documents[b, kv])",
         "(q - kv <= window) & (documents[b, q] == documents[b, kv])",
         (f"{CORE}[24-None-None-flex]", CORE),
@@ -2528,7 +2528,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-window-ignores-documents",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "(q - kv < window) & (documents[b, q] == documents[b, kv])",
         "(q - kv < window)",
         (f"{CORE}[24-None-None-flex]", CORE),
@@ -2536,7 +2536,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-one-row-window-plus-1",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "                return (q >= kv) & (q - kv < window)\n",
         "                return (q >= kv) & (q - kv <= window)\n",
         (f"{CORE}[24-None-None-flex]", CORE),
@@ -2544,7 +2544,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-sinks-dropped",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "        if sinks is None:\n            return flex_attention(",
         "        if True:\n            return flex_attention(",
         (f"{CORE}[None-True-None-flex]", CORE),
@@ -2552,7 +2552,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-sinks-sign",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None])",
         "torch.sigmoid(sinks.to(lse.dtype)[None, :, None] - lse)",
         (f"{CORE}[None-True-None-flex]", CORE),
@@ -2560,7 +2560,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/flex-softcap-skipped",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "            return torch.tanh(score / softcap) * softcap",
         "            return score",
         (f"{CORE}[24-True-3.0-flex]", CORE),
@@ -2568,7 +2568,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/slices-window-dropped",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "        return tiled_attention(q, k, v, scale, window, sinks, softcap, ids)",
         "        return tiled_attention(q, k, v, scale, None, sinks, softcap, ids)",
         (f"{CORE}[24-None-None-slices]", CORE),
@@ -2576,7 +2576,7 @@ TARGET_ATTENTION: List[Mutation] = [
     ),
     Mutation(
         "target-attention/dense-ignores-documents",
-        DOCUMENTS_PY,
+        ATTENTION_PY,
         "    return attend(q, k, v, documents.ids)",
         "    return attend(q, k, v)",
         (f"{CORE}[None-True-None-dense]", CORE),
@@ -2585,7 +2585,7 @@ TARGET_ATTENTION: List[Mutation] = [
     # MLA (DeepSeek-V3): keys of qk_nope + qk_rope dims, RoPE on the last qk_rope, values of v_head_dim
     Mutation(
         "target-attention/mla-values-as-wide-as-the-keys",
-        CAPTURE_PY,
+        ATTENTION_PY,
         "v[:, :, None, first:end]).reshape(B, H, end - start, -1)",
         "v[:, :, None, first:end]).reshape(B, H, end - start, D)",
         (f"{CORE}[None-True-None-slices]", CORE),

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from specdraft.drafts.base import document_starts
 from specdraft.drafts.dflash.options import BlockLayout
-from specdraft.drafts.documents import attention_path, flex_attention, make_block_mask
+from specdraft.target.attention import attention_path, flex_attention, make_block_mask
 from specdraft.transfer import to_device
 
 

@@ -22,7 +22,7 @@ from specdraft.drafts.dflash.blocks import (
     sample_training_blocks,
 )
 from specdraft.drafts.dflash.layer import BlockHead
-from specdraft.drafts.documents import attention_path
+from specdraft.target.attention import attention_path
 from specdraft.drafts.loss import chunked_cross_entropy, row_cross_entropy
 from specdraft.drafts.objectives import (
     ObjectiveSums,

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdraft.drafts.base import Draft, TargetFeatures, target_layer_shape, target_text_config
-from specdraft.drafts.documents import PackedDocuments
+from specdraft.target.attention import PackedDocuments
 from specdraft.drafts.eagle3.export import serving_refusal
 from specdraft.drafts.eagle3.options import AUX_LAYERS
 from specdraft.drafts.layers import GatedMLP, LayerDims, Projections, RMSNorm, apply_rope, attend

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from specdraft.drafts.documents import PackedDocuments
+from specdraft.target.attention import PackedDocuments
 from specdraft.drafts.eagle3.decode import Eagle3Drafter
 from specdraft.drafts.eagle3.export import FILE_FORMATS, write_sglang, write_speculators
 from specdraft.drafts.eagle3.options import Eagle3Spec

@@ -22,7 +22,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafts.documents import PackedDocuments, document_causal_attention, flex_attention, per_document
+from specdraft.target.attention import PackedDocuments, document_causal_attention, flex_attention, per_document
 
 
 def _per_query_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from transformers import AttentionInterface
 
-from specdraft.drafts.documents import PackedDocuments, flex_attention
+from specdraft.target.attention import PackedDocuments, flex_attention
 from specdraft.errors import SpecdraftError
 
 
@@ -91,7 +91,7 @@ ATTENTION = "specdraft_packed_documents"  # the layer's transformers attention i
 
 def packed_document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa for a mask tensor or None (causal); packed documents (PackedDocuments)
-    without a (T, T) mask (drafts/documents.py): one causal call per conversation slice on the CPU,
+    without a (T, T) mask (target/attention.py): one causal call per conversation slice on the CPU,
     flex_attention's block mask on CUDA, the dense mask elsewhere. Returns (B, T, heads, D), None."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

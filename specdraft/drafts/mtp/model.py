@@ -42,7 +42,7 @@ from specdraft.drafts.mtp.export import (
     write_speculators,
     write_stitched,
 )
-from specdraft.drafts.documents import PackedDocuments
+from specdraft.target.attention import PackedDocuments
 from specdraft.drafts.mtp.layer import ATTENTION, LAYER_CLASSES, build_mtp_layer, init_layer_weights
 from specdraft.drafts.mtp.options import MTPSpec
 from specdraft.drafts.mtp.train import MTPTraining, step_weights

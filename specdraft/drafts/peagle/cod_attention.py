@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from specdraft.drafts.documents import PackedDocuments
+from specdraft.target.attention import PackedDocuments
 from specdraft.drafts.layers import attend
 from specdraft.drafts.eagle3.ttt_attention import ttt_attention
 from specdraft.parallel.sequence import SequenceShard

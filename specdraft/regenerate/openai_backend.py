@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
-from specdraft.data.generation import Answer, Request, Sampling, prompt_ids
+from specdraft.regenerate.backends import Answer, Request, Sampling, prompt_ids
 from specdraft.errors import SpecdraftError
 
 RETRIED_4XX = (408, 429)  # request timeout, too many requests: the server may take it later

@@ -1,32 +1,5 @@
-"""`specdraft regenerate`: the target writes the answers of a training set.
-
-    specdraft regenerate --target DIR --data GLOB --out DIR [--backend hf|openai] ...
-
-Every assistant turn of every row is replaced by the target's own answer, conditioned on its own
-earlier answers (a row ending in a user turn, or holding only a prompt, gets one appended). The
-output directory holds what `specdraft train` reads directly:
-
-    OUT/shard-r<rank>-<run>-<k>.jsonl   rows {"id", "sample", "file", "source", "conversations"};
-                                        each regenerated assistant turn carries its "token_ids", and
-                                        "truncated": true when cut at its budget (finish=length:
-                                        training learns no end-of-turn after it)
-    OUT/manifest.json                   sources, target identity, backend, sampling (written before
-                                        the first shard, checked by every rerun), then counts
-    OUT/errors[-r<rank>].jsonl          this run's rows without an answer, with the reason and kind:
-                                        "failed" (the server did not answer) or "skipped" (the row
-                                        itself: template refused, too long, empty answer, duplicate)
-
-Resume is keyed by (source file, row id) and sample index; the row id is its "id" field, else a
-hash of its content. A row is written only once it is complete, a shard appears whole (written
-atomically) or not at all, so a rerun after any crash writes exactly the rows no shard holds yet,
-each once. Error rows of both kinds are asked again by the next run. Failed rows make the command
-exit 1 (so `regenerate && train` stops); skipped rows do not (a rerun would skip them again).
-
-Ctrl-C (SIGINT) or SIGTERM: the rows finished so far are written, the manifest counts them, one line
-says so, and the command exits 130 (143 for SIGTERM); the same command resumes after them.
-Under torchrun (RANK / WORLD_SIZE) each rank takes the rows its ids hash to; global rank 0 alone
-writes manifest.json, its counts once every rank has finished (commands/regenerate_ranks.py).
-"""
+"""`specdraft regenerate` end to end: the rows a rank owns through the backend, into shards, and the
+manifest (the command, its outputs and its resume: specdraft/regenerate/__init__.py)."""
 
 from __future__ import annotations
 
@@ -40,11 +13,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from specdraft.rundir.atomic import write_atomic
 from specdraft.config import read_yaml, resolve_data_files
-from specdraft.data.generation import Request, Sampling
+from specdraft.regenerate.backends import Request, Sampling
 from specdraft.errors import SpecdraftError
 from specdraft.rundir.ownership import claim_regenerate_out
-from specdraft.commands.regenerate_rows import SHARD_GLOB, Item, ShardWriter, read_rows, row_seed, written_keys
-from specdraft.commands.regenerate_ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
+from specdraft.regenerate.rows import Item, read_rows, row_seed
+from specdraft.regenerate.writer import SHARD_GLOB, ShardWriter, written_keys
+from specdraft.regenerate.ranks import MANIFEST, Interrupted, RankSync, RegenerateInterrupted, Stop
 from specdraft.target.checks import check_chat_template
 from specdraft.target.model import check_tokenizer, load_target_tokenizer
 
@@ -342,13 +316,13 @@ def _refused(backend) -> Dict[str, List[str]]:
 
 def _build_backend(cfg: RegenerateConfig):
     if cfg.backend == "openai":
-        from specdraft.data.openai_backend import OpenAIBackend
+        from specdraft.regenerate.openai_backend import OpenAIBackend
 
         tokenizer = load_target_tokenizer(cfg.target)
         return OpenAIBackend(
             cfg.servers, tokenizer, cfg.sampling(), concurrency=cfg.concurrency, model=cfg.model, timeout_s=cfg.timeout
         )
-    from specdraft.data.generation import HFBackend
+    from specdraft.regenerate.backends import HFBackend
 
     local = os.environ.get("LOCAL_RANK")
     device = None

@@ -4,7 +4,7 @@ A backend takes requests (a conversation so far, a seed) and returns each one's 
 ids the target generated (its stop token included when it stopped) and their text.
 
     HFBackend       transformers `generate` in batches (left padding, KV cache), bf16 on a GPU
-    (OpenAIBackend  in data/openai_backend.py: OpenAI-compatible servers)
+    (OpenAIBackend  in regenerate/openai_backend.py: OpenAI-compatible servers)
 
 Nothing about an answer depends on which rows shared its batch: each row samples from its own
 seeded generator, and each row stops at its own budget (a row that reaches it is finished, padded

@@ -1,7 +1,13 @@
-"""Attention inside packed documents without a (T, T) mask, one path per device (attention_path).
+"""The target's attention as its layers run it while capturing (target/capture.py's core), and
+attention inside packed documents without a (T, T) mask, which the drafts' attentions share.
+
+The target's rule per layer: causal, inside each packed document, with the layer's own sliding
+window, attention sinks and soft-cap (target_attention; one sequence per row: causal_attention),
+computed in query tiles (tiled_attention) where no fused kernel applies.
 
 Packed rows hold several conversations; a query sees keys of its own one only (EAGLE-3: those
-<= its position; GLIDE and DFlash add their window, lag or block rule on top).
+<= its position; GLIDE and DFlash add their window, lag or block rule on top). One path per
+device (attention_path):
 - CPU ("slices"): each conversation is one slice of the row, attended as a row of its own (no
   document mask at all). Its borders are read on the host, which costs nothing there.
 - CUDA ("flex"): flex_attention with a block mask built on the device from the document ids (no
@@ -18,8 +24,6 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
-from specdraft.target.capture import tiled_attention
 
 
 _forced: Optional[tuple] = None  # forced_attention_path's (path, compile, backend), for the CPU
@@ -125,7 +129,7 @@ def document_causal_attention(
 
 
 def document_attention(document_ids: Optional[torch.Tensor]):
-    """The target's core attention for packed data (target/capture.py's `attention`): causal
+    """The target's core attention for packed data (capture's `attention`): causal
     inside each document of document_ids (B, T), with each layer's own window, sinks and
     soft-cap (target_attention). None: one document per row (plain causal SDPA where no layer
     rule applies; flex_attention for one on CUDA, where capture's own core computes tiles)."""
@@ -314,3 +318,70 @@ def _softcap_score(softcap: float):
 
 
 _softcap_scores: dict = {}
+
+
+# -- tiles: one sequence per row, a query tile at a time ------------------------------------------
+
+
+def causal_attention(q, k, v, scale=None, window=None, sinks=None, softcap=None):
+    """One document per row: plain causal SDPA (its fast kernels, no mask); a layer's window,
+    sinks or soft-cap in query tiles (tiled_attention: no (T, T) tensor). The training path's core
+    (target/attention.py's document_attention) takes flex_attention for these on CUDA."""
+    window = window if window is not None and window < q.shape[2] else None  # one covering T cuts nothing
+    if window is None and sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return tiled_attention(q, k, v, scale, window, sinks, softcap)
+
+
+TARGET_QUERY_BLOCK = 128  # queries per tile of tiled_attention without a window
+
+
+def tiled_attention(
+    q,
+    k,
+    v,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
+    documents: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence per row, computed as transformers' eager attention does
+    (scores, soft-cap, mask, softmax with the sink logit, weights @ v), one query tile at a time:
+    tiles of `window` queries over the keys [tile start - window + 1, tile end) with a windowed
+    layer, of TARGET_QUERY_BLOCK queries over [0, tile end) without one. No (T, T) tensor: the
+    scores of one tile, (B, H, tile, <= tile + window) or (B, H, tile, <= T). Shapes depend on T
+    and the window only (no host read): any device. documents (B, T): ids, attended inside each.
+
+    q (B, H, T, D), k (B, KV, T, D), v (B, KV, T, Dv) -> (B, H, T, Dv)."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    group = H // KV
+    scale = D**-0.5 if scale is None else scale
+    tile = window if window is not None else TARGET_QUERY_BLOCK
+    sink = None if sinks is None else sinks.to(q.dtype).view(1, KV, group, 1, 1)
+    upcast = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 at least, as transformers' eager
+    outs = []
+    for start in range(0, T, tile):
+        end = min(start + tile, T)
+        first = 0 if window is None else max(0, start - window + 1)
+        qs = q[:, :, start:end].reshape(B, KV, group, end - start, D)  # grouped queries: no repeat of k/v
+        scores = torch.matmul(qs, k[:, :, None, first:end].transpose(-1, -2)) * scale  # (B, KV, g, n, m)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        t = torch.arange(start, end, device=q.device)[:, None]
+        s = torch.arange(first, end, device=q.device)[None, :]
+        visible = s <= t
+        if window is not None:
+            visible = visible & (t - s < window)
+        if documents is not None:
+            same = documents[:, start:end, None] == documents[:, None, first:end]  # (B, n, m)
+            visible = visible & same[:, None, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sink is not None:
+            logits = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+            weights = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1, dtype=upcast)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1, dtype=upcast)
+        outs.append(torch.matmul(weights.to(v.dtype), v[:, :, None, first:end]).reshape(B, H, end - start, -1))
+    return torch.cat(outs, dim=2)
