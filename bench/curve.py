@@ -32,20 +32,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from acceptance import (  # noqa: E402
-    LABELS,
-    PRESET_FAMILIES,
-    PRESET_OVERRIDES,
-    check_bench_out,
-    mark_bench_out,
-    parse_count,
-    several_drafts_config,
-    tokens_per_step,
-)
+from acceptance_runs import LABELS, PRESET_FAMILIES, PRESET_OVERRIDES, several_drafts_config, tokens_per_step  # noqa: E402
+from bench_out import check_bench_out, mark_bench_out  # noqa: E402
 from bench_cli import assets_parser, parse_measuring, run_or_exit  # noqa: E402
 from offline_parts import Assets, Judge, Parts, tau_ratio  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
+from tokens_seen import parse_count  # noqa: E402
 
 QUICK = dict(preset="tiny", families="glide,dflash", tokens="2k,4k", max_prompts=2, max_new_tokens=8, gamma=3)
 

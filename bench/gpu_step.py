@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import os
 import shutil
 import statistics
@@ -71,177 +70,21 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from device_meters import Clock, PeakMemory, dynamo_counts, is_oom  # noqa: E402
+from gpu_step_report import COLUMNS, Result, header, last_line, row  # noqa: E402
+from gpu_step_shapes import DEFAULT_SHAPES, SHAPES, Shape, Skip, build_target, target_config  # noqa: E402
+
 FAMILY_ORDER = ("glide", "eagle3", "peagle", "dflash", "dspark", "mtp")
-MEASURED = ("ratio", "tokens_per_s", "peak_gb", "step_ms", "first_s", "recompiles", "tokens")
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str  # as it appears in the last line's keys
-    model: str  # a label for the table
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    seq: int
-    batch: int
-    max_positions: int = 40960  # Qwen3's
-    rope_theta: float = 1_000_000.0
-
-
-def qwen3_06b(seq: int, batch: int) -> Shape:
-    return Shape(
-        f"{seq}x{batch}",
-        "Qwen3-0.6B-like",
-        hidden=1024,
-        layers=28,
-        heads=16,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=3072,
-        vocab=151_936,
-        tied=True,
-        seq=seq,
-        batch=batch,
-    )
-
-
-def tiny(seq: int, batch: int) -> Shape:
-    return Shape(
-        f"{seq}x{batch}",
-        "tiny",
-        hidden=64,
-        layers=2,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=256,
-        tied=True,
-        seq=seq,
-        batch=batch,
-        max_positions=1024,
-        rope_theta=10_000.0,
-    )
-
-
-SHAPES = {
-    shape.name: shape
-    for shape in (
-        qwen3_06b(2048, 1),
-        qwen3_06b(2048, 4),
-        qwen3_06b(8192, 1),
-        qwen3_06b(32768, 1),
-        Shape(
-            "8b_4096x1",
-            "Qwen3-8B-like",
-            hidden=4096,
-            layers=36,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            intermediate=12288,
-            vocab=151_936,
-            tied=False,
-            seq=4096,
-            batch=1,
-        ),
-        tiny(64, 2),
-        tiny(128, 1),
-    )
-}
-DEFAULT_SHAPES = {"cuda": "2048x1,2048x4,8192x1,32768x1,8b_4096x1", "cpu": "64x2,128x1"}
 DEFAULT_STEPS = {"cuda": (10, 3), "cpu": (2, 1)}  # (--steps, --warmup)
-
-
-class Skip(Exception):
-    """A case that cannot be built as asked (the reason is printed)."""
-
-
-# -- targets -----------------------------------------------------------------------------------
-
-
-def target_config(shape: Shape, family: str):
-    """The transformers config of the case's target: a Qwen3 of the shape, or, for a family that
-    drafts only for qwen3_next (MTP), a Qwen3-Next of the same dims."""
-    from specdraft.drafts.registry import FAMILIES
-
-    rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    common = dict(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=shape.tied,
-        rope_parameters=rope,
-    )
-    types = FAMILIES[family].target_model_types
-    if types is None or "qwen3" in types:
-        from transformers import Qwen3Config
-
-        return Qwen3Config(**common)
-    if "qwen3_next" not in types:
-        raise Skip(f"{family} drafts for {', '.join(types)}: no target of those is built here")
-    try:
-        from transformers import Qwen3NextConfig
-
-        # MoE of the dense MLP's active width: 2 of 4 experts of intermediate / 4 plus a shared
-        # expert of intermediate / 2 (multiples of 16: torch's grouped_mm needs 16-byte strides)
-        config = Qwen3NextConfig(
-            **common,
-            layer_types=["full_attention"] * shape.layers,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=shape.intermediate // 4 // 16 * 16,
-            shared_expert_intermediate_size=shape.intermediate // 2 // 16 * 16,
-        )
-    except Exception as error:  # noqa: BLE001 - any refusal of the config class is the reason to print
-        raise Skip(
-            f"transformers' Qwen3NextConfig cannot build an MTP-capable {shape.model} shape: "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        ) from None
-    built = (
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        config.head_dim,
-        config.vocab_size,
-    )
-    asked = (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab)
-    if built != asked or set(config.layer_types) != {"full_attention"}:
-        raise Skip(
-            f"transformers' Qwen3NextConfig built {built} (hidden, layers, heads, kv heads, head_dim, vocab) "
-            f"for {asked}, or layers other than full attention"
-        )
-    return config
-
-
-def build_target(config, device: torch.device, dtype: torch.dtype):
-    """Seeded random weights created on the device in the training dtype, frozen."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -271,126 +114,7 @@ def run_config(shape: Shape, family: str, precision: str):
     return cfg
 
 
-# -- clocks and memory ----------------------------------------------------------------------------
-
-
-class Clock:
-    """Marks on the device's timeline: CUDA events on CUDA, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, marks: list) -> List[float]:
-        """Seconds between consecutive marks (synchronizes first)."""
-        self.sync()
-        if self.cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-        return [b - a for a, b in zip(marks, marks[1:])]
-
-    def each(
-        self, fn: Callable[[int], None], calls: int, start: int = 0, deadline: Optional[float] = None
-    ) -> List[float]:
-        """Each call's seconds, the calls back to back (nothing waits between them); past
-        `deadline` (perf_counter) no further call starts, the first always runs."""
-        self.sync()
-        marks = [self.mark()]
-        for i in range(calls):
-            if i and deadline is not None and time.perf_counter() > deadline:
-                break
-            fn(start + i)
-            marks.append(self.mark())
-        return self.seconds(marks)
-
-    def alone(self, fn: Callable[[int], None], i: int) -> float:
-        """One call's seconds, the device idle before and after."""
-        return self.each(fn, 1, i)[0]
-
-
-class PeakMemory:
-    """CUDA: max_memory_allocated since reset() less what was allocated at start (the case's own);
-    CPU: the process's peak resident set since reset() (VmHWM, reset through clear_refs)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.before = 0
-
-    def start_case(self) -> float:
-        """Free what earlier cases left; returns the bytes still allocated (a leak if nonzero)."""
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
-            self.before = torch.cuda.memory_allocated()
-        return self.before
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            return
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-
-    def peak(self) -> float:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() - self.before
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def dynamo_counts() -> Dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {
-        "frames": int(counters["frames"]["total"]),
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "breaks": int(sum(counters["graph_break"].values())),
-    }
-
-
-def is_oom(error: Optional[BaseException]) -> bool:
-    """The allocator's OutOfMemoryError, or one wrapped on its way out (a compiler's failure, a
-    CUDA runtime error), anywhere down the chain of causes."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, torch.OutOfMemoryError) or (
-            isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
-        ):
-            return True
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
-
-
 # -- one case ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    family: str
-    shape: Shape
-    target: str = ""
-    status: str = "ok"  # ok | oom | skipped | error
-    note: str = ""
-    phase: str = "build"  # where it stopped, for oom / error
-    values: Dict[str, float] = field(default_factory=dict)
-    warm: List[float] = field(default_factory=list)  # warm-up steps of (c) after the first, seconds
-    held_before: float = 0.0  # bytes allocated before the case (CUDA)
-    compiles_first: int = 0
-    breaks: int = 0
 
 
 class Case:
@@ -475,16 +199,20 @@ class Case:
 
     def draft_step(self, inputs: dict, options: dict, host) -> None:
         """(b): the draft's loss, forward and backward, on the features captured once."""
+        from specdraft.drafts.base import LossBatch
+
         own = {key: value for key, value in options.items() if key != "position_ids"}  # the target's, in (a)
         out = self.plain.training_loss(
-            self.features,
-            self.model.lm_head.weight,
-            inputs["input_ids"],
-            inputs["loss_mask"],
-            self.cfg.loss_chunk_size,
-            documents=inputs.get("document_ids"),
-            host=host,
-            **own,
+            LossBatch(
+                self.features,
+                self.model.lm_head.weight,
+                inputs["input_ids"],
+                inputs["loss_mask"],
+                self.cfg.loss_chunk_size,
+                documents=inputs.get("document_ids"),
+                host=host,
+                options=own,
+            )
         )
         out.loss.backward()
         self.plain.zero_grad(set_to_none=False)  # grads stay allocated, as in the engine
@@ -588,73 +316,8 @@ def run_case(
     return result
 
 
-# -- report ----------------------------------------------------------------------------------------
-
-
-def header(device: torch.device, dtype: torch.dtype, steps: int, warmup: int) -> str:
-    import deepspeed
-    import transformers
-
-    from specdraft.demo.machine import machine_line
-
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        where = (
-            f"device: {props.name} ({props.total_memory / 2**30:.1f} GiB), CUDA {torch.version.cuda}, "
-            f"{os.cpu_count()} CPUs"
-        )
-    else:
-        where = machine_line()
-    return (
-        f"{where}\ntorch {torch.__version__}, transformers {transformers.__version__}, deepspeed "
-        f"{deepspeed.__version__}; {str(dtype).replace('torch.', '')}; (c) first step alone, {warmup - 1} more "
-        f"warm-up step(s), {steps} timed; (a), (b) {warmup} warm-up + {steps} timed; medians"
-    )
-
-
-COLUMNS = (
-    f"{'family':<7} {'shape':<10} {'target':<11} {'(a) ms':>9} {'(b) ms':>9} {'(c) ms':>9} {'c/(a+b)':>8} "
-    f"{'tokens/s':>10} {'peak GB':>8} {'first s':>8} {'compiles':>8} {'recomp.':>7} {'breaks':>6}  warm-up s"
-)
-
-
-def row(result: Result) -> str:
-    v, shape = result.values, result.shape
-    head = f"{result.family:<7} {shape.name:<10} {result.target:<11}"
-    if result.status != "ok":
-        measured = ", ".join(f"{key} {v[key]:.4g}" for key in ("step_ms", "tokens_per_s", "peak_gb") if key in v)
-        return f"{head} {result.status}: {result.note}" + (f" (measured: {measured})" if measured else "")
-    line = (
-        f"{head} {v['a_ms']:9.1f} {v['b_ms']:9.1f} {v['step_ms']:9.1f} {v['ratio']:8.3f} "
-        f"{v['tokens_per_s']:10.0f} {v['peak_gb']:8.2f} {v['first_s']:8.2f} {result.compiles_first:8d} "
-        f"{int(v['recompiles']):7d} {result.breaks:6d}  {' '.join(f'{s:.2f}' for s in result.warm) or '-'}"
-    )
-    if result.note:
-        line += f"  ({result.note})"
-    if result.held_before >= 2**20:
-        line += f"  ({result.held_before / 2**30:.2f} GB held before the case)"
-    return line
-
-
-def last_line(results: Sequence[Result]) -> str:
-    pairs = []
-    for result in results:
-        prefix = f"{result.family}_{result.shape.name}_"
-        for key in MEASURED:
-            value = result.values.get(key)
-            if value is None:
-                text = result.status if result.status != "ok" else "nan"
-            elif key in ("recompiles", "tokens") and value == int(value):
-                text = str(int(value))
-            elif key == "tokens_per_s":
-                text = f"{value:.0f}"
-            else:
-                text = f"{value:.4g}"
-            pairs.append(f"{prefix}{key}={text}")
-    return " ".join(pairs)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
+def parse_args(argv: Optional[Sequence[str]] = None):
+    """The arguments, and the families, shape names, --steps and --warmup they resolve to."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--families", default=",".join(FAMILY_ORDER))
@@ -694,6 +357,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
         parser.error("--steps and --warmup must be >= 1 (the first step is (c)'s first warm-up step)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (--device cpu runs the tiny preset)")
+    return args, families, shape_names, steps, warmup
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Result]:
+    args, families, shape_names, steps, warmup = parse_args(argv)
     # DeepSpeed picks its accelerator once, at its first use: the device asked for, whatever the shell says
     os.environ["DS_ACCELERATOR"] = args.device
 

@@ -39,6 +39,9 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import resident_memory  # noqa: E402
 
 ROW_CONVERSATION = int(os.environ.get("BENCH_CONVERSATION", 512))  # tokens per packed conversation; 0: one per row
 SP = int(os.environ.get("BENCH_SP", 1))  # ranks per sequence (the child runs under torchrun when > 1)
@@ -123,8 +126,7 @@ def measure_one(family: str, T: int) -> dict:
         )  # kept: the gradients are in the base, as the model's fixed terms
 
     step()  # warm-up: lazily made buffers, allocator state
-    Path("/proc/self/clear_refs").write_text("5")
-    base = rss_kib("VmRSS")
+    base = resident_memory.reset_peak()
     start = time.perf_counter()
     if LIVE:
         from specdraft.train.live_bytes import LiveTensorBytes
@@ -134,7 +136,7 @@ def measure_one(family: str, T: int) -> dict:
         peak_gb = live.peak / 2**30
     else:
         step()
-        peak_gb = (rss_kib("VmHWM") - base) / 2**20
+        peak_gb = resident_memory.peak_above(base) / 2**30
     seconds = time.perf_counter() - start
     result = {
         "family": family,
@@ -215,10 +217,9 @@ def mask_build_peak(mode: str, T: int) -> dict:
     layers.make_block_mask = lambda mask_mod, B, q, kv, device: build(mask_mod, B, None, q, kv, device=device)
     documents = (torch.arange(T) // (ROW_CONVERSATION or T))[None]
     layers.lagged_block_mask(documents, 2)  # warm-up (compiles)
-    Path("/proc/self/clear_refs").write_text("5")
-    base = rss_kib("VmRSS")
+    base = resident_memory.reset_peak()
     layers.lagged_block_mask(documents, 2)
-    return {"mode": mode, "T": T, "peak_mib": (rss_kib("VmHWM") - base) / 2**10}
+    return {"mode": mode, "T": T, "peak_mib": resident_memory.peak_above(base) / 2**20}
 
 
 def compiled_masks_equal_eager(T: int = 300) -> bool:
@@ -257,13 +258,6 @@ def compiled_masks_equal_eager(T: int = 300) -> bool:
         len(tensors(a)) == len(tensors(b)) and all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b)))
         for a, b in zip(eager, masks())
     )
-
-
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def main() -> None:

@@ -46,16 +46,11 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 
-from acceptance import (  # noqa: E402
-    CONFIGS,
-    LABELS,
-    check_bench_out,
-    mark_bench_out,
-    slug,
-)
+from acceptance_runs import CONFIGS, LABELS, slug  # noqa: E402
+from bench_cli import run_or_exit  # noqa: E402
+from bench_out import check_bench_out, mark_bench_out  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.demo.presets import PRESETS  # noqa: E402
-from specdraft.errors import SpecdraftError  # noqa: E402
 from offline_parts import (  # noqa: E402
     cannot_draft,
     tau_ratio,
@@ -123,11 +118,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    try:
-        return run_bench(parse_args(argv))
-    except SpecdraftError as err:
-        print(f"bench/offline.py: {err}", file=sys.stderr)
-        sys.exit(2)
+    return run_or_exit("bench/offline.py", run_bench, parse_args(argv))
 
 
 def run_bench(args) -> dict:
@@ -147,7 +138,55 @@ def run_bench(args) -> dict:
     parts = Parts(out)
     print(machine_line(), flush=True)
     print(f"[bench] target {assets.target}, data {assets.data}", flush=True)
+    captures, timing, verify = measure_storage(args, assets, parts, families)
+    tau_family = args.tau_family if args.tau_family in families else None
+    taus, curve, per_epoch = measure_tau(args, assets, parts, tau_family, epochs) if tau_family else ({}, {}, None)
 
+    # -- report ---------------------------------------------------------------------------------
+    H = hidden_size(assets.target)
+    speculators = (SPECULATORS_AUX + 1) * H * 2 + 8
+    headline = []
+    lines = [machine_line(), ""]
+    lines += storage_lines(args, assets.target, families, captures, H, speculators, headline)
+    lines += step_lines(families, timing, verify, headline)
+    ratios = {}
+    if tau_family:
+        ratios = tau_ratios(taus)
+        lines += tau_lines(args, tau_family, taus, ratios, headline)
+    if curve:
+        lines += epoch_lines(curve, per_epoch, headline)
+    for family, why in skipped.items():
+        lines.append(f"\n{LABELS[family]}: not measured: {why}")
+    if parts.reused:
+        lines.append(f"\nreused from an earlier run of this --out: {', '.join(parts.reused)}")
+    total = time.perf_counter() - started
+    lines.append(f"\nbench wall time {total:.0f}s")
+    text = "\n".join(lines)
+    print(text)
+    print(" ".join(headline))
+    results = dict(
+        captures=captures,
+        timing=timing,
+        verify=verify,
+        tau=taus,
+        tau_ratios=ratios,
+        epochs=curve,
+        steps_per_epoch=per_epoch,
+        speculators_bytes_per_token=speculators,
+        hidden_size=H,
+        skipped=skipped,
+        reused=parts.reused,
+        headline=headline,
+        wall_seconds=total,
+    )
+    (out / "offline.json").write_text(json.dumps(results, indent=2))
+    (out / "offline.md").write_text(text + "\n" + " ".join(headline) + "\n")
+    return results
+
+
+def measure_storage(args, assets, parts, families):
+    """Per family: its captures at every precision, its steps live and cached, and the sha256
+    checks of its bf16 cache; (captures, timing, verify), each family -> its part."""
     captures: Dict[str, Dict[str, dict]] = {}
     timing, verify = {}, {}
     for family in families:
@@ -161,64 +200,64 @@ def run_bench(args) -> dict:
             f"time-{family}-s{args.steps}w{args.warmup}b{args.batch}", lambda: time_steps(assets, family)
         )
         verify[family] = parts.get(f"sha256-cold-{family}", lambda: verify_cost(assets, family))
+    return captures, timing, verify
 
-    tau_family = args.tau_family if args.tau_family in families else None
-    taus, ratios, curve, per_epoch = {}, {}, {}, None
-    if tau_family:
-        judge = None
 
-        def judged(export):
-            nonlocal judge
-            judge = judge or Judge(assets)
-            return judge.tau(export)
+def measure_tau(args, assets, parts, tau_family, epochs):
+    """--tau-family trained live and from each cache for --train-steps, then over one bf16 cache to
+    each of --epochs, every export judged on the same prompts: (taus, curve, steps an epoch)."""
+    judge = None
 
-        steps = args.train_steps
-        # a part measured with other settings is not reused: they are in its name
-        judging = f"g{args.gamma}-p{args.max_prompts}x{args.max_new_tokens}-b{args.batch}-per-prompt"
+    def judged(export):
+        nonlocal judge
+        judge = judge or Judge(assets)
+        return judge.tau(export)
 
-        def trained_and_judged(mode, extra):
-            export, loss = train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)
-            return dict(judged(export), steps=steps, loss=loss)
+    steps = args.train_steps
+    # a part measured with other settings is not reused: they are in its name
+    judging = f"g{args.gamma}-p{args.max_prompts}x{args.max_new_tokens}-b{args.batch}-per-prompt"
 
-        for mode in ["online", *PRECISIONS]:
-            extra = [] if mode == "online" else assets.cache(tau_family, mode)
-            taus[mode] = parts.get(
-                f"tau-{tau_family}-{mode}-s{steps}-{judging}", lambda: trained_and_judged(mode, extra)
-            )
-        per_epoch = steps_per_epoch(assets, tau_family) if epochs else None
-        points = {e: max(1, round(e * per_epoch)) for e in epochs}
+    def trained_and_judged(mode, extra):
+        export, loss = train_export(assets, tau_family, f"tau-{tau_family}-{mode}", steps, *extra)
+        return dict(judged(export), steps=steps, loss=loss)
 
-        def epoch_curve():
-            from math import gcd
+    taus, curve = {}, {}
+    for mode in ["online", *PRECISIONS]:
+        extra = [] if mode == "online" else assets.cache(tau_family, mode)
+        taus[mode] = parts.get(f"tau-{tau_family}-{mode}-s{steps}-{judging}", lambda: trained_and_judged(mode, extra))
+    per_epoch = steps_per_epoch(assets, tau_family) if epochs else None
+    points = {e: max(1, round(e * per_epoch)) for e in epochs}
 
-            every = gcd(*points.values())
-            run, _ = train_export(
-                assets,
-                tau_family,
-                f"epochs-{tau_family}",
-                max(points.values()),
-                *assets.cache(tau_family, "bf16"),
-                save_steps=every,
-            )
-            run_dir = Path(run).parent
-            return {str(e): dict(judged(str(run_dir / f"step_{s}")), steps=s) for e, s in points.items()}
+    def epoch_curve():
+        from math import gcd
 
-        if epochs:  # --epochs "": no curve
-            curve = parts.get(f"epochs-{tau_family}-{per_epoch}x{args.epochs.replace(',', '_')}-{judging}", epoch_curve)
+        every = gcd(*points.values())
+        run, _ = train_export(
+            assets,
+            tau_family,
+            f"epochs-{tau_family}",
+            max(points.values()),
+            *assets.cache(tau_family, "bf16"),
+            save_steps=every,
+        )
+        run_dir = Path(run).parent
+        return {str(e): dict(judged(str(run_dir / f"step_{s}")), steps=s) for e, s in points.items()}
 
-    # -- report ---------------------------------------------------------------------------------
-    H = hidden_size(assets.target)
-    speculators = (SPECULATORS_AUX + 1) * H * 2 + 8
-    lines = [machine_line(), ""]
-    lines += [
-        f"target {assets.target} (H={H}); {args.batch} sequences a step, packing whole; "
+    if epochs:  # --epochs "": no curve
+        curve = parts.get(f"epochs-{tau_family}-{per_epoch}x{args.epochs.replace(',', '_')}-{judging}", epoch_curve)
+    return taus, curve, per_epoch
+
+
+def storage_lines(args, target, families, captures, H: int, speculators: int, headline: list) -> list:
+    """The capture table: tokens/s and bytes a token per precision against speculators' layout."""
+    lines = [
+        f"target {target} (H={H}); {args.batch} sequences a step, packing whole; "
         f"timed runs {args.steps} steps (first {args.warmup} left out)",
         "",
         "| family | kinds stored | capture tok/s (fp32 / bf16) | bytes/token fp32 | bf16 | fp8 token | "
         f"fp8 token_layer | bf16 / speculators' {speculators} |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    headline = []
     for family in families:
         c = captures[family]
         ratio = c["bf16"]["bytes_per_token"] / speculators
@@ -233,7 +272,12 @@ def run_bench(args) -> dict:
             f"bytes_bf16_{slug(family)}={c['bf16']['bytes_per_token']:.0f}",
             f"bytes_vs_speculators_{slug(family)}={ratio:.2f}",
         ]
-    lines += [
+    return lines
+
+
+def step_lines(families, timing, verify, headline: list) -> list:
+    """The step table (online, cached, the draft alone) and the sha256 checks, per family."""
+    lines = [
         "",
         "bytes/token: shard files / tokens (formula: features + int32 id + fp8 scales, no header)",
         "",
@@ -262,76 +306,62 @@ def run_bench(args) -> dict:
     if verify:
         headline.append(f"sha256_mbps={min(v['sha256_mb_per_s'] for v in verify.values()):.0f}")
         headline.append(f"sha256_cold_mbps={min(v['sha256_cold_mb_per_s'] for v in verify.values()):.0f}")
-    if tau_family:
-        label = LABELS[tau_family]
-        lines += [
-            "",
-            f"{label}, {args.train_steps} steps each (equal tokens, same rows and seed), greedy chain "
-            f"γ={args.gamma}, {args.max_prompts} prompts x {args.max_new_tokens} tokens:",
-            "",
-            "| training | last loss | τ | lossless |",
-            "|---|---|---|---|",
-        ]
-        for mode, r in taus.items():
-            lines.append(
-                f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['loss']:.4f} | {r['tau']:.3f} | "
-                f"{'yes' if r['lossless'] else 'NO'} |"
-            )
-        ratios = {
-            "offline_over_online": tau_ratio(taus["fp32"], taus["online"]),
-            "bf16_over_online": tau_ratio(taus["bf16"], taus["online"]),
-            "fp8_token_over_bf16": tau_ratio(taus["fp8_token"], taus["bf16"]),
-            "fp8_token_layer_over_bf16": tau_ratio(taus["fp8_token_layer"], taus["bf16"]),
-        }
-        lines += [
-            "",
-            "τ ratios on the same prompts, with a 95% interval from a paired bootstrap over the prompts:",
-            "",
-            "| ratio | value | 95% interval |",
-            "|---|---|---|",
-        ]
-        for name, r in ratios.items():
-            lines.append(f"| {name.replace('_', ' ')} | {r['ratio']:.3f} | {r['low']:.3f}–{r['high']:.3f} |")
-        headline += [f"tau_{name}={r['ratio']:.3f}" for name, r in ratios.items()]
-    if curve:
-        lines += [
-            "",
-            f"τ against epochs over one bf16 cache ({per_epoch} steps an epoch; one run, its cosine schedule "
-            f"ending at the last point, an export at each):",
-            "",
-            "| epochs | steps | τ |",
-            "|---|---|---|",
-        ]
-        lines += [f"| {e} | {r['steps']} | {r['tau']:.3f} |" for e, r in curve.items()]
-        peak = max(curve, key=lambda e: curve[e]["tau"])
-        headline.append(f"tau_peak_epochs={float(peak):g}")
-    for family, why in skipped.items():
-        lines.append(f"\n{LABELS[family]}: not measured: {why}")
-    if parts.reused:
-        lines.append(f"\nreused from an earlier run of this --out: {', '.join(parts.reused)}")
-    total = time.perf_counter() - started
-    lines.append(f"\nbench wall time {total:.0f}s")
-    text = "\n".join(lines)
-    print(text)
-    print(" ".join(headline))
-    results = dict(
-        captures=captures,
-        timing=timing,
-        verify=verify,
-        tau=taus,
-        tau_ratios=ratios,
-        epochs=curve,
-        steps_per_epoch=per_epoch,
-        speculators_bytes_per_token=speculators,
-        hidden_size=H,
-        skipped=skipped,
-        reused=parts.reused,
-        headline=headline,
-        wall_seconds=total,
-    )
-    (out / "offline.json").write_text(json.dumps(results, indent=2))
-    (out / "offline.md").write_text(text + "\n" + " ".join(headline) + "\n")
-    return results
+    return lines
+
+
+def tau_ratios(taus: dict) -> dict:
+    """Each cache's τ against the live target's (fp32, bf16) and fp8's against bf16."""
+    return {
+        "offline_over_online": tau_ratio(taus["fp32"], taus["online"]),
+        "bf16_over_online": tau_ratio(taus["bf16"], taus["online"]),
+        "fp8_token_over_bf16": tau_ratio(taus["fp8_token"], taus["bf16"]),
+        "fp8_token_layer_over_bf16": tau_ratio(taus["fp8_token_layer"], taus["bf16"]),
+    }
+
+
+def tau_lines(args, tau_family, taus, ratios, headline: list) -> list:
+    """--tau-family's τ per way of training it, then the ratios with their intervals."""
+    label = LABELS[tau_family]
+    lines = [
+        "",
+        f"{label}, {args.train_steps} steps each (equal tokens, same rows and seed), greedy chain "
+        f"γ={args.gamma}, {args.max_prompts} prompts x {args.max_new_tokens} tokens:",
+        "",
+        "| training | last loss | τ | lossless |",
+        "|---|---|---|---|",
+    ]
+    for mode, r in taus.items():
+        lines.append(
+            f"| {'live target' if mode == 'online' else 'cache ' + mode} | {r['loss']:.4f} | {r['tau']:.3f} | "
+            f"{'yes' if r['lossless'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "τ ratios on the same prompts, with a 95% interval from a paired bootstrap over the prompts:",
+        "",
+        "| ratio | value | 95% interval |",
+        "|---|---|---|",
+    ]
+    for name, r in ratios.items():
+        lines.append(f"| {name.replace('_', ' ')} | {r['ratio']:.3f} | {r['low']:.3f}–{r['high']:.3f} |")
+    headline += [f"tau_{name}={r['ratio']:.3f}" for name, r in ratios.items()]
+    return lines
+
+
+def epoch_lines(curve, per_epoch, headline: list) -> list:
+    """τ against epochs over one bf16 cache, and the epochs at its peak."""
+    lines = [
+        "",
+        f"τ against epochs over one bf16 cache ({per_epoch} steps an epoch; one run, its cosine schedule "
+        f"ending at the last point, an export at each):",
+        "",
+        "| epochs | steps | τ |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {e} | {r['steps']} | {r['tau']:.3f} |" for e, r in curve.items()]
+    peak = max(curve, key=lambda e: curve[e]["tau"])
+    headline.append(f"tau_peak_epochs={float(peak):g}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH))
 
 import torch  # noqa: E402
 
-from acceptance import PRESET_OVERRIDES, family_config  # noqa: E402
+from acceptance_runs import PRESET_OVERRIDES, family_config  # noqa: E402
 
 PRECISIONS = {  # label -> the cache's keys
     "fp32": ["feature_cache_dtype=fp32"],

@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-import acceptance  # noqa: E402  (bench/acceptance.py: training and τ)
+import acceptance  # noqa: E402  (bench/acceptance.py: τ of every draft)
+from acceptance_runs import train_draft  # noqa: E402
+from bench_out import check_bench_out, mark_bench_out  # noqa: E402
 from specdraft.regenerate.writer import SHARD_GLOB  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 
@@ -232,7 +234,7 @@ def value(args, target_dir, prompts_file, globs: dict, out: Path) -> dict:
     exports, seconds = {}, {}
     for label, data_glob in globs.items():
         t0 = time.perf_counter()
-        exports[label] = acceptance.train_draft(
+        exports[label] = train_draft(
             "glide", target_dir, data_glob, prompts_file, out / f"glide-{label}", args.train_steps
         )
         seconds[label] = time.perf_counter() - t0
@@ -278,11 +280,11 @@ def main(argv=None) -> dict:
     preset = get_preset(args.preset)
     out = Path(args.out) / args.preset
     try:  # its throughput runs and GLIDE runs are deleted and redone: only in a directory of its own
-        acceptance.check_bench_out(out)
+        check_bench_out(out)
     except SpecdraftError as err:
         print(f"bench/regenerate.py: {err}", file=sys.stderr)
         sys.exit(2)
-    acceptance.mark_bench_out(out, "bench/regenerate.py")
+    mark_bench_out(out, "bench/regenerate.py")
     target_dir, greedy = ensure_demo_assets(args.home, preset=args.preset)
     results: dict = {"target": str(target_dir)}
     lines, headline = [], []
@@ -296,33 +298,7 @@ def main(argv=None) -> dict:
             args.batch_size or preset.generate_batch,
             out / "throughput",
         )
-        ratio = t["hf"]["tok_per_s"] / t["openai"]["tok_per_s"]
-        lines += [
-            f"Throughput: {t['prompts']} held-out prompts, greedy, at most {t['max_new_tokens']} new tokens, "
-            f"CPU, {torch.get_num_threads()} thread(s) per process",
-            "",
-            "| backend | rows | errors | answer tokens | seconds | tok/s |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name, how in (
-            ("hf", f"transformers generate, batches of {t['batch_size']}"),
-            ("openai", f"transformers serve, {t['concurrency']} requests in flight"),
-        ):
-            r = t[name]
-            lines.append(
-                f"| {name} ({how}) | {r['rows']} | {r['errors']} | {r['tokens']} | {r['seconds']:.1f} | "
-                f"{r['tok_per_s']:.1f} |"
-            )
-        lines += [
-            "",
-            f"hf ÷ openai tok/s: {ratio:.2f}; identical greedy answers: {t['identical_answers']}/{t['prompts']}",
-            "",
-        ]
-        headline += [
-            f"hf_tok_s={t['hf']['tok_per_s']:.1f}",
-            f"openai_tok_s={t['openai']['tok_per_s']:.1f}",
-            f"hf_openai_ratio={ratio:.2f}",
-        ]
+        lines += throughput_lines(t, headline)
 
     if "value" in parts:
         _, sampled = ensure_demo_assets(args.home, preset=args.preset, answer_temperature=args.sampled_temperature)
@@ -332,45 +308,7 @@ def main(argv=None) -> dict:
             "sampled": data_files(sampled),
         }
         v = results["value"] = value(args, target_dir, greedy.prompts_file, globs, out / "value")
-        temperatures = [float(x) for x in args.temperatures.split(",")]
-
-        def tau(label, temperature):
-            return next(r["tau"] for r in v["rows"] if r["label"] == label and r["temperature"] == temperature)
-
-        lines += [
-            f"Value: GLIDE (configs/demo.yaml), {args.train_steps} steps, seed 0, per training "
-            f"set; τ (chain γ={args.gamma}) on {args.max_prompts} held-out prompts x {args.max_new_tokens} "
-            f"new tokens",
-            "",
-            "| training answers | "
-            + " | ".join(f"τ T={t:g}" for t in temperatures)
-            + " | "
-            + " | ".join(f"÷ human T={t:g}" for t in temperatures)
-            + " | training s |",
-            "|---|" + "---|" * (2 * len(temperatures) + 1),
-        ]
-        for label in ANSWERS:
-            lines.append(
-                f"| {ANSWERS[label].format(t=args.sampled_temperature)} | "
-                + " | ".join(f"{tau(label, t):.2f}" for t in temperatures)
-                + " | "
-                + " | ".join(f"{tau(label, t) / tau('human', t):.2f}" for t in temperatures)
-                + f" | {v['train_seconds'][label]:.0f} |"
-            )
-        lines.append(
-            "| (prompt lookup, no draft) | "
-            + " | ".join(f"{tau('prompt lookup', t):.2f}" for t in temperatures)
-            + " |"
-            + " - |" * len(temperatures)
-            + " - |"
-        )
-        for label in ANSWERS:
-            headline += [f"tau_{label}_T{t:g}".replace(".", "") + f"={tau(label, t):.2f}" for t in temperatures]
-        for label in ("greedy", "sampled"):
-            headline += [
-                f"ratio_{label}_human_T{t:g}".replace(".", "") + f"={tau(label, t) / tau('human', t):.2f}"
-                for t in temperatures
-            ]
+        lines += value_lines(args, v, headline)
 
     text = "\n".join(lines)
     print(text)
@@ -379,6 +317,82 @@ def main(argv=None) -> dict:
     (out / "regenerate.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "regenerate.md").write_text(text + "\n")
     return results
+
+
+def throughput_lines(t: dict, headline: list) -> list:
+    """The backends side by side: rows, errors, answer tokens, seconds, tok/s, and their ratio."""
+    ratio = t["hf"]["tok_per_s"] / t["openai"]["tok_per_s"]
+    lines = [
+        f"Throughput: {t['prompts']} held-out prompts, greedy, at most {t['max_new_tokens']} new tokens, "
+        f"CPU, {torch.get_num_threads()} thread(s) per process",
+        "",
+        "| backend | rows | errors | answer tokens | seconds | tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, how in (
+        ("hf", f"transformers generate, batches of {t['batch_size']}"),
+        ("openai", f"transformers serve, {t['concurrency']} requests in flight"),
+    ):
+        r = t[name]
+        lines.append(
+            f"| {name} ({how}) | {r['rows']} | {r['errors']} | {r['tokens']} | {r['seconds']:.1f} | "
+            f"{r['tok_per_s']:.1f} |"
+        )
+    lines += [
+        "",
+        f"hf ÷ openai tok/s: {ratio:.2f}; identical greedy answers: {t['identical_answers']}/{t['prompts']}",
+        "",
+    ]
+    headline += [
+        f"hf_tok_s={t['hf']['tok_per_s']:.1f}",
+        f"openai_tok_s={t['openai']['tok_per_s']:.1f}",
+        f"hf_openai_ratio={ratio:.2f}",
+    ]
+    return lines
+
+
+def value_lines(args, v: dict, headline: list) -> list:
+    """τ of the GLIDE trained on each answer set at each temperature, and each ÷ the human one's."""
+    temperatures = [float(x) for x in args.temperatures.split(",")]
+
+    def tau(label, temperature):
+        return next(r["tau"] for r in v["rows"] if r["label"] == label and r["temperature"] == temperature)
+
+    lines = [
+        f"Value: GLIDE (configs/demo.yaml), {args.train_steps} steps, seed 0, per training "
+        f"set; τ (chain γ={args.gamma}) on {args.max_prompts} held-out prompts x {args.max_new_tokens} "
+        f"new tokens",
+        "",
+        "| training answers | "
+        + " | ".join(f"τ T={t:g}" for t in temperatures)
+        + " | "
+        + " | ".join(f"÷ human T={t:g}" for t in temperatures)
+        + " | training s |",
+        "|---|" + "---|" * (2 * len(temperatures) + 1),
+    ]
+    for label in ANSWERS:
+        lines.append(
+            f"| {ANSWERS[label].format(t=args.sampled_temperature)} | "
+            + " | ".join(f"{tau(label, t):.2f}" for t in temperatures)
+            + " | "
+            + " | ".join(f"{tau(label, t) / tau('human', t):.2f}" for t in temperatures)
+            + f" | {v['train_seconds'][label]:.0f} |"
+        )
+    lines.append(
+        "| (prompt lookup, no draft) | "
+        + " | ".join(f"{tau('prompt lookup', t):.2f}" for t in temperatures)
+        + " |"
+        + " - |" * len(temperatures)
+        + " - |"
+    )
+    for label in ANSWERS:
+        headline += [f"tau_{label}_T{t:g}".replace(".", "") + f"={tau(label, t):.2f}" for t in temperatures]
+    for label in ("greedy", "sampled"):
+        headline += [
+            f"ratio_{label}_human_T{t:g}".replace(".", "") + f"={tau(label, t) / tau('human', t):.2f}"
+            for t in temperatures
+        ]
+    return lines
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 from bench_cli import assets_parser, parse_measuring, run_or_exit  # noqa: E402
-from acceptance import LABELS, check_bench_out, mark_bench_out, parse_count, slug  # noqa: E402
+from acceptance_runs import LABELS, slug  # noqa: E402
+from bench_out import check_bench_out, mark_bench_out  # noqa: E402
 from offline_parts import Assets, Parts, tau_ratio  # noqa: E402
 from specdraft.demo.machine import machine_line  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
@@ -69,6 +70,7 @@ from versus_runs import (  # noqa: E402
     write_features,
 )
 from versus_settings import FAMILIES, NOT_COMPARED, SPECULATORS, differences_table, recipe_digest  # noqa: E402
+from tokens_seen import parse_count  # noqa: E402
 
 import speculators_train  # noqa: E402
 
@@ -109,72 +111,9 @@ def run_bench(args) -> dict:
     parts = Parts(out)
     print(machine_line(), flush=True)
     print(f"[bench] target {assets.target}, data {assets.data}", flush=True)
-
-    # -- what each family trains on, and the token counts every run reaches in whole steps ---------
-    plans = {f: plan_family(f, assets.target, args.preset) for f in families}
-    written = {}  # features name -> summary: DFlash and DSpark read the same layers
-    for plan in plans.values():
-        if plan.features_name not in written:
-            written[plan.features_name] = parts.get(plan.features_name, lambda: write_features(assets, plan))
-    features = {f: written[plans[f].features_name] for f in families}
-    per_step = {plans[f].seq_len for f in families}  # speculators: one packed sequence a step
-    per_step |= {specdraft_tokens_per_step(assets, plans[f], m, features[f]) for f in families for m in modes}
-    counts = exact_counts(requested, sorted(per_step))
-    print(f"[bench] token counts {counts} (multiples of the first, in whole steps of every trainer)", flush=True)
-
-    # -- training: specdraft once per family x mode, speculators once per count ------------------
-    runs = {}  # (family, mode) -> {"specdraft": part, "speculators": {count: part}}
-    counted = {}  # features name -> speculators' batches of each epoch
-    for family in families:
-        plan, feat = plans[family], features[family]
-        top = counts[-1] // plan.seq_len
-        if plan.features_name not in counted:
-            counted[plan.features_name] = parts.get(
-                f"batches-{plan.features_name}-s{top}",
-                lambda: speculators_train.epoch_batches(feat["path"], plan.seq_len, feat["train_data_ratio"], top),
-            )
-        batches = counted[plan.features_name]
-        for mode in modes:
-            window = specdraft_tokens_per_step(assets, plan, mode, feat)
-            steps = [count // window for count in counts]  # exact: every count is a multiple of it
-            name = f"{family}-{mode}-{recipe_digest(family, mode)}-specdraft-s{steps[-1]}e{gcd(*steps)}"
-            ours = parts.get(
-                name, lambda: train_specdraft(assets, plan, mode, feat, counts, steps, out / "runs" / name)
-            )
-            theirs = speculators_runs(assets, plan, mode, feat, counts, batches)
-            train_speculators(
-                [r for r in theirs if not (parts.dir / f"{r.name}.json").is_file()], out / "runs" / "logs"
-            )
-            runs[family, mode] = dict(
-                specdraft=dict(ours, name=name),
-                speculators={
-                    r.count: parts.get(r.name, lambda r=r: import_speculators(assets, plan, r)) for r in theirs
-                },
-            )
-            print(f"[bench] {LABELS[family]} {mode}: trained", flush=True)
-
-    # -- measuring: every export and prompt lookup, the same prompts and decoder -----------------
-    measure = None
-
-    def measured(export):
-        nonlocal measure
-        measure = measure or Measure(assets)
-        return measure.taus(export)
-
-    judging = judging_name(args)
-    lookup = parts.get(f"tau-lookup-{judging}", lambda: measured(None))
-    taus = {}  # (family, mode, trainer, count) -> {shape: {tau, lossless, per_prompt}}
-    for (family, mode), trained in runs.items():
-        for count in counts:
-            ours, theirs = trained["specdraft"], trained["speculators"][count]
-            exports = {  # trainer -> (a name for the export, its path)
-                "specdraft": (f"{ours['name']}-{Path(ours['exports'][str(count)]).name}", ours["exports"][str(count)]),
-                "speculators": (theirs["name"], theirs["export"]),
-            }
-            for trainer, (name, export) in exports.items():
-                taus[family, mode, trainer, count] = parts.get(
-                    f"tau-{name}-{judging}", lambda export=export: measured(export)
-                )
+    plans, features, counts = plan_runs(args, assets, parts, families, modes, requested)
+    runs = train_runs(assets, parts, out, plans, features, counts, modes)
+    lookup, taus = measure_runs(args, assets, parts, runs, counts)
     shapes = list(lookup)
 
     # -- report ----------------------------------------------------------------------------------
@@ -204,6 +143,86 @@ def run_bench(args) -> dict:
     (out / "versus.json").write_text(json.dumps(results, indent=2))
     (out / "versus.md").write_text(text + "\n" + " ".join(headline) + "\n")
     return results
+
+
+def plan_runs(args, assets, parts, families, modes, requested):
+    """What each family trains on (its features written once, DFlash and DSpark sharing theirs),
+    and the token counts every run reaches in whole steps: (plans, features, counts)."""
+    plans = {f: plan_family(f, assets.target, args.preset) for f in families}
+    written = {}  # features name -> summary: DFlash and DSpark read the same layers
+    for plan in plans.values():
+        if plan.features_name not in written:
+            written[plan.features_name] = parts.get(plan.features_name, lambda: write_features(assets, plan))
+    features = {f: written[plans[f].features_name] for f in families}
+    per_step = {plans[f].seq_len for f in families}  # speculators: one packed sequence a step
+    per_step |= {specdraft_tokens_per_step(assets, plans[f], m, features[f]) for f in families for m in modes}
+    counts = exact_counts(requested, sorted(per_step))
+    print(f"[bench] token counts {counts} (multiples of the first, in whole steps of every trainer)", flush=True)
+
+    return plans, features, counts
+
+
+def train_runs(assets, parts, out, plans, features, counts, modes) -> dict:
+    """specdraft once per family x mode (an export at each count), speculators once per count:
+    (family, mode) -> {"specdraft": part, "speculators": {count: part}}."""
+    runs = {}
+    counted = {}  # features name -> speculators' batches of each epoch
+    for family in plans:
+        plan, feat = plans[family], features[family]
+        top = counts[-1] // plan.seq_len
+        if plan.features_name not in counted:
+            counted[plan.features_name] = parts.get(
+                f"batches-{plan.features_name}-s{top}",
+                lambda: speculators_train.epoch_batches(feat["path"], plan.seq_len, feat["train_data_ratio"], top),
+            )
+        batches = counted[plan.features_name]
+        for mode in modes:
+            window = specdraft_tokens_per_step(assets, plan, mode, feat)
+            steps = [count // window for count in counts]  # exact: every count is a multiple of it
+            name = f"{family}-{mode}-{recipe_digest(family, mode)}-specdraft-s{steps[-1]}e{gcd(*steps)}"
+            ours = parts.get(
+                name, lambda: train_specdraft(assets, plan, mode, feat, counts, steps, out / "runs" / name)
+            )
+            theirs = speculators_runs(assets, plan, mode, feat, counts, batches)
+            train_speculators(
+                [r for r in theirs if not (parts.dir / f"{r.name}.json").is_file()], out / "runs" / "logs"
+            )
+            runs[family, mode] = dict(
+                specdraft=dict(ours, name=name),
+                speculators={
+                    r.count: parts.get(r.name, lambda r=r: import_speculators(assets, plan, r)) for r in theirs
+                },
+            )
+            print(f"[bench] {LABELS[family]} {mode}: trained", flush=True)
+
+    return runs
+
+
+def measure_runs(args, assets, parts, runs, counts):
+    """Every export and prompt lookup on the same prompts and decoder: (lookup, taus), taus keyed
+    (family, mode, trainer, count) -> {shape: {tau, lossless, per_prompt}}."""
+    measure = None
+
+    def measured(export):
+        nonlocal measure
+        measure = measure or Measure(assets)
+        return measure.taus(export)
+
+    judging = judging_name(args)
+    lookup = parts.get(f"tau-lookup-{judging}", lambda: measured(None))
+    taus = {}
+    for (family, mode), trained in runs.items():
+        for count in counts:
+            ours, theirs = trained["specdraft"], trained["speculators"][count]
+            exports = {  # trainer -> (a name for the export, its path)
+                "specdraft": (f"{ours['name']}-{Path(ours['exports'][str(count)]).name}", ours["exports"][str(count)]),
+                "speculators": (theirs["name"], theirs["export"]),
+            }
+            for trainer, (name, export) in exports.items():
+                taus[family, mode, trainer, count] = parts.get(
+                    f"tau-{name}-{judging}", lambda export=export: measured(export)
+                )
+    return lookup, taus
 
 
 def report(args, assets, plans, features, counts, runs, taus, lookup, ratios, shapes, parts):

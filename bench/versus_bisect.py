@@ -26,8 +26,8 @@ sys.path.insert(0, str(BENCH))
 
 import versus  # noqa: E402
 import versus_settings  # noqa: E402
-from acceptance import parse_count  # noqa: E402
 from offline_parts import Assets, Parts, tau_ratio  # noqa: E402
+from tokens_seen import parse_count  # noqa: E402
 from versus_runs import Measure, judging_name, plan_family, set_threads, specdraft_tokens_per_step, train_specdraft  # noqa: E402
 
 

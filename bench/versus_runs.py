@@ -39,7 +39,7 @@ sys.path.insert(0, str(BENCH))
 import torch  # noqa: E402
 
 import speculators_train  # noqa: E402
-from acceptance import PRESET_OVERRIDES, run_keys, tokens_per_step  # noqa: E402
+from acceptance_runs import PRESET_OVERRIDES, run_keys, tokens_per_step  # noqa: E402
 from offline_parts import Judge, quiet  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from versus_settings import (  # noqa: E402
@@ -50,7 +50,7 @@ from versus_settings import (  # noqa: E402
     specdraft_overrides,
 )
 
-# the draft keys of bench/acceptance.py's CPU budget (PRESET_OVERRIDES) that shape a draft, given to
+# the draft keys of bench/acceptance.py's CPU budget (acceptance_runs.PRESET_OVERRIDES) that shape a draft, given to
 # both trainers in both modes; its other keys (lr, TTT steps, distill_tokens) are recipe, left to the mode
 SHAPE_KEYS = ("num_layers", "max_anchors", "markov_rank")
 SPECDRAFT_SEED = 42  # specdraft's default (D:config/schema.py:91), speculators' too: run_keys sets 0
@@ -91,7 +91,7 @@ class Plan:
 
 
 def cpu_budget(preset: str) -> Dict[str, List[str]]:
-    """bench/acceptance.py's PRESET_OVERRIDES of the preset; smollm2's (the CPU budget) for a preset without its own."""
+    """bench/acceptance_runs.py's PRESET_OVERRIDES of the preset; smollm2's (the CPU budget) for a preset without its own."""
     return PRESET_OVERRIDES.get(preset, PRESET_OVERRIDES["smollm2"])
 
 

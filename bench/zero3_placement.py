@@ -32,7 +32,7 @@ sys.path.insert(0, str(BENCH))
 def worker(args) -> None:
     import torch
 
-    from memory_model import _status
+    from resident_memory import peak_above, reset_peak
     from specdraft.drafts.registry import build_draft
     from specdraft.train import loop
     from specdraft.train.engine import build_engine, init_distributed
@@ -43,8 +43,7 @@ def worker(args) -> None:
     shape = SHAPES[args.shape]
     cfg = run_config(shape, 3, document_mask=False)
     cfg.per_device_batch_size = 1
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
+    base = reset_peak()
     target = random_target(shape)
     model = TargetWithDraft(target, build_draft(cfg.draft, target.config), cfg.loss_chunk_size)
     engine = build_engine(cfg, model, 100, args.placement)
@@ -58,7 +57,7 @@ def worker(args) -> None:
         if step > 0:  # the first step allocates the optimizer state
             cpu.append(time.process_time() - start_cpu)
             wall.append(time.perf_counter() - start_wall)
-    peak = _status("VmHWM") - base
+    peak = peak_above(base)
     peaks = [None] * world
     torch.distributed.all_gather_object(peaks, peak)
     if rank == 0:

@@ -100,7 +100,8 @@ def _cmd_consolidate(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from specdraft.commands.evaluate import evaluate, run_draft_names
+    from specdraft.commands.evaluate import evaluate
+    from specdraft.export.locate import run_draft_names
     from specdraft.decode.report import format_comparison, format_report
 
     tree = [int(w) for w in args.tree.split(",")] if args.tree else None

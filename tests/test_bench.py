@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_split_objective_gives_the_config_keys_and_refuses_in_one_line(capsys):
-    bench = load_bench("acceptance")
-    assert bench.split_objective("0.9*tv + 0.1*ce@0.7:all") == (
+    runs, bench = load_bench("acceptance_runs"), load_bench("acceptance")
+    assert runs.split_objective("0.9*tv + 0.1*ce@0.7:all") == (
         ["draft.loss=0.9*tv + 0.1*ce", "draft.distill_temperature=0.7", "draft.distill_tokens=all"],
         "0.1*ce + 0.9*tv (T=0.7, all tokens)",
     )
-    assert bench.split_objective("ce")[1] == "ce"
+    assert runs.split_objective("ce")[1] == "ce"
     for bad, message in (
         ("kl@warm", "the temperature after '@' must be a number"),
         ("ce:all", "'all' needs a teacher term"),
@@ -84,19 +84,19 @@ def test_acceptance_bench_trains_each_objective_and_reports_every_drafter(tiny_t
 
 
 def test_tokens_seen_are_counted_in_steps_of_the_shared_batch(capsys):
-    bench = load_bench("acceptance")
-    assert [bench.parse_count(c) for c in ("30k", "0.3M", "2048", "1.5k")] == [30_000, 300_000, 2048, 1500]
-    assert bench.steps_for_tokens([1000, 2048, 4097], 1024) == [1, 2, 5]  # each count at least seen
-    with pytest.raises(bench.SpecdraftError, match="at least one step apart"):
-        bench.steps_for_tokens([1000, 1024], 1024)  # both one step
+    tokens = load_bench("tokens_seen")
+    assert [tokens.parse_count(c) for c in ("30k", "0.3M", "2048", "1.5k")] == [30_000, 300_000, 2048, 1500]
+    assert tokens.steps_for_tokens([1000, 2048, 4097], 1024) == [1, 2, 5]  # each count at least seen
+    with pytest.raises(tokens.SpecdraftError, match="at least one step apart"):
+        tokens.steps_for_tokens([1000, 1024], 1024)  # both one step
     # 118, 391, 1172 steps share no divisor: the run would export every step; the error offers
     # counts whose steps are multiples of the first, and those pass
-    with pytest.raises(bench.SpecdraftError, match=r"save 1172 exports.*e\.g\. 30\.208k,120\.832k,302\.08k"):
-        bench.steps_for_tokens([30_000, 100_000, 300_000], 256)
-    assert bench.steps_for_tokens([30_208, 120_832, 302_080], 256) == [118, 472, 1180]
-    assert bench.steps_for_tokens([30_720, 61_440, 92_160, 122_880], 256) == [120, 240, 360, 480]  # the preset's
+    with pytest.raises(tokens.SpecdraftError, match=r"save 1172 exports.*e\.g\. 30\.208k,120\.832k,302\.08k"):
+        tokens.steps_for_tokens([30_000, 100_000, 300_000], 256)
+    assert tokens.steps_for_tokens([30_208, 120_832, 302_080], 256) == [118, 472, 1180]
+    assert tokens.steps_for_tokens([30_720, 61_440, 92_160, 122_880], 256) == [120, 240, 360, 480]  # the preset's
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--tokens-seen", "30k,lots"])
+        load_bench("acceptance").main(["--tokens-seen", "30k,lots"])
     assert exit_info.value.code == 2 and "a count such as 30k" in capsys.readouterr().err
 
 
@@ -139,10 +139,10 @@ def test_an_out_the_bench_did_not_write_is_refused_and_its_runs_kept(script, cap
     assert f"--out: {tmp_path / 'runs' / 'tiny'} exists, is not empty and was not written by this bench" in err
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "runs").rglob("*")) == before
     assert not (tmp_path / "home").exists()
-    acceptance = load_bench("acceptance")
-    acceptance.mark_bench_out(tmp_path / "ours")
+    bench_out = load_bench("bench_out")
+    bench_out.mark_bench_out(tmp_path / "ours")
     (tmp_path / "ours" / "glide").mkdir()
-    acceptance.check_bench_out(tmp_path / "ours")  # the bench's own: no refusal
+    bench_out.check_bench_out(tmp_path / "ours")  # the bench's own: no refusal
 
 
 def test_a_bad_key_found_where_a_run_is_configured_is_one_line_from_the_command_line(tiny_data, tmp_path):
@@ -532,13 +532,13 @@ def test_acceptance_context_pads_each_prompt_with_whole_earlier_conversations_of
 
     from specdraft.decode.prompts import read_prompts
 
-    bench = load_bench("acceptance")
+    measuring = load_bench("acceptance_measure")
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_target_dir))
     prompts = read_prompts(tiny_data.prompts_file, tokenizer, 2)
     data_glob = str(Path(tiny_data.train_files[0]).parent / "shard-*.jsonl")
-    padded = bench.padded_to_context(prompts, data_glob, tokenizer, 300)
+    padded = measuring.padded_to_context(prompts, data_glob, tokenizer, 300)
     assert [len(p) for p in padded] == [300, 300]
     assert all(p[-len(prompt) :] == prompt for p, prompt in zip(padded, prompts))
     assert padded[0][: -len(prompts[0])] != padded[1][: -len(prompts[1])]
-    with pytest.raises(bench.SpecdraftError, match="--context needs --data"):
-        bench.padded_to_context(prompts, None, tokenizer, 300)
+    with pytest.raises(measuring.SpecdraftError, match="--context needs --data"):
+        measuring.padded_to_context(prompts, None, tokenizer, 300)

@@ -88,13 +88,11 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
 
-    def save(self, engine, step: int, client_state: dict, draft_weights: Optional[dict]) -> Path:
-        """Every rank calls (draft_weights: the gathered draft on rank 0, None elsewhere).
-        Returns the committed slot; raises the same error on every rank if any rank failed."""
-        return self.save_drafts([DraftPart(None, engine, draft_weights)], step, client_state)
-
-    def save_drafts(self, parts: List[DraftPart], step: int, client_state: dict) -> Path:
-        """save() of every draft into one slot under one manifest: a crash leaves all at one step."""
+    def save(self, parts: List[DraftPart], step: int, client_state: dict) -> Path:
+        """Every draft of the run into one slot under one manifest (a one-draft run: one part named
+        None, its record as it always was): a crash leaves all at one step. Every rank calls (each
+        part's weights: the gathered draft on rank 0, None elsewhere). Returns the committed slot;
+        raises the same error on every rank if any rank failed."""
         import torch.distributed as dist
 
         slot_dir = self.ckpt_dir / slot_name(step)
@@ -264,7 +262,7 @@ class CheckpointManager:
             )
         return self._universal_needed(record)
 
-    def resume_drafts(self, parts: List[DraftPart], plan: ResumePlan, log: Callable[[str], None]) -> dict:
+    def resume(self, parts: List[DraftPart], plan: ResumePlan, log: Callable[[str], None]) -> dict:
         """Load the planned slot into every draft's engine (each built with load_universal=
         plan.universal; one draft: one part named None); returns our client state (step, sampler, ...)."""
         import torch.distributed as dist

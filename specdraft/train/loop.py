@@ -136,7 +136,7 @@ def _train(
         trainees[0].engine.module.round_live = run_cache.on_live
     state = TrainState()
     if plan is not None:
-        restored = checkpoints.resume_drafts([DraftPart(t.name, t.engine) for t in trainees], plan, log)
+        restored = checkpoints.resume([DraftPart(t.name, t.engine) for t in trainees], plan, log)
         state = TrainState(**restored["train_state"])
         sampler.load_state_dict(restored["sampler"])
         log(f"resumed from {plan.slot} at step {state.step}")
@@ -240,10 +240,7 @@ def _train(
             # rank 0; CPU copies, safe to write later
             parts = [DraftPart(t.name, t.engine, gather_draft_state_dict(t.engine)) for t in trainees]
             client_state = {"train_state": asdict(state), "sampler": sampler.state_dict()}
-            if several:  # one slot, one commit for every draft
-                slot = checkpoints.save_drafts(parts, state.step, client_state)
-            else:
-                slot = checkpoints.save(parts[0].engine, state.step, client_state, parts[0].weights)
+            slot = checkpoints.save(parts, state.step, client_state)  # one slot, one commit for every draft
             result.export_dir = export_dir(run_dir, state.step)
             if rank == 0:  # written on the export thread, off the training path
                 exporter.submit(write_exports, result.export_dir, parts, trainees, tokenizer, run_dir, state.step)
