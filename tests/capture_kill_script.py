@@ -19,6 +19,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+from helpers import one_rank_env  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 import specdraft.features.cache as cache_module  # noqa: E402
 import specdraft.features.shards as shards_module  # noqa: E402
@@ -61,9 +62,7 @@ def arm(point: str, shard: int) -> None:
 def run(trial: int, point=None, shard=0, delay=None) -> int:
     pid = os.fork()
     if pid == 0:
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + trial)
-        )
+        os.environ.update(one_rank_env(port + trial))
         sys.stdout = sys.stderr = open(os.devnull, "w")
         if point:
             arm(point, shard)

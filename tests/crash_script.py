@@ -15,6 +15,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+from helpers import one_rank_env  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 from specdraft.rundir.layout import COMMITTED, LATEST  # noqa: E402
 from specdraft.checkpoint.slots import committed_slots, verify_slot  # noqa: E402
@@ -32,7 +33,7 @@ def start_trainer(trial: int) -> int:
     pid = os.fork()
     if pid:
         return pid
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + trial))
+    os.environ.update(one_rank_env(port + trial))
     sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
         with open(log_path, "a") as log:

@@ -13,7 +13,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 collecti
 
 import torch  # noqa: E402
 
-from helpers import capturing_save, keep_universal_copies  # noqa: E402
+from helpers import capturing_save, keep_universal_copies, run_overrides  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 from specdraft.checkpoint import manager as checkpoint, slots  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
@@ -53,25 +53,17 @@ keep_universal_copies(f"{work}/copies")  # the grown runs' conversions, for the 
 
 
 def base(stage, name, *extra):
-    return load_config(
-        None,
-        [
-            f"target={target}",
-            f"data_files={data_dir}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "learning_rate=1e-2",
-            "warmup_steps=2",
-            "logging_steps=1",
-            "max_steps=12",
-            "save_steps=6",
-            "seed=3",
-            f"zero_stage={stage}",
-            f"output_dir={work}/{name}",
-            *extra,
-        ],
+    overrides = run_overrides(
+        target,
+        data_dir,
+        f"{work}/{name}",
+        f"{work}/cache",
+        per_device_batch_size=2,
+        max_steps=12,
+        save_steps=6,
+        zero_stage=stage,
     )
+    return load_config(None, [*overrides, *extra])
 
 
 results = {}

@@ -10,6 +10,7 @@ import warnings
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
+from helpers import run_overrides  # noqa: E402
 from specdraft.config import load_config  # noqa: E402
 from specdraft.rundir.layout import COMMITTED  # noqa: E402
 from specdraft.checkpoint import slots  # noqa: E402
@@ -23,21 +24,19 @@ shared_fs.VISIBLE_WAIT_S = 1.0
 
 
 def config(name, *extra):
-    return load_config(
-        None,
-        [
-            f"target={target}",
-            f"data_files={data_dir}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "logging_steps=1",
-            "max_steps=4",
-            "save_steps=2",
-            f"output_dir={work}/{name}",
-            *extra,
-        ],
+    overrides = run_overrides(
+        target,
+        data_dir,
+        f"{work}/{name}",
+        f"{work}/cache",
+        per_device_batch_size=2,
+        learning_rate=None,  # these three: the config's own
+        warmup_steps=None,
+        seed=None,
+        max_steps=4,
+        save_steps=2,
     )
+    return load_config(None, [*overrides, *extra])
 
 
 def failing(exc):

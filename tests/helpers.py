@@ -41,6 +41,9 @@ def write_chat_files(
 
 
 def run_overrides(target_dir, data_dir, out_dir, cache_dir, **extra) -> list:
+    """A small training run's overrides: its four paths and the tests' small-run values, `extra`
+    over them (dotted keys through **{...}), one key=value each. A None, path or value, is left
+    out: the config's own default stays, or the caller adds it later (a plan's output_dir)."""
     values = dict(
         target=target_dir,
         data_files=f"{data_dir}/*.jsonl",
@@ -54,7 +57,7 @@ def run_overrides(target_dir, data_dir, out_dir, cache_dir, **extra) -> list:
         seed=3,
     )
     values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return [f"{k}={v}" for k, v in values.items() if v is not None]
 
 
 def train_run(target_dir, data_dir, root: Path, name: str, **extra):
@@ -77,27 +80,67 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# -- launching DeepSpeed on CPU: the one recipe the tests' subprocesses and scripts use ---------
+
+# what a launcher (torchrun, the deepspeed launcher) sets per process: never inherited from ours
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rendezvous_env(port=None) -> dict:
+    """Where a process group meets: 127.0.0.1 at `port` (a free one when None)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port() if port is None else port)}
+
+
+def one_rank_env(port=None) -> dict:
+    """The variables a launcher gives the only process of a 1-rank job: RANK 0 of WORLD_SIZE 1,
+    LOCAL_RANK 0, its rendezvous at `port` (rendezvous_env). For os.environ.update in a script that
+    forks its own trainers, or a test's monkeypatch."""
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", **rendezvous_env(port)}
+
+
+def launch_env(*, one_rank: bool = False, **extra) -> dict:
+    """The environment of a subprocess that runs DeepSpeed on CPU: this process's, with one OpenMP
+    thread per process, DeepSpeed's CPU accelerator (gloo), the repository on PYTHONPATH and none
+    of RANK_VARIABLES (a launcher sets them per process; this process's may be a test's own).
+    one_rank: a 1-rank job's own variables instead (one_rank_env at a free port), for a script that
+    runs without a launcher. extra: more variables, over these."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    if one_rank:
+        env.update(one_rank_env())
+    env.update(extra)
+    return env
+
+
+def torchrun_command(script, *args, nproc: int = 2, port=None, nodes: int = 1, node_rank: int = 0) -> list:
+    """`python -m torch.distributed.run` of script with args: nproc ranks per node, rendezvous on
+    127.0.0.1 at `port` (a free one when None); nodes > 1: this is node `node_rank` of them (each
+    node's launch names the same port). Run it with launch_env()."""
+    rendezvous = rendezvous_env(port)
+    multinode = ["--nnodes", str(nodes), "--node_rank", str(node_rank)] if nodes > 1 else []
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *multinode,
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        rendezvous["MASTER_ADDR"],
+        "--master_port",
+        rendezvous["MASTER_PORT"],
+        str(script),
+        *map(str, args),
+    ]
+
+
 def torchrun(script: Path, *args, timeout=240):
     """Run a script on 2 CPU ranks (gloo); returns the CompletedProcess."""
     import subprocess
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *map(str, args),
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        torchrun_command(script, *args), env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 # -- optimizer state, for the elastic-resume tests ----------------------------------------------

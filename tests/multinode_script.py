@@ -46,7 +46,7 @@ from specdraft.rundir.layout import COMMITTED  # noqa: E402
 from specdraft.checkpoint.manager import PAUSE_ENV  # noqa: E402
 from specdraft.train.loop import train  # noqa: E402
 from specdraft.checkpoint.slots import committed_slots  # noqa: E402
-from helpers import TrainingSpy, digests  # noqa: E402
+from helpers import TrainingSpy, digests, rendezvous_env  # noqa: E402
 
 mode, plan_file, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 plan = json.loads(Path(plan_file).read_text())
@@ -159,7 +159,7 @@ def start_child(run: dict, job: str, port: int, output_dir: Path, pause: float =
     log = open(work / "logs" / f"{run['name']}.{job}.rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    os.environ["MASTER_PORT"] = str(port)
+    os.environ.update(rendezvous_env(port))  # 127.0.0.1, as both launches name it
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts this job's store
     if pause:
         os.environ[PAUSE_ENV] = str(pause)

@@ -9,6 +9,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch.distributed as dist  # noqa: E402
 
+from helpers import run_overrides  # noqa: E402
 from specdraft.cli import main  # noqa: E402
 from specdraft.rundir import shared_fs  # noqa: E402
 from specdraft.train import data  # noqa: E402
@@ -24,18 +25,16 @@ def node_local(files, *args):
 
 
 data.packed_cache_dir = node_local
-sys.exit(
-    main(
-        [
-            "train",
-            f"{work}/train.yaml",
-            f"target={target}",
-            f"data_files={data_dir}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            f"output_dir={work}/run",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "max_steps=1",
-        ]
-    )
+overrides = run_overrides(
+    target,
+    data_dir,
+    f"{work}/run",
+    f"{work}/cache",
+    per_device_batch_size=2,
+    max_steps=1,
+    learning_rate=None,  # train.yaml's
+    warmup_steps=None,  # these three: the config's own
+    logging_steps=None,
+    seed=None,
 )
+sys.exit(main(["train", f"{work}/train.yaml", *overrides]))

@@ -3,6 +3,7 @@ script): global batch 4 = 2 ranks x 2 (or 1 rank x 2 x 2 accumulation after an e
 
 import json
 
+from helpers import run_overrides
 from specdraft.config import load_config
 from specdraft.drafts.registry import FAMILIES
 
@@ -40,23 +41,14 @@ def run_config(target, data_dir, work, family, name, *extra):
         options = [f"drafts={json.dumps(sections)}"]
     else:
         options = [f"draft.type={family}", *(f"{k}={v}" for k, v in SMALL.get(family, {}).items())]
-    return load_config(
-        None,
-        [
-            f"target={target}",
-            f"data_files={data_dir}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "learning_rate=1e-2",
-            "warmup_steps=2",
-            "logging_steps=1",
-            f"max_steps={STEPS}",
-            f"save_steps={SAVE_STEPS}",
-            "seed=3",
-            "zero_stage=2",
-            f"output_dir={work}/{name}",
-            *options,
-            *extra,
-        ],
+    overrides = run_overrides(
+        target,
+        data_dir,
+        f"{work}/{name}",
+        f"{work}/cache",
+        per_device_batch_size=2,
+        max_steps=STEPS,
+        save_steps=SAVE_STEPS,
+        zero_stage=2,
     )
+    return load_config(None, [*overrides, *options, *extra])

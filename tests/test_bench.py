@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import load_bench
+from helpers import launch_env, load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,27 +351,13 @@ def test_step_efficiency_bench_runs_every_family(tmp_path):
     """A smoke run (it was broken for a whole session once): every registered family's step, with
     its default objective and a distillation objective, on the tiny shape; one round each."""
     import math
-    import os
-    import socket
     import subprocess
     import sys
 
     from specdraft.drafts.registry import FAMILIES
 
     families = sorted(FAMILIES)  # a new family without bench settings fails here
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    env = launch_env(one_rank=True)
     run = subprocess.run(
         [
             sys.executable,
@@ -422,25 +408,14 @@ def test_gpu_step_bench_runs_every_family_on_the_cpu_preset():
     family (a new one without bench support fails here). Each training step counts exactly the
     batch's B x T tokens, and every case's ratio, tokens/s and peak are finite and positive."""
     import math
-    import os
     import re
     import subprocess
     import sys
 
-    from helpers import free_port
     from specdraft.drafts.registry import FAMILIES
 
     families = sorted(FAMILIES)
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    env = launch_env(one_rank=True)
     run = subprocess.run(
         [
             sys.executable,
@@ -480,25 +455,14 @@ def test_gpu_step_bench_runs_every_family_on_the_cpu_preset():
 def test_several_drafts_bench_times_the_shared_step_against_each_run_alone():
     """A smoke run: every registered family together and alone on the tiny shape, one round."""
     import math
-    import os
     import subprocess
     import sys
 
-    from helpers import free_port
     from specdraft.drafts.registry import FAMILIES
 
     # the bench's targets are Llamas: the families that draft for them (not MTP, a target's own layer)
     families = sorted(family for family, cls in FAMILIES.items() if cls.target_model_types is None)
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    env = launch_env(one_rank=True)
     run = subprocess.run(
         [
             sys.executable,

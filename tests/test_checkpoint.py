@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import REPO, random_llama, run_overrides, save_target, train_run
+from helpers import REPO, free_port, launch_env, random_llama, run_overrides, save_target, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.export.files import load_exported_draft
@@ -540,24 +540,12 @@ def test_a_zero2_slot_resumes_at_zero3_with_the_draft_extra_state(
     assert torch.equal(exported["vocab_map"], torch.full((5,), 7.0))
 
 
-def _free_port() -> int:
-    """A base port for the trainers (port + trial): not a fixed one another checkout may be using."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_dir, data_dir, tmp_path):
     run_dir = tmp_path / "crashy"
     args = run_overrides(
         tiny_target_dir, data_dir, run_dir, tmp_path / "cache", max_steps=40, save_steps=1, keep_last=2
     )
     (tmp_path / "overrides.json").write_text(json.dumps(args))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     proc = subprocess.run(
         [
             sys.executable,
@@ -565,9 +553,9 @@ def test_sigkill_during_saves_always_resumes_from_a_committed_slot(tiny_target_d
             tmp_path / "overrides.json",
             run_dir,
             "10",
-            str(_free_port()),
+            str(free_port()),  # the trainers' base port (port + trial)
         ],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=400,

@@ -23,6 +23,7 @@ from helpers import (
     capturing_save,
     free_port,
     keep_universal_copies,
+    launch_env,
     run_overrides,
     state_file,
     torchrun,
@@ -51,25 +52,17 @@ def dist_data(dist_work):
 
 def config(target, work, data, name, stage, *extra):
     """The dist script's run: global batch 4 = 2 ranks x 2, or 1 rank x 2 x 2 accumulation."""
-    return load_config(
-        None,
-        [
-            f"target={target}",
-            f"data_files={data}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "learning_rate=1e-2",
-            "warmup_steps=2",
-            "logging_steps=1",
-            "max_steps=12",
-            "save_steps=6",
-            "seed=3",
-            f"zero_stage={stage}",
-            f"output_dir={work}/{name}",
-            *extra,
-        ],
+    overrides = run_overrides(
+        target,
+        data,
+        f"{work}/{name}",
+        f"{work}/cache",
+        per_device_batch_size=2,
+        max_steps=12,
+        save_steps=6,
+        zero_stage=stage,
     )
+    return load_config(None, [*overrides, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -235,15 +228,11 @@ def test_two_rank_zero2_checkpoint_resumes_at_zero3_on_one_rank(
 
 def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_work, dist_data):
     """`deepspeed --num_gpus 2 --module specdraft train ...` (it appends --local_rank=K)."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     out = dist_work / "launcher"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     launcher = Path(sys.executable).parent / "deepspeed"
     args = run_overrides(
         tiny_target_dir, dist_data, out, dist_work / "cache", max_steps=2, save_steps=2, per_device_batch_size=2
@@ -262,7 +251,7 @@ def test_deepspeed_launcher_runs_the_module_on_two_ranks(tiny_target_dir, dist_w
             *args,
             "eval_prompts=null",
         ],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -32,7 +32,16 @@ from specdraft.features.manifest import MANIFEST, Manifest, committed_shards
 from specdraft.features.rows import row_keys
 from specdraft.features.shards import bytes_per_token, decode_value, encode_values, row_keys_of
 from specdraft.train.loop import train
-from helpers import REPO, TrainingSpy, assert_same_states, free_port, qwen3_next_mtp_target, torchrun
+from helpers import (
+    REPO,
+    TrainingSpy,
+    assert_same_states,
+    free_port,
+    launch_env,
+    qwen3_next_mtp_target,
+    run_overrides,
+    torchrun,
+)
 from offline_runs import SMALL
 
 FAMILIES = ("glide", "eagle3", "peagle", "dflash", "dspark", "mtp")
@@ -55,27 +64,23 @@ def fc(tiny_assets, tmp_path_factory):
 
 def overrides(fc, family, name, *extra):
     target = fc["mtp_target"] if family == "mtp" else fc["target"]
-    small = [f"{k}={v}" for k, v in SMALL.get(family, {}).items()]
-    return [
-        f"target={target}",
-        f"data_files={fc['data']}/*.jsonl",
-        f"data_cache_dir={fc['work']}/data",
-        f"draft.type={family}",
-        *small,
-        "packing=whole",
-        "max_seq_length=256",  # the tiny conversations are 80-160 tokens: 1-3 per window
-        "per_device_batch_size=2",
-        "learning_rate=1e-2",
-        f"warmup_steps={STEPS}",
-        "logging_steps=1",
-        f"max_steps={STEPS}",
-        "save_steps=1",
-        f"keep_last={STEPS}",
-        "seed=3",
-        "zero_stage=2",
-        f"output_dir={fc['work']}/{name}",
-        *extra,
-    ]
+    values = run_overrides(
+        target,
+        fc["data"],
+        f"{fc['work']}/{name}",
+        f"{fc['work']}/data",
+        **{"draft.type": family},
+        **SMALL.get(family, {}),
+        packing="whole",
+        max_seq_length=256,  # the tiny conversations are 80-160 tokens: 1-3 per window
+        per_device_batch_size=2,
+        warmup_steps=STEPS,
+        max_steps=STEPS,
+        save_steps=1,
+        keep_last=STEPS,
+        zero_stage=2,
+    )
+    return [*values, *extra]
 
 
 def cache_of(fc, name, dtype="fp32", *extra):
@@ -195,7 +200,7 @@ def test_a_capture_killed_at_any_instant_and_rerun_holds_every_conversation_once
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(__import__("os").environ, PYTHONPATH=str(REPO)),
+        env=launch_env(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

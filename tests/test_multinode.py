@@ -28,15 +28,22 @@ nothing lands in either node's working directory.
 """
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_every_update_moved_everything, assert_same_states, free_port, torchrun
+from helpers import (
+    REPO,
+    assert_every_update_moved_everything,
+    assert_same_states,
+    free_port,
+    launch_env,
+    run_overrides,
+    torchrun,
+    torchrun_command,
+)
 from offline_runs import SMALL, target_of
 from specdraft.config import load_config
 from specdraft.drafts.registry import FAMILIES
@@ -77,25 +84,22 @@ def plan(tiny_target_dir, mtp_target_dir, data_dir, work):
     ports = sorted(ports)
     runs = []
     for family, stage in CASES:
-        overrides = [
-            f"target={target_of(family, tiny_target_dir, mtp_target_dir)}",
-            f"data_files={data_dir}/*.jsonl",
-            f"data_cache_dir={work}/cache",
-            "max_seq_length=64",
-            "per_device_batch_size=2",
-            "learning_rate=1e-2",
+        overrides = run_overrides(
+            target_of(family, tiny_target_dir, mtp_target_dir),
+            data_dir,
+            None,  # each launch names the run's output_dir
+            f"{work}/cache",
+            per_device_batch_size=2,
             # rates 1/3, 2/3, 1: resumed from step 1, update 3 is the first whose rate comes from
             # the scheduler's loaded state (the optimizer's own brings back update 2's)
-            "warmup_steps=3",
-            "logging_steps=1",
-            f"max_steps={STEPS}",
-            "save_steps=1",
-            "seed=3",
-            f"zero_stage={stage}",
-            "export_formats=[]",
-            f"draft.type={family}",
-            *(f"{k}={v}" for k, v in SMALL.get(family, {}).items()),
-        ]
+            warmup_steps=3,
+            max_steps=STEPS,
+            save_steps=1,
+            zero_stage=stage,
+            export_formats="[]",
+            **{"draft.type": family},
+            **SMALL.get(family, {}),
+        )
         runs.append({"name": name_of(family, stage), "overrides": overrides, "ports": [ports.pop(), ports.pop()]})
     path = work / "plan.json"
     path.write_text(json.dumps({"runs": runs, "pause": 0.15, "kill_step": KILL_STEP}))
@@ -126,35 +130,12 @@ def one_node(one_node_results):
 def two_nodes(plan, work, one_node):
     """Launch 2: both nodes' torchrun, one rendezvous (their output in WORK/node<N>.out, each
     trainer's in WORK/logs/)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env = launch_env(TOKENIZERS_PARALLELISM="false")
     master_port, procs = free_port(), []
     for node in (0, 1):
         cwd = work / f"node{node}"
         cwd.mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc_per_node",
-            "1",
-            "--node_rank",
-            str(node),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(master_port),
-            str(SCRIPT),
-            "nodes",
-            str(plan),
-            str(work),
-        ]
+        cmd = torchrun_command(SCRIPT, "nodes", plan, work, nproc=1, port=master_port, nodes=2, node_rank=node)
         with open(work / f"node{node}.out", "w") as out:  # a file, not a pipe: neither node blocks on it
             procs.append(
                 subprocess.Popen(

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, run_overrides, save_target, torchrun, train_run
+from helpers import REPO, launch_env, run_overrides, save_target, torchrun, train_run
 from specdraft.cli import main
 from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
@@ -129,15 +129,9 @@ def test_sigterm_stops_at_a_step_boundary_commits_it_and_the_resume_continues_ex
             for o in run_overrides(tiny_target_dir, data_dir, tmp_path / "unused", tmp_path / "cache", **args)
         )
     )
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "signal_script.py"), config, tmp_path, "5"],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=400,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import REPO, random_llama, run_overrides, torchrun
+from helpers import REPO, one_rank_env, random_llama, run_overrides, torchrun
 from specdraft.config import load_config
 from specdraft.errors import SpecdraftError
 from specdraft.target.capture import CaptureRequest
@@ -116,11 +116,8 @@ def test_heads_and_kv_heads_that_sp_does_not_divide_are_named():
 
 
 def test_a_world_size_sp_does_not_divide_is_one_line(tiny_target_dir, data_dir, tmp_path, monkeypatch):
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+    for key, value in one_rank_env().items():
         monkeypatch.setenv(key, value)
-    from helpers import free_port
-
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = load_config(
         None,
         run_overrides(

@@ -7,7 +7,6 @@ are the last row of tests/test_offline_commands.py's matrix.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from helpers import REPO, free_port, run_overrides, train_run
+from helpers import REPO, free_port, launch_env, run_overrides, train_run
 from specdraft.config import config_hash, draft_view, load_config, save_config
 from specdraft.errors import SpecdraftError
 from specdraft.checkpoint.slots import committed_slots, verify_slot
@@ -314,9 +313,6 @@ def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupt
     (tmp_path / "overrides.json").write_text(
         json.dumps(run_overrides(tiny_target_dir, data_dir, run_dir, tmp_path / "cache", **extra))
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     proc = subprocess.run(
         [
             sys.executable,
@@ -327,7 +323,7 @@ def test_sigkill_during_saves_of_three_drafts_resumes_every_draft_as_uninterrupt
             str(free_port()),
             "3",
         ],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=600,
