@@ -29,12 +29,8 @@ class Eagle3Training:
     def training_loss(self, batch: LossBatch) -> DraftLoss:
         """Step k of the unroll predicts x_{t+2+k} at index t, taught by the target at t+1+k;
         the steps' losses are summed with weights ttt_decay^k."""
-        features, input_ids, lm_head_weight, chunk_size = (
-            batch.features,
-            batch.input_ids,
-            batch.lm_head_weight,
-            batch.chunk_size,
-        )
+        features, input_ids = batch.features, batch.input_ids
+        lm_head_weight, chunk_size = batch.lm_head_weight, batch.chunk_size
         B, T = input_ids.shape
         shard, host = batch.shard, batch.on_host()
         dtype = self.fc.weight.dtype

@@ -39,12 +39,8 @@ class PEagleTraining:
 
     def training_loss(self, batch: LossBatch) -> DraftLoss:
         """Slot (a, d) predicts x_{a+d+2}, taught by the target at a+d+1."""
-        features, input_ids, lm_head_weight, chunk_size = (
-            batch.features,
-            batch.input_ids,
-            batch.lm_head_weight,
-            batch.chunk_size,
-        )
+        features, input_ids = batch.features, batch.input_ids
+        lm_head_weight, chunk_size = batch.lm_head_weight, batch.chunk_size
         B, T = input_ids.shape
         shard, host = batch.shard, batch.on_host()
         dtype = self.fc.weight.dtype
