@@ -214,15 +214,16 @@ def keep_universal_copies(into: Path):
 
 
 def capturing_save(original, step: int):
-    """A CheckpointManager.save that, after saving `step`, has rank 0 write the engine's full
-    optimizer state next to the run: state_file(run_dir, step)."""
+    """A CheckpointManager.save that, after saving `step`, has rank 0 write the (one-draft run's)
+    engine's full optimizer state next to the run: state_file(run_dir, step)."""
     import torch
     import torch.distributed as dist
 
-    def save(self, engine, at_step, *args, **kwargs):
-        slot = original(self, engine, at_step, *args, **kwargs)
+    def save(self, parts, at_step, *args, **kwargs):
+        slot = original(self, parts, at_step, *args, **kwargs)
         if at_step == step:
-            state = full_optimizer_state(engine)
+            (part,) = parts
+            state = full_optimizer_state(part.engine)
             if dist.get_rank() == 0:
                 torch.save(state, state_file(self.run_dir, step))
         return slot
