@@ -18,13 +18,14 @@ SMALL = {
     "eagle3": dict(draft_vocab_size=64, ttt_steps=3),
     "dflash": dict(num_layers=2, block_size=4, max_anchors=6),
     "dspark": dict(num_layers=2, block_size=4, max_anchors=6),
+    "dflash2": dict(num_layers=2, block_size=4, max_anchors=6, selector_rank=8, selector_top_k=4),
     "mtp": dict(num_speculative_steps=3),
 }
 OFFERING = sorted(f for f, cls in FAMILIES.items() if "gradient_checkpointing" in family_keys(cls))
 
 
 def test_the_families_with_several_layer_passes_offer_it():
-    assert OFFERING == ["dflash", "dspark", "eagle3", "mtp"]
+    assert OFFERING == ["dflash", "dflash2", "dspark", "eagle3", "mtp"]
 
 
 def draft_for(family, target, checkpointing, small=True):

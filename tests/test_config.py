@@ -88,7 +88,7 @@ def test_shipped_configs_are_valid(name, tmp_path):
         str(REPO / "configs" / name),
         [f"target={tmp_path / 't'}", f"data_files={tmp_path}/d.jsonl", "eval_prompts=null"],
     )
-    family = next((f for f in ("peagle", "eagle3", "dflash", "dspark", "mtp") if f in name), "glide")
+    family = next((f for f in ("peagle", "eagle3", "dflash2", "dflash", "dspark", "mtp") if f in name), "glide")
     assert cfg.draft.type == family and cfg.max_seq_length >= 256
 
 
@@ -122,11 +122,12 @@ def test_deepspeed_launcher_local_rank_argument_is_accepted(valid_config, capsys
 @pytest.mark.parametrize(
     "given, family, owner",
     [
-        ("draft.block_size=4", "glide", "dflash, dspark"),
+        ("draft.block_size=4", "glide", "dflash, dspark, dflash2"),
         ("draft.ttt_steps=3", "dflash", "eagle3"),
         ("draft.max_lag=2", "eagle3", "glide"),
-        ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle"),
+        ("draft.target_layers=[1]", "glide", "eagle3, dflash, dspark, peagle, dflash2"),
         ("draft.markov_rank=8", "dflash", "dspark"),
+        ("draft.selector_top_k=8", "dspark", "dflash2"),
     ],
 )
 def test_a_key_of_another_family_is_refused(valid_config, capsys, given, family, owner):
@@ -217,7 +218,7 @@ def test_demo_config_that_does_not_exist_is_one_line(capsys):
     with pytest.raises(Exception) as err:
         demo_config_path("demo-nope")
     assert (
-        "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dspark, demo-eagle3, demo-mtp, demo-peagle"
+        "--config demo-nope: neither a packaged demo config (demo, demo-dflash, demo-dflash2, demo-dspark, demo-eagle3, demo-mtp, demo-peagle"
         in str(err.value)
     )
 

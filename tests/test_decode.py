@@ -279,10 +279,13 @@ def test_rejection_rule_reproduces_the_target_distribution():
 
 def family_drafter(family: str, target, seed: int = 5):
     """A randomly initialised draft of a registered family, sized from the target, as its decoder.
-    One draft layer and a rank-8 Markov head (DSpark): exactness does not depend on depth or rank,
-    and 1000 generations per case with the default 5 layers cost minutes."""
+    One draft layer, a rank-8 Markov head (DSpark) and a rank-8 selector over 4 of the 8 tokens
+    (DFlash2): exactness does not depend on depth or rank, and 1000 generations per case with the
+    default 5 layers cost minutes."""
     torch.manual_seed(seed)
-    cfg = DraftConfig(type=family, sliding_window=WINDOW, num_layers=1, markov_rank=8)
+    cfg = DraftConfig(
+        type=family, sliding_window=WINDOW, num_layers=1, markov_rank=8, selector_rank=8, selector_top_k=4
+    )
     draft = build_draft(OmegaConf.structured(cfg), target.config)
     with torch.no_grad():  # weights of a realistic scale instead of the tiny init
         for p in draft.parameters():

@@ -51,6 +51,7 @@ SMALL = {
     "eagle3": dict(draft_vocab_size=64, ttt_steps=2),
     "dflash": dict(num_layers=1, block_size=4, max_anchors=4),
     "dspark": dict(num_layers=1, block_size=4, max_anchors=4, markov_rank=8, markov_head_type="rnn"),
+    "dflash2": dict(num_layers=1, block_size=4, max_anchors=4, selector_rank=8, selector_top_k=4),
     "peagle": dict(draft_vocab_size=64, num_depths=3, mask_token_id=1),
 }
 

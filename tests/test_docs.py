@@ -96,7 +96,7 @@ def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
         kind and default and families and meaning.strip() for _, kind, default, families, meaning in rows.values()
     )
     assert rows["draft.max_lag"][1:4] == ("int", "4", "glide")
-    assert rows["draft.block_size"][3] == "dflash, dspark"
+    assert rows["draft.block_size"][3] == "dflash, dspark, dflash2"
     from specdraft.drafts import family_keys
 
     with_loss = [family for family, cls in FAMILIES.items() if "loss" in family_keys(cls)]  # MTP: CE only

@@ -220,6 +220,7 @@ def test_a_family_folder_imports_shared_blocks_and_its_declared_base_family_only
     assert {name: cls.base_family for name, cls in FAMILIES.items() if cls.base_family} == {
         "peagle": "eagle3",
         "dspark": "dflash",
+        "dflash2": "dflash",
     }
 
 

@@ -79,7 +79,7 @@ REFUSED = {
     ("deepseek_v3", "glide"): MLA,
     **{
         (model_type, family): f"{label} {ROTARY_DFLASH}{why}"
-        for family, label in (("dflash", "DFlash"), ("dspark", "DSpark"))
+        for family, label in (("dflash", "DFlash"), ("dspark", "DSpark"), ("dflash2", "DFlash2"))
         for model_type, why in (
             ("gemma3_text", GEMMA_TABLES),
             ("glm4_moe", PARTIAL.format("glm4_moe", 0.5)),

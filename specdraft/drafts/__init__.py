@@ -16,6 +16,7 @@ import typing
 from typing import Any, Dict, Iterable, List, Optional, Type
 
 from specdraft.drafts.dflash.options import DFlashSpec
+from specdraft.drafts.dflash2.options import DFlash2Spec
 from specdraft.drafts.dspark.options import DSparkSpec
 from specdraft.drafts.eagle3.options import Eagle3Spec
 from specdraft.drafts.glide.options import GlideSpec
@@ -25,7 +26,7 @@ from specdraft.drafts.spec import DraftSpec
 from specdraft.errors import SpecdraftError
 
 SPECS: Dict[str, Type[DraftSpec]] = {
-    cls.family: cls for cls in (GlideSpec, Eagle3Spec, DFlashSpec, DSparkSpec, MTPSpec, PEagleSpec)
+    cls.family: cls for cls in (GlideSpec, Eagle3Spec, DFlashSpec, DSparkSpec, MTPSpec, PEagleSpec, DFlash2Spec)
 }
 DEFAULT_FAMILY = "glide"
 # `draft.` keys of every family, with their meaning (the configuration reference prints it)

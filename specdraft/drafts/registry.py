@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Type
 from specdraft.drafts import draft_family
 from specdraft.drafts.base import Draft
 from specdraft.drafts.dflash.model import DFlashDraft
+from specdraft.drafts.dflash2.model import DFlash2Draft
 from specdraft.drafts.dspark.model import DSparkDraft
 from specdraft.drafts.eagle3.model import Eagle3Draft
 from specdraft.drafts.glide.model import GlideDraft
@@ -18,7 +19,7 @@ from specdraft.drafts.peagle.model import PEagleDraft
 from specdraft.errors import SpecdraftError
 
 FAMILIES: Dict[str, Type[Draft]] = {
-    cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft, MTPDraft, PEagleDraft)
+    cls.family: cls for cls in (GlideDraft, Eagle3Draft, DFlashDraft, DSparkDraft, MTPDraft, PEagleDraft, DFlash2Draft)
 }
 ARCHITECTURES: Dict[str, Type[Draft]] = {cls.architecture: cls for cls in FAMILIES.values()}
 

@@ -28,6 +28,8 @@ class BlockHead:
     # the trained parameter in weight's last columns when the rest is the frozen lm_head (DSpark's
     # markov_w2): the objective makes its gradient alone (chunked_objective's weight_tail)
     trained_tail: Optional[torch.Tensor] = None
+    # (..., ) each slot's previous token, for a head that reranks given it (DFlash2's selector)
+    previous_tokens: Optional[torch.Tensor] = None
 
     def logits(self) -> torch.Tensor:
         return self.features @ self.weight.t().to(self.features.dtype)

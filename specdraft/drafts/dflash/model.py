@@ -68,6 +68,7 @@ class DFlashBackbone(DFlashBackboneSpec, DFlashTraining, Draft):
     serving_formats = {"speculators": write_speculators_export}
     file_formats = {"speculators": SPECULATORS_FILES}
     import_settings = ("target_layers", "sample_from_anchor", "mask_token_id")
+    layer_class = DFlashLayer  # one draft layer (a family on the backbone may wrap its sublayers)
     tensor_keys = (("fc.weight", "draft.target_layers"),)
 
     def __init__(self, dims: DFlashDims, objective: Objective = CE):
@@ -78,7 +79,7 @@ class DFlashBackbone(DFlashBackboneSpec, DFlashTraining, Draft):
         # speculators' names: the native state dict is the speculators export minus mask_delta
         self.fc = nn.Linear(len(dims.target_layers) * dims.target_hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(dims) for _ in range(dims.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(dims) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         # The draft's own MASK row, added to the target's embedding of mask_token_id. Zero and
         # frozen by default: then MASK is embedded exactly as speculators / vLLM embed it.

@@ -24,8 +24,12 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
-            nn.init.normal_(weight, std=initializer_range)
+        # from a fixed seed, as every family's init: the same draft on every rank and beside other
+        # drafts of a run (the global RNG is wherever building the drafts before it left it)
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+                weight.copy_(torch.randn(weight.shape, generator=generator) * initializer_range)
 
     def transition_scores(self, hidden, predecessor_ids, candidate_ids) -> torch.Tensor:
         """hidden (..., H), predecessor_ids (...), candidate_ids (..., K) -> (..., K)."""
@@ -36,7 +40,10 @@ class CandidateSelector(nn.Module):
 
     def score_candidates(self, unary_logits, hidden, predecessor_ids, candidate_ids) -> torch.Tensor:
         """unary_logits (..., V) -> the candidates' reranked scores (..., K)."""
-        unary = unary_logits.gather(-1, candidate_ids)
+        return self.score_candidates_of(unary_logits.gather(-1, candidate_ids), hidden, predecessor_ids, candidate_ids)
+
+    def score_candidates_of(self, unary, hidden, predecessor_ids, candidate_ids) -> torch.Tensor:
+        """unary (..., K): the candidates' own unary logits (training makes only these) -> (..., K)."""
         return unary + self.transition_scores(hidden, predecessor_ids, candidate_ids).to(unary.dtype)
 
 
