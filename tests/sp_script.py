@@ -26,7 +26,7 @@ from specdraft.drafts.eagle3.vocab import vocab_maps  # noqa: E402
 from specdraft.parallel.sequence import sequence_parallel_groups  # noqa: E402
 from specdraft.train.model import TargetWithDraft  # noqa: E402
 
-FAMILIES = ("glide", "eagle3", "dflash", "dspark", "peagle")
+FAMILIES = ("glide", "eagle3", "dflash", "dspark", "peagle", "dflash2")
 OBJECTIVES = ("ce", "kl")
 LK = ("lk_alpha", "lk_lambda")  # EAGLE-3 and P-EAGLE: lk_lambda's lam is a mean over every rank's rows
 
@@ -54,8 +54,10 @@ def draft_for(family, objective, target):
         cfg.ttt_steps = 3
     if family == "peagle":  # r_min high enough that the deeper depths hold slots on both ranks
         cfg.num_depths, cfg.down_sample_ratio_min = 4, 0.5
-    if family in ("dflash", "dspark"):
+    if family in ("dflash", "dspark", "dflash2"):
         cfg.block_size = 4
+    if family == "dflash2":  # the tiny target's hidden is 64, its vocab 96
+        cfg.selector_rank, cfg.selector_top_k = 8, 4
     draft = build_draft(cfg, target.config)
     if family in ("eagle3", "peagle"):
         counts = torch.randint(0, 1000, (96,), generator=torch.Generator().manual_seed(2)).numpy()
@@ -68,6 +70,7 @@ def options(family):
         "glide": {"lag": 2},
         "dflash": {"anchor_seed": 5},
         "dspark": {"anchor_seed": 5},
+        "dflash2": {"anchor_seed": 5},
         "peagle": {"cod_seed": 5},
     }.get(family, {})
 

@@ -190,10 +190,10 @@ def model_results(sp_results):
 
 @pytest.mark.parametrize(
     "family,objective",
-    [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle") for o in ("ce", "kl")]
+    [(f, o) for f in ("glide", "eagle3", "dflash", "dspark", "peagle", "dflash2") for o in ("ce", "kl")]
     + [(f, o) for f in ("eagle3", "peagle") for o in ("lk_alpha", "lk_lambda")]
     # windowed targets (sp_script.WINDOWED: window 8 across the shard border)
-    + [(f"gpt_oss/{f}", "ce") for f in ("glide", "eagle3", "dflash", "dspark", "peagle")]
+    + [(f"gpt_oss/{f}", "ce") for f in ("glide", "eagle3", "dflash", "dspark", "peagle", "dflash2")]
     + [(f"gemma3_text/{f}", "ce") for f in ("glide", "eagle3", "peagle")],
 )
 def test_every_family_at_sp2_equals_one_rank_loss_and_gradients(model_results, family, objective):
