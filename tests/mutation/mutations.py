@@ -2602,6 +2602,57 @@ TARGET_ATTENTION: List[Mutation] = [
 ]
 
 
+# DFlash2 (specdraft/drafts/dflash2/): its convolutions, its selector and the selector's training
+DFLASH2_CONV_PY = "specdraft/drafts/dflash2/conv.py"
+DFLASH2_SELECTOR_PY = "specdraft/drafts/dflash2/selector.py"
+DFLASH2_TRAIN_PY = "specdraft/drafts/dflash2/train.py"
+DFLASH2_DECODE_PY = "specdraft/drafts/dflash2/decode.py"
+DFLASH2_BLOCKS = "tests/test_dflash2_blocks.py"
+DFLASH2_EXPORT = "tests/test_dflash2_export.py"
+DFLASH2: List[Mutation] = [
+    Mutation(
+        "dflash2/tap-crosses-the-block-border",
+        DFLASH2_CONV_PY,
+        "valid = (slot >= tap).to(x.dtype)",
+        "valid = (slot >= 0).to(x.dtype)",
+        (DFLASH2_BLOCKS, DFLASH2_EXPORT),
+        "a slot's convolution reads the block before it (servers zero those taps)",
+    ),
+    Mutation(
+        "dflash2/output-side-kernel-is-the-input-sides",
+        DFLASH2_CONV_PY,
+        "return convolved, kernels[..., 1, :, :]",
+        "return convolved, kernels[..., 0, :, :]",
+        (DFLASH2_EXPORT, DFLASH2_BLOCKS),
+        "the sublayer's output is convolved with the input side's dynamic kernel",
+    ),
+    Mutation(
+        "dflash2/label-injected-first",
+        DFLASH2_SELECTOR_PY,
+        "trained[..., -1] = torch.where(contains, trained[..., -1], target_ids)",
+        "trained[..., 0] = torch.where(contains, trained[..., 0], target_ids)",
+        (DFLASH2_BLOCKS,),
+        "a label outside the top-K replaces the best candidate instead of the weakest",
+    ),
+    Mutation(
+        "dflash2/path-ignores-its-own-picks",
+        DFLASH2_DECODE_PY,
+        "            previous = torch.tensor([token], device=self.device)\n",
+        "",
+        ("tests/test_dflash2_train.py::test_the_greedy_chain_is_the_selectors_path_from_the_anchor",),
+        "every slot of a chain is scored with the anchor as its predecessor",
+    ),
+    Mutation(
+        "dflash2/selector-loss-unweighted",
+        DFLASH2_TRAIN_PY,
+        "return self.dims.selector_loss_alpha * ce, metrics",
+        "return ce, metrics",
+        ("tests/test_dflash2_train.py",),
+        "draft.selector_loss_alpha changes nothing",
+    ),
+]
+
+
 MUTATIONS: Dict[str, List[Mutation]] = {
     "data-spans": DATA_SPANS,
     "glide": GLIDE,
@@ -2610,6 +2661,7 @@ MUTATIONS: Dict[str, List[Mutation]] = {
     "eagle3": EAGLE3,
     "dflash": DFLASH,
     "dspark": DSPARK,
+    "dflash2": DFLASH2,
     "mtp": MTP,
     "peagle": PEAGLE,
     "distill": DISTILL_TOKENS,
