@@ -83,7 +83,7 @@ from device_meters import Clock, PeakMemory, dynamo_counts, is_oom  # noqa: E402
 from gpu_step_report import COLUMNS, Result, header, last_line, row  # noqa: E402
 from gpu_step_shapes import DEFAULT_SHAPES, SHAPES, Shape, Skip, build_target, target_config  # noqa: E402
 
-FAMILY_ORDER = ("glide", "eagle3", "peagle", "dflash", "dspark", "mtp")
+FAMILY_ORDER = ("glide", "eagle3", "peagle", "dflash", "dspark", "dflash2", "mtp")
 DEFAULT_STEPS = {"cuda": (10, 3), "cpu": (2, 1)}  # (--steps, --warmup)
 
 

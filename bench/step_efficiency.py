@@ -208,6 +208,13 @@ FAMILY_SETTINGS = {  # the demo configs' draft keys (configs/demo-*.yaml), per f
         "max_anchors": max(1, shape.seq // 4),
         "markov_rank": 64,
     },
+    "dflash2": lambda shape: {
+        "num_layers": 2,
+        "block_size": 8,
+        "max_anchors": max(1, shape.seq // 4),
+        "selector_rank": 64,
+        "selector_top_k": 8,
+    },
     "mtp": lambda shape: {"num_speculative_steps": 3},  # configs/demo-mtp.yaml (speculators' default)
     "peagle": lambda shape: {"num_depths": 8, "mask_token_id": 0},
 }

@@ -106,7 +106,7 @@ def test_every_key_has_a_type_a_default_its_families_and_a_meaning():
     # a key two families read with other meanings gets each family's
     assert (
         rows["draft.target_layers"][4].startswith("eagle3, peagle: ")
-        and "dflash, dspark: " in rows["draft.target_layers"][4]
+        and "dflash, dspark, dflash2: " in rows["draft.target_layers"][4]
     )
 
 

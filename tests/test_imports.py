@@ -379,7 +379,7 @@ def test_files_of_no_format_we_read_are_one_line(served_target_dir, tmp_path):
         f"{source / 'config.json'}: speculators_model_type 'xpress': specdraft reads speculators drafts of "
         f"{readers} only"
     )
-    assert readers == "eagle3, dflash, dspark, mtp, peagle"
+    assert readers == "eagle3, dflash, dspark, mtp, peagle, dflash2"
     save_file({"model.layers.0.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     assert import_error(served_target_dir, "eagle3", tmp_path / "other.safetensors").startswith(
         f"{tmp_path / 'other.safetensors'}: not a draft format specdraft reads (tensors model.layers.0.weight, ...)"

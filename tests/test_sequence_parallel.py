@@ -80,7 +80,7 @@ def test_mtp_under_sequence_parallelism_is_one_line_and_exit_2(tiny_target_dir, 
     assert (
         "key 'sequence_parallel_size': draft.type mtp does not train on sequence shards: its layer is the "
         "target's own decoder layer class (no head exchange), and Qwen3-Next's linear-attention layers do not "
-        "run in the sharded capture (families that do: glide, eagle3, dflash, dspark, peagle)"
+        "run in the sharded capture (families that do: glide, eagle3, dflash, dspark, peagle, dflash2)"
     ) in err
     assert not (tmp_path / "run").exists()
 

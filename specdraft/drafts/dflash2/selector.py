@@ -20,7 +20,7 @@ from torch import nn
 class CandidateSelector(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int, initializer_range: float = 0.02):
         super().__init__()
-        self.top_k = top_k
+        self.top_k = min(top_k, vocab_size)  # a config asking for more is refused (DFlash2Spec)
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
