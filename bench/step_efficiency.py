@@ -439,7 +439,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     extra = f" {'lm_head ms':>10} {'c/c_ce':>7} {'b/b_ce':>7}  objective" if distill else ""
     print(
-        f"{'family':<7}{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
+        f"{'family':<8}{'shape':<6} {'ZeRO':>4} {'B x T':>9} {'(a) ms':>8} {'(b) ms':>8} {'(c) ms':>8} "
         f"{'capture ms':>10} {'(c)/(a+b)':>9}{extra}"
     )
     worst = {}
@@ -461,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             )
             for m in results:
                 line = (
-                    f"{family:<7}{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
+                    f"{family:<8}{name:<6} {stage:>4} {f'{shape.batch}x{shape.seq}':>9} {m['a'] * 1e3:8.1f} "
                     f"{m['b'] * 1e3:8.1f} {m['c'] * 1e3:8.1f} {m['capture'] * 1e3:10.1f} {m['ratio']:9.3f}"
                 )
                 if distill:
