@@ -44,7 +44,7 @@ def test_the_selector_term_is_alpha_times_its_cross_entropy():
         out = draft.training_loss(
             LossBatch(feats, target.lm_head.weight, ids, torch.ones_like(ids), options={"anchor_seed": 3})
         )
-        losses[alpha] = float(out.loss)
+        losses[alpha] = float(out.loss.detach())
         value, count = out.metrics["selector/loss"]
         selector[alpha] = (float(value), int(count))
     assert selector[0.0] == selector[1.0] == selector[2.0] and selector[1.0][0] > 0
