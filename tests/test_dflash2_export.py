@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from helpers import realistic_block_draft
 from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.dflash2.export import write_speculators_export
@@ -22,15 +23,7 @@ torch.set_num_threads(1)
 def make_draft(target, **overrides):
     keys = {"type": "dflash2", "num_layers": 2, "selector_rank": 8, "selector_top_k": 6, "conv_group_size": 8}
     draft = DFlash2Draft.from_target_config(target.config, OmegaConf.structured(DraftConfig(**{**keys, **overrides})))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # every weight away from its init (the convolutions' identity included)
-        for name, p in draft.named_parameters():
-            if name != "mask_delta":
-                p.copy_(
-                    torch.rand(p.shape, generator=generator) + 0.5
-                    if p.dim() == 1 and "norm" in name
-                    else torch.randn(p.shape, generator=generator) * 0.2
-                )
+    realistic_block_draft(draft)
     return draft.eval()
 
 

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from helpers import random_llama
+from helpers import realistic_block_draft, random_llama
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.base import LossBatch
 from specdraft.drafts.dflash2.model import DFlash2Draft
@@ -22,15 +22,7 @@ def make_draft(target, **overrides):
     cfg = OmegaConf.structured(DraftConfig(**{**keys, **overrides}))
     DFlash2Draft.validate_config(cfg, target.config, "test", max_seq_length=T)
     draft = DFlash2Draft.from_target_config(target.config, cfg)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name != "mask_delta":
-                p.copy_(
-                    torch.rand(p.shape, generator=generator) + 0.5
-                    if p.dim() == 1 and "norm" in name
-                    else torch.randn(p.shape, generator=generator) * 0.2
-                )
+    realistic_block_draft(draft)
     return draft
 
 

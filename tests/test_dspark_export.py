@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from helpers import realistic_block_draft
 from speculators_env import run_speculators_file
 from specdraft.drafts import DraftConfig
 from specdraft.drafts.registry import draft_from_export_config
@@ -23,15 +24,7 @@ torch.set_num_threads(1)
 def make_draft(target, **overrides):
     cfg = OmegaConf.structured(DraftConfig(**{"type": "dspark", "num_layers": 2, "markov_rank": 16, **overrides}))
     draft = DSparkDraft.from_target_config(target.config, cfg)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name != "mask_delta":
-                p.copy_(
-                    torch.rand(p.shape, generator=generator) + 0.5
-                    if p.dim() == 1 and "norm" in name
-                    else torch.randn(p.shape, generator=generator) * 0.2
-                )
+    realistic_block_draft(draft)
     return draft.eval()
 
 
